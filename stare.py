@@ -1,0 +1,556 @@
+"""stare.py: STARE's math and the GRPO objective as pure tensor functions.
+
+STARE (Surprisal-guided Token-level Advantage Reweighting for policy Entropy stability, Luo et al. 2026) keeps a
+GRPO policy's entropy from collapsing by reweighting a few tokens' advantages: among positive-advantage tokens it
+up-weights the most surprising ones (the set L+, weight w > 1); variant C2 also down-weights the most surprising
+negative-advantage tokens (L-, weight m < 1). A closed-loop gate switches the reweighting on only while the batch
+entropy is below a target. Section numbers "§x" refer to `shared/reference/algorithms.md`, which specifies every
+method from the reference code (hp-luo/STARE, a verl v0.7 fork).
+
+Read top to bottom:
+  1. log-probs and entropy from logits, chunked over rows (never a float32 copy of the whole [N, V])
+  2. first-order entropy dynamics (§8): entropy sensitivity S of a token, the critical surprisal s0, quadrants
+  3. STARE proper (§1.1, §1.3): top-surprisal selection, the weights omega, the entropy gate
+  4. the GRPO objective (§0, §7): group advantages, the clipped surrogate, loss aggregation
+  5. diagnostics: per-quadrant predicted entropy change
+
+Everything here is a pure function of tensors: no I/O, no torch.distributed, no config objects, no global state.
+The selection functions never synchronise host and device (no `.item()`, no data-dependent Python branches), so
+they cost a few kernels on a GPU. Shapes: B sequences, T response positions, V vocabulary, N = B*T flattened rows.
+
+Differences from the reference, on purpose:
+  * Selection scope: the reference selects L+/L- per micro-batch on each GPU; these functions select over whatever
+    tensor they are given, so the trainer can pass the whole optimizer-step batch (micro-batch invariant) or one
+    micro-batch (the reference's behaviour).
+  * k = ceil(P * n) is computed with a 1e-9 slack against floating-point noise (0.07 * 100 = 7.000000000000001);
+    the reference's int(x + 0.999999) has a 1e-6 slack. They differ only when P * n lies within 1e-6 above an integer.
+  * `seq-mean-token-sum-norm` divides by the number of sequences as well as the constant (Dr.GRPO's (1/G) sum_i
+    sum_t / L_max); verl divides by the constant only and then by the number of micro-batches, a learning-rate scale.
+"""
+
+import math
+
+import torch
+
+# Rows per chunk are chosen so that one float32 chunk of logits stays under this many bytes (≈220 rows at
+# Qwen2.5's V = 151,936). Each chunk makes ~3 float32 temporaries, so the extra memory stays far below one full copy.
+DEFAULT_CHUNK_BYTES = 128 * 2**20
+
+
+# ======================================================================================================================
+# 1. Log-probs and entropy from logits (chunked)
+# ======================================================================================================================
+
+
+def _chunk_rows(num_rows, vocab_size, chunk_size):
+    """Rows per chunk: `chunk_size` if given, else as many as fit in DEFAULT_CHUNK_BYTES of float32."""
+    if chunk_size is None:
+        chunk_size = DEFAULT_CHUNK_BYTES // (4 * max(vocab_size, 1))
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return max(1, min(int(chunk_size), num_rows))
+
+
+def _tempered_chunks(logits_2d, temperature, chunk_rows):
+    """Yield (start, end, x) with x = logits_2d[start:end] / temperature in float32, one row chunk at a time.
+
+    logits_2d: [N, V] any float dtype -> x: [n, V] float32 (a view of the input when it is float32 and T = 1,
+    so callers must not modify x in place).
+    """
+    for start in range(0, logits_2d.shape[0], chunk_rows):
+        end = min(start + chunk_rows, logits_2d.shape[0])
+        x = logits_2d[start:end].to(torch.float32)  # [n, V]
+        if temperature != 1.0:
+            x = x / temperature
+        yield start, end, x
+
+
+class _ChunkedLogprobEntropy(torch.autograd.Function):
+    """log pi(token) and H(pi) for pi = softmax(logits / T), row-chunked in forward *and* backward.
+
+    Autograd through a plain chunk loop would save every chunk's float32 copy for backward, i.e. the whole [N, V]
+    in float32 after all. This function saves only the input logits (held by the model anyway) and two floats per
+    row, and recomputes each chunk's softmax in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_2d, tokens_1d, temperature, chunk_rows):
+        # logits_2d [N, V], tokens_1d [N] (int64)
+        num_rows = logits_2d.shape[0]
+        logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits_2d.device)  # [N]
+        entropy = torch.empty(num_rows, dtype=torch.float32, device=logits_2d.device)  # [N]
+        lse_all = torch.empty(num_rows, dtype=torch.float32, device=logits_2d.device)  # [N]
+        for start, end, x in _tempered_chunks(logits_2d, temperature, chunk_rows):
+            lse = torch.logsumexp(x, dim=-1)  # [n]
+            log_pi = x - lse[:, None]  # [n, V]
+            logprobs[start:end] = log_pi.gather(-1, tokens_1d[start:end, None]).squeeze(-1)
+            # H = -sum p log p, not lse - sum p x: the latter cancels catastrophically for peaked rows.
+            entropy[start:end] = -(log_pi.exp().mul_(log_pi)).sum(-1)
+            lse_all[start:end] = lse
+        ctx.save_for_backward(logits_2d, tokens_1d, lse_all, entropy)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy):
+        # grad_logprobs, grad_entropy: [N] or None (an output that was not used)
+        logits_2d, tokens_1d, lse_all, entropy = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits_2d)  # [N, V]
+        for start, end, x in _tempered_chunks(logits_2d, ctx.temperature, ctx.chunk_rows):
+            log_pi = x - lse_all[start:end, None]  # [n, V]
+            pi = log_pi.exp()  # [n, V]
+            # d log pi_k / dx = e_k - pi;  dH/dx = -pi * (log pi + H)   (x = logits / T)
+            coef = torch.zeros_like(pi)  # [n, V]: dL/dx without the one-hot term
+            if grad_logprobs is not None:
+                coef.sub_(pi * grad_logprobs[start:end, None])
+            if grad_entropy is not None:
+                coef.sub_(pi * (log_pi + entropy[start:end, None]) * grad_entropy[start:end, None])
+            if grad_logprobs is not None:
+                coef.scatter_add_(-1, tokens_1d[start:end, None], grad_logprobs[start:end, None].float())
+            grad_logits[start:end] = (coef / ctx.temperature).to(grad_logits.dtype)
+        return grad_logits, None, None, None
+
+
+def _flatten_logits(logits, tokens):
+    """Check shapes and flatten: logits [..., T, V] -> [N, V], tokens [..., T] -> [N] int64."""
+    if not torch.is_floating_point(logits):
+        raise TypeError(f"logits must be a float tensor, got {logits.dtype}")
+    if tokens is not None and tuple(logits.shape[:-1]) != tuple(tokens.shape):
+        raise ValueError(f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} plus a vocab dim")
+    logits_2d = logits.reshape(-1, logits.shape[-1])  # a view when contiguous
+    tokens_1d = None if tokens is None else tokens.reshape(-1).to(torch.long)
+    return logits_2d, tokens_1d
+
+
+def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None):
+    """log pi(token) and the full next-token entropy H of pi = softmax(logits / temperature).   (§0, §1.3)
+
+    logits [..., T, V] (any float dtype; position t scores token t), tokens [..., T] valid ids (pad with any id
+    and mask later) -> (logprobs [..., T], entropy [..., T]), both float32.
+
+    Computed `chunk_size` rows at a time (default: ~128 MiB of float32 per chunk) in forward and backward, so no
+    float32 copy of the whole [N, V] is ever made; the results equal the unchunked computation. Both outputs are
+    differentiable w.r.t. the logits (the entropy gradient is what an entropy bonus needs); under torch.no_grad()
+    nothing is saved.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logits_2d, tokens_1d = _flatten_logits(logits, tokens)
+    chunk_rows = _chunk_rows(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
+    logprobs, entropy = _ChunkedLogprobEntropy.apply(logits_2d, tokens_1d, float(temperature), chunk_rows)
+    return logprobs.view(tokens.shape), entropy.view(tokens.shape)
+
+
+# ======================================================================================================================
+# 2. First-order entropy dynamics (§8)
+# ======================================================================================================================
+# A policy-gradient step on sampled token k with advantage A moves the (tempered) logits z by eta*A*(e_k - pi).
+# To first order the entropy changes by  dH = eta * A * S(pi, k)  with
+#     S(pi, k) = sum_a pi_a^2 (log pi_a + H) - pi_k (log pi_k + H) = pi_k (s_k - H) - B,   B = sum_a pi_a^2 (s_a - H) <= 0
+# where s = -log pi is the surprisal. S depends on k only through s_k, is negative at the mode, crosses zero at one
+# critical surprisal s0 <= H and averages to zero under k ~ pi. So: reinforcing (A > 0) a token with s_k > s0 raises
+# entropy, reinforcing one with s_k < s0 lowers it, and the signs flip for A < 0 (the four quadrants).
+
+
+@torch.no_grad()
+def _entropy_geometry(logits, tokens, temperature, chunk_size):
+    """Per row of pi = softmax(logits / T): log pi(token) (if tokens given), H, B = sum_a pi_a^2 (s_a - H), and
+    the smallest surprisal s_min = -log max_a pi_a. logits [..., T, V] -> four float32 tensors [N]."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logits_2d, tokens_1d = _flatten_logits(logits, tokens)
+    chunk_rows = _chunk_rows(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
+    num_rows, device = logits_2d.shape[0], logits_2d.device
+    logprobs, entropy, cov_b, s_min = (torch.empty(num_rows, device=device) for _ in range(4))  # [N] float32 each
+    for start, end, x in _tempered_chunks(logits_2d, temperature, chunk_rows):
+        lse = torch.logsumexp(x, dim=-1)  # [n]
+        log_pi = x - lse[:, None]  # [n, V]
+        pi = log_pi.exp()  # [n, V]
+        h = -(pi * log_pi).sum(-1)  # [n]
+        entropy[start:end] = h
+        # B = sum pi^2 (s - H) = -sum pi^2 (log pi + H)
+        cov_b[start:end] = -(pi.square_().mul_(log_pi.add_(h[:, None]))).sum(-1)
+        s_min[start:end] = lse - x.amax(-1)
+        if tokens_1d is not None:
+            logprobs[start:end] = (x.gather(-1, tokens_1d[start:end, None]).squeeze(-1)) - lse
+    return logprobs, entropy, cov_b, s_min
+
+
+def entropy_sensitivity(logits, tokens, temperature=1.0, chunk_size=None):
+    """S: first-order entropy change per unit eta*A of a logit-space policy-gradient step on the sampled token. (§8)
+
+    S = sum_a pi_a^2 (log pi_a + H) - pi_k (log pi_k + H),  pi = softmax(logits / temperature), k = token.
+    logits [..., T, V], tokens [..., T] -> S [..., T] float32. No gradient.
+
+    S > 0: reinforcing the token (A > 0) raises the entropy. The step is taken in the tempered logits z / T (the
+    tabular softmax of the sampling distribution); a step of eta*A*grad in the raw logits changes H by
+    eta * A * S / T^2.
+    """
+    logprobs, entropy, cov_b, _ = _entropy_geometry(logits, tokens, temperature, chunk_size)
+    sensitivity = logprobs.exp() * (-logprobs - entropy) - cov_b  # pi_k (s_k - H) - B, [N]
+    return sensitivity.view(tokens.shape)
+
+
+def critical_surprisal(logits, temperature=1.0, chunk_size=None, iterations=60):
+    """s0: the surprisal at which S changes sign, i.e. the root of g(s) = e^{-s} (s - H) - B on [s_min, H].  (§8)
+
+    logits [..., T, V] -> s0 [..., T] float32. A token k has S > 0 iff its surprisal -log pi_k > s0.
+    g is increasing on [0, H + 1], negative at s_min (the mode) and equal to -B >= 0 at H, so bisection on
+    [s_min, H] converges to the unique root; 60 halvings reach float64 resolution. For a uniform pi, s0 = H.
+    For diagnostics only (the trainer's quadrants use the sign of S directly).
+    """
+    _, entropy, cov_b, s_min = _entropy_geometry(logits, None, temperature, chunk_size)
+    h, b = entropy.double(), cov_b.double()  # [N]
+    lo, hi = torch.minimum(s_min.double(), h), h.clone()  # [N]
+    for _ in range(iterations):
+        mid = 0.5 * (lo + hi)
+        below = torch.exp(-mid) * (mid - h) - b < 0  # g(mid) < 0: the root is above mid
+        lo = torch.where(below, mid, lo)
+        hi = torch.where(below, hi, mid)
+    return (0.5 * (lo + hi)).to(torch.float32).view(logits.shape[:-1])
+
+
+def _unsqueeze_sequence_advantages(advantages, like):
+    """Sequence advantages [B] -> [B, 1], so they broadcast against tokens `like` [B, T]; [B, T] pass through.
+    (Comparisons on [B, 1] cost B operations instead of B*T.)"""
+    if advantages.dim() == like.dim() - 1:
+        advantages = advantages.unsqueeze(-1)  # [B, 1]
+    if advantages.dim() != like.dim() or any(a not in (1, t) for a, t in zip(advantages.shape, like.shape)):
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] or [B, T] for tokens {tuple(like.shape)}")
+    return advantages
+
+
+def _token_advantages(advantages, like):
+    """Advantages [B] or [B, T] broadcast to the token shape of `like` [B, T] (a view, no copy)."""
+    return torch.broadcast_to(_unsqueeze_sequence_advantages(advantages, like), like.shape)
+
+
+def quadrant_masks(advantages, surprisal, mask, threshold):
+    """The advantage-sign x surprisal partition of the valid tokens (§8 table): (pos_high, pos_low, neg_high, neg_low).
+
+    advantages [B] or [B, T]; surprisal [B, T] (= -log pi); mask [B, T] (1 = valid token); threshold a scalar or a
+    tensor broadcastable to [B, T] (e.g. the critical surprisal s0) -> four bool [B, T]. "high" means
+    surprisal >= threshold. Tokens with A = 0 are in no quadrant.
+    """
+    token_adv = _token_advantages(advantages, surprisal)  # [B, T]
+    valid = mask.bool()
+    high = surprisal >= threshold
+    pos, neg = valid & (token_adv > 0), valid & (token_adv < 0)
+    return pos & high, pos & ~high, neg & high, neg & ~high
+
+
+# ======================================================================================================================
+# 3. STARE: top-surprisal selection, token weights, the entropy gate (§1.1, §1.3)
+# ======================================================================================================================
+
+
+def _validate_ratio(top_ratio):
+    if not 0.0 <= top_ratio <= 1.0:  # also rejects NaN
+        raise ValueError(f"top_ratio must be in [0, 1], got {top_ratio}")
+
+
+def _kth_largest_digit(bins, num_digits, k):
+    """One radix-select pass. bins [N] int32: digit + 1 for elements in play, 0 (or > num_digits) for the rest.
+
+    Returns 0-dim tensors (digit, above): the digit of the k-th largest in-play element, and how many in-play
+    elements have a larger digit. One histogram and a cumulative count; no host sync.
+    """
+    counts = torch.zeros(num_digits + 2, dtype=torch.int32, device=bins.device)  # [D + 2]
+    counts.index_add_(0, bins, torch.ones(1, dtype=torch.int32, device=bins.device).expand(bins.numel()))
+    at_or_above = counts[1:num_digits + 1].flip(0).cumsum(0).flip(0)  # [D]: in-play elements with digit >= d
+    digit = (at_or_above >= k).sum() - 1  # the largest digit with >= k elements at or above it
+    above = torch.cat([at_or_above, at_or_above.new_zeros(1)])[digit + 1]
+    return digit, above
+
+
+def select_top_surprisal(surprisal, candidates, top_ratio):
+    """Among the candidate tokens, exactly k = ceil(top_ratio * n) with the highest surprisal.   (§1.1 step 4)
+
+    surprisal [...] float, candidates [...] bool (same shape, any shape: one micro-batch or a whole batch gathered
+    across ranks) -> bool mask [...]. n = number of candidates; k >= 1 when n > 0 and top_ratio > 0; none when n = 0
+    or top_ratio = 0. Ties at the k-th value are broken by position (first in flattened order), so the result is
+    deterministic. Surprisal is >= 0 by definition; its sign is ignored (-0.0 = 0) and NaN ranks as +inf.
+
+    No host-device sync and no sort: n and k stay on the device, and the k-th largest value is found by radix
+    select. Non-negative float32 numbers order like their bit patterns read as integers, so one histogram of the
+    top 16 bits finds the bucket of the k-th value and one histogram of the low 16 bits inside that bucket finds
+    the value itself: O(N) work in about fifteen elementwise kernels, all int32.
+    """
+    _validate_ratio(top_ratio)
+    if surprisal.shape != candidates.shape:
+        raise ValueError(f"surprisal {tuple(surprisal.shape)} and candidates {tuple(candidates.shape)} differ")
+    if top_ratio == 0 or candidates.numel() == 0:
+        return torch.zeros(candidates.shape, dtype=torch.bool, device=candidates.device)
+    flat_candidates = candidates.reshape(-1)  # [N] bool
+    n = flat_candidates.sum(dtype=torch.int32)  # 0-dim, on the device
+    k = torch.ceil(top_ratio * n.double() - 1e-9).clamp(min=1).clamp(max=n).int()  # 0-dim; 0 iff n = 0
+
+    key = surprisal.reshape(-1).float().view(torch.int32) & 0x7FFFFFFF  # [N] |surprisal| as order-preserving int
+    key = key.clamp_(max=0x7F800000)  # NaN bit patterns -> +inf
+    in_play = flat_candidates.int()  # [N] 1 for candidates
+    # pass 1: the top 16 bits (15 in use: the sign bit is 0); bin = bits + 1, non-candidates in bin 0
+    high_bins = ((key >> 16) + 1) * in_play
+    high, above_high = _kth_largest_digit(high_bins, 1 << 15, k)
+    # pass 2: the low 16 bits of the candidates in that bucket; lower buckets land in bin 0, higher ones past the end
+    low_bins = (key - ((high << 16) - 1)).clamp_(0, (1 << 16) + 1) * in_play
+    low, above_low = _kth_largest_digit(low_bins, 1 << 16, k - above_high)
+    kth_key = (high << 16) | low  # 0-dim: the bit pattern of the k-th largest surprisal
+
+    selected = (key > kth_key) & flat_candidates  # [N]: above_high + above_low tokens
+    ties = (key == kth_key) & flat_candidates  # [N]: take the first ones, in order, to reach exactly k
+    selected |= ties & (ties.cumsum(0, dtype=torch.int32) <= k - above_high - above_low)
+    return selected.view(candidates.shape)
+
+
+def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1, m=0.9, gate_on=True):
+    """omega, STARE's token weights (§1.1), and selection statistics.
+
+    logprobs [B, T] (of the sampled tokens; detached here, surprisal s = -logprob), advantages [B] or [B, T],
+    mask [B, T] -> (weights [B, T] float32, stats dict of 0-dim tensors).
+
+      L+ = the top-P% surprisal tokens among valid tokens with A > 0     (both variants)
+      L- = the top-P% surprisal tokens among valid tokens with A < 0     (C2 only)
+      omega = w on L+, m on L- (C2), 1 elsewhere; all ones when the gate is off (then the loss is exactly GRPO's).
+
+    P = top_ratio. gate_on may be a Python bool or a bool tensor (no sync either way). The selection is computed
+    even with the gate off, so the stats always show which tokens *would* be reweighted.
+    """
+    variant = variant.upper()
+    if variant not in ("O1", "C2"):
+        raise ValueError(f"unknown STARE variant {variant!r}: expected 'O1' or 'C2'")
+    surprisal = -logprobs.detach().float()  # [B, T]
+    advantages = _unsqueeze_sequence_advantages(advantages, surprisal)  # [B, 1] or [B, T]
+    valid = mask.bool()  # [B, T]
+    pos_candidates = valid & (advantages > 0)  # [B, T]
+    neg_candidates = valid & (advantages < 0)
+    pos_selected = select_top_surprisal(surprisal, pos_candidates, top_ratio)  # L+, [B, T]
+    if isinstance(gate_on, torch.Tensor):
+        gate = gate_on.to(device=surprisal.device, dtype=torch.float32)  # 0-dim 0/1
+    else:
+        gate = torch.tensor(float(bool(gate_on)), device=surprisal.device)
+    # omega = 1 + gate * ((w - 1) [L+] + (m - 1) [L-]): arithmetic on the masks, cheaper than torch.where
+    weights = pos_selected.float().mul_((w - 1.0) * gate)  # [B, T] float32
+    if variant == "C2":
+        neg_selected = select_top_surprisal(surprisal, neg_candidates, top_ratio)  # L-
+        weights.add_(neg_selected.float().mul_((m - 1.0) * gate))
+        num_neg_selected = neg_selected.sum(dtype=torch.int32)
+    else:
+        num_neg_selected = torch.zeros((), dtype=torch.int32, device=weights.device)
+    weights.add_(1.0)
+
+    # Counts are reductions of masks we already have; the mean weight follows from them without another pass.
+    num_valid = valid.sum(dtype=torch.int32).clamp(min=1).float()
+    pos_selected_frac = pos_selected.sum(dtype=torch.int32) / num_valid
+    neg_selected_frac = num_neg_selected / num_valid
+    mean_weight = 1.0 + ((w - 1.0) * pos_selected_frac + (m - 1.0) * neg_selected_frac) * gate
+    stats = {
+        "pos_candidate_frac": pos_candidates.sum(dtype=torch.int32) / num_valid,  # fractions of the valid tokens
+        "neg_candidate_frac": neg_candidates.sum(dtype=torch.int32) / num_valid,
+        "pos_selected_frac": pos_selected_frac,
+        "neg_selected_frac": neg_selected_frac,
+        "mean_weight": mean_weight,  # over valid tokens; 1 when the gate is off
+        "gate_on": gate.float(),
+    }
+    return weights, stats
+
+
+class EntropyGate:
+    """The closed-loop entropy controller of STARE (§1.3; the reference's STAREController).
+
+    Once per optimizer step, before the update, call `update(batch_entropy)` with the token-mean entropy of the
+    step's batch under the pre-update policy. Then `gate_on` says whether to reweight this step (H < target,
+    strict), and `w`, `m` are the weights to use. With `adaptive`, w and m move by alpha per step towards stronger
+    reweighting while H < target and back towards 1 while H > target, within [1, w_max] and [m_min, 1]; this
+    happens whether or not the gate is on, exactly as in the reference. A non-finite entropy leaves the state
+    unchanged (and `update` returns False so the caller can log it).
+    """
+
+    def __init__(self, target_entropy=0.3, w=1.1, m=0.9, adaptive=False, alpha=0.01, w_max=1.5, m_min=0.5):
+        if not math.isfinite(target_entropy):
+            raise ValueError(f"target_entropy must be finite, got {target_entropy}")
+        if not (alpha >= 0 and w_max >= 1 and 0 <= m_min <= 1):
+            raise ValueError(f"need alpha >= 0, w_max >= 1, 0 <= m_min <= 1; got {alpha=}, {w_max=}, {m_min=}")
+        self.target_entropy = float(target_entropy)
+        self.w, self.m = float(w), float(m)
+        self.adaptive, self.alpha = bool(adaptive), float(alpha)
+        self.w_max, self.m_min = float(w_max), float(m_min)
+        self.gate_on = True  # the reference starts with the gate on
+        self.current_entropy = float("nan")  # last accepted batch entropy
+
+    def update(self, batch_entropy):
+        """Feed the batch-mean entropy (float or 0-dim tensor). Returns False (state unchanged) if it is not finite."""
+        entropy = float(batch_entropy)  # one host read per optimizer step
+        if not math.isfinite(entropy):
+            return False
+        self.current_entropy = entropy
+        self.gate_on = entropy < self.target_entropy
+        if self.adaptive and self.alpha != 0.0:
+            direction = float((self.target_entropy > entropy) - (self.target_entropy < entropy))  # sign(H_tgt - H)
+            self.w = min(max(self.w + self.alpha * direction, 1.0), self.w_max)
+            self.m = min(max(self.m - self.alpha * direction, self.m_min), 1.0)
+        return True
+
+    _STATE_KEYS = ("target_entropy", "w", "m", "adaptive", "alpha", "w_max", "m_min", "gate_on", "current_entropy")
+
+    def state_dict(self):
+        return {key: getattr(self, key) for key in self._STATE_KEYS}
+
+    def load_state_dict(self, state):
+        missing, unknown = set(self._STATE_KEYS) - set(state), set(state) - set(self._STATE_KEYS)
+        if missing or unknown:
+            raise KeyError(f"EntropyGate state: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
+        for key in self._STATE_KEYS:
+            setattr(self, key, state[key])
+
+    def __repr__(self):
+        return "EntropyGate(" + ", ".join(f"{k}={v!r}" for k, v in self.state_dict().items()) + ")"
+
+
+# ======================================================================================================================
+# 4. The GRPO objective (§0, §7)
+# ======================================================================================================================
+
+
+def group_advantages(rewards, group_size, normalize_std=True, eps=1e-6):
+    """GRPO advantages (§0 "GRPO advantage", §7): A_i = (r_i - mean_g) / (std_g + eps) within each group.
+
+    rewards [B] float, in contiguous groups of `group_size` responses to the same prompt -> advantages [B] float32.
+    std is the unbiased (n - 1) standard deviation, as torch.std in verl. normalize_std=False gives Dr.GRPO's
+    mean-centering only. A group whose rewards are all equal gets exactly 0 (not rounding noise / eps).
+    A group of size 1 has no baseline: like verl, mean = 0 and std = 1, so A = r / (1 + eps).
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of group_size={group_size}")
+    grouped = rewards.float().view(-1, group_size)  # [num_groups, G]
+    if group_size == 1:
+        return (grouped / (1.0 + eps) if normalize_std else grouped).view(-1)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)  # [num_groups, G]
+    advantages = centred / (grouped.std(dim=1, keepdim=True) + eps) if normalize_std else centred
+    all_equal = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)  # [num_groups, 1]
+    return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)
+
+
+def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.28, dual_clip=None, mask=None):
+    """The per-token PPO/GRPO loss to minimise, with clip-higher and optional dual clip (§0 "vanilla / dual-clip").
+
+    logprobs [B, T] (current policy, with grad), old_logprobs [B, T] (behaviour policy), advantages [B] or [B, T]
+    -> (token_loss [B, T], stats of 0-dim tensors over `mask` [B, T] if given, else over all tokens).
+
+      r = exp(clamp(logprobs - old_logprobs, -20, 20))
+      loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
+      dual clip (c = dual_clip > 1): for A < 0, loss = min(loss, -A c)  -- bounds the loss of very off-policy tokens.
+
+    stats: clip_frac (the clipped term is active), clip_low_frac / clip_high_frac (ratio below / above the band where
+    that matters), dual_clip_frac, approx_kl (mean old - new log-prob, verl's ppo_kl) and approx_kl_k3
+    (mean e^d - 1 - d with d = new - old, Schulman's unbiased low-variance KL(old || new) estimate).
+    """
+    if not (clip_low > 0 and clip_high > 0):
+        raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low}, {clip_high}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    token_adv = _token_advantages(advantages, logprobs).to(logprobs.dtype)  # [B, T]
+    log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)  # [B, T]
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -token_adv * ratio
+    loss_clipped = -token_adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    token_loss = torch.maximum(loss_unclipped, loss_clipped)
+    if dual_clip is not None:
+        dual_bounded = (token_adv < 0) & (token_loss > -token_adv * dual_clip)
+        token_loss = torch.where(token_adv < 0, torch.minimum(token_loss, -token_adv * dual_clip), token_loss)
+
+    with torch.no_grad():
+        valid = torch.ones_like(log_ratio, dtype=torch.bool) if mask is None else mask.bool()
+        num_valid = valid.sum().clamp(min=1).float()
+
+        def frac(flags):
+            return (flags & valid).sum() / num_valid
+
+        d = log_ratio.detach()
+        stats = {
+            "clip_frac": frac(loss_clipped > loss_unclipped),
+            "clip_low_frac": frac((token_adv < 0) & (ratio < 1.0 - clip_low)),
+            "clip_high_frac": frac((token_adv > 0) & (ratio > 1.0 + clip_high)),
+            "dual_clip_frac": frac(dual_bounded) if dual_clip is not None else torch.zeros((), device=d.device),
+            "approx_kl": (-d * valid).sum() / num_valid,
+            "approx_kl_k3": ((torch.expm1(d) - d) * valid).sum() / num_valid,
+        }
+    return token_loss, stats
+
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def aggregate_loss(token_loss, mask, mode="token-mean", num_tokens=None, num_sequences=None, loss_scale_factor=None):
+    """Reduce per-token losses [B, T] over `mask` [B, T] to a scalar (§0 "agg_loss").
+
+      token-mean               sum_{i,t} m L / N_tok                          (DAPO; the default)
+      seq-mean-token-mean      (1/N_seq) sum_i [ sum_t m L / sum_t m ]        (original GRPO)
+      seq-mean-token-sum       (1/N_seq) sum_i sum_t m L
+      seq-mean-token-sum-norm  (1/N_seq) sum_i sum_t m L / loss_scale_factor  (Dr.GRPO; factor default: T)
+
+    N_tok and N_seq (sequences with >= 1 valid token) default to this tensor's counts. Pass `num_tokens` /
+    `num_sequences` = the counts of the whole optimizer step (all micro-batches, all ranks): each micro-batch then
+    returns its share, and the shares add up to exactly the full-batch value (and so do their gradients).
+    Under data parallelism gradients are averaged over ranks, so the caller multiplies by the world size.
+    For Dr.GRPO pass a constant `loss_scale_factor` (e.g. the max response length) so it does not vary with the
+    padded width of each micro-batch. An empty selection gives 0, not NaN.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}: expected one of {LOSS_AGG_MODES}")
+    valid = mask.to(token_loss.dtype)  # [B, T]
+    masked_loss = token_loss * valid  # [B, T]
+    if mode == "token-mean":
+        denominator = valid.sum() if num_tokens is None else num_tokens
+        return masked_loss.sum() / torch.as_tensor(denominator, dtype=token_loss.dtype).clamp(min=1)
+
+    tokens_per_seq = valid.sum(-1)  # [B]
+    seq_loss = masked_loss.sum(-1)  # [B]
+    if mode == "seq-mean-token-mean":
+        seq_loss = seq_loss / tokens_per_seq.clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        seq_loss = seq_loss / float(token_loss.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    denominator = (tokens_per_seq > 0).sum() if num_sequences is None else num_sequences
+    return seq_loss.sum() / torch.as_tensor(denominator, dtype=token_loss.dtype).clamp(min=1)
+
+
+# ======================================================================================================================
+# 5. Diagnostics: which quadrant drives the entropy? (§8)
+# ======================================================================================================================
+
+QUADRANTS = ("pos_high", "pos_low", "neg_high", "neg_low")
+
+
+def entropy_dynamics(advantages, sensitivity, mask, weights=None, num_tokens=None):
+    """Per-quadrant token fractions and predicted first-order entropy change of one token-mean update (§8).
+
+    advantages [B] or [B, T], sensitivity S [B, T] (from `entropy_sensitivity`), mask [B, T], optional STARE
+    weights omega [B, T] -> dict of 0-dim float32 tensors:
+      "{q}/frac"  fraction of valid tokens in quadrant q
+      "{q}/dH"    sum_{tokens in q} omega A S / N_tok
+      "total/dH"  the sum over all valid tokens (A = 0 tokens contribute nothing)
+    for q in pos_high, pos_low, neg_high, neg_low. "high" means surprisal at or above the critical surprisal s0,
+    which is the same as S >= 0 (§8), so no s0 needs computing. The sign of A*S is the sign of the quadrant's
+    entropy push: + for pos_high and neg_low, - for pos_low and neg_high. total/dH is the token
+    mean of omega*A*S: per unit eta, the mean first-order entropy change of the batch's contexts when each context's
+    (tempered) logits take the policy-gradient step eta*omega*A*(e_k - pi) (tabular-softmax approximation). Pass num_tokens = the step's global valid-token count so that micro-batch
+    values add up to the full-batch ones.
+    """
+    token_adv = _token_advantages(advantages, sensitivity).float()  # [B, T]
+    valid = mask.bool()
+    contribution = token_adv * sensitivity.float()  # [B, T]
+    if weights is not None:
+        contribution = contribution * weights.float()
+    contribution = contribution * valid
+    denominator = valid.sum() if num_tokens is None else num_tokens
+    denominator = torch.as_tensor(denominator, dtype=torch.float32, device=contribution.device).clamp(min=1)
+    quadrants = quadrant_masks(token_adv, sensitivity, mask, 0.0)  # S >= 0 <=> s >= s0
+    stats = {}
+    for name, in_quadrant in zip(QUADRANTS, quadrants):
+        stats[f"{name}/frac"] = in_quadrant.sum() / denominator
+        stats[f"{name}/dH"] = (contribution * in_quadrant).sum() / denominator
+    stats["total/dH"] = contribution.sum() / denominator
+    return stats
