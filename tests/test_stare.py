@@ -77,6 +77,21 @@ def test_gradients_match_autograd_of_naive_computation(use, temperature):
     torch.testing.assert_close(logits.grad.double(), reference_logits.grad, atol=1e-5, rtol=1e-4)
 
 
+def test_backward_saves_no_float32_copy_of_the_logits():
+    # Autograd through a plain chunk loop would save each chunk's float32 softmax: the whole [N, V] again.
+    # The custom function must save only the input logits themselves plus per-row vectors.
+    logits = random_logits(4, 6, 40, dtype=torch.bfloat16).requires_grad_(True)
+    tokens = torch.randint(0, 40, (4, 6))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        logprobs, entropy = stare.token_logprobs_and_entropy(logits, tokens, chunk_size=5)
+    assert any(t.data_ptr() == logits.data_ptr() for t in saved)
+    other_bytes = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() != logits.data_ptr())
+    assert other_bytes <= 3 * 4 * 24 + 8 * 24  # per-row vectors only (lse, entropy, tokens); a float32 copy is 3840
+    (logprobs.sum() + entropy.sum()).backward()  # and backward still works from what was saved
+    assert logits.grad.shape == logits.shape
+
+
 def test_bf16_logits():
     logits = random_logits(2, 4, 64, dtype=torch.bfloat16)
     tokens = torch.randint(0, 64, (2, 4))
