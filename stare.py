@@ -32,6 +32,8 @@ import math
 
 import torch
 
+_FLOAT32_MIN = torch.finfo(torch.float32).min  # log pi is clamped here so that a -inf logit gives 0 * log 0 = 0
+
 # Rows per chunk are chosen so that one float32 chunk of logits stays under this many bytes (≈220 rows at
 # Qwen2.5's V = 151,936). Each chunk makes ~3 float32 temporaries, so the extra memory stays far below one full copy.
 DEFAULT_CHUNK_BYTES = 128 * 2**20
@@ -82,7 +84,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         lse_all = torch.empty(num_rows, dtype=torch.float32, device=logits_2d.device)  # [N]
         for start, end, x in _tempered_chunks(logits_2d, temperature, chunk_rows):
             lse = torch.logsumexp(x, dim=-1)  # [n]
-            log_pi = x - lse[:, None]  # [n, V]
+            log_pi = (x - lse[:, None]).clamp_(min=_FLOAT32_MIN)  # [n, V]
             logprobs[start:end] = log_pi.gather(-1, tokens_1d[start:end, None]).squeeze(-1)
             # H = -sum p log p, not lse - sum p x: the latter cancels catastrophically for peaked rows.
             entropy[start:end] = -(log_pi.exp().mul_(log_pi)).sum(-1)
@@ -99,7 +101,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         logits_2d, tokens_1d, lse_all, entropy = ctx.saved_tensors
         grad_logits = torch.empty_like(logits_2d)  # [N, V]
         for start, end, x in _tempered_chunks(logits_2d, ctx.temperature, ctx.chunk_rows):
-            log_pi = x - lse_all[start:end, None]  # [n, V]
+            log_pi = (x - lse_all[start:end, None]).clamp_(min=_FLOAT32_MIN)  # [n, V]
             pi = log_pi.exp()  # [n, V]
             # d log pi_k / dx = e_k - pi;  dH/dx = -pi * (log pi + H)   (x = logits / T)
             coef = torch.zeros_like(pi)  # [n, V]: dL/dx without the one-hot term
@@ -133,7 +135,8 @@ def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None)
     Computed `chunk_size` rows at a time (default: ~128 MiB of float32 per chunk) in forward and backward, so no
     float32 copy of the whole [N, V] is ever made; the results equal the unchunked computation. Both outputs are
     differentiable w.r.t. the logits (the entropy gradient is what an entropy bonus needs); under torch.no_grad()
-    nothing is saved.
+    nothing is saved. Pass contiguous logits: a strided view such as logits[:, :-1] is first copied whole (in its
+    own dtype) by the flattening reshape, and that copy is what backward keeps. A -inf logit is fine (0 log 0 = 0).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -166,15 +169,15 @@ def _entropy_geometry(logits, tokens, temperature, chunk_size):
     logprobs, entropy, cov_b, s_min = (torch.empty(num_rows, device=device) for _ in range(4))  # [N] float32 each
     for start, end, x in _tempered_chunks(logits_2d, temperature, chunk_rows):
         lse = torch.logsumexp(x, dim=-1)  # [n]
-        log_pi = x - lse[:, None]  # [n, V]
+        log_pi = (x - lse[:, None]).clamp_(min=_FLOAT32_MIN)  # [n, V]
+        if tokens_1d is not None:
+            logprobs[start:end] = log_pi.gather(-1, tokens_1d[start:end, None]).squeeze(-1)
+        s_min[start:end] = lse - x.amax(-1)
         pi = log_pi.exp()  # [n, V]
         h = -(pi * log_pi).sum(-1)  # [n]
         entropy[start:end] = h
-        # B = sum pi^2 (s - H) = -sum pi^2 (log pi + H)
+        # B = sum pi^2 (s - H) = -sum pi^2 (log pi + H)   (in place: log_pi and pi are not needed afterwards)
         cov_b[start:end] = -(pi.square_().mul_(log_pi.add_(h[:, None]))).sum(-1)
-        s_min[start:end] = lse - x.amax(-1)
-        if tokens_1d is not None:
-            logprobs[start:end] = (x.gather(-1, tokens_1d[start:end, None]).squeeze(-1)) - lse
     return logprobs, entropy, cov_b, s_min
 
 
@@ -261,34 +264,36 @@ def _kth_largest_digit(bins, num_digits, k):
     counts.index_add_(0, bins, torch.ones(1, dtype=torch.int32, device=bins.device).expand(bins.numel()))
     at_or_above = counts[1:num_digits + 1].flip(0).cumsum(0).flip(0)  # [D]: in-play elements with digit >= d
     digit = (at_or_above >= k).sum() - 1  # the largest digit with >= k elements at or above it
-    above = torch.cat([at_or_above, at_or_above.new_zeros(1)])[digit + 1]
+    padded = torch.cat([at_or_above, at_or_above.new_zeros(1)])  # [D + 1]
+    # gather, not padded[digit + 1]: indexing with a 0-dim tensor calls .item(), a host sync on CUDA
+    above = padded.gather(0, (digit + 1).view(1)).squeeze(0)
     return digit, above
 
 
-def select_top_surprisal(surprisal, candidates, top_ratio):
-    """Among the candidate tokens, exactly k = ceil(top_ratio * n) with the highest surprisal.   (§1.1 step 4)
+def select_top_k(values, candidates, k):
+    """Among the candidates, exactly min(k, n) with the largest values; ties broken by position.
 
-    surprisal [...] float, candidates [...] bool (same shape, any shape: one micro-batch or a whole batch gathered
-    across ranks) -> bool mask [...]. n = number of candidates; k >= 1 when n > 0 and top_ratio > 0; none when n = 0
-    or top_ratio = 0. Ties at the k-th value are broken by position (first in flattened order), so the result is
-    deterministic. Surprisal is >= 0 by definition; its sign is ignored (-0.0 = 0) and NaN ranks as +inf.
+    values [...] float, >= 0 (negative values count as 0, NaN as +inf), candidates [...] bool of the same shape (any
+    shape), k an int or a 0-dim integer tensor (it may live on the device) -> bool mask [...]. n = number of
+    candidates. The selection is deterministic: among equal values at the k-th place, the first in flattened order win.
 
-    No host-device sync and no sort: n and k stay on the device, and the k-th largest value is found by radix
-    select. Non-negative float32 numbers order like their bit patterns read as integers, so one histogram of the
-    top 16 bits finds the bucket of the k-th value and one histogram of the low 16 bits inside that bucket finds
-    the value itself: O(N) work in about fifteen elementwise kernels, all int32.
+    No host-device sync and no sort: the k-th largest value is found by radix select. Non-negative float32 numbers
+    order like their bit patterns read as integers, so one histogram of the top 16 bits finds the bucket of the
+    k-th value, and one histogram of the low 16 bits inside that bucket finds the value itself: O(N) work in about
+    fifteen int32 kernels.
     """
-    _validate_ratio(top_ratio)
-    if surprisal.shape != candidates.shape:
-        raise ValueError(f"surprisal {tuple(surprisal.shape)} and candidates {tuple(candidates.shape)} differ")
-    if top_ratio == 0 or candidates.numel() == 0:
+    if values.shape != candidates.shape:
+        raise ValueError(f"values {tuple(values.shape)} and candidates {tuple(candidates.shape)} differ")
+    if candidates.numel() == 0:
         return torch.zeros(candidates.shape, dtype=torch.bool, device=candidates.device)
     flat_candidates = candidates.reshape(-1)  # [N] bool
-    n = flat_candidates.sum(dtype=torch.int32)  # 0-dim, on the device
-    k = torch.ceil(top_ratio * n.double() - 1e-9).clamp(min=1).clamp(max=n).int()  # 0-dim; 0 iff n = 0
+    if not isinstance(k, torch.Tensor):
+        k = torch.full((), int(k), dtype=torch.int32, device=candidates.device)  # made on the device: no copy
+    k = k.to(torch.int32).clamp(min=0).clamp(max=flat_candidates.sum(dtype=torch.int32))  # 0-dim
 
-    key = surprisal.reshape(-1).float().view(torch.int32) & 0x7FFFFFFF  # [N] |surprisal| as order-preserving int
-    key = key.clamp_(max=0x7F800000)  # NaN bit patterns -> +inf
+    # [N] order-preserving int keys: the bit pattern of a float >= 0; sign-bit patterns (negatives, -0.0) -> 0,
+    # NaN patterns -> +inf
+    key = values.reshape(-1).float().view(torch.int32).clamp(0, 0x7F800000)
     in_play = flat_candidates.int()  # [N] 1 for candidates
     # pass 1: the top 16 bits (15 in use: the sign bit is 0); bin = bits + 1, non-candidates in bin 0
     high_bins = ((key >> 16) + 1) * in_play
@@ -296,12 +301,30 @@ def select_top_surprisal(surprisal, candidates, top_ratio):
     # pass 2: the low 16 bits of the candidates in that bucket; lower buckets land in bin 0, higher ones past the end
     low_bins = (key - ((high << 16) - 1)).clamp_(0, (1 << 16) + 1) * in_play
     low, above_low = _kth_largest_digit(low_bins, 1 << 16, k - above_high)
-    kth_key = (high << 16) | low  # 0-dim: the bit pattern of the k-th largest surprisal
+    kth_key = (high << 16) | low  # 0-dim: the bit pattern of the k-th largest value
 
-    selected = (key > kth_key) & flat_candidates  # [N]: above_high + above_low tokens
+    selected = (key > kth_key) & flat_candidates  # [N]: above_high + above_low elements (none if k = 0)
     ties = (key == kth_key) & flat_candidates  # [N]: take the first ones, in order, to reach exactly k
     selected |= ties & (ties.cumsum(0, dtype=torch.int32) <= k - above_high - above_low)
     return selected.view(candidates.shape)
+
+
+def select_top_surprisal(surprisal, candidates, top_ratio):
+    """Among the candidate tokens, exactly k = ceil(top_ratio * n) with the highest surprisal.   (§1.1 step 4)
+
+    surprisal [...] float (= -log pi >= 0), candidates [...] bool (same shape, any shape: one micro-batch or a whole
+    batch gathered across ranks) -> bool mask [...]. n = number of candidates; k >= 1 when n > 0 and top_ratio > 0;
+    none when n = 0 or top_ratio = 0. Ties at the k-th value are broken by position (first in flattened order),
+    so the result is deterministic. A slightly negative surprisal (log-prob rounding above 0) counts as 0.
+
+    n and k stay on the device and the selection is `select_top_k`'s radix select, so there is no host-device sync.
+    """
+    _validate_ratio(top_ratio)
+    if top_ratio == 0:
+        return torch.zeros(candidates.shape, dtype=torch.bool, device=candidates.device)
+    n = candidates.sum(dtype=torch.int32)  # 0-dim, on the device
+    k = torch.ceil(top_ratio * n.double() - 1e-9).clamp(min=1)  # 0-dim; clamped to n in select_top_k
+    return select_top_k(surprisal, candidates, k)
 
 
 def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1, m=0.9, gate_on=True):
@@ -326,10 +349,10 @@ def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1
     pos_candidates = valid & (advantages > 0)  # [B, T]
     neg_candidates = valid & (advantages < 0)
     pos_selected = select_top_surprisal(surprisal, pos_candidates, top_ratio)  # L+, [B, T]
-    if isinstance(gate_on, torch.Tensor):
-        gate = gate_on.to(device=surprisal.device, dtype=torch.float32)  # 0-dim 0/1
-    else:
-        gate = torch.tensor(float(bool(gate_on)), device=surprisal.device)
+    if isinstance(gate_on, torch.Tensor):  # 0-dim 0/1; non_blocking: a CPU flag must not stall the GPU stream
+        gate = gate_on.to(device=surprisal.device, dtype=torch.float32, non_blocking=True)
+    else:  # torch.full makes it on the device; torch.tensor(x, device=cuda) would be a blocking copy
+        gate = torch.full((), float(bool(gate_on)), device=surprisal.device)
     # omega = 1 + gate * ((w - 1) [L+] + (m - 1) [L-]): arithmetic on the masks, cheaper than torch.where
     weights = pos_selected.float().mul_((w - 1.0) * gate)  # [B, T] float32
     if variant == "C2":
@@ -443,9 +466,11 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=0.2, clip_hig
       r = exp(clamp(logprobs - old_logprobs, -20, 20))
       loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
       dual clip (c = dual_clip > 1): for A < 0, loss = min(loss, -A c)  -- bounds the loss of very off-policy tokens.
+    verl always applies the dual clip (c = 3 by default, 10 in the STARE and DAPO scripts); here it is off unless
+    dual_clip is given, and the trainer's config sets it.
 
     stats: clip_frac (the clipped term is active), clip_low_frac / clip_high_frac (ratio below / above the band where
-    that matters), dual_clip_frac, approx_kl (mean old - new log-prob, verl's ppo_kl) and approx_kl_k3
+    that matters; not verl's pg_clipfrac_lower, which is our dual_clip_frac), dual_clip_frac, approx_kl (mean old - new log-prob, verl's ppo_kl) and approx_kl_k3
     (mean e^d - 1 - d with d = new - old, Schulman's unbiased low-variance KL(old || new) estimate).
     """
     if not (clip_low > 0 and clip_high > 0):
@@ -497,15 +522,15 @@ def aggregate_loss(token_loss, mask, mode="token-mean", num_tokens=None, num_seq
     returns its share, and the shares add up to exactly the full-batch value (and so do their gradients).
     Under data parallelism gradients are averaged over ranks, so the caller multiplies by the world size.
     For Dr.GRPO pass a constant `loss_scale_factor` (e.g. the max response length) so it does not vary with the
-    padded width of each micro-batch. An empty selection gives 0, not NaN.
+    padded width of each micro-batch. An empty selection gives 0, not NaN. Sums and the result are float32, also
+    for bf16/fp16 losses (a half-precision count would round: bf16 holds 257 as 256).
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}: expected one of {LOSS_AGG_MODES}")
-    valid = mask.to(token_loss.dtype)  # [B, T]
-    masked_loss = token_loss * valid  # [B, T]
+    valid = mask.to(torch.float32)  # [B, T]
+    masked_loss = token_loss.float() * valid  # [B, T]: sums in float32 whatever the loss dtype
     if mode == "token-mean":
-        denominator = valid.sum() if num_tokens is None else num_tokens
-        return masked_loss.sum() / torch.as_tensor(denominator, dtype=token_loss.dtype).clamp(min=1)
+        return _divide_by_count(masked_loss.sum(), valid.sum() if num_tokens is None else num_tokens)
 
     tokens_per_seq = valid.sum(-1)  # [B]
     seq_loss = masked_loss.sum(-1)  # [B]
@@ -513,8 +538,14 @@ def aggregate_loss(token_loss, mask, mode="token-mean", num_tokens=None, num_seq
         seq_loss = seq_loss / tokens_per_seq.clamp(min=1)
     elif mode == "seq-mean-token-sum-norm":
         seq_loss = seq_loss / float(token_loss.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-    denominator = (tokens_per_seq > 0).sum() if num_sequences is None else num_sequences
-    return seq_loss.sum() / torch.as_tensor(denominator, dtype=token_loss.dtype).clamp(min=1)
+    return _divide_by_count(seq_loss.sum(), (tokens_per_seq > 0).sum() if num_sequences is None else num_sequences)
+
+
+def _divide_by_count(total, count):
+    """total / max(count, 1) in float32; count is a Python number or a tensor (never copied host -> device)."""
+    if isinstance(count, torch.Tensor):
+        return total / count.to(torch.float32).clamp(min=1)
+    return total / max(float(count), 1.0)
 
 
 # ======================================================================================================================
@@ -545,12 +576,11 @@ def entropy_dynamics(advantages, sensitivity, mask, weights=None, num_tokens=Non
     if weights is not None:
         contribution = contribution * weights.float()
     contribution = contribution * valid
-    denominator = valid.sum() if num_tokens is None else num_tokens
-    denominator = torch.as_tensor(denominator, dtype=torch.float32, device=contribution.device).clamp(min=1)
+    count = valid.sum() if num_tokens is None else num_tokens
     quadrants = quadrant_masks(token_adv, sensitivity, mask, 0.0)  # S >= 0 <=> s >= s0
     stats = {}
     for name, in_quadrant in zip(QUADRANTS, quadrants):
-        stats[f"{name}/frac"] = in_quadrant.sum() / denominator
-        stats[f"{name}/dH"] = (contribution * in_quadrant).sum() / denominator
-    stats["total/dH"] = contribution.sum() / denominator
+        stats[f"{name}/frac"] = _divide_by_count(in_quadrant.sum().float(), count)
+        stats[f"{name}/dH"] = _divide_by_count((contribution * in_quadrant).sum(), count)
+    stats["total/dH"] = _divide_by_count(contribution.sum(), count)
     return stats

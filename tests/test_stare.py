@@ -50,7 +50,7 @@ def test_chunked_equals_unchunked(chunk_size):
     full = stare.token_logprobs_and_entropy(logits, tokens, chunk_size=10**9)
     chunked = stare.token_logprobs_and_entropy(logits, tokens, chunk_size=chunk_size)
     for a, b in zip(full, chunked):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        assert torch.equal(a, b)  # row chunks do the same arithmetic per row
 
 
 @pytest.mark.parametrize("use", ["both", "logprobs", "entropy"])
@@ -104,6 +104,28 @@ def test_bf16_logits():
     logits.requires_grad_(True)
     stare.token_logprobs_and_entropy(logits, tokens)[0].sum().backward()
     assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
+
+
+def test_minus_inf_logits_and_strided_input():
+    # A -inf logit (a masked vocabulary entry) has probability 0 and contributes 0 log 0 = 0: no NaN anywhere.
+    logits = random_logits(2, 3, 10, dtype=torch.float32)
+    logits[..., 7:] = float("-inf")
+    tokens = torch.randint(0, 7, (2, 3))
+    leaf = logits.clone().requires_grad_(True)
+    logprobs, entropy = stare.token_logprobs_and_entropy(leaf, tokens, chunk_size=2)
+    reference = torch.distributions.Categorical(logits=logits[..., :7].double())
+    torch.testing.assert_close(entropy.double(), reference.entropy(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logprobs.double(), reference.log_prob(tokens), atol=1e-5, rtol=1e-5)
+    (logprobs.sum() + entropy.sum()).backward()
+    assert torch.isfinite(leaf.grad).all() and (leaf.grad[..., 7:] == 0).all()
+    assert torch.isfinite(stare.entropy_sensitivity(logits, tokens)).all()
+    # a non-contiguous view (the usual logits[:, :-1]) gives the same numbers as its contiguous copy
+    wide = random_logits(2, 5, 10, dtype=torch.float32)
+    strided = wide[:, :-1]
+    assert not strided.is_contiguous()
+    for a, b in zip(stare.token_logprobs_and_entropy(strided, tokens.new_zeros(2, 4)),
+                    stare.token_logprobs_and_entropy(strided.contiguous(), tokens.new_zeros(2, 4))):
+        assert torch.equal(a, b)
 
 
 def test_logprob_input_errors():
@@ -271,6 +293,61 @@ def test_select_orders_large_and_infinite_surprisal():
     assert order.tolist() == [False, True, True, False, False, True, True, False]
     top5 = stare.select_top_surprisal(surprisal, torch.ones(8, dtype=torch.bool), 0.625)
     assert top5[4] and not top5[3]  # 7.000001 > 7.0: they differ only in the low 16 bits
+
+
+def test_select_special_values_and_negative_surprisal():
+    # NaN ranks as +inf; negative values (log-prob rounding above 0) and -0.0 count as 0; denormals order correctly.
+    surprisal = torch.tensor([float("nan"), -1e-3, 1e-40, 2e-40, 0.5, -0.0, float("inf"), 1e-3])
+    everyone = torch.ones(8, dtype=torch.bool)
+    ranking, previous = [], torch.zeros(8, dtype=torch.bool)
+    for k in range(1, 9):  # the top k must contain the top k - 1: read off which element joins at each k
+        picked = stare.select_top_k(surprisal, everyone, k)
+        assert picked.sum() == k and picked[previous].all()
+        ranking.append(int((picked & ~previous).nonzero()))
+        previous = picked
+    # inf and NaN first (their order among themselves is unspecified), then 0.5, 1e-3, the two denormals,
+    # then the three zeros (-1e-3 counted as 0, and -0.0) in positional order
+    assert set(ranking[:2]) == {0, 6} and ranking[2:] == [4, 7, 3, 2, 1, 5]
+
+
+def test_select_large_batch_with_a_crowded_top_bucket():
+    # > 65,536 distinct values share their top 16 bits, so the second radix pass decides; plus heavy exact ties.
+    generator = torch.Generator().manual_seed(47)
+    base = torch.tensor(1.5).view(torch.int32)
+    low_bits = torch.randint(0, 1 << 16, (200_000,), generator=generator, dtype=torch.int32)
+    surprisal = ((base & ~0xFFFF) | low_bits).view(torch.float32)  # all in [1.5, 1.5 + 2^-7), same top 16 bits
+    candidates = torch.rand(200_000, generator=generator) < 0.8
+    for k in (1, 777, 50_000, 159_000):
+        selected = stare.select_top_k(surprisal, candidates, k)
+        order = torch.sort(torch.where(candidates, surprisal, -1.0), descending=True, stable=True).indices[:k]
+        expected = torch.zeros(200_000, dtype=torch.bool)
+        expected[order] = True
+        assert torch.equal(selected, expected)
+
+
+def test_select_top_k_counts():
+    values = torch.rand(5, 7, generator=torch.Generator().manual_seed(53))
+    candidates = values > 0.3
+    n = int(candidates.sum())
+    for k in (0, 1, n - 1, n, n + 5, torch.tensor(3), torch.tensor(10**6)):
+        expected = min(int(k), n)
+        selected = stare.select_top_k(values, candidates, k)
+        assert selected.sum() == expected and not (selected & ~candidates).any()
+        if 0 < expected < n:
+            assert values[selected].min() > values[candidates & ~selected].max()
+
+
+def test_selection_makes_no_host_sync():
+    # On the meta device any .item() or data-dependent Python branch raises, so this catches, without a GPU,
+    # what the CUDA test below catches with sync-debug mode.
+    logprobs = torch.empty(8, 32, device="meta")
+    advantages, mask = torch.empty(8, device="meta"), torch.empty(8, 32, dtype=torch.bool, device="meta")
+    stare.select_top_surprisal(-logprobs, mask, 0.1)
+    stare.select_top_k(-logprobs, mask, torch.empty((), dtype=torch.int64, device="meta"))
+    for variant in ("O1", "C2"):
+        for gate_on in (True, False, torch.empty((), dtype=torch.bool, device="meta")):
+            weights, stats = stare.stare_weights(logprobs, advantages, mask, variant=variant, gate_on=gate_on)
+            assert weights.device.type == "meta" and all(v.device.type == "meta" for v in stats.values())
 
 
 def test_select_bad_ratio_and_shapes():
@@ -447,6 +524,8 @@ def test_group_advantages_equal_rewards_are_exactly_zero():
 
 def test_group_advantages_size_one_and_errors():
     torch.testing.assert_close(stare.group_advantages(torch.tensor([1.0, 0.0]), 1), torch.tensor([1 / (1 + 1e-6), 0.0]))
+    rewards = torch.tensor([1.0, 0.0])
+    assert torch.equal(stare.group_advantages(rewards, 1, normalize_std=False), rewards)  # mean 0: A = r
     with pytest.raises(ValueError, match="group_size"):
         stare.group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="1-D"):
@@ -492,6 +571,15 @@ def test_clipped_surrogate_matches_loop(dual_clip):
     assert stats["dual_clip_frac"].item() == pytest.approx(dual / num_valid)
     log_ratio = (new - old).clamp(-20, 20)  # verl reports the KL of the clamped log-ratio too
     assert stats["approx_kl"].item() == pytest.approx(-log_ratio[mask].mean().item(), rel=1e-5)
+    k3 = [math.expm1(d) - d for d in log_ratio[mask].tolist()]
+    assert stats["approx_kl_k3"].item() == pytest.approx(sum(k3) / len(k3), rel=1e-5)
+    token_adv, ratio = advantages[:, None].expand(5, 7), log_ratio.exp()
+    low = ((token_adv < 0) & (ratio < 0.8) & mask).sum().item()
+    high = ((token_adv > 0) & (ratio > 1.28) & mask).sum().item()
+    assert low > 0 and high > 0
+    assert stats["clip_low_frac"].item() == pytest.approx(low / num_valid)
+    assert stats["clip_high_frac"].item() == pytest.approx(high / num_valid)
+    assert stats["clip_frac"].item() == pytest.approx((low + high) / num_valid)
 
 
 def test_on_policy_gradient_is_advantage_times_score():
@@ -542,6 +630,17 @@ def test_aggregate_loss_matches_loop(mode):
             aggregate_loop(loss, mask, mode, scale=100), rel=1e-5)
     with pytest.raises(ValueError, match="aggregation mode"):
         stare.aggregate_loss(loss, mask, "token-sum")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_aggregate_loss_in_half_precision(dtype):
+    # the count must not be rounded (bf16 holds 257 as 256) or overflow (fp16's max is 65504)
+    loss = torch.ones(1, 257, dtype=dtype)
+    mask = torch.ones(1, 257, dtype=torch.bool)
+    assert stare.aggregate_loss(loss, mask).item() == 1.0
+    assert stare.aggregate_loss(loss, mask, num_tokens=100_000).item() == pytest.approx(257 / 100_000)
+    assert stare.aggregate_loss(loss, mask, num_tokens=torch.tensor(100_000)).item() == pytest.approx(257 / 100_000)
+    assert stare.aggregate_loss(loss, mask).dtype == torch.float32
 
 
 @pytest.mark.parametrize("mode", stare.LOSS_AGG_MODES)
