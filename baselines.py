@@ -1,0 +1,336 @@
+"""baselines.py: the token-level entropy controls STARE is compared with, behind one switch.
+
+    loss, metrics = baselines.policy_loss(method, batch, cfg)     # method in METHODS
+
+runs any of: grpo, stare, stapo, lp_reg, clip_cov, kl_cov, high_entropy, entropy_bonus, on the same tensors. GRPO,
+DAPO (clip-higher, dual clip, token-mean) and Dr.GRPO (advantages without std, `seq-mean-token-sum-norm`) are
+settings of `LossConfig` and `stare.group_advantages`, not separate methods. Section numbers "§x" refer to
+`shared/reference/algorithms.md`.
+
+`batch` is a dict of [B, T] tensors (advantages may be [B]):
+    logprobs        log pi_theta of the sampled tokens, current policy, with grad
+    old_logprobs    log pi_old (the behaviour policy, from the no-grad pass)
+    advantages      [B] or [B, T]
+    mask            1 = a response token that counts
+    entropy         next-token entropy (stapo, high_entropy: detached is fine; entropy_bonus: with grad)
+    proxy_logprobs  Lp-Reg's min-p proxy log-prob of the sampled token (`minp_proxy_logprobs`, old policy)
+
+Each method first decides per token what to change (`token_selection`), then the loss applies it. Selections
+that rank or average over tokens (STARE's top-P%, STAPO's entropy quantile, Clip-Cov/KL-Cov's covariance, 80/20's
+top-20%) depend on which tokens they see. `policy_loss` called alone selects within the batch it is given, which is
+what the reference implementations do per micro-batch; the trainer can instead call `token_selection` once on the
+whole optimizer step and pass each micro-batch its slice (`selection=`), which makes the update independent of the
+micro-batch size. The denominator of the token-mean is `loss_mask(...)`'s count, summed over the step.
+
+Pure functions of tensors: no I/O, no torch.distributed, no global state. Randomness (Clip-Cov) comes from a
+torch.Generator passed in.
+"""
+
+import dataclasses
+import difflib
+import math
+
+import torch
+
+import stare
+
+METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "entropy_bonus")
+
+
+@dataclasses.dataclass
+class LossConfig:
+    """Hyperparameters of the policy loss. Defaults follow each paper's reference scripts (see README table)."""
+
+    # --- shared: the clipped surrogate and its aggregation (§0, §6) ---
+    clip_low: float = 0.2  # ratio clip below 1 - clip_low
+    clip_high: float = 0.28  # ratio clip above 1 + clip_high (DAPO's clip-higher)
+    dual_clip: float | None = 10.0  # dual-clip bound c for A < 0 (STARE/DAPO scripts: 10); None = off
+    agg_mode: str = "token-mean"  # one of stare.LOSS_AGG_MODES; Dr.GRPO: seq-mean-token-sum-norm
+    loss_scale_factor: float | None = None  # Dr.GRPO's constant (e.g. the max response length); None = padded width
+    # --- STARE (§1): static w, m; an EntropyGate passed to the loss overrides them and decides gate_on ---
+    stare_variant: str = "O1"  # O1: amplify L+ only; C2: also damp L-
+    stare_top_ratio: float = 0.1  # P: fraction of A > 0 (and A < 0) tokens with the highest surprisal
+    stare_w: float = 1.1  # weight on L+
+    stare_m: float = 0.9  # weight on L- (C2)
+    # --- STAPO (§3). No public code: tau_p and tau_h are from a secondary source (a DiDi tech article) ---
+    stapo_prob_threshold: float = 0.01  # tau_p: spurious tokens have pi < tau_p ...
+    stapo_entropy_quantile: float = 0.05  # ... and H below this quantile of the batch's valid-token entropies
+    # --- Lp-Reg (§2) ---
+    lp_reg_kappa: float = 0.02  # min-p proxy keeps tokens with p >= kappa * max p
+    lp_reg_soft: bool = False  # filtered tokens get the row's minimum logit instead of -1e4 (minp_soft)
+    lp_reg_neg_ratio: float = 0.01  # rho-: fraction of A < 0 tokens (lowest pi) regularised; 0.005 for 32B
+    lp_reg_coef: float = 1.0  # beta on the k3 term (ppo_kl_coef)
+    # --- Clip-Cov / KL-Cov (§4); ratios are fractions, not the PRIME repo's percentages ---
+    clip_cov_ratio: float = 0.0002  # fraction of valid tokens detached
+    clip_cov_lb: float = 1.0  # covariance window (lb, ub) for Clip-Cov candidates
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.002  # fraction of valid tokens with the highest covariance penalised (7B script)
+    kl_cov_coef: float = 1.0  # beta on |log pi - log pi_old|
+    # --- 80/20 high-entropy tokens (§5) ---
+    high_entropy_ratio: float = 0.2  # rho: fraction of valid tokens (highest entropy) that keep their gradient
+    high_entropy_convention: str = "paper"  # paper: ceil(rho N) kept, all valid tokens in the denominator;
+    #                                          lp_reg_dev: max(1, int(rho N)) kept, only kept tokens in the denominator
+    # --- entropy bonus ---
+    entropy_coef: float = 0.001  # beta in loss - beta * H
+
+    def __post_init__(self):
+        checks = {
+            "clip_low": self.clip_low > 0, "clip_high": self.clip_high > 0,
+            "dual_clip": self.dual_clip is None or self.dual_clip > 1,
+            "agg_mode": self.agg_mode in stare.LOSS_AGG_MODES,
+            "stare_variant": self.stare_variant.upper() in ("O1", "C2"),
+            "stare_top_ratio": 0 <= self.stare_top_ratio <= 1,
+            "stare_w": self.stare_w > 0, "stare_m": self.stare_m > 0,
+            "stapo_prob_threshold": 0 <= self.stapo_prob_threshold <= 1,
+            "stapo_entropy_quantile": 0 <= self.stapo_entropy_quantile <= 1,
+            "lp_reg_kappa": 0 < self.lp_reg_kappa <= 1, "lp_reg_neg_ratio": 0 <= self.lp_reg_neg_ratio <= 1,
+            "clip_cov_ratio": 0 <= self.clip_cov_ratio <= 1, "clip_cov_ub": self.clip_cov_ub > self.clip_cov_lb,
+            "kl_cov_ratio": 0 <= self.kl_cov_ratio <= 1,
+            "high_entropy_ratio": 0 <= self.high_entropy_ratio <= 1,
+            "high_entropy_convention": self.high_entropy_convention in ("paper", "lp_reg_dev"),
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError("invalid loss config: " + ", ".join(f"{name}={getattr(self, name)!r}" for name in bad))
+
+
+# ======================================================================================================================
+# Selections: which tokens each method changes (no grad)
+# ======================================================================================================================
+
+
+def _count_k(ratio, n, rule):
+    """k from a fraction of n (a 0-dim device tensor): 'ceil' = ceil(ratio n); 'floor1' = max(1, int(ratio n)), the
+    int() of the verl ports. Both give 0 when ratio = 0, so every method has a neutral setting."""
+    if ratio == 0:
+        return torch.zeros((), dtype=torch.int32, device=n.device)
+    x = ratio * n.double()
+    k = torch.ceil(x - 1e-9) if rule == "ceil" else torch.floor(x + 1e-9).clamp(min=1)
+    return k.int()
+
+
+def _masked_quantile(values, mask, q):
+    """The q-quantile (linear interpolation, as torch.quantile) of values[mask], without a host sync or a size limit.
+    values, mask [...] -> 0-dim float32; +inf when mask is empty."""
+    ascending = torch.where(mask, values.float(), float("inf")).reshape(-1).sort().values  # valid values first
+    n = mask.sum()
+    position = q * (n - 1).clamp(min=0).double()
+    below, above = position.floor().long().view(1), position.ceil().long().view(1)
+    low, high = ascending.gather(0, below), ascending.gather(0, above)
+    return (low + (high - low) * (position - position.floor()).float()).squeeze(0)
+
+
+def stapo_spurious_mask(logprobs, entropy, advantages, mask, prob_threshold=0.01, entropy_quantile=0.05):
+    """STAPO's spurious tokens (Liu et al. 2026, arXiv 2602.15620; §3): positive advantage, low probability and low
+    entropy: A > 0, pi < prob_threshold and H < the `entropy_quantile` quantile of the valid tokens' entropies.
+
+    logprobs, entropy, mask [B, T]; advantages [B] or [B, T] -> (spurious bool [B, T], entropy threshold 0-dim).
+    The paper releases no code; the thresholds (tau_p = 0.01, tau_h = 5th percentile) are from a secondary source
+    and configurable. The probabilities and entropies are whatever the caller passes (old policy in step scope).
+    """
+    valid = mask.bool()
+    threshold = _masked_quantile(entropy.detach(), valid, entropy_quantile)
+    advantages = stare._unsqueeze_sequence_advantages(advantages, logprobs)
+    log_threshold = math.log(prob_threshold) if prob_threshold > 0 else -math.inf  # tau_p = 0: STAPO off
+    spurious = valid & (advantages > 0) & (logprobs.detach() < log_threshold) & (entropy < threshold)
+    return spurious, threshold
+
+
+@torch.no_grad()
+def minp_proxy_logprobs(logits, tokens, temperature=1.0, kappa=0.02, soft=False, chunk_size=None):
+    """Lp-Reg's proxy log-prob of the sampled token (Huang et al. 2025, arXiv 2510.03222; §2).
+
+    logits [..., T, V] of the *old* policy (the same tensor that gives the old log-probs and entropies: no second
+    forward pass), tokens [..., T] -> log pi_proxy(token) [..., T] float32, computed in row chunks like
+    `stare.token_logprobs_and_entropy`.
+
+    The min-p filter uses temperature-free probabilities p = softmax(logits): it keeps V = {a : p_a >= kappa max p},
+    sets every other logit to -1e4 (soft: to the row's minimum logit), then applies the temperature and a softmax.
+    So pi_proxy(o) = pi(o) / sum_{a in V} pi(a) for o in V (at T = 1), and ~0 otherwise. (The reference's `fixed`
+    variant, p_a >= kappa, is not implemented.)
+    """
+    logits_2d, tokens_1d = stare._flatten_logits(logits, tokens)
+    chunk_rows = stare._chunk_rows(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
+    proxy = torch.empty(logits_2d.shape[0], device=logits_2d.device)  # [N] float32
+    log_kappa_tempered = math.log(kappa) / temperature  # p_a >= kappa max p  <=>  x_a - max x >= log(kappa) / T
+    for start, end, x in stare._tempered_chunks(logits_2d, temperature, chunk_rows):  # x = logits / T, [n, V]
+        row_max = x.amax(-1, keepdim=True)
+        filtered_value = x.amin(-1, keepdim=True) if soft else torch.full_like(row_max, -1e4 / temperature)
+        kept = torch.where(x - row_max >= log_kappa_tempered, x, filtered_value)  # [n, V]
+        proxy[start:end] = kept.gather(-1, tokens_1d[start:end, None]).squeeze(-1) - torch.logsumexp(kept, -1)
+    return proxy.view(tokens.shape)
+
+
+def lp_reg_mask(logprobs, proxy_logprobs, advantages, mask, neg_ratio=0.01):
+    """Lp-Reg's regularised tokens (§2 "Token selection"): among the valid A < 0 tokens, the k = max(1, int(rho n))
+    with the lowest current log pi, kept only if log pi < log pi_proxy. As in the reference, nothing is selected
+    unless k > 1 (a batch needs >= 2 / rho negative tokens). logprobs, proxy_logprobs, mask [B, T] -> bool [B, T]."""
+    logprobs = logprobs.detach()
+    negative = mask.bool() & (stare._unsqueeze_sequence_advantages(advantages, logprobs) < 0)
+    k = _count_k(neg_ratio, negative.sum(), "floor1")
+    k = torch.where(k > 1, k, torch.zeros_like(k))
+    lowest = stare.select_top_k(-logprobs, negative, k)  # lowest probability = highest surprisal
+    return lowest & (logprobs < proxy_logprobs)
+
+
+def advantage_logprob_covariance(logprobs, advantages, mask):
+    """Cov_t = (A_t - mean A)(log pi_t - mean log pi), both means over the valid tokens (Cui et al. 2025; §4).
+    logprobs, mask [B, T], advantages [B] or [B, T] -> [B, T] float32 (0 on invalid tokens). No grad."""
+    valid = mask.bool()
+    count = valid.sum().clamp(min=1)
+    logprobs = logprobs.detach().float()
+    advantages = stare._token_advantages(advantages, logprobs).float()
+    centred_adv = advantages - (advantages * valid).sum() / count
+    centred_logprobs = logprobs - (logprobs * valid).sum() / count
+    return centred_adv * centred_logprobs * valid
+
+
+def clip_cov_mask(logprobs, old_logprobs, advantages, mask, ratio, lb, ub, clip_low, clip_high, generator=None):
+    """Clip-Cov's detached tokens (Cui et al. 2025, arXiv 2505.22617; §4): candidates are valid tokens not already
+    clipped by the surrogate with lb < Cov < ub; min(k, #candidates) of them, k = max(1, int(ratio N_valid)), are
+    drawn uniformly at random (`generator`, on the tensors' device, makes it reproducible). -> bool [B, T]."""
+    valid = mask.bool()
+    logprobs = logprobs.detach()
+    advantages = stare._token_advantages(advantages, logprobs)
+    ratio_pi = torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))
+    already_clipped = -advantages * torch.clamp(ratio_pi, 1 - clip_low, 1 + clip_high) > -advantages * ratio_pi
+    covariance = advantage_logprob_covariance(logprobs, advantages, mask)
+    candidates = valid & ~already_clipped & (covariance > lb) & (covariance < ub)
+    k = _count_k(ratio, valid.sum(), "floor1")
+    # top-k of i.i.d. uniform keys = a uniformly random subset of size min(k, n), with no host sync
+    random_keys = torch.rand(candidates.shape, generator=generator, device=candidates.device)
+    return stare.select_top_k(random_keys, candidates, k)
+
+
+def kl_cov_mask(logprobs, advantages, mask, ratio):
+    """KL-Cov's penalised tokens (Cui et al. 2025; §4): the k = max(1, int(ratio N_valid)) valid tokens with the
+    largest Cov. -> bool [B, T]."""
+    valid = mask.bool()
+    covariance = advantage_logprob_covariance(logprobs, advantages, mask)
+    # select_top_k ranks values >= 0: shift by the smallest valid covariance (order-preserving)
+    lowest = torch.where(valid, covariance, float("inf")).amin()
+    shifted = torch.where(valid, covariance - lowest, 0.0)
+    return stare.select_top_k(shifted, valid, _count_k(ratio, valid.sum(), "floor1"))
+
+
+def high_entropy_mask(entropy, mask, top_ratio=0.2, convention="paper"):
+    """The 80/20 rule (Wang et al. 2025, arXiv 2506.01939; §5): the valid tokens with the highest entropy keep
+    their gradient. paper: k = ceil(rho N) (the top rho of the batch); lp_reg_dev: k = max(1, int(rho N)).
+    Ties at the k-th entropy are broken by position (the paper's quantile would keep them all). -> bool [B, T]."""
+    valid = mask.bool()
+    rule = "ceil" if convention == "paper" else "floor1"
+    return stare.select_top_k(entropy.detach(), valid, _count_k(top_ratio, valid.sum(), rule))
+
+
+def token_selection(method, batch, cfg, gate=None, generator=None):
+    """What `method` changes, per token, decided on `batch` -> (selection dict of [B, T] tensors, metrics dict).
+
+    Call it on a micro-batch (the references' behaviour) or once on the whole optimizer step, then slice the
+    tensors per micro-batch for `policy_loss(..., selection=...)`. Uses batch["logprobs"] detached: in step scope
+    pass the old log-probs there. `gate`: a stare.EntropyGate whose gate_on, w and m STARE uses (else cfg's, on).
+    """
+    _check_method(method)
+    logprobs, advantages, mask = batch["logprobs"].detach(), batch["advantages"], batch["mask"]
+    if method == "stare":
+        w, m, gate_on = (gate.w, gate.m, gate.gate_on) if gate is not None else (cfg.stare_w, cfg.stare_m, True)
+        weights, stats = stare.stare_weights(logprobs, advantages, mask, cfg.stare_variant, cfg.stare_top_ratio,
+                                             w, m, gate_on)
+        return {"weights": weights}, {f"stare/{key}": value for key, value in stats.items()}
+    if method == "stapo":
+        spurious, threshold = stapo_spurious_mask(logprobs, batch["entropy"], advantages, mask,
+                                                  cfg.stapo_prob_threshold, cfg.stapo_entropy_quantile)
+        return {"spurious": spurious}, {"stapo/entropy_threshold": threshold}
+    if method == "lp_reg":
+        return {"regularized": lp_reg_mask(logprobs, batch["proxy_logprobs"], advantages, mask,
+                                           cfg.lp_reg_neg_ratio)}, {}
+    if method == "clip_cov":
+        return {"detached": clip_cov_mask(logprobs, batch["old_logprobs"], advantages, mask, cfg.clip_cov_ratio,
+                                          cfg.clip_cov_lb, cfg.clip_cov_ub, cfg.clip_low, cfg.clip_high,
+                                          generator)}, {}
+    if method == "kl_cov":
+        return {"penalized": kl_cov_mask(logprobs, advantages, mask, cfg.kl_cov_ratio)}, {}
+    if method == "high_entropy":
+        return {"kept": high_entropy_mask(batch["entropy"], mask, cfg.high_entropy_ratio,
+                                          cfg.high_entropy_convention)}, {}
+    return {}, {}  # grpo, entropy_bonus: nothing to select
+
+
+# ======================================================================================================================
+# The loss
+# ======================================================================================================================
+
+
+def loss_mask(method, mask, selection, cfg):
+    """The tokens in the loss's denominator: the valid ones, except STAPO (spurious tokens removed and the loss
+    renormalised over the rest) and 80/20 under the lp_reg_dev convention (only the kept tokens). The trainer sums
+    this mask over the optimizer step to get `num_tokens`. mask [B, T] -> bool [B, T]."""
+    valid = mask.bool()
+    if method == "stapo":
+        return valid & ~selection["spurious"]
+    if method == "high_entropy" and cfg.high_entropy_convention == "lp_reg_dev":
+        return valid & selection["kept"]
+    return valid
+
+
+def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, num_tokens=None, num_sequences=None):
+    """The policy loss of `method` on `batch` -> (scalar loss to minimise, metrics of 0-dim tensors).
+
+    selection: from `token_selection` (sliced to this batch); None = select within this batch.
+    num_tokens / num_sequences: the optimizer step's counts of `loss_mask` tokens / non-empty sequences (see
+    stare.aggregate_loss), so that micro-batch losses add up to the full-batch loss.
+
+    Every method returns the same keys; "touched_frac" is the fraction of valid tokens whose loss term differs from
+    GRPO's (STARE: reweighted; STAPO: silenced; Lp-Reg: regularised; Clip-Cov: detached; KL-Cov: penalised;
+    80/20: gradient removed; entropy bonus: all, when its coefficient is not 0).
+    """
+    _check_method(method)
+    metrics = {}
+    if selection is None:
+        selection, metrics = token_selection(method, batch, cfg, gate=gate, generator=generator)
+    logprobs, old_logprobs, mask = batch["logprobs"], batch["old_logprobs"], batch["mask"]
+    valid = mask.bool()
+    token_adv = stare._token_advantages(batch["advantages"], logprobs).to(logprobs.dtype)  # [B, T]
+    surrogate, surrogate_stats = stare.clipped_surrogate(logprobs, old_logprobs, batch["advantages"], cfg.clip_low,
+                                                         cfg.clip_high, cfg.dual_clip, mask=mask)
+    # -A r without clipping: Lp-Reg's regularised tokens and KL-Cov's base loss
+    unclipped = -token_adv * torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))
+
+    # ----------------------------------------------- ALGO LOGIC: one branch per method -------------------------------
+    if method in ("grpo", "stapo"):  # STAPO's change is in the mask: spurious tokens leave loss and denominator
+        token_loss = surrogate
+        touched = selection["spurious"] if method == "stapo" else torch.zeros_like(valid)
+    elif method == "stare":
+        token_loss = surrogate * selection["weights"]
+        touched = selection["weights"] != 1
+    elif method == "lp_reg":  # -A r + beta k3(log pi_proxy - log pi) on the selected tokens, no clip there
+        delta = torch.clamp(batch["proxy_logprobs"] - logprobs, -10.0, 10.0)
+        k3 = torch.exp(delta) - delta - 1  # >= 0; d/d log pi = 1 - pi_proxy / pi < 0 where pi < pi_proxy
+        touched = selection["regularized"]
+        token_loss = torch.where(touched, unclipped + cfg.lp_reg_coef * k3, surrogate)
+    elif method == "clip_cov":  # the selected tokens' loss (and gradient) is zeroed; they stay in the denominator
+        touched = selection["detached"]
+        token_loss = surrogate * ~touched
+    elif method == "kl_cov":  # unclipped -A r everywhere, + beta |log pi - log pi_old| on the top-Cov tokens
+        touched = selection["penalized"]
+        token_loss = unclipped + cfg.kl_cov_coef * (logprobs - old_logprobs).abs() * touched
+    elif method == "high_entropy":  # gradient only through the high-entropy tokens
+        touched = ~selection["kept"]
+        token_loss = surrogate * selection["kept"]
+    else:  # entropy_bonus: -beta H per token, H with grad
+        token_loss = surrogate - cfg.entropy_coef * batch["entropy"]
+        touched = torch.full_like(valid, cfg.entropy_coef != 0)
+    # -----------------------------------------------------------------------------------------------------------------
+
+    loss = stare.aggregate_loss(token_loss, loss_mask(method, mask, selection, cfg), cfg.agg_mode, num_tokens,
+                                num_sequences, cfg.loss_scale_factor)
+    num_valid = valid.sum().clamp(min=1)
+    metrics.update(surrogate_stats)
+    metrics["touched_frac"] = (touched & valid).sum() / num_valid
+    return loss, metrics
+
+
+def _check_method(method):
+    if method not in METHODS:
+        close = difflib.get_close_matches(str(method), METHODS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown loss method {method!r}{hint}: expected one of {METHODS}")

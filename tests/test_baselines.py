@@ -1,0 +1,370 @@
+"""Tests for baselines.py: each method against a naive token loop, the invariants of each paper, and the neutral
+setting of every knob reproducing GRPO's loss and gradient exactly."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import baselines
+import stare
+
+
+def make_batch(seed=0, batch_size=6, width=9, vocab=12, on_policy=False):
+    """Random logits -> every tensor a loss needs, with log-probs as a leaf that collects gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch_size, width, vocab, generator=generator) * 2.5
+    tokens = torch.randint(0, vocab, (batch_size, width), generator=generator)
+    old_logprobs, entropy = stare.token_logprobs_and_entropy(logits, tokens)
+    drift = 0.0 if on_policy else 0.3 * torch.randn(batch_size, width, generator=generator)
+    logprobs = (old_logprobs + drift).clamp(max=0.0).requires_grad_(True)
+    mask = torch.rand(batch_size, width, generator=generator) < 0.85
+    mask[2, 5:] = False
+    rewards = (torch.rand(batch_size, generator=generator) < 0.5).float()
+    advantages = stare.group_advantages(rewards + 0.1 * torch.arange(batch_size), group_size=2)
+    return {"logits": logits, "tokens": tokens, "logprobs": logprobs, "old_logprobs": old_logprobs,
+            "advantages": advantages, "mask": mask, "entropy": entropy,
+            "proxy_logprobs": baselines.minp_proxy_logprobs(logits, tokens, kappa=1e-3)}  # tokens are uniform draws
+
+
+def cells(batch):
+    """(i, t, advantage) for every valid token, in flattened order."""
+    mask, adv = batch["mask"], batch["advantages"]
+    return [(i, t, adv[i].item()) for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t]]
+
+
+def surrogate_loop(lp, old, a, cfg):
+    r = math.exp(max(-20.0, min(20.0, lp - old)))
+    loss = max(-a * r, -a * min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high))
+    return min(loss, -a * cfg.dual_clip) if (cfg.dual_clip is not None and a < 0) else loss
+
+
+def token_mean_loop(batch, per_token, denominator_cells=None):
+    """sum over valid tokens of per_token(i, t, a) / the number of tokens in the denominator."""
+    valid = cells(batch)
+    return sum(per_token(i, t, a) for i, t, a in valid) / len(denominator_cells if denominator_cells else valid)
+
+
+def lp(batch, key, i, t):
+    return batch[key][i, t].item()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Lp-Reg's min-p proxy
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature,soft", [(1.0, False), (0.7, False), (1.3, True)])
+def test_minp_proxy_matches_loop(temperature, soft):
+    batch = make_batch(seed=1)
+    proxy = baselines.minp_proxy_logprobs(batch["logits"], batch["tokens"], temperature=temperature, kappa=0.1,
+                                          soft=soft, chunk_size=4)
+    logits = batch["logits"].double()
+    for i in range(6):
+        for t in range(9):
+            z = logits[i, t].tolist()
+            p = torch.softmax(logits[i, t], -1).tolist()
+            fill = min(z) if soft else -1e4
+            filtered = [zi if pi >= 0.1 * max(p) else fill for zi, pi in zip(z, p)]
+            log_norm = math.log(sum(math.exp(f / temperature - max(filtered) / temperature) for f in filtered))
+            expected = filtered[batch["tokens"][i, t]] / temperature - max(filtered) / temperature - log_norm
+            assert proxy[i, t].item() == pytest.approx(expected, rel=1e-6, abs=1e-4)  # filtered: ~ -1e4
+
+
+def test_minp_proxy_is_a_distribution_over_the_kept_set():
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(2)) * 3
+    every_token = torch.arange(30).expand(5, 30)
+    proxy = baselines.minp_proxy_logprobs(logits[:, None, :].expand(5, 30, 30), every_token, kappa=0.05).exp()
+    probs = torch.softmax(logits, -1)
+    kept = probs >= 0.05 * probs.amax(-1, keepdim=True)
+    torch.testing.assert_close(proxy.sum(-1), torch.ones(5), atol=1e-5, rtol=0)
+    assert (proxy[~kept] < 1e-30).all()
+    # inside the kept set the proxy is pi renormalised, so it amplifies every kept token by the same factor
+    renormalised = torch.where(kept, probs, 0) / (probs * kept).sum(-1, keepdim=True)
+    torch.testing.assert_close(proxy, renormalised, atol=1e-6, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# STAPO
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_stapo_mask_and_loss_match_loop():
+    batch = make_batch(seed=3)
+    cfg = baselines.LossConfig(stapo_prob_threshold=0.2, stapo_entropy_quantile=0.6)  # loose, to select some
+    spurious, threshold = baselines.stapo_spurious_mask(batch["logprobs"], batch["entropy"], batch["advantages"],
+                                                        batch["mask"], 0.2, 0.6)
+    expected_threshold = torch.quantile(batch["entropy"][batch["mask"]], 0.6).item()
+    assert threshold.item() == pytest.approx(expected_threshold, rel=1e-6)
+    expected = [(i, t) for i, t, a in cells(batch)
+                if a > 0 and math.exp(lp(batch, "logprobs", i, t)) < 0.2 and batch["entropy"][i, t] < expected_threshold]
+    assert sorted(map(tuple, spurious.nonzero().tolist())) == expected and expected
+    assert (batch["advantages"][:, None].expand(6, 9)[spurious] > 0).all()  # only positive-advantage tokens
+    # the loss is the plain (GRPO) loss over the unmasked tokens, renormalised by their count
+    loss, metrics = baselines.policy_loss("stapo", batch, cfg)
+    kept = [(i, t, a) for i, t, a in cells(batch) if (i, t) not in expected]
+    plain = sum(surrogate_loop(lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t), a, cfg)
+                for i, t, a in kept) / len(kept)
+    assert loss.item() == pytest.approx(plain, rel=1e-5)
+    assert metrics["touched_frac"].item() == pytest.approx(len(expected) / len(cells(batch)))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Lp-Reg
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_lp_reg_selection_and_loss_match_loop():
+    batch = make_batch(seed=4)
+    cfg = baselines.LossConfig(lp_reg_neg_ratio=0.4, lp_reg_coef=0.7)
+    selected = baselines.lp_reg_mask(batch["logprobs"], batch["proxy_logprobs"], batch["advantages"],
+                                     batch["mask"], 0.4)
+    negative = [(i, t) for i, t, a in cells(batch) if a < 0]
+    k = max(1, int(0.4 * len(negative)))
+    lowest = sorted(negative, key=lambda it: lp(batch, "logprobs", *it))[:k] if k > 1 else []
+    expected = sorted(it for it in lowest if lp(batch, "logprobs", *it) < lp(batch, "proxy_logprobs", *it))
+    assert sorted(map(tuple, selected.nonzero().tolist())) == expected and expected
+    # invariants: A < 0 and pi < pi_proxy on every selected token
+    assert (batch["advantages"][:, None].expand(6, 9)[selected] < 0).all()
+    assert (batch["logprobs"][selected] < batch["proxy_logprobs"][selected]).all()
+
+    def per_token(i, t, a):
+        logp, old = lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t)
+        if (i, t) not in expected:
+            return surrogate_loop(logp, old, a, cfg)
+        delta = max(-10.0, min(10.0, lp(batch, "proxy_logprobs", i, t) - logp))
+        return -a * math.exp(logp - old) + 0.7 * (math.exp(delta) - delta - 1)
+
+    loss, _ = baselines.policy_loss("lp_reg", batch, cfg)
+    assert loss.item() == pytest.approx(token_mean_loop(batch, per_token), rel=1e-5)
+
+
+def test_lp_reg_regulariser_pushes_low_probabilities_up():
+    batch = make_batch(seed=5)
+    with_reg = baselines.LossConfig(lp_reg_neg_ratio=0.4, lp_reg_coef=1.0)
+    without = dataclasses.replace(with_reg, lp_reg_coef=0.0)
+    selection, _ = baselines.token_selection("lp_reg", batch, with_reg)
+    (grad_with,) = torch.autograd.grad(baselines.policy_loss("lp_reg", batch, with_reg, selection)[0],
+                                       batch["logprobs"])
+    (grad_without,) = torch.autograd.grad(baselines.policy_loss("lp_reg", batch, without, selection)[0],
+                                          batch["logprobs"])
+    regulariser_grad = grad_with - grad_without  # d(beta k3)/d log pi / N
+    selected = selection["regularized"]
+    assert selected.any()
+    assert (regulariser_grad[selected] < 0).all()  # gradient descent raises log pi towards the proxy
+    assert (regulariser_grad[~selected] == 0).all()
+
+
+def test_lp_reg_needs_more_than_one_token():
+    # the reference applies the rule only if k = max(1, int(rho n)) > 1
+    batch = make_batch(seed=6)
+    num_negative = sum(a < 0 for _, _, a in cells(batch))
+    rho = 1.5 / num_negative  # int(rho n) = 1
+    assert not baselines.lp_reg_mask(batch["logprobs"], batch["proxy_logprobs"], batch["advantages"],
+                                     batch["mask"], rho).any()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Clip-Cov and KL-Cov
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def covariance_loop(batch):
+    valid = cells(batch)
+    mean_a = sum(a for _, _, a in valid) / len(valid)
+    mean_lp = sum(lp(batch, "logprobs", i, t) for i, t, _ in valid) / len(valid)
+    return {(i, t): (a - mean_a) * (lp(batch, "logprobs", i, t) - mean_lp) for i, t, a in valid}
+
+
+def test_covariance_matches_loop():
+    batch = make_batch(seed=7)
+    covariance = baselines.advantage_logprob_covariance(batch["logprobs"], batch["advantages"], batch["mask"])
+    for (i, t), value in covariance_loop(batch).items():
+        assert covariance[i, t].item() == pytest.approx(value, abs=1e-6)
+    assert (covariance[~batch["mask"]] == 0).all()
+
+
+def test_clip_cov_detaches_the_documented_count_reproducibly():
+    batch = make_batch(seed=8, batch_size=12, width=20)
+    cfg = baselines.LossConfig(clip_cov_ratio=0.05, clip_cov_lb=0.0, clip_cov_ub=5.0)
+    covariance = covariance_loop(batch)
+
+    def candidate(i, t, a):
+        logp, old = lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t)
+        r = math.exp(logp - old)
+        clipped = -a * min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high) > -a * r
+        return not clipped and 0.0 < covariance[(i, t)] < 5.0
+
+    candidates = {(i, t) for i, t, a in cells(batch) if candidate(i, t, a)}
+    k = max(1, int(0.05 * len(cells(batch))))
+    first, _ = baselines.token_selection("clip_cov", batch, cfg, generator=torch.Generator().manual_seed(0))
+    again, _ = baselines.token_selection("clip_cov", batch, cfg, generator=torch.Generator().manual_seed(0))
+    other, _ = baselines.token_selection("clip_cov", batch, cfg, generator=torch.Generator().manual_seed(1))
+    detached = set(map(tuple, first["detached"].nonzero().tolist()))
+    assert torch.equal(first["detached"], again["detached"])  # same generator state, same tokens
+    assert not torch.equal(first["detached"], other["detached"])  # it is random
+    assert len(detached) == min(k, len(candidates)) and detached <= candidates
+    # detached tokens contribute 0 and stay in the denominator
+    loss, metrics = baselines.policy_loss("clip_cov", batch, cfg, selection=first)
+
+    def per_token(i, t, a):
+        return 0.0 if (i, t) in detached else surrogate_loop(lp(batch, "logprobs", i, t),
+                                                             lp(batch, "old_logprobs", i, t), a, cfg)
+
+    assert loss.item() == pytest.approx(token_mean_loop(batch, per_token), rel=1e-5)
+    (grad,) = torch.autograd.grad(loss, batch["logprobs"])
+    assert all(grad[i, t] == 0 for i, t in detached)
+
+
+def test_kl_cov_penalises_only_the_top_covariance_tokens():
+    batch = make_batch(seed=9, batch_size=12, width=20)
+    cfg = baselines.LossConfig(kl_cov_ratio=0.03, kl_cov_coef=0.5)
+    covariance = covariance_loop(batch)
+    k = max(1, int(0.03 * len(covariance)))
+    top = set(sorted(covariance, key=lambda it: -covariance[it])[:k])
+    selection, _ = baselines.token_selection("kl_cov", batch, cfg)
+    assert set(map(tuple, selection["penalized"].nonzero().tolist())) == top
+
+    def per_token(i, t, a):  # KL-Cov's base loss is the unclipped -A r
+        logp, old = lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t)
+        return -a * math.exp(logp - old) + (0.5 * abs(logp - old) if (i, t) in top else 0.0)
+
+    loss, metrics = baselines.policy_loss("kl_cov", batch, cfg, selection=selection)
+    assert loss.item() == pytest.approx(token_mean_loop(batch, per_token), rel=1e-5)
+    assert metrics["touched_frac"].item() == pytest.approx(k / len(covariance))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 80/20 high-entropy tokens and the entropy bonus
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("convention", ["paper", "lp_reg_dev"])
+def test_high_entropy_mask_and_denominators(convention):
+    batch = make_batch(seed=10, batch_size=8, width=11)
+    cfg = baselines.LossConfig(high_entropy_ratio=0.2, high_entropy_convention=convention)
+    valid = cells(batch)
+    n = len(valid)
+    k = math.ceil(0.2 * n) if convention == "paper" else max(1, int(0.2 * n))
+    top = sorted((it[:2] for it in valid), key=lambda it: -batch["entropy"][it].item())[:k]
+    selection, _ = baselines.token_selection("high_entropy", batch, cfg)
+    assert sorted(map(tuple, selection["kept"].nonzero().tolist())) == sorted(top)
+
+    def per_token(i, t, a):
+        if (i, t) not in top:
+            return 0.0
+        return surrogate_loop(lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t), a, cfg)
+
+    denominator = valid if convention == "paper" else top  # paper: all valid tokens; lp_reg_dev: kept only
+    loss, _ = baselines.policy_loss("high_entropy", batch, cfg, selection=selection)
+    assert loss.item() == pytest.approx(token_mean_loop(batch, per_token, denominator), rel=1e-5)
+
+
+def test_entropy_bonus_value_and_gradient():
+    batch = make_batch(seed=11)
+    batch["entropy"] = batch["entropy"].clone().requires_grad_(True)
+    cfg = baselines.LossConfig(entropy_coef=0.05)
+    loss, metrics = baselines.policy_loss("entropy_bonus", batch, cfg)
+    grpo, _ = baselines.policy_loss("grpo", batch, cfg)
+    mean_entropy = batch["entropy"][batch["mask"]].mean()
+    assert loss.item() == pytest.approx((grpo - 0.05 * mean_entropy).item(), rel=1e-6)
+    (entropy_grad,) = torch.autograd.grad(loss, batch["entropy"])
+    expected = torch.where(batch["mask"], -0.05 / batch["mask"].sum(), 0.0)
+    torch.testing.assert_close(entropy_grad, expected)
+    assert metrics["touched_frac"] == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# All methods: neutral knobs reproduce GRPO, step-scope selection is micro-batch invariant, one switch
+# ----------------------------------------------------------------------------------------------------------------------
+
+NEUTRAL = {
+    "stare": {"stare_top_ratio": 0.0},
+    "stapo": {"stapo_prob_threshold": 0.0},
+    "lp_reg": {"lp_reg_neg_ratio": 0.0},
+    "clip_cov": {"clip_cov_ratio": 0.0},
+    "kl_cov": {"kl_cov_ratio": 0.0},
+    "high_entropy": {"high_entropy_ratio": 1.0},
+    "entropy_bonus": {"entropy_coef": 0.0},
+}
+
+
+@pytest.mark.parametrize("method", sorted(NEUTRAL))
+def test_neutral_setting_reproduces_grpo_exactly(method):
+    # KL-Cov's base loss is unclipped, so it equals GRPO's only on-policy (r = 1), where no clip is active.
+    batch = make_batch(seed=12, on_policy=(method == "kl_cov"))
+    cfg = baselines.LossConfig(**NEUTRAL[method])
+    grpo_loss, _ = baselines.policy_loss("grpo", batch, cfg)
+    (grpo_grad,) = torch.autograd.grad(grpo_loss, batch["logprobs"])
+    loss, metrics = baselines.policy_loss(method, batch, cfg, generator=torch.Generator().manual_seed(0))
+    (grad,) = torch.autograd.grad(loss, batch["logprobs"])
+    assert torch.equal(loss, grpo_loss) and torch.equal(grad, grpo_grad)
+    assert metrics["touched_frac"] == 0
+    # and with STARE's weights at 1 (not just P = 0)
+    if method == "stare":
+        ones = dataclasses.replace(cfg, stare_top_ratio=0.3, stare_w=1.0, stare_m=1.0, stare_variant="C2")
+        assert torch.equal(baselines.policy_loss("stare", batch, ones)[0], grpo_loss)
+
+
+ACTIVE = {
+    "grpo": {},
+    "stare": {"stare_top_ratio": 0.3, "stare_variant": "C2"},
+    "stapo": {"stapo_prob_threshold": 0.2, "stapo_entropy_quantile": 0.6},
+    "lp_reg": {"lp_reg_neg_ratio": 0.4},
+    "clip_cov": {"clip_cov_ratio": 0.05, "clip_cov_lb": 0.0},
+    "kl_cov": {"kl_cov_ratio": 0.05},
+    "high_entropy": {"high_entropy_ratio": 0.3, "high_entropy_convention": "lp_reg_dev"},
+    "entropy_bonus": {"entropy_coef": 0.01},
+}
+
+
+@pytest.mark.parametrize("method", baselines.METHODS)
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_step_selection_makes_micro_batches_add_up(method, agg_mode):
+    # Select once on the whole step, then run the loss per micro-batch with the step's counts: the sum of the
+    # micro-batch losses and gradients equals the full-batch loss and gradient.
+    batch = make_batch(seed=13, batch_size=8, width=10)
+    cfg = baselines.LossConfig(agg_mode=agg_mode, **ACTIVE[method])
+    selection, _ = baselines.token_selection(method, batch, cfg, generator=torch.Generator().manual_seed(0))
+    # the selection is not trivial (not constant over the batch), so the test can tell the scopes apart
+    assert method in ("grpo", "entropy_bonus") or any((m != m.flatten()[0]).any() for m in selection.values())
+    denominator = baselines.loss_mask(method, batch["mask"], selection, cfg)
+    num_tokens, num_sequences = denominator.sum(), (denominator.sum(-1) > 0).sum()
+    full, _ = baselines.policy_loss(method, batch, cfg, selection=selection)
+    (full_grad,) = torch.autograd.grad(full, batch["logprobs"])
+
+    accumulated = 0.0
+    for rows in (slice(0, 3), slice(3, 4), slice(4, 8)):
+        micro = {key: value[rows] for key, value in batch.items()}
+        micro_selection = {key: value[rows] for key, value in selection.items()}
+        loss, _ = baselines.policy_loss(method, micro, cfg, selection=micro_selection, num_tokens=num_tokens,
+                                        num_sequences=num_sequences)
+        accumulated = accumulated + loss
+    (accumulated_grad,) = torch.autograd.grad(accumulated, batch["logprobs"])
+    torch.testing.assert_close(accumulated, full, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(accumulated_grad, full_grad, atol=1e-7, rtol=1e-5)
+
+
+def test_every_method_reports_the_same_touched_key_and_one_switch_selects_it():
+    batch = make_batch(seed=14)
+    keys = None
+    for method in baselines.METHODS:
+        cfg = baselines.LossConfig(**ACTIVE[method])
+        selection, _ = baselines.token_selection(method, batch, cfg, generator=torch.Generator().manual_seed(0))
+        loss, metrics = baselines.policy_loss(method, batch, cfg, selection=selection)
+        assert torch.isfinite(loss) and loss.dim() == 0
+        keys = keys or set(metrics)
+        assert set(metrics) == keys and "touched_frac" in keys
+        assert (metrics["touched_frac"] > 0) == (method != "grpo"), method
+    with pytest.raises(ValueError, match="did you mean 'stapo'"):
+        baselines.policy_loss("stappo", batch, baselines.LossConfig())
+
+
+def test_loss_config_rejects_bad_values_by_name():
+    with pytest.raises(ValueError, match="high_entropy_convention"):
+        baselines.LossConfig(high_entropy_convention="trl")
+    with pytest.raises(ValueError, match="dual_clip=1.0"):
+        baselines.LossConfig(dual_clip=1.0)
+    with pytest.raises(ValueError, match="stare_top_ratio"):
+        baselines.LossConfig(stare_top_ratio=1.5)
