@@ -39,7 +39,10 @@ METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entro
 
 @dataclasses.dataclass
 class LossConfig:
-    """Hyperparameters of the policy loss. Defaults follow each paper's reference scripts (see README table)."""
+    """Hyperparameters of the policy loss. Each method's own knobs default to its paper's reference scripts (README
+    table). The clipped surrogate is shared by every method (a controlled comparison: only the token-level change
+    differs), with the STARE/DAPO settings; the references of Lp-Reg and Clip-Cov use no dual clip and other clip
+    ranges (Lp-Reg clip_low=1.0, clip_high=9.0; Clip-Cov 1.0/1.0): set those here to reproduce them exactly."""
 
     # --- shared: the clipped surrogate and its aggregation (§0, §6) ---
     clip_low: float = 0.2  # ratio clip below 1 - clip_low
@@ -101,7 +104,9 @@ class LossConfig:
 
 def _count_k(ratio, n, rule):
     """k from a fraction of n (a 0-dim device tensor): 'ceil' = ceil(ratio n); 'floor1' = max(1, int(ratio n)), the
-    int() of the verl ports. Both give 0 when ratio = 0, so every method has a neutral setting."""
+    int() of the verl ports. Both give 0 when ratio = 0 (the references' max(1, .) would still pick one token), so
+    every method has a neutral setting. Both allow 1e-9 of floating-point slack: 0.29 * 100 = 28.999999999999996
+    gives 29 here and 28 with the reference's int(); the two differ only at such products."""
     if ratio == 0:
         return torch.zeros((), dtype=torch.int32, device=n.device)
     x = ratio * n.double()
@@ -112,6 +117,8 @@ def _count_k(ratio, n, rule):
 def _masked_quantile(values, mask, q):
     """The q-quantile (linear interpolation, as torch.quantile) of values[mask], without a host sync or a size limit.
     values, mask [...] -> 0-dim float32; +inf when mask is empty."""
+    if values.numel() == 0:
+        return torch.full((), float("inf"), device=values.device)
     ascending = torch.where(mask, values.float(), float("inf")).reshape(-1).sort().values  # valid values first
     n = mask.sum()
     position = q * (n - 1).clamp(min=0).double()
@@ -127,12 +134,14 @@ def stapo_spurious_mask(logprobs, entropy, advantages, mask, prob_threshold=0.01
     logprobs, entropy, mask [B, T]; advantages [B] or [B, T] -> (spurious bool [B, T], entropy threshold 0-dim).
     The paper releases no code; the thresholds (tau_p = 0.01, tau_h = 5th percentile) are from a secondary source
     and configurable. The probabilities and entropies are whatever the caller passes (old policy in step scope).
+    Comparisons are in float32 (a bf16 threshold would be rounded).
     """
     valid = mask.bool()
-    threshold = _masked_quantile(entropy.detach(), valid, entropy_quantile)
+    entropy = entropy.detach().float()
+    threshold = _masked_quantile(entropy, valid, entropy_quantile)
     advantages = stare._unsqueeze_sequence_advantages(advantages, logprobs)
     log_threshold = math.log(prob_threshold) if prob_threshold > 0 else -math.inf  # tau_p = 0: STAPO off
-    spurious = valid & (advantages > 0) & (logprobs.detach() < log_threshold) & (entropy < threshold)
+    spurious = valid & (advantages > 0) & (logprobs.detach().float() < log_threshold) & (entropy < threshold)
     return spurious, threshold
 
 
@@ -149,6 +158,8 @@ def minp_proxy_logprobs(logits, tokens, temperature=1.0, kappa=0.02, soft=False,
     So pi_proxy(o) = pi(o) / sum_{a in V} pi(a) for o in V (at T = 1), and ~0 otherwise. (The reference's `fixed`
     variant, p_a >= kappa, is not implemented.)
     """
+    if not (temperature > 0 and 0 < kappa <= 1):
+        raise ValueError(f"need temperature > 0 and 0 < kappa <= 1, got {temperature=}, {kappa=}")
     logits_2d, tokens_1d = stare._flatten_logits(logits, tokens)
     chunk_rows = stare._chunk_rows(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
     proxy = torch.empty(logits_2d.shape[0], device=logits_2d.device)  # [N] float32
@@ -188,8 +199,13 @@ def advantage_logprob_covariance(logprobs, advantages, mask):
 def clip_cov_mask(logprobs, old_logprobs, advantages, mask, ratio, lb, ub, clip_low, clip_high, generator=None):
     """Clip-Cov's detached tokens (Cui et al. 2025, arXiv 2505.22617; §4): candidates are valid tokens not already
     clipped by the surrogate with lb < Cov < ub; min(k, #candidates) of them, k = max(1, int(ratio N_valid)), are
-    drawn uniformly at random (`generator`, on the tensors' device, makes it reproducible). -> bool [B, T]."""
+    drawn uniformly at random with `generator` (required: a torch.Generator on the tensors' device, so runs are
+    reproducible and no global RNG state is touched). -> bool [B, T]."""
     valid = mask.bool()
+    if ratio == 0:
+        return torch.zeros_like(valid)
+    if generator is None:
+        raise ValueError("clip_cov_mask needs a torch.Generator (pass generator=...): it draws random tokens")
     logprobs = logprobs.detach()
     advantages = stare._token_advantages(advantages, logprobs)
     ratio_pi = torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))
@@ -206,6 +222,8 @@ def kl_cov_mask(logprobs, advantages, mask, ratio):
     """KL-Cov's penalised tokens (Cui et al. 2025; §4): the k = max(1, int(ratio N_valid)) valid tokens with the
     largest Cov. -> bool [B, T]."""
     valid = mask.bool()
+    if valid.numel() == 0:
+        return valid
     covariance = advantage_logprob_covariance(logprobs, advantages, mask)
     # select_top_k ranks values >= 0: shift by the smallest valid covariance (order-preserving)
     lowest = torch.where(valid, covariance, float("inf")).amin()
@@ -279,9 +297,11 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
     num_tokens / num_sequences: the optimizer step's counts of `loss_mask` tokens / non-empty sequences (see
     stare.aggregate_loss), so that micro-batch losses add up to the full-batch loss.
 
-    Every method returns the same keys; "touched_frac" is the fraction of valid tokens whose loss term differs from
-    GRPO's (STARE: reweighted; STAPO: silenced; Lp-Reg: regularised; Clip-Cov: detached; KL-Cov: penalised;
-    80/20: gradient removed; entropy bonus: all, when its coefficient is not 0).
+    Every method returns "touched_frac", the fraction of valid tokens whose loss term differs from GRPO's (STARE:
+    reweighted; STAPO: silenced; Lp-Reg: regularised; Clip-Cov: detached; KL-Cov: penalised; 80/20: gradient
+    removed; entropy bonus: all, when its coefficient is not 0), and clipped_surrogate's stats. When the selection
+    is made here, its own metrics (stare/..., stapo/...) are included; with `selection=` they come from the
+    token_selection call that made it.
     """
     _check_method(method)
     metrics = {}
@@ -303,8 +323,10 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
         token_loss = surrogate * selection["weights"]
         touched = selection["weights"] != 1
     elif method == "lp_reg":  # -A r + beta k3(log pi_proxy - log pi) on the selected tokens, no clip there
-        delta = torch.clamp(batch["proxy_logprobs"] - logprobs, -10.0, 10.0)
-        k3 = torch.exp(delta) - delta - 1  # >= 0; d/d log pi = 1 - pi_proxy / pi < 0 where pi < pi_proxy
+        # verl's low_var_kl: the log-ratio clamped to +-20, the k3 value to [-10, 10] (k3 >= 0, so only the top
+        # bound acts: past pi_proxy / pi = 13.6 the regulariser is flat and its gradient 0)
+        delta = torch.clamp(batch["proxy_logprobs"] - logprobs, -20.0, 20.0)
+        k3 = torch.clamp(torch.exp(delta) - delta - 1, max=10.0)  # d/d log pi = 1 - pi_proxy / pi < 0 if pi < pi_proxy
         touched = selection["regularized"]
         token_loss = torch.where(touched, unclipped + cfg.lp_reg_coef * k3, surrogate)
     elif method == "clip_cov":  # the selected tokens' loss (and gradient) is zeroed; they stay in the denominator

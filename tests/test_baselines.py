@@ -133,8 +133,8 @@ def test_lp_reg_selection_and_loss_match_loop():
         logp, old = lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t)
         if (i, t) not in expected:
             return surrogate_loop(logp, old, a, cfg)
-        delta = max(-10.0, min(10.0, lp(batch, "proxy_logprobs", i, t) - logp))
-        return -a * math.exp(logp - old) + 0.7 * (math.exp(delta) - delta - 1)
+        delta = lp(batch, "proxy_logprobs", i, t) - logp
+        return -a * math.exp(logp - old) + 0.7 * min(10.0, math.exp(delta) - delta - 1)  # k3 capped at 10
 
     loss, _ = baselines.policy_loss("lp_reg", batch, cfg)
     assert loss.item() == pytest.approx(token_mean_loop(batch, per_token), rel=1e-5)
@@ -154,6 +154,21 @@ def test_lp_reg_regulariser_pushes_low_probabilities_up():
     assert selected.any()
     assert (regulariser_grad[selected] < 0).all()  # gradient descent raises log pi towards the proxy
     assert (regulariser_grad[~selected] == 0).all()
+
+
+def test_lp_reg_k3_is_capped_at_ten():
+    # Far below the proxy (pi_proxy / pi > 13.6) the reference's k3 is clamped at 10: flat, with zero gradient.
+    probs = torch.tensor([[0.001, 0.002, 0.5, 0.6]])
+    logprobs = probs.log().requires_grad_(True)
+    batch = {"logprobs": logprobs, "old_logprobs": probs.log(), "advantages": torch.tensor([-1.0]),
+             "mask": torch.ones(1, 4, dtype=torch.bool), "proxy_logprobs": torch.full((1, 4), math.log(0.5))}
+    cfg = baselines.LossConfig(lp_reg_neg_ratio=0.5, lp_reg_coef=1.0)
+    loss, metrics = baselines.policy_loss("lp_reg", batch, cfg)
+    # the two lowest-probability tokens are regularised: 1 (= -A r) + 10 (capped k3) each; the others 1 each
+    assert loss.item() == pytest.approx((11 + 11 + 1 + 1) / 4)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    torch.testing.assert_close(grad, torch.full((1, 4), 0.25))  # only -A r's gradient is left
+    assert metrics["touched_frac"] == 0.5
 
 
 def test_lp_reg_needs_more_than_one_token():
@@ -359,6 +374,43 @@ def test_every_method_reports_the_same_touched_key_and_one_switch_selects_it():
         assert (metrics["touched_frac"] > 0) == (method != "grpo"), method
     with pytest.raises(ValueError, match="did you mean 'stapo'"):
         baselines.policy_loss("stappo", batch, baselines.LossConfig())
+
+
+@pytest.mark.parametrize("method", baselines.METHODS)
+def test_token_advantages_bf16_and_empty_batches(method):
+    batch = make_batch(seed=15)
+    cfg = baselines.LossConfig(**ACTIVE[method])
+    generator = torch.Generator().manual_seed(0)
+    selection, _ = baselines.token_selection(method, batch, cfg, generator=generator)
+    # [B, T] advantages (the broadcast of [B]) give the same loss
+    loss, _ = baselines.policy_loss(method, batch, cfg, selection=selection)
+    token_batch = dict(batch, advantages=batch["advantages"][:, None].expand(6, 9))
+    assert torch.equal(baselines.policy_loss(method, token_batch, cfg, selection=selection)[0], loss)
+    # bf16 log-probs run and stay close to float32
+    bf16_batch = {k: (v.detach().bfloat16() if v.is_floating_point() and k != "advantages" else v)
+                  for k, v in batch.items()}
+    bf16_loss, _ = baselines.policy_loss(method, bf16_batch, cfg, selection=selection)
+    assert bf16_loss.dtype == torch.float32 and bf16_loss.item() == pytest.approx(loss.item(), abs=0.05)
+    # a batch with no rows gives 0, not an error
+    empty = {k: v[:0] for k, v in batch.items()}
+    assert baselines.policy_loss(method, empty, cfg, generator=generator)[0].item() == 0.0
+
+
+def test_selections_make_no_host_sync():
+    # meta tensors raise on .item() or any data-dependent Python branch (see test_stare.py)
+    batch = {"logprobs": torch.empty(4, 8, device="meta"), "old_logprobs": torch.empty(4, 8, device="meta"),
+             "advantages": torch.empty(4, device="meta"), "mask": torch.empty(4, 8, dtype=torch.bool, device="meta"),
+             "entropy": torch.empty(4, 8, device="meta"), "proxy_logprobs": torch.empty(4, 8, device="meta")}
+    for method in baselines.METHODS:
+        if method == "clip_cov":  # torch.rand has no meta generator; its selection is select_top_k, checked here
+            continue
+        loss, metrics = baselines.policy_loss(method, batch, baselines.LossConfig(**ACTIVE[method]))
+        assert loss.device.type == "meta"
+
+
+def test_clip_cov_requires_a_generator():
+    with pytest.raises(ValueError, match="Generator"):
+        baselines.policy_loss("clip_cov", make_batch(seed=16), baselines.LossConfig())
 
 
 def test_loss_config_rejects_bad_values_by_name():
