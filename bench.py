@@ -2,6 +2,7 @@
 
     python bench.py logprob-memory   [--tokens 4096] [--vocab 151936] [--device cpu|cuda]
     python bench.py stare-overhead   [--tokens 1048576] [--repeats 15] [--device cpu|cuda]
+    python bench.py reward-throughput [--responses 2000]
 
 logprob-memory: peak *extra* memory (beyond the input logits) of stare.token_logprobs_and_entropy vs the naive
     log_softmax + entropy on the full tensor, for float32 and bfloat16 logits. On CUDA it reads the allocator's
@@ -10,11 +11,17 @@ logprob-memory: peak *extra* memory (beyond the input logits) of stare.token_log
 stare-overhead: time of stare_weights + clipped_surrogate + aggregate_loss vs clipped_surrogate + aggregate_loss
     alone, on the same tokens in the same run (interleaved, median of repeats). overhead_ratio = stare/grpo - 1.
     Goal: <= 0.25. The forward+backward numbers include the backward of the loss, which training always pays.
+reward-throughput: rewards.compute_rewards (math-verify, main thread, 5 s deadline) on a mixed batch like a rollout's:
+    groups of 16 samples per prompt; answers are integers (50% of prompts), decimals (10%), fractions (15%),
+    radicals (10%), polynomials (10%) and intervals (5%); about 40% of responses are correct (half written as the
+    gold, half in another form), 50% wrong, 10% without a box. Caches start cold for this batch (the warm-up uses
+    other prompts). Goal: >= 500 responses/s on 2 CPU cores.
 """
 
 import argparse
 import gc
 import json
+import random
 import statistics
 import time
 
@@ -162,6 +169,61 @@ def bench_stare_overhead(args):
     }
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# reward-throughput
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def random_math_problem(rng):
+    """(ground truth, a correct answer written differently, a wrong answer maker) for one of six answer kinds."""
+    a, b = rng.randint(2, 99), rng.randint(2, 99)
+    # roughly the mix of MATH-style answers: mostly integers, then fractions, then LaTeX expressions
+    kind = rng.choices(["integer", "decimal", "fraction", "radical", "polynomial", "interval"],
+                       weights=[50, 10, 15, 10, 10, 5])[0]
+    if kind == "integer":
+        return str(a * b), f"{a * b}.0", lambda: str(a * b + rng.randint(1, 50))
+    if kind == "decimal":  # gold 0.75-style, answered as a fraction
+        q = rng.choice([2, 4, 5, 8, 20, 25])
+        return str(a / q), f"\\frac{{{a}}}{{{q}}}", lambda: f"\\frac{{{a + rng.randint(1, 9)}}}{{{q}}}"
+    if kind == "fraction":
+        return f"\\frac{{{a}}}{{{b + a}}}", f"{a}/{b + a}", lambda: f"\\dfrac{{{b + a}}}{{{a + rng.randint(0, 5)}}}"
+    if kind == "radical":
+        return f"{a}\\sqrt{{2}}", f"\\sqrt{{{2 * a * a}}}", lambda: f"{a}\\sqrt{{{rng.choice([3, 5, 6])}}}"
+    if kind == "polynomial":
+        return f"x^2+{a}x+{b}", f"{b}+{a}x+x^2", lambda: f"x^2+{b}x+{a + rng.randint(1, 9)}"
+    return f"[{a}, {a + b})", f"[{a},{a + b})", lambda: f"({a}, {a + b + rng.randint(0, 3)}]"
+
+
+def reward_batch(num_responses, seed, group_size=16):
+    """Rollout-like responses, ground truths and data sources: group_size samples per prompt."""
+    rng = random.Random(seed)
+    responses, ground_truths = [], []
+    while len(responses) < num_responses:
+        gold, other_form, wrong_answer = random_math_problem(rng)
+        for _ in range(min(group_size, num_responses - len(responses))):
+            draw = rng.random()
+            answer = gold if draw < 0.2 else other_form if draw < 0.4 else wrong_answer() if draw < 0.9 else None
+            reasoning = "Let me work through this step by step. " * rng.randint(2, 12)
+            ending = f"So the final answer is \\boxed{{{answer}}}." if answer else "So the final answer is unclear."
+            responses.append(reasoning + ending)
+            ground_truths.append(gold)
+    return responses, ground_truths, ["Short_CoT"] * num_responses
+
+
+def bench_reward_throughput(args):
+    import rewards  # lazily: the other subcommands do not need math-verify
+
+    cfg = rewards.RewardConfig()
+    warmup = reward_batch(64, seed=1)  # first-call costs (sympy and antlr set-up), on prompts the timed batch lacks
+    rewards.compute_rewards(*warmup, [0] * 64, cfg)
+    responses, ground_truths, data_sources = reward_batch(args.responses, seed=0)
+    start = time.perf_counter()
+    _, accuracies, _ = rewards.compute_rewards(responses, ground_truths, data_sources, [0] * len(responses), cfg)
+    seconds = time.perf_counter() - start
+    return {"responses": len(responses), "seconds": round(seconds, 3),
+            "responses_per_s": round(len(responses) / seconds, 1), "acc": round(sum(accuracies) / len(accuracies), 4)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -173,8 +235,11 @@ def main():
     overhead.add_argument("--repeats", type=int, default=15)
     for sub in (memory, overhead):
         sub.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    throughput = commands.add_parser("reward-throughput", help="responses per second of rewards.compute_rewards")
+    throughput.add_argument("--responses", type=int, default=2000)
     args = parser.parse_args()
-    run = {"logprob-memory": bench_logprob_memory, "stare-overhead": bench_stare_overhead}[args.command]
+    run = {"logprob-memory": bench_logprob_memory, "stare-overhead": bench_stare_overhead,
+           "reward-throughput": bench_reward_throughput}[args.command]
     print(json.dumps(run(args)))
 
 

@@ -1,0 +1,319 @@
+"""data.py: prompt sets. Load examples from JSONL or Parquet, write synthetic splits, tokenize prompts.
+
+Pure Python plus pyarrow: no vLLM, no torch, no torch.distributed. Section numbers "§x" refer to
+`shared/reference/algorithms.md`.
+
+Files (chosen by extension, case-insensitive)
+  .jsonl    one JSON object per line; blank lines are skipped. Errors say `path:LINE` (1-based line of the file).
+  .parquet  read with pyarrow, one row per example. Errors say `path row ROW` (1-based).
+Any other extension, a missing file, or a file with no examples is a ValueError.
+
+Row formats (detected per row: a row with a "prompt" key is verl's, else a row with "problem" is plain)
+  verl   {"prompt": [{"role": "user", "content": "Find x. Put the answer in \\boxed{}."}],
+          "reward_model": {"ground_truth": "42"}, "data_source": "Short_CoT"}
+         The messages are used exactly as given (each must have non-empty string "role" and "content"; extra keys
+         are kept). verl data already carry their instruction, so NO suffix is added. Other keys (extra_info,
+         ability, reward_model.style, ...) are ignored.
+  plain  {"problem": "Find x if 2x = 84.", "answer": 42, "data_source": "toy"}
+         Becomes one user message: problem + "\\n" + prompt_suffix. With prompt_suffix None or "" the message is the
+         problem alone (no newline). The default suffix is STARE's (§1.6; recipe/STARE/datasets/dapo_17k_text_train.py
+         in the reference).
+
+Ground truth (verl's reward_model.ground_truth, plain's answer): a string (kept as is, must not be blank) or a number.
+  ints become str(int): 42 -> "42". Integral floats drop the ".0": 42.0 -> "42" (pandas turns int columns with gaps
+  into floats; "42.0" would only be a second spelling of the same answer). Other floats use Python's shortest
+  round-trip repr: 0.1 -> "0.1", 2.5e-07 -> "2.5e-07". NaN, inf, booleans and lists are errors.
+
+data_source: the row's own (a non-empty string; null counts as absent), else `default_data_source`, else the file's
+  stem ("data/train.jsonl" -> "train").
+
+Error messages (all ValueError, all start with where: the file, and the line or row)
+  data/train.jsonl: no such file
+  data/train.csv: unknown extension '.csv' (expected .jsonl or .parquet)
+  data/train.jsonl: no examples
+  data/train.jsonl:3: invalid JSON (Expecting value at column 12)
+  data/train.jsonl:3: row must be a JSON object, got list
+  data/train.jsonl:3: row has neither 'prompt' (verl format) nor 'problem' (plain format)
+  data/train.parquet row 5: missing field 'answer'
+  data/train.parquet row 5: missing field 'reward_model.ground_truth'
+  data/train.jsonl:3: field 'prompt' must be a non-empty list of {role, content} messages
+  data/train.jsonl:3: field 'prompt' message 2 has empty 'content'
+  data/train.jsonl:3: field 'answer' must be a string or a number, got bool
+
+Writing: `save_jsonl(rows, path)` writes plain-format dicts ({"problem", "answer", optional "data_source"}) as JSONL,
+  e.g. a synthetic task generator's splits. It checks each row as load_examples would and writes nothing on error.
+
+Tokenization: `tokenize_prompts` applies the tokenizer's chat template with the generation prompt. A prompt longer
+than max_prompt_tokens is handled by `overflow`:
+  "left_truncate"  keep the LAST max_prompt_tokens ids (verl's truncation="left", the STARE setting, §1.5). The
+                   generation prompt at the end survives; the head (system prompt, start of the question) is lost.
+  "skip"           drop the example (counted in stats["num_skipped"]).
+  "error"          raise ValueError naming the example's origin and its length.
+"""
+
+import dataclasses
+import json
+import math
+import numbers
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+STARE_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
+
+OVERFLOW_MODES = ("left_truncate", "skip", "error")
+
+
+@dataclasses.dataclass
+class Example:
+    """One prompt: chat messages for the tokenizer's template, and what the verifier needs."""
+
+    messages: list[dict]  # [{"role": "user", "content": "..."}, ...]
+    ground_truth: str  # the reference answer the reward function compares against
+    data_source: str  # routes the reward function and groups eval metrics (e.g. "Short_CoT", "AIME24")
+    origin: str  # where it came from, for error messages: "data/train.jsonl:7" or "data/train.parquet row 7"
+
+
+# ======================================================================================================================
+# Loading
+# ======================================================================================================================
+
+
+def load_examples(
+    path, default_data_source: str | None = None, prompt_suffix: str | None = STARE_SUFFIX
+) -> list[Example]:
+    """Read a .jsonl or .parquet prompt set into Examples, in file order; every bad row is a ValueError.
+
+    default_data_source: used for rows without their own data_source (else the file's stem).
+    prompt_suffix: appended after a newline to plain-format problems; None or "" appends nothing. verl-format rows
+    never get it (their prompts already carry the instruction).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    readers = {".jsonl": _read_jsonl_rows, ".parquet": _read_parquet_rows}
+    extension = path.suffix.lower()
+    if extension not in readers:
+        raise ValueError(f"{path}: unknown extension {extension!r} (expected .jsonl or .parquet)")
+    fallback_source = default_data_source or path.stem
+    examples = [
+        _example_from_row(row, origin, fallback_source, prompt_suffix) for origin, row in readers[extension](path)
+    ]
+    if not examples:
+        raise ValueError(f"{path}: no examples")
+    return examples
+
+
+def _read_jsonl_rows(path):
+    """Yield (origin, parsed row) for each non-blank line; origin is "path:LINE" with 1-based LINE."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")  # -sig: tolerate a byte-order mark some editors write
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8 ({error.reason})") from None
+    # split("\n"), not splitlines(): U+2028 and friends may appear unescaped inside JSON strings and are not line ends.
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        origin = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            # error.lineno is always 1 here (one line per document), so report the column only.
+            raise ValueError(f"{origin}: invalid JSON ({error.msg} at column {error.colno})") from None
+        yield origin, row
+
+
+def _read_parquet_rows(path):
+    """Yield (origin, row dict) for each row; origin is "path row ROW" with 1-based ROW."""
+    import pyarrow  # imported here so that JSONL-only users never pay for (or need) pyarrow
+    import pyarrow.parquet
+
+    try:
+        table = pyarrow.parquet.read_table(path)
+    except pyarrow.ArrowException as error:
+        raise ValueError(f"{path}: not a readable Parquet file ({error})") from None
+    for number, row in enumerate(table.to_pylist(), start=1):
+        yield f"{path} row {number}", row
+
+
+def _example_from_row(row, origin, fallback_source, prompt_suffix):
+    """Validate one row (verl or plain format) and turn it into an Example; ValueError names origin and field."""
+    if not isinstance(row, Mapping):
+        raise ValueError(f"{origin}: row must be a JSON object, got {type(row).__name__}")
+    if "prompt" in row:
+        messages = _verl_messages(row["prompt"], origin)
+        ground_truth = _ground_truth(_verl_ground_truth(row, origin), "reward_model.ground_truth", origin)
+    elif "problem" in row:
+        problem = _non_empty_string(row["problem"], "problem", origin)
+        content = (problem + "\n" + prompt_suffix) if prompt_suffix else problem
+        messages = [{"role": "user", "content": content}]
+        ground_truth = _ground_truth(_required(row, "answer", origin), "answer", origin)
+    else:
+        raise ValueError(f"{origin}: row has neither 'prompt' (verl format) nor 'problem' (plain format)")
+    return Example(messages, ground_truth, _data_source(row, origin, fallback_source), origin)
+
+
+def _verl_messages(prompt, origin):
+    """verl's "prompt": a non-empty list of {role, content} dicts (a numpy array of dicts when read via pandas)."""
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (str, bytes)):
+        prompt = prompt.tolist()  # numpy object array -> list, without importing numpy
+    if not isinstance(prompt, (list, tuple)) or not prompt or not all(isinstance(m, Mapping) for m in prompt):
+        raise ValueError(f"{origin}: field 'prompt' must be a non-empty list of {{role, content}} messages")
+    messages = []
+    for index, message in enumerate(prompt, start=1):
+        for key in ("role", "content"):
+            value = message.get(key)
+            if not isinstance(value, str):
+                raise ValueError(f"{origin}: field 'prompt' message {index} needs a string '{key}', got {value!r}")
+            if not value.strip():
+                raise ValueError(f"{origin}: field 'prompt' message {index} has empty '{key}'")
+        messages.append(dict(message))
+    return messages
+
+
+def _verl_ground_truth(row, origin):
+    reward_model = _required(row, "reward_model", origin)
+    if not isinstance(reward_model, Mapping):
+        raise ValueError(f"{origin}: field 'reward_model' must be an object with a 'ground_truth'")
+    if reward_model.get("ground_truth") is None:
+        raise ValueError(f"{origin}: missing field 'reward_model.ground_truth'")
+    return reward_model["ground_truth"]
+
+
+def _ground_truth(value, field, origin):
+    """A ground truth as a string: strings as given, numbers as in the module docstring."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"{origin}: field '{field}' is empty")
+        return value
+    # bool is an int subclass; True as an answer is a bug in the data, not the number 1.
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{origin}: field '{field}' must be finite, got {value}")
+        return str(int(value)) if value.is_integer() else repr(value)
+    raise ValueError(f"{origin}: field '{field}' must be a string or a number, got {type(value).__name__}")
+
+
+def _data_source(row, origin, fallback_source):
+    value = row.get("data_source")
+    if value is None:  # absent, or a null in a Parquet column that other rows fill
+        return fallback_source
+    return _non_empty_string(value, "data_source", origin)
+
+
+def _required(row, field, origin):
+    # A null counts as missing: Parquet stores an absent value as null.
+    if row.get(field) is None:
+        raise ValueError(f"{origin}: missing field '{field}'")
+    return row[field]
+
+
+def _non_empty_string(value, field, origin):
+    if value is None:
+        raise ValueError(f"{origin}: missing field '{field}'")
+    if not isinstance(value, str):
+        raise ValueError(f"{origin}: field '{field}' must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise ValueError(f"{origin}: field '{field}' is empty")
+    return value
+
+
+# ======================================================================================================================
+# Writing
+# ======================================================================================================================
+
+PLAIN_FIELDS = ("problem", "answer", "data_source")
+
+
+def save_jsonl(rows, path) -> int:
+    """Write plain-format rows ({"problem", "answer", optional "data_source"}) as JSONL; returns the row count.
+
+    Every row is validated as load_examples would read it, so whatever is written loads back; an unknown key is an
+    error rather than silently dropped. The file appears only when all rows are valid (written to a temporary
+    file, then renamed), and missing parent directories are created.
+    """
+    path = Path(path)
+    lines = []
+    for number, row in enumerate(rows, start=1):
+        where = f"save_jsonl({path}) row {number}"
+        if not isinstance(row, Mapping):
+            raise ValueError(f"{where}: row must be a dict, got {type(row).__name__}")
+        unknown = sorted(set(row) - set(PLAIN_FIELDS))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown} (expected {list(PLAIN_FIELDS)})")
+        if "problem" not in row:
+            raise ValueError(f"{where}: missing field 'problem'")
+        _example_from_row(row, where, "unused", None)  # the same checks as loading
+        plain = {key: row[key] for key in PLAIN_FIELDS if row.get(key) is not None}
+        lines.append(json.dumps(plain, ensure_ascii=False))
+    if not lines:
+        raise ValueError(f"save_jsonl({path}): no rows to write (load_examples rejects an empty file)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+    return len(lines)
+
+
+# ======================================================================================================================
+# Tokenization
+# ======================================================================================================================
+
+
+def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str = "left_truncate"):
+    """Chat-template each example's messages (with the generation prompt) into token ids and enforce the length cap.
+
+    Returns (prompt_ids, kept_examples, stats): prompt_ids[i] belongs to kept_examples[i], in input order.
+    overflow: "left_truncate" | "skip" | "error" (see the module docstring).
+    stats: num_prompts (input count), num_truncated, num_skipped, and max_tokens / mean_tokens over the kept prompts
+    after truncation (0 and 0.0 when none is kept).
+    """
+    if overflow not in OVERFLOW_MODES:
+        raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
+    if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
+        raise ValueError(f"max_prompt_tokens must be a positive int, got {max_prompt_tokens!r}")
+    prompt_ids, kept, num_prompts, num_truncated, num_skipped = [], [], 0, 0, 0
+    for example in examples:
+        num_prompts += 1
+        ids = chat_template_ids(tokenizer, example.messages)
+        if len(ids) > max_prompt_tokens:
+            if overflow == "error":
+                raise ValueError(
+                    f"{example.origin}: prompt is {len(ids)} tokens, over max_prompt_tokens={max_prompt_tokens}"
+                )
+            if overflow == "skip":
+                num_skipped += 1
+                continue
+            ids = ids[-max_prompt_tokens:]
+            num_truncated += 1
+        prompt_ids.append(ids)
+        kept.append(example)
+    lengths = [len(ids) for ids in prompt_ids]
+    stats = {
+        "num_prompts": num_prompts,
+        "num_truncated": num_truncated,
+        "num_skipped": num_skipped,
+        "max_tokens": max(lengths, default=0),
+        "mean_tokens": sum(lengths) / len(lengths) if lengths else 0.0,
+    }
+    return prompt_ids, kept, stats
+
+
+def chat_template_ids(tokenizer, messages) -> list[int]:
+    """Token ids of `messages` under the tokenizer's chat template, ending with the assistant generation prompt.
+
+    transformers 5.x returns a BatchEncoding ({"input_ids", "attention_mask"}) from apply_chat_template(...,
+    tokenize=True), where 4.x returned a plain list; accept either, and tensors/arrays too.
+    """
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()  # torch tensor or numpy array
+    if ids and isinstance(ids[0], (list, tuple)):  # a batch of one conversation
+        (ids,) = ids
+    return [int(token) for token in ids]

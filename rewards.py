@@ -1,0 +1,391 @@
+"""rewards.py: verifiable rewards. Checks math answers with math-verify and the tiny "sum" task with plain integers.
+Pure Python: no vLLM, no torch, no torch.distributed, no file I/O.
+
+    import rewards
+    cfg = rewards.RewardConfig()                          # acc only, as in STARE
+    scores, accs, metrics = rewards.compute_rewards(responses, ground_truths, data_sources, response_lengths, cfg)
+    rewards.verify_math(r"... so the answer is \\boxed{\\frac{3}{4}}", "0.75")      # (True, "ok")
+    rewards.verify_sum(r"\\boxed{3+4}", "7")                                        # (True, "ok")
+    python bench.py reward-throughput                     # responses per second on this machine
+
+The reward of a response
+    reward = acc + overlong_penalty + format_weight * format_ok
+    acc ∈ {0, 1} comes from the data source's verifier: "tiny_sum" uses verify_sum, and every other source uses
+    verify_math.
+    overlong_penalty is DAPO's linear length shaping (algorithms.md §6). It applies only when overlong_buffer_len > 0.
+    format_ok is STARE's format check (§1.6). It is always logged, but it enters the reward only when
+    format_weight != 0.
+    Every check returns (correct, status). The status is one of "ok", "no_answer", "parse_error" or "timeout",
+    and the fraction of each is logged as a metric.
+
+How a math answer is checked (verify_math)
+    Prediction: with answer_format="boxed" (the default), the prediction is the content of the last \\boxed{...}
+        (braces balanced, escaped \\{ \\} ignored) and nothing else. A response without one is wrong with status
+        "no_answer". With "any", math-verify's own extraction searches the whole response: LaTeX environments,
+        boxes, "final answer is", and bare expressions. That is more lenient: it also accepts a bare "answer 42".
+    Gold: parsed from "\\boxed{" + ground_truth + "}", so "42", "\\frac{1}{2}", "x^2+1" and "[1,2)" all parse.
+    Comparison: math_verify.verify(gold, prediction). The gold goes first, because verify is asymmetric. The
+        comparison is symbolic and numeric (6 decimal places), and also handles sets, intervals and equations.
+    math-verify's leniencies, which are kept: 10\\% equals both 10 and 0.1. The gold 5 accepts x=5. The gold "1,2"
+        is the set {1, 2}, but "1,000" is 1000. A space between digits multiplies, so "1 000" equals 0.
+    Shortcuts in boxed mode, none of which can turn a wrong answer into a right one:
+        - An answer string-identical to the ground truth is correct. math-verify's own string comparison agrees.
+        - When both are plain numbers (integers, decimals, \\frac{p}{q}, p/q), exact rational arithmetic decides.
+          Equal values are correct. Values more than 1e-5 apart are wrong, as math-verify would also rule. Closer
+          values are left to math-verify's 6-decimal rounding. This is about 50x faster than parsing LaTeX.
+        - Parsed golds and the results of (ground truth, answer) pairs are kept in LRU caches, since a result is a
+          pure function of those two strings. A check that timed out is never cached.
+
+Timeouts, and why they work this way
+    sympy can run for minutes or forever on inputs such as \\boxed{9^{9^{9^{9^{9}}}}} or a page-long expression.
+    math-verify's own timeouts use signal.alarm, which has three problems:
+        - it raises ValueError outside the main thread (Math-Verify issues #50, #55);
+        - it counts whole seconds;
+        - it applies to each parse and to each (gold, prediction) pair, so one response can cost several timeouts.
+    So we pass timeout=None to math-verify and put a single deadline of timeout_s around the whole check.
+    In the main thread, the deadline is a SIGALRM interval timer (setitimer, fractional seconds) whose handler
+    raises an exception derived from BaseException. math-verify's and sympy's `except Exception` blocks therefore
+    cannot swallow it. Afterwards the caller's SIGALRM handler is restored, and so is whatever time was left on a
+    pending alarm of the caller's. That alarm goes off late, when the check ends.
+    The timer can only interrupt Python code, between bytecodes. A single long C call would run to its end first,
+    but in tests every pathological input stopped within 60 ms of the deadline.
+    Outside the main thread, signals cannot be used, so the check runs with NO deadline. Call compute_rewards from
+    the main thread, as the trainer does, or from a process pool (each worker is its own main thread), and add
+    your own outer limit, e.g. future.result(timeout=...).
+    math-verify logs a warning once that its timeouts are disabled. That warning is expected here.
+
+What differs from the STARE reference's reward (algorithms.md §1.6)
+    The reference extracts the answer heuristically in two stages. First it narrows to <answer>/</think>; then it
+    looks for a keyword section such as "Final Answer" or "答案", or else takes the last 300 characters. It counts
+    the answer correct if any of three checks passes: math-verify on the text, math-verify on mathruler's boxed
+    content, or mathruler.grade_answer. Here there is one strict extraction (the last \\boxed{}) and one checker
+    (math-verify), with no mathruler. STARE's prompt asks for \\boxed{} anyway, and a single checker has a single
+    notion of "correct". As a result, an answer that is stated only in prose scores 0 here but may score 1 there.
+    Use answer_format="any" for a more lenient check. Overlong shaping and format_weight default to off, which
+    leaves acc alone as the reward, as in STARE.
+"""
+
+import dataclasses
+import functools
+import logging
+import math
+import re
+import signal
+import threading
+import time
+from fractions import Fraction
+
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+# math-verify's own timeouts are off (a single deadline is enforced here, see above); its one-time warning saying
+# so would only alarm the reader of every training log
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+SUM_TASK_SOURCE = "tiny_sum"  # data_source of tiny.py's "write N as a sum of two positive integers" task
+ANSWER_FORMATS = ("boxed", "any")
+
+# The gold and a boxed prediction are parsed with the same config, so two identical strings parse identically.
+# boxed_match_priority=0: a \boxed{} match wins over any other LaTeX match in the same text.
+_BOXED_PARSE_CONFIG = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# answer extraction
+# ----------------------------------------------------------------------------------------------------------------------
+
+_BOXED_OPEN = re.compile(r"\\boxed\s*\{")
+_ESCAPE_OR_BRACE = re.compile(r"\\.|[{}]", re.DOTALL)  # an escape such as \{ \} or \\ is one token, not a brace
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} in text, braces balanced: '\\boxed{\\frac{1}{2}}' -> '\\frac{1}{2}'.
+    '\\boxed {x}' also counts. Returns None if there is no \\boxed{, or if the last one is never closed."""
+    last_open = None
+    for last_open in _BOXED_OPEN.finditer(text):
+        pass
+    if last_open is None:
+        return None
+    depth = 1
+    for token in _ESCAPE_OR_BRACE.finditer(text, last_open.end()):
+        if token.group() == "{":
+            depth += 1
+        elif token.group() == "}":
+            depth -= 1
+            if depth == 0:
+                return text[last_open.end():token.start()]
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the deadline (see "Timeouts" in the module docstring)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _Timeout(BaseException):
+    """Raised by the SIGALRM handler. It derives from BaseException so that the `except Exception` blocks in
+    math-verify and sympy let it through to verify_math."""
+
+
+def _raise_timeout(signum, frame):
+    raise _Timeout
+
+
+def _alarm_usable() -> bool:
+    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+
+def _call_with_deadline(seconds: float, fn, *args):
+    """fn(*args), interrupted by _Timeout after `seconds`, if this is the main thread. Elsewhere, fn runs unbounded."""
+    if seconds is None or seconds <= 0 or not _alarm_usable():
+        return fn(*args)
+    started = time.monotonic()
+    previous_handler = signal.signal(signal.SIGALRM, _raise_timeout)
+    previous_timer = (0.0, 0.0)
+    try:
+        previous_timer = signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            return fn(*args)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # one-shot timer: once this has run, no _Timeout can follow
+    finally:
+        # None means the handler was not installed from Python; the default is the closest equivalent
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous_handler is None else previous_handler)
+        left, interval = previous_timer
+        if left > 0:  # the caller had an alarm pending: re-arm what is left of it (at least a microsecond)
+            signal.setitimer(signal.ITIMER_REAL, max(left - (time.monotonic() - started), 1e-6), interval)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# verifiers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+# A plain number: an integer, a decimal, \frac{p}{q} (also \dfrac, \tfrac) or p/q, with an optional leading minus.
+# At most 50 digits per part, so int() never meets Python's 4300-digit limit.
+_PLAIN_NUMBER = re.compile(r"(?P<minus>-?)(?:(?P<decimal>[0-9]{1,50}(?:\.[0-9]{1,50})?)"
+                           r"|\\[dt]?frac\{(?P<frac_p>[0-9]{1,50})\}\{(?P<frac_q>[0-9]{1,50})\}"
+                           r"|(?P<slash_p>[0-9]{1,50})/(?P<slash_q>[0-9]{1,50}))")
+
+
+def _plain_number(text: str) -> Fraction | None:
+    """The exact value of a plain number ("-12", "0.75", "\\frac{3}{4}", "3/4"), or None for anything else."""
+    match = _PLAIN_NUMBER.fullmatch(text.strip())
+    if match is None:
+        return None
+    if match["decimal"] is not None:
+        value = Fraction(match["decimal"])
+    else:
+        p, q = (match["frac_p"], match["frac_q"]) if match["frac_p"] else (match["slash_p"], match["slash_q"])
+        if int(q) == 0:
+            return None
+        value = Fraction(int(p), int(q))
+    return -value if match["minus"] else value
+
+
+def _plain_numbers_verdict(ground_truth: str, answer: str) -> bool | None:
+    """The verdict on two plain numbers, without sympy, where it is certain; None where math-verify must decide.
+
+    Equal exact values are correct. math-verify would agree, and where it would not (a 16-digit decimal, which
+    sympy rounds to 15 digits) the answer is still right. Values further apart than 1e-5 (plus a relative 1e-9
+    for sympy's 15-digit floats) are wrong: math-verify accepts two unequal numbers only when both round to the
+    same 6 decimals. Nearer values are left to math-verify, so that for example 0.333333 still matches 1/3.
+    """
+    gold, prediction = _plain_number(ground_truth), _plain_number(answer)
+    if gold is None or prediction is None:
+        return None
+    if gold == prediction:
+        return True
+    if abs(gold - prediction) > Fraction(1, 10**5) + max(abs(gold), abs(prediction)) / 10**9:
+        return False
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(ground_truth: str) -> list:
+    # The box makes plain "42", "\frac{1}{2}" and "x^2+1" a LaTeX match; math-verify keeps the string form too.
+    return parse("\\boxed{" + ground_truth + "}", extraction_config=_BOXED_PARSE_CONFIG, parsing_timeout=None)
+
+
+@functools.lru_cache(maxsize=65536)
+def _boxed_answer_matches(ground_truth: str, answer: str) -> tuple[bool, str]:
+    # Cached, because a group of n samples often repeats an answer. A _Timeout leaves the cache untouched.
+    gold = _parse_gold(ground_truth)
+    prediction = parse("\\boxed{" + answer + "}", extraction_config=_BOXED_PARSE_CONFIG, parsing_timeout=None)
+    if not gold or not prediction:
+        return False, "parse_error"
+    return verify(gold, prediction, timeout_seconds=None), "ok"
+
+
+def _check_math(response: str, ground_truth: str, answer_format: str) -> tuple[bool, str]:
+    if answer_format == "boxed":
+        answer = extract_boxed(response)
+        if answer is None:
+            return False, "no_answer"
+        if answer.strip() and answer.strip() == ground_truth.strip():  # identical strings: math-verify agrees
+            return True, "ok"
+        verdict = _plain_numbers_verdict(ground_truth, answer)  # ~50x faster than parsing the LaTeX
+        if verdict is not None:
+            return verdict, "ok"
+        return _boxed_answer_matches(ground_truth, answer)
+    gold = _parse_gold(ground_truth)
+    prediction = parse(response, parsing_timeout=None)  # math-verify's default extraction, over the whole text
+    if not prediction:
+        return False, "no_answer"
+    if not gold:
+        return False, "parse_error"
+    return verify(gold, prediction, timeout_seconds=None), "ok"
+
+
+def verify_math(response: str, ground_truth: str, answer_format: str = "boxed",
+                timeout_s: float = 5.0) -> tuple[bool, str]:
+    """Is the response's final answer mathematically equal to ground_truth? Returns (correct, status).
+
+    answer_format "boxed": the answer is the content of the last \\boxed{}. If there is none: (False, "no_answer").
+    answer_format "any": math-verify's own extraction over the whole response.
+    status: "ok" (compared), "no_answer", "parse_error" (math-verify understood nothing, or an error),
+    "timeout" (the whole check exceeded timeout_s; enforced only in the main thread, see the module docstring).
+    Never raises on any response or ground truth. An unknown answer_format is a programming error: ValueError.
+    """
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
+    try:
+        return _call_with_deadline(timeout_s, _check_math, response, ground_truth, answer_format)
+    except _Timeout:
+        return False, "timeout"
+    except Exception:  # math-verify catches its own errors; this catches the rest (e.g. a non-str input)
+        return False, "parse_error"
+
+
+_SUM_ANSWER = re.compile(r"([0-9]+)\+([0-9]+)")  # ASCII digits only: \d would also accept e.g. Arabic-Indic digits
+
+
+def verify_sum(response: str, ground_truth: str) -> tuple[bool, str]:
+    """The tiny "sum" task's verifier: is the last \\boxed{} exactly "a+b", with a, b > 0 and a + b == ground_truth?
+
+    Whitespace anywhere in the box is ignored. a and b must be plain decimal digits: no sign, no other symbol.
+    Returns (correct, status): "no_answer" if there is no box, "parse_error" if the box is not of the form a+b (or
+    the ground truth is not an integer), else "ok". No sympy. Never raises.
+    """
+    try:
+        answer = extract_boxed(response)
+        if answer is None:
+            return False, "no_answer"
+        match = _SUM_ANSWER.fullmatch("".join(answer.split()))
+        if match is None:
+            return False, "parse_error"
+        target = int(ground_truth)
+    except Exception:  # a non-str input, or a ground truth that is not an integer
+        return False, "parse_error"
+    try:
+        a, b = int(match.group(1)), int(match.group(2))
+    except ValueError:  # more digits than Python converts (4300): the form is right, and the sum cannot be this small
+        return False, "ok"
+    return a > 0 and b > 0 and a + b == target, "ok"
+
+
+def format_ok(response: str) -> bool:
+    """STARE's format check (algorithms.md §1.6 "format"). The reference only logs it.
+
+    If both <think> and <answer> appear, a "<think>...</think>\\n<answer>...</answer>" block is required.
+    Otherwise the response passes if it matches ^<think>X</think>Y$, if it contains "</think>", or if it contains
+    "boxed". The first of these three implies the second, so it is not tested separately.
+    """
+    if "<think>" in response and "<answer>" in response:
+        return re.search(r"<think>.*?</think>\n<answer>.*?</answer>", response, re.DOTALL) is not None
+    return "</think>" in response or "boxed" in response
+
+
+def overlong_penalty(length: int, max_response_len: int, buffer_len: int, factor: float = 1.0) -> float:
+    """DAPO's overlong reward shaping (algorithms.md §6): 0 up to expected = max_response_len - buffer_len, then
+    linear down to -factor at max_response_len: min(-(length - expected) / buffer_len * factor, 0).
+
+    Like DAPO, it does not clip below -factor. A length beyond max_response_len (which the sampler never
+    produces) gets a larger penalty.
+    """
+    if buffer_len <= 0:
+        raise ValueError(f"buffer_len must be > 0, got {buffer_len}")
+    expected = max_response_len - buffer_len
+    return min(-(length - expected) / buffer_len * factor, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the batch reward
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    answer_format: str = "boxed"  # "boxed": only the last \boxed{} counts; "any": math-verify searches the whole text
+    timeout_s: float = 5.0  # deadline for checking one response (main thread only; see the module docstring)
+    overlong_buffer_len: int = 0  # DAPO overlong shaping over the last this-many tokens; 0 = off (STARE's default)
+    overlong_penalty_factor: float = 1.0  # the penalty at max_response_len, which is -factor
+    max_response_len: int = 0  # the sampler's max new tokens; it must be > overlong_buffer_len when shaping is on
+    format_weight: float = 0.0  # reward += format_weight * format_ok; 0 = format is logged, not rewarded (reference)
+
+    def __post_init__(self):
+        if self.answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {self.answer_format!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.overlong_buffer_len < 0:
+            raise ValueError(f"overlong_buffer_len must be >= 0 (0 = off), got {self.overlong_buffer_len}")
+        if not self.overlong_penalty_factor >= 0:
+            raise ValueError(f"overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}")
+        if self.max_response_len < 0:
+            raise ValueError(f"max_response_len must be >= 0, got {self.max_response_len}")
+        if self.overlong_buffer_len > 0 and self.max_response_len <= self.overlong_buffer_len:
+            raise ValueError(f"max_response_len ({self.max_response_len}) must be > overlong_buffer_len "
+                             f"({self.overlong_buffer_len}) when overlong shaping is on")
+        if not math.isfinite(self.format_weight):
+            raise ValueError(f"format_weight must be finite, got {self.format_weight}")
+
+
+def compute_rewards(
+    responses: list[str], ground_truths: list[str], data_sources: list[str], response_lengths: list[int],
+    cfg: RewardConfig,
+) -> tuple[list[float], list[float], dict[str, float]]:
+    """Score a batch. Returns (rewards, accuracies, metrics). An accuracy is 0.0 or 1.0, and
+    reward = accuracy + overlong penalty (if on) + cfg.format_weight * format_ok.
+
+    Routing: data_source "tiny_sum" -> verify_sum; any other -> verify_math(cfg.answer_format, cfg.timeout_s).
+    response_lengths are the responses' token counts (used only by the overlong penalty).
+    metrics: batch means under "rollout/" (reward_mean, acc, {no_answer,parse_error,timeout,format_ok}_frac,
+    overlong_penalty_mean), plus verify_seconds, the wall time of the whole call. All are 0.0 for an empty batch.
+    Raises ValueError if the lists differ in length. Never raises on response content.
+    """
+    sizes = {len(responses), len(ground_truths), len(data_sources), len(response_lengths)}
+    if len(sizes) != 1:
+        raise ValueError(f"responses, ground_truths, data_sources and response_lengths differ in length: "
+                         f"{len(responses)}, {len(ground_truths)}, {len(data_sources)}, {len(response_lengths)}")
+    started = time.perf_counter()
+    rewards, accuracies, statuses, formats, penalties = [], [], [], [], []
+    for response, ground_truth, source, length in zip(responses, ground_truths, data_sources, response_lengths):
+        if source == SUM_TASK_SOURCE:
+            correct, status = verify_sum(response, ground_truth)
+        else:
+            correct, status = verify_math(response, ground_truth, cfg.answer_format, cfg.timeout_s)
+        penalty = 0.0
+        if cfg.overlong_buffer_len > 0:
+            penalty = overlong_penalty(length, cfg.max_response_len, cfg.overlong_buffer_len,
+                                       cfg.overlong_penalty_factor)
+        well_formatted = format_ok(response)
+        accuracies.append(float(correct))
+        rewards.append(float(correct) + penalty + cfg.format_weight * well_formatted)
+        statuses.append(status)
+        formats.append(well_formatted)
+        penalties.append(penalty)
+
+    def mean(values):
+        return sum(values) / len(values) if values else 0.0
+
+    metrics = {
+        "rollout/reward_mean": mean(rewards),
+        "rollout/acc": mean(accuracies),
+        "rollout/no_answer_frac": mean([s == "no_answer" for s in statuses]),
+        "rollout/parse_error_frac": mean([s == "parse_error" for s in statuses]),
+        "rollout/timeout_frac": mean([s == "timeout" for s in statuses]),
+        "rollout/format_ok_frac": mean(formats),
+        "rollout/overlong_penalty_mean": mean(penalties),
+        "rollout/verify_seconds": time.perf_counter() - started,
+    }
+    return rewards, accuracies, metrics

@@ -1,0 +1,247 @@
+"""tiny.py: the offline tiny default: a tokenizer, a tiny Qwen2 model and two verifiable tasks, made from nothing.
+
+    python tiny.py --out runs/tiny          # ~90 s on 2 CPU cores; reuses the directory when it is complete
+
+Nothing here downloads anything. It writes:
+
+    runs/tiny/model/          a Qwen2-architecture causal LM (2 layers, hidden 128, 2 heads of head_dim 64: vLLM's CPU
+                              attention rejects smaller heads), float32, with a character-level tokenizer and a
+                              Qwen-style chat template; loadable by transformers and by vLLM like any HF checkpoint
+    runs/tiny/data/sum_{train,test}.jsonl    "Write N as a+b with a, b > 0." for N in 10..29 (4 N held
+                                             out for test). Many correct answers per prompt (\\boxed{a+b} for
+                                             any a + b = N), checked by rewards.verify_sum ("tiny_sum").
+    runs/tiny/data/add_{train,test}.jsonl    "What is a+b?" for a, b in 1..15. One correct answer, checked
+                                             by math-verify ("tiny_add").
+    runs/tiny/tiny.json       what was built: sizes, warm-up loss, sampled success rate at temperature 1
+
+Why the "sum" task: with a unique answer, entropy must fall as accuracy rises, so no method can show an exploration
+effect. With many correct answers, plain GRPO tends to collapse onto a few of them, while an entropy-stabilising
+method keeps them diverse, which a tiny run can show. A short supervised warm-up on random correct answers puts
+the model where RL has something to learn: sampling at temperature 1 it answers ~15% of sum prompts and ~40% of
+add prompts correctly (exact arithmetic is what a 0.5M-parameter model learns slowly; the numbers are kept small
+so that a minute of training gets there).
+
+The prompts go through data.py exactly as a user's data would (plain {"problem", "answer"} rows and the chat
+template), so the warm-up trains on the very token sequences the trainer will later sample from. They carry no
+STARE suffix (load with prompt_suffix=None): on a CPU every prompt token costs time, and the tiny model cannot read.
+"""
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+import data
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen's chat template, reduced to what the tasks use (system messages pass through like any other role)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MODEL_SIZE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer with no merges, i.e. one token per byte (256) plus Qwen's three special tokens.
+
+    Why this shape: transformers 5 loads any checkpoint whose config says model_type "qwen2" with Qwen2Tokenizer,
+    which rebuilds Qwen's own pipeline (regex split + byte-level mapping) around the saved vocabulary and merges.
+    A byte-level vocabulary without merges is character-level under that pipeline, so the tokenizer built here,
+    the one transformers loads and the one vLLM loads all produce the same ids (tests/test_tiny.py checks it).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # 256 printable stand-ins for the bytes
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + byte_alphabet)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        additional_special_tokens=SPECIAL_TOKENS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_model(tokenizer, seed=0):
+    """A freshly initialised tiny Qwen2 (float32), with the tokenizer's special ids in its config."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    vocab_size = 64 * ((len(tokenizer) + 63) // 64)  # padded like real checkpoints (Qwen2.5: 151,936 rows)
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    config = Qwen2Config(vocab_size=vocab_size, bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id,
+                         tie_word_embeddings=False, dtype="float32", **MODEL_SIZE)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=pad_id)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The tasks
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def sum_task_rows(numbers):
+    return [{"problem": f"Write {n} as a+b with a, b > 0.", "answer": str(n), "data_source": "tiny_sum"}
+            for n in numbers]
+
+
+def add_task_rows(pairs):
+    return [{"problem": f"What is {a}+{b}?", "answer": str(a + b), "data_source": "tiny_add"} for a, b in pairs]
+
+
+def warmup_response(row, rng):
+    """A correct answer for the warm-up: a random split a + b = N with a single-digit a (sum task; two-digit
+    subtraction is beyond a model this small in a minute of training, and 9 answers per prompt are plenty to see
+    diversity collapse or survive), or the sum itself (add task). Any a + b = N scores 1 later."""
+    n = int(row["answer"])
+    if row["data_source"] == "tiny_sum":
+        a = rng.randint(1, 9)
+        return f"\\boxed{{{a}+{n - a}}}"
+    return f"\\boxed{{{n}}}"
+
+
+def make_splits(seed=0, num_test=64):
+    """Deterministic train/test splits of both tasks; test prompts never appear in train."""
+    rng = random.Random(seed)
+    numbers = list(range(10, 30))
+    rng.shuffle(numbers)
+    sum_test, sum_train = sorted(numbers[:4]), numbers[4:]
+    pairs = [(a, b) for a in range(1, 16) for b in range(1, 16)]
+    rng.shuffle(pairs)
+    add_test, add_train = pairs[:num_test // 2], pairs[num_test // 2:]
+    return {
+        "sum_train": sum_task_rows(sum_train),
+        "sum_test": sum_task_rows(sum_test),
+        "add_train": add_task_rows(add_train),
+        "add_test": add_task_rows(add_test),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Supervised warm-up
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def load_split(data_dir, name, tokenizer):
+    """A split as the trainer sees it: (rows as dicts, prompt token ids)."""
+    examples = data.load_examples(Path(data_dir) / f"{name}.jsonl", prompt_suffix=None)
+    prompt_ids, _, _ = data.tokenize_prompts(examples, tokenizer, max_prompt_tokens=512, overflow="error")
+    rows = [{"answer": e.ground_truth, "data_source": e.data_source} for e in examples]
+    return rows, prompt_ids
+
+
+def warmup(model, tokenizer, rows, prompt_ids, steps, batch_size=32, lr=3e-3, seed=0):
+    """Teacher-force random correct responses after each prompt (loss on response tokens only). Returns the mean
+    loss of the last 50 steps."""
+    rng = random.Random(seed)
+    by_task = {}
+    for i, row in enumerate(rows):
+        by_task.setdefault(row["data_source"], []).append(i)
+    tasks = sorted(by_task)
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * (1 - s / steps))
+    model.train()
+    recent = []
+    for step in range(steps):
+        batch = [rng.choice(by_task[rng.choice(tasks)]) for _ in range(batch_size)]  # the tasks in equal shares
+        sequences, labels = [], []
+        for i in batch:
+            response = tokenizer.encode(warmup_response(rows[i], rng), add_special_tokens=False) + [eos_id]
+            sequences.append(prompt_ids[i] + response)
+            labels.append([-100] * len(prompt_ids[i]) + response)
+        width = max(map(len, sequences))
+        input_ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in sequences])
+        label_ids = torch.tensor([s + [-100] * (width - len(s)) for s in labels])
+        attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        recent = (recent + [loss.item()])[-50:]
+    model.eval()
+    return sum(recent) / len(recent)
+
+
+@torch.no_grad()
+def sampled_success_rate(model, tokenizer, rows, prompt_ids, temperature=1.0, max_new_tokens=16, seed=0):
+    """Fraction of prompts whose sampled response (HF generate, temperature 1) the task's verifier accepts."""
+    import rewards
+
+    torch.manual_seed(seed)
+    width = max(map(len, prompt_ids))
+    pad_id = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids])  # left padding for generate
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    output = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=temperature,
+                            top_k=0, top_p=1.0, max_new_tokens=max_new_tokens)
+    responses = tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
+    _, accuracies, _ = rewards.compute_rewards(responses, [r["answer"] for r in rows],
+                                               [r["data_source"] for r in rows], [0] * len(rows),
+                                               rewards.RewardConfig())
+    return sum(accuracies) / len(accuracies), responses
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def build_tiny(out_dir, seed=0, warmup_steps=800, force=False):
+    """Create (or reuse) the tiny default under out_dir; returns the summary dict written to tiny.json."""
+    out_dir = Path(out_dir)
+    summary_path = out_dir / "tiny.json"
+    if summary_path.exists() and not force:  # written last, so its presence means the directory is complete
+        return json.loads(summary_path.read_text())
+    from transformers import AutoTokenizer
+
+    start = time.time()
+    build_tokenizer().save_pretrained(out_dir / "model")
+    tokenizer = AutoTokenizer.from_pretrained(out_dir / "model")  # exactly what the trainer and vLLM will load
+    model = build_model(tokenizer, seed=seed)
+    splits = make_splits(seed=seed)
+    (out_dir / "data").mkdir(parents=True, exist_ok=True)
+    for name, rows in splits.items():
+        data.save_jsonl(rows, out_dir / "data" / f"{name}.jsonl")
+    loaded = {name: load_split(out_dir / "data", name, tokenizer) for name in splits}
+    train_rows = loaded["sum_train"][0] + loaded["add_train"][0]
+    train_prompts = loaded["sum_train"][1] + loaded["add_train"][1]
+    final_loss = warmup(model, tokenizer, train_rows, train_prompts, warmup_steps, seed=seed)
+    # several samples per prompt: the sum splits have only 16 and 4 prompts
+    sum_train_rate, _ = sampled_success_rate(model, tokenizer, *(x * 4 for x in loaded["sum_train"]), seed=seed)
+    sum_rate, sum_samples = sampled_success_rate(model, tokenizer, *(x * 16 for x in loaded["sum_test"]), seed=seed)
+    add_rate, _ = sampled_success_rate(model, tokenizer, *loaded["add_test"], seed=seed)
+    model.save_pretrained(out_dir / "model")
+    summary = {
+        "model_dir": str(out_dir / "model"), "data_dir": str(out_dir / "data"),
+        "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": model.config.vocab_size,
+        "warmup_steps": warmup_steps, "warmup_final_loss": round(final_loss, 4),
+        "sum_train_success_rate_t1": round(sum_train_rate, 3), "sum_test_success_rate_t1": round(sum_rate, 3),
+        "add_test_success_rate_t1": round(add_rate, 3),
+        "sum_test_samples": sum_samples[:8], "seconds": round(time.time() - start, 1), "seed": seed,
+    }
+    summary_path.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/tiny", help="directory to create (reused if complete)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-steps", type=int, default=800)
+    parser.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
+    args = parser.parse_args()
+    print(json.dumps(build_tiny(args.out, args.seed, args.warmup_steps, args.force), indent=2))
+
+
+if __name__ == "__main__":
+    main()
