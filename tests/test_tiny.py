@@ -1,0 +1,72 @@
+"""The offline tiny default: what tiny.py builds must load everywhere the same way, and be worth training on."""
+
+import json
+import random
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import data
+import rewards
+import tiny
+
+
+def test_summary_and_starting_success_rates(tiny_dir):
+    summary = json.loads((tiny_dir / "tiny.json").read_text())
+    assert summary["seconds"] < 120  # "under 2 minutes on 2 cores"
+    # the regime where RL has something to learn: some, not most, sampled answers correct (loose bounds: the exact
+    # value moves with CPU thread counts)
+    assert 0.05 <= summary["sum_train_success_rate_t1"] <= 0.7
+    assert 0.1 <= summary["add_test_success_rate_t1"] <= 0.8
+    # a second call reuses the directory instead of training again
+    assert tiny.build_tiny(tiny_dir) == summary
+
+
+def test_saved_tokenizer_matches_the_built_one(tiny_dir):
+    # transformers loads a qwen2 checkpoint's tokenizer as Qwen2Tokenizer; it must give the very same ids
+    loaded = AutoTokenizer.from_pretrained(tiny_dir / "model")
+    built = tiny.build_tokenizer()
+    assert type(loaded).__name__ == "Qwen2Tokenizer"
+    for text in ["Write 17 as a+b with a, b > 0.", "a  b\n\nc\t\\boxed{3+4}", "unicode: é → ∑", ""]:
+        ids = built.encode(text, add_special_tokens=False)
+        assert loaded.encode(text, add_special_tokens=False) == ids
+        assert loaded.decode(ids) == text
+    messages = [{"role": "user", "content": "What is 3+4?"}]
+    expected = "<|im_start|>user\nWhat is 3+4?<|im_end|>\n<|im_start|>assistant\n"
+    ids = data.chat_template_ids(loaded, messages)
+    assert ids == data.chat_template_ids(built, messages)
+    assert loaded.decode(ids) == expected
+    assert ids.count(loaded.convert_tokens_to_ids("<|im_start|>")) == 2  # special tokens are single ids
+
+
+def test_model_shape(tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
+    config = model.config
+    assert config.model_type == "qwen2" and config.head_dim == 64  # vLLM's CPU attention needs head_dim >= 64
+    assert config.hidden_size == config.num_attention_heads * config.head_dim
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "model")
+    assert config.eos_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert config.vocab_size >= len(tokenizer)
+
+
+def test_splits_are_disjoint_and_verifiable(tiny_dir):
+    splits = {name: data.load_examples(tiny_dir / "data" / f"{name}.jsonl", prompt_suffix=None)
+              for name in ("sum_train", "sum_test", "add_train", "add_test")}
+    for task in ("sum", "add"):
+        train = {e.messages[0]["content"] for e in splits[f"{task}_train"]}
+        test = {e.messages[0]["content"] for e in splits[f"{task}_test"]}
+        assert train and test and not train & test
+    # every warm-up answer is accepted by the task's verifier, and a wrong one is not
+    rng = random.Random(0)
+    for examples in splits.values():
+        rows = [{"answer": e.ground_truth, "data_source": e.data_source} for e in examples]
+        responses = [tiny.warmup_response(row, rng) for row in rows]
+        _, accuracies, _ = rewards.compute_rewards(responses, [r["answer"] for r in rows],
+                                                   [r["data_source"] for r in rows], [0] * len(rows),
+                                                   rewards.RewardConfig())
+        assert all(a == 1.0 for a in accuracies)
+        wrong = [f"\\boxed{{{int(r['answer']) + 1}}}" for r in rows]
+        _, accuracies, _ = rewards.compute_rewards(wrong, [r["answer"] for r in rows],
+                                                   [r["data_source"] for r in rows], [0] * len(rows),
+                                                   rewards.RewardConfig())
+        assert not any(accuracies)
