@@ -1,5 +1,8 @@
 """rollout.py: sampling with vLLM, colocated with training (one in-process engine per torchrun rank).
 
+    python rollout.py --model runs/tiny/model --data runs/tiny/data/sum_test.jsonl --prompt-suffix ""   # a demo:
+    # load prompts, sample n responses each with vLLM, score them, print samples and metrics (JSON)
+
     engine = rollout.build_engine(model_path, seed=base_seed + rank, max_model_len=...)    # after init_process_group
     batch = rollout.generate(engine, prompt_token_ids, n=8, temperature=1.0, max_tokens=3072, seeds=[...])
     rollout.sync_weights(engine, rollout.full_parameters(fsdp_model))                      # after each optimizer step
@@ -235,3 +238,62 @@ def weight_sync_error(engine, model, token_ids, prompt_len):
     """max |engine log-prob - trainer log-prob| on a fixed probe sequence: ~1e-5 in float32 when the engine holds
     the trainer's weights, orders of magnitude more after a missed or partial sync."""
     return (engine_logprobs(engine, token_ids, prompt_len) - trainer_logprobs(model, token_ids, prompt_len)).abs().max().item()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Demo: prompts -> vLLM samples -> rewards
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def main():
+    import argparse
+    import json
+    import time
+
+    from transformers import AutoTokenizer
+
+    import data
+    import rewards
+
+    parser = argparse.ArgumentParser(description="Sample and score responses with the local vLLM engine.")
+    parser.add_argument("--model", required=True, help="local HF checkpoint directory")
+    parser.add_argument("--data", required=True, help="prompt set: .jsonl or .parquet (see data.py)")
+    parser.add_argument("--prompt-suffix", default=data.STARE_SUFFIX, help='appended to plain rows; "" for none')
+    parser.add_argument("--n", type=int, default=4, help="responses per prompt")
+    parser.add_argument("--limit", type=int, default=16, help="first N prompts only (0 = all)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-prompt-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size; needed on CPU")
+    args = parser.parse_args()
+
+    examples = data.load_examples(args.data, prompt_suffix=args.prompt_suffix or None)
+    examples = examples[:args.limit] if args.limit else examples
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompt_ids, kept, prompt_stats = data.tokenize_prompts(examples, tokenizer, args.max_prompt_tokens)
+    on_gpu = torch.cuda.is_available()
+    engine = build_engine(args.model, seed=args.seed, dtype=args.dtype,
+                          max_model_len=args.max_prompt_tokens + args.max_tokens, enforce_eager=not on_gpu,
+                          kv_cache_gib=args.kv_cache_gib if args.kv_cache_gib or on_gpu else 0.5)
+    start = time.time()
+    out = generate(engine, prompt_ids, n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
+                   seeds=[args.seed * len(prompt_ids) + i for i in range(len(prompt_ids))], use_tqdm=True)
+    seconds = time.time() - start
+    truths = [kept[i].ground_truth for i in out.prompt_index]
+    scores, accuracies, metrics = rewards.compute_rewards(out.texts, truths, [kept[i].data_source for i in
+                                                          out.prompt_index], out.lengths, rewards.RewardConfig())
+    for i in range(0, len(out.texts), args.n):
+        print(f"[{kept[out.prompt_index[i]].origin}] answer {truths[i]}: "
+              + " | ".join(f"{text!r}={acc:g}" for text, acc in zip(out.texts[i:i + args.n], accuracies[i:i + args.n])))
+    metrics.update({"rollout/responses": len(out.texts), "rollout/response_length_mean":
+                    sum(out.lengths) / max(len(out.lengths), 1), "rollout/truncated_frac":
+                    out.finish_reasons.count("length") / max(len(out.texts), 1),
+                    "rollout/tokens_per_s": sum(out.lengths) / seconds, "prompts/truncated": prompt_stats["num_truncated"],
+                    "prompts/skipped": prompt_stats["num_skipped"]})
+    print(json.dumps({key: round(value, 4) if isinstance(value, float) else value for key, value in metrics.items()}))
+
+
+if __name__ == "__main__":  # vLLM may spawn processes: the entry point must be guarded
+    main()
