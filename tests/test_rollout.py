@@ -127,3 +127,21 @@ def test_two_ranks_sample_differently_and_fsdp2_sync_streams(tiny_dir, tmp_path)
     assert result["rank_samples_differ"]
     assert result["stale_error"] > 1e-2
     assert max(result["synced_error"]) < 1e-4  # both ranks' engines hold the new (sharded) weights
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="sleep mode needs CUDA")
+def test_sleep_wake_sync_cycle_on_gpu(tiny_dir, prompts):
+    # The per-step order of engineering.md §1: sleep -> wake weights -> stream weights -> wake KV cache -> generate.
+    engine = rollout.build_engine(tiny_dir / "model", seed=0, max_model_len=128, dtype="float32",
+                                  gpu_memory_utilization=0.2, enable_sleep_mode=True)
+    model = load_model(tiny_dir).cuda()
+    probe = list(prompts[0]) + rollout.generate(engine, prompts[:1], n=1, max_tokens=12, seeds=[7]).token_ids[0]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    rollout.release_memory(engine)
+    rollout.wake_weights(engine)
+    rollout.sync_weights(engine, rollout.full_parameters(model))
+    rollout.wake_kv_cache(engine)
+    assert rollout.weight_sync_error(engine, model, probe, len(prompts[0])) < 1e-4
+    rollout.shutdown_engine(engine)

@@ -1,0 +1,307 @@
+"""config.py: the one typed configuration of a run, loaded from YAML, overridable from the command line.
+
+    cfg = config.load("configs/tiny.yaml", ["train.total_steps=20", "loss.stare_top_ratio=0.2"])
+    print(config.to_yaml(cfg))          # the resolved config: logged, saved next to the metrics and in checkpoints
+
+Every field has a type and a comment; every value a run uses is visible in its YAML file or here. A config is
+checked completely before anything heavy (a model, an engine) is built, and a bad one fails with a ConfigError that
+names the key: an unknown key (with the nearest valid one suggested), a value of the wrong type, a value outside
+its range, or an impossible combination. Overrides are `section.key=value`; the value is read as YAML (`3`, `0.5`,
+`true`, `null`, `[a, b]`, or a bare string).
+
+Sections `loss` and `reward` are baselines.LossConfig and rewards.RewardConfig themselves: each knob is defined
+once, next to the code that uses it.
+"""
+
+import dataclasses
+import difflib
+import types
+import typing
+
+import yaml
+
+import baselines
+import data
+import rewards
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key in the message."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    path: str = "runs/tiny/model"  # local HF checkpoint directory (nothing is downloaded)
+    param_dtype: str = "bfloat16"  # FSDP2 compute dtype of parameters: bfloat16 | float16 | float32
+    reduce_dtype: str = "float32"  # FSDP2 gradient reduction dtype
+    gradient_checkpointing: bool = False  # recompute activations in backward (long responses)
+    attn_implementation: str = "sdpa"  # transformers attention: sdpa | eager | flash_attention_2
+
+
+@dataclasses.dataclass
+class DataConfig:
+    train_files: list[str] = dataclasses.field(default_factory=list)  # .jsonl / .parquet (see data.py)
+    prompt_suffix: str | None = data.STARE_SUFFIX  # appended to plain {"problem", "answer"} rows; null = none
+    max_prompt_tokens: int = 1024  # longer prompts are handled by `overflow`
+    overflow: str = "left_truncate"  # left_truncate (verl's "left") | skip | error
+    shuffle: bool = True  # reshuffle the prompts every epoch (deterministically from train.seed)
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    n: int = 8  # responses per prompt (the GRPO group size)
+    temperature: float = 1.0  # the trainer divides its logits by the same value
+    top_p: float = 1.0  # keep 1: truncated sampling makes sampler and trainer log-probs disagree (TRL #6789)
+    top_k: int = 0  # 0 = off, for the same reason
+    max_tokens: int = 3072  # max response tokens
+    dtype: str = "auto"  # vLLM weights dtype (auto = the checkpoint's)
+    gpu_memory_utilization: float = 0.3  # GPU: fraction of the GPU for vLLM (weights + KV cache); leave room for FSDP
+    kv_cache_gib: float | None = None  # CPU: the KV cache size in GiB (required there); GPU: null
+    tensor_parallel_size: int = 1  # vLLM tensor parallelism inside each engine
+    max_num_seqs: int = 256  # concurrent sequences per engine
+    enable_sleep_mode: bool = False  # GPU: release the KV cache and weights while training
+    enforce_eager: bool = False  # no CUDA graphs / compilation (faster start-up, slower sampling)
+    sync_check_every: int = 10  # steps between checks of the weight-sync probe; 0 = never
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    method: str = "stare"  # one of baselines.METHODS
+    normalize_std: bool = True  # GRPO advantages (r - mean) / std; false = Dr.GRPO's mean-centering only
+    dynamic_sampling: bool = True  # DAPO: drop groups whose rewards are all equal, sample more to refill the batch
+    max_num_gen_batches: int = 10  # give up (with an error) after this many generation rounds per step; 0 = no limit
+    gen_batch_size: int = 192  # prompts per generation round (across ranks); >= train.train_batch_size
+    stare_scope: str = "step"  # step: select L+/L- (and every method's ranked tokens) once per optimizer step over
+    #                             the whole batch across ranks, so the update does not depend on micro-batch size or
+    #                             world size; micro: select inside each micro-batch on current log-probs, exactly
+    #                             as the reference (whose update therefore changes with the micro-batch size)
+    target_entropy: float = 0.3  # EntropyGate: reweight only while the batch entropy is below this
+    gate_adaptive: bool = False  # EntropyGate: adapt w and m by alpha per step
+    gate_alpha: float = 0.01
+    gate_w_max: float = 1.5
+    gate_m_min: float = 0.5
+    importance_sampling: bool = False  # multiply the token loss by min(pi_old / pi_rollout, is_cap) (opt-in)
+    is_cap: float = 2.0
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01  # verl's default (STARE's scripts do not change it)
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0  # linear warm-up from 0
+    schedule: str = "constant"  # constant | cosine (to min_lr_ratio * lr at train.total_steps)
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0  # max global gradient norm; 0 = off
+    max_nonfinite_steps: int = 3  # consecutive skipped steps (non-finite loss or grad norm) before the run stops
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    train_batch_size: int = 64  # prompts per step, across all ranks (each brings rollout.n responses)
+    mini_batch_size: int = 64  # prompts per optimizer step; == train_batch_size: one update per step (on-policy)
+    micro_token_budget: int = 8192  # tokens per micro-batch (prompt + response, padded) per rank
+    total_steps: int = 1000
+    seed: int = 0  # everything random derives from it (data order, sampling, Clip-Cov)
+    out_dir: str = "runs/default"  # config.yaml, metrics.jsonl, checkpoints/, hf/ go here
+    save_every: int = 10  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 3  # checkpoints kept
+    resume: str = "auto"  # auto: continue from out_dir's latest checkpoint if any | never | a checkpoint path
+    log_every: int = 1  # steps between console lines (metrics.jsonl gets every step)
+    wandb: bool = False  # also log to Weights & Biases (optional import)
+    tensorboard: bool = False  # also log to TensorBoard (optional import)
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    every: int = 10  # steps between evaluations; 0 = never
+    files: list[str] = dataclasses.field(default_factory=list)  # benchmark files (data.py formats)
+    n: int = 32  # samples per prompt (avg@n, pass@k)
+    temperature: float = 1.0
+    top_p: float = 0.7  # the paper's validation setting
+    max_tokens: int = 3072
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    reward: rewards.RewardConfig = dataclasses.field(default_factory=rewards.RewardConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    loss: baselines.LossConfig = dataclasses.field(default_factory=baselines.LossConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+
+CHOICES = {  # fields with a fixed set of values
+    "model.param_dtype": ("bfloat16", "float16", "float32"),
+    "model.reduce_dtype": ("bfloat16", "float16", "float32"),
+    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
+    "data.overflow": data.OVERFLOW_MODES,
+    "algorithm.method": baselines.METHODS,
+    "algorithm.stare_scope": ("step", "micro"),
+    "optim.schedule": ("constant", "cosine"),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def load(path=None, overrides=()):
+    """The Config of a YAML file (None: the defaults) with `section.key=value` overrides applied, fully checked."""
+    raw = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                raw = yaml.safe_load(f) or {}
+        except OSError as error:
+            raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+    for override in overrides:
+        _apply_override(raw, override)
+    cfg = _build(Config, raw, "")
+    check(cfg)
+    return cfg
+
+
+def _apply_override(raw, override):
+    key, sep, text = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    *sections, name = key.strip().split(".")
+    node = raw
+    for section in sections:
+        node = node.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {section!r} is not a section")
+    try:
+        node[name] = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        node[name] = text  # not YAML: a bare string
+
+
+def _build(cls, raw, prefix):
+    """Instantiate dataclass `cls` from a dict, checking every key and type; nested dataclasses recurse."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config key {prefix.rstrip('.') or '<root>'!r} must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {prefix + close[0]!r}?)" if close else f" (valid: {', '.join(fields)})"
+            raise ConfigError(f"config key {prefix + str(key)!r}: unknown key{hint}")
+    values = {}
+    for name, value in raw.items():
+        key = prefix + name
+        if dataclasses.is_dataclass(hints[name]):
+            values[name] = _build(hints[name], value, key + ".")
+        else:
+            values[name] = _coerce(value, hints[name], key)
+    try:
+        return cls(**values)
+    except ValueError as error:  # a section's own checks (LossConfig, RewardConfig)
+        raise ConfigError(f"config section {prefix.rstrip('.')!r}: {error}") from None
+
+
+def _coerce(value, hint, key):
+    """Check `value` against the type hint; ints are accepted where floats are expected."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"config key {key!r}: expected a list, got {value!r}")
+        return [_coerce(item, args[0], f"{key}[{i}]") for i, item in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string: accept the number
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"config key {key!r}: expected {hint.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def check(cfg, world_size=None):
+    """Ranges, choices and combinations; with world_size, also what the number of ranks must divide."""
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), allowed, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"config key {key!r}: {value!r} is not one of {allowed}{hint}")
+    positive = ["rollout.n", "rollout.max_tokens", "data.max_prompt_tokens", "train.train_batch_size",
+                "train.mini_batch_size", "train.micro_token_budget", "train.total_steps", "algorithm.gen_batch_size",
+                "rollout.temperature", "rollout.tensor_parallel_size", "rollout.max_num_seqs", "optim.lr",
+                "eval.n", "eval.temperature", "eval.max_tokens"]
+    non_negative = ["optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
+                    "train.save_every", "train.keep_last", "train.log_every", "eval.every", "rollout.sync_check_every",
+                    "algorithm.max_num_gen_batches", "algorithm.gate_alpha", "optim.max_nonfinite_steps"]
+    for key in positive:
+        if not _get(cfg, key) > 0:
+            raise ConfigError(f"config key {key!r}: must be > 0, got {_get(cfg, key)!r}")
+    for key in non_negative:
+        if not _get(cfg, key) >= 0:
+            raise ConfigError(f"config key {key!r}: must be >= 0, got {_get(cfg, key)!r}")
+    rules = [
+        ("rollout.top_p", 0 < cfg.rollout.top_p <= 1, "must be in (0, 1]"),
+        ("eval.top_p", 0 < cfg.eval.top_p <= 1, "must be in (0, 1]"),
+        ("rollout.top_k", cfg.rollout.top_k >= -1, "must be >= -1 (0 or -1 = off)"),
+        ("rollout.n", cfg.rollout.n >= 2, "must be >= 2: a group of one response has no baseline"),
+        ("train.mini_batch_size", cfg.train.train_batch_size % cfg.train.mini_batch_size == 0,
+         f"must divide train.train_batch_size ({cfg.train.train_batch_size})"),
+        ("algorithm.gen_batch_size", cfg.algorithm.gen_batch_size >= cfg.train.train_batch_size,
+         f"must be >= train.train_batch_size ({cfg.train.train_batch_size})"),
+        ("optim.betas", len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
+         "must be two numbers in [0, 1)"),
+        ("optim.min_lr_ratio", cfg.optim.min_lr_ratio <= 1, "must be <= 1"),
+        ("algorithm.is_cap", cfg.algorithm.is_cap >= 1, "must be >= 1"),
+        ("algorithm.gate_w_max", cfg.algorithm.gate_w_max >= 1, "must be >= 1"),
+        ("algorithm.gate_m_min", 0 <= cfg.algorithm.gate_m_min <= 1, "must be in [0, 1]"),
+        ("data.train_files", bool(cfg.data.train_files), "needs at least one file"),
+        ("reward.max_response_len", cfg.reward.overlong_buffer_len == 0
+         or cfg.reward.max_response_len == cfg.rollout.max_tokens,
+         f"must equal rollout.max_tokens ({cfg.rollout.max_tokens}) when overlong shaping is on"),
+    ]
+    if world_size is not None:
+        rules += [
+            ("train.mini_batch_size", cfg.train.mini_batch_size % world_size == 0,
+             f"must be divisible by the number of ranks ({world_size})"),
+            ("algorithm.gen_batch_size", cfg.algorithm.gen_batch_size % world_size == 0,
+             f"must be divisible by the number of ranks ({world_size})"),
+        ]
+    for key, ok, message in rules:
+        if not ok:
+            raise ConfigError(f"config key {key!r}: {message}, got {_get(cfg, key)!r}")
+
+
+def _get(cfg, key):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def to_dict(cfg):
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg):
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, width=120)

@@ -1,0 +1,91 @@
+"""config.py: every shipped config loads and validates; bad input fails with a message naming the key."""
+
+from pathlib import Path
+
+import pytest
+
+import config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_round_trips(path, tmp_path):
+    cfg = config.load(path)
+    config.check(cfg, world_size=16 if "7b" in path.name else 8 if "1.5b" in path.name else 2)
+    resolved = tmp_path / "config.yaml"
+    resolved.write_text(config.to_yaml(cfg))
+    assert config.load(resolved) == cfg  # what a run saves reloads to the same config
+
+
+def test_paper_config_values():
+    cfg = config.load(Path(CONFIGS[0]).with_name("qwen2.5_math_7b_short_stare.yaml"))
+    # algorithms.md §1.5, spot checks of every section
+    assert (cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.dual_clip) == (0.2, 0.28, 10.0)
+    assert (cfg.loss.stare_variant, cfg.loss.stare_top_ratio, cfg.loss.stare_w, cfg.loss.stare_m) == ("O1", 0.1, 1.1, 0.9)
+    assert (cfg.algorithm.target_entropy, cfg.algorithm.gen_batch_size, cfg.algorithm.max_num_gen_batches) == (0.3, 192, 10)
+    assert (cfg.train.train_batch_size, cfg.rollout.n, cfg.train.micro_token_budget) == (64, 8, 8192)
+    assert (cfg.optim.lr, cfg.optim.grad_clip, cfg.data.max_prompt_tokens, cfg.rollout.max_tokens) == (1e-6, 1.0, 1024, 3072)
+    assert (cfg.eval.n, cfg.eval.top_p) == (32, 0.7)
+    twin = config.load(Path(CONFIGS[0]).with_name("qwen2.5_math_7b_short_grpo_ds.yaml"))
+    differing = {k for k, v in config.to_dict(twin).items() if v != config.to_dict(cfg)[k]}
+    assert differing == {"algorithm", "train"} and twin.algorithm.method == "grpo"
+
+
+def test_overrides_are_typed(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  train_files: [a.jsonl]\n")
+    cfg = config.load(path, ["train.total_steps=7", "optim.lr=3e-5", "loss.dual_clip=null", "rollout.kv_cache_gib=1",
+                             "data.train_files=[x.jsonl, y.parquet]", "data.prompt_suffix=", "algorithm.method=kl_cov"])
+    assert cfg.train.total_steps == 7 and cfg.optim.lr == 3e-5 and cfg.loss.dual_clip is None
+    assert cfg.rollout.kv_cache_gib == 1.0 and isinstance(cfg.rollout.kv_cache_gib, float)  # ints widen to floats
+    assert cfg.data.train_files == ["x.jsonl", "y.parquet"] and cfg.data.prompt_suffix == ""
+    assert cfg.algorithm.method == "kl_cov"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("algorithm.methd=grpo", "'algorithm.methd': unknown key (did you mean 'algorithm.method'?)"),
+    ("trian.total_steps=3", "'trian': unknown key (did you mean 'train'?)"),
+    ("train.total_steps=3.5", "'train.total_steps': expected int, got 3.5"),
+    ("train.total_steps=true", "'train.total_steps': expected int, got True"),
+    ("rollout.enforce_eager=1", "'rollout.enforce_eager': expected bool, got 1"),
+    ("data.train_files=a.jsonl", "'data.train_files': expected a list"),
+    ("algorithm.method=stapoo", "'algorithm.method': 'stapoo' is not one of"),
+    ("algorithm.method=stapoo", "did you mean 'stapo'?"),
+    ("train.mini_batch_size=24", "'train.mini_batch_size': must divide train.train_batch_size (64)"),
+    ("algorithm.gen_batch_size=32", "'algorithm.gen_batch_size': must be >= train.train_batch_size (64)"),
+    ("rollout.n=1", "'rollout.n': must be >= 2"),
+    ("optim.lr=0", "'optim.lr': must be > 0"),
+    ("loss.stare_top_ratio=1.5", "config section 'loss': invalid loss config: stare_top_ratio=1.5"),
+    ("loss.clip_low=-0.1", "config section 'loss': invalid loss config: clip_low=-0.1"),
+    ("reward.overlong_buffer_len=512", "config section 'reward': max_response_len (0) must be > overlong_buffer_len"),
+    ("optim.lr=fast", "'optim.lr': expected float, got 'fast'"),
+    ("rollout.top_p=1.5", "'rollout.top_p': must be in (0, 1]"),
+    ("totalsteps", "must look like section.key=value"),
+])
+def test_bad_overrides_name_the_key(override, message, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  train_files: [a.jsonl]\n")
+    with pytest.raises(config.ConfigError) as error:
+        config.load(path, [override])
+    assert message in str(error.value)
+
+
+def test_world_size_and_file_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  train_files: [a.jsonl]\ntrain:\n  train_batch_size: 6\n  mini_batch_size: 6\n"
+                    "algorithm:\n  gen_batch_size: 6\n")
+    cfg = config.load(path)
+    config.check(cfg, world_size=3)
+    with pytest.raises(config.ConfigError, match="divisible by the number of ranks \\(4\\)"):
+        config.check(cfg, world_size=4)
+    with pytest.raises(config.ConfigError, match="cannot read config file"):
+        config.load(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("model: [1, 2\n")
+    with pytest.raises(config.ConfigError, match="not valid YAML"):
+        config.load(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(config.ConfigError, match="must hold a mapping"):
+        config.load(tmp_path / "list.yaml")
+    with pytest.raises(config.ConfigError, match="'data.train_files': needs at least one file"):
+        config.load(None)
