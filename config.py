@@ -54,10 +54,10 @@ class RolloutConfig:
     top_p: float = 1.0  # keep 1: truncated sampling makes sampler and trainer log-probs disagree (TRL #6789)
     top_k: int = 0  # 0 = off, for the same reason
     max_tokens: int = 3072  # max response tokens
-    dtype: str = "auto"  # vLLM weights dtype (auto = the checkpoint's)
+    dtype: str = "auto"  # vLLM weights dtype; auto = vLLM's choice (a float32 checkpoint runs in bfloat16)
     gpu_memory_utilization: float = 0.3  # GPU: fraction of the GPU for vLLM (weights + KV cache); leave room for FSDP
     kv_cache_gib: float | None = None  # CPU: the KV cache size in GiB (required there); GPU: null
-    tensor_parallel_size: int = 1  # vLLM tensor parallelism inside each engine
+    tensor_parallel_size: int = 1  # vLLM tensor parallelism per engine; 1 until the trainer shares prompts per group
     max_num_seqs: int = 256  # concurrent sequences per engine
     enable_sleep_mode: bool = False  # GPU: release the KV cache and weights while training
     enforce_eager: bool = False  # no CUDA graphs / compilation (faster start-up, slower sampling)
@@ -266,6 +266,8 @@ def check(cfg, world_size=None):
         ("eval.top_p", 0 < cfg.eval.top_p <= 1, "must be in (0, 1]"),
         ("rollout.top_k", cfg.rollout.top_k >= -1, "must be >= -1 (0 or -1 = off)"),
         ("rollout.n", cfg.rollout.n >= 2, "must be >= 2: a group of one response has no baseline"),
+        ("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size == 1,
+         "must be 1: one engine per rank (tensor-parallel engine groups are not supported yet)"),
         ("train.mini_batch_size", cfg.train.train_batch_size % cfg.train.mini_batch_size == 0,
          f"must divide train.train_batch_size ({cfg.train.train_batch_size})"),
         ("algorithm.gen_batch_size", cfg.algorithm.gen_batch_size >= cfg.train.train_batch_size,

@@ -21,8 +21,9 @@ Row formats (detected per row: a row with a "prompt" key is verl's, else a row w
 
 Ground truth (verl's reward_model.ground_truth, plain's answer): a string (kept as is, must not be blank) or a number.
   ints become str(int): 42 -> "42". Integral floats drop the ".0": 42.0 -> "42" (pandas turns int columns with gaps
-  into floats; "42.0" would only be a second spelling of the same answer). Other floats use Python's shortest
-  round-trip repr: 0.1 -> "0.1", 2.5e-07 -> "2.5e-07". NaN, inf, booleans and lists are errors.
+  into floats; "42.0" would only be a second spelling of the same answer). Other floats use the digits of
+  Python's shortest round-trip repr, written out positionally: 0.1 -> "0.1", 2.5e-07 -> "0.00000025" (math-verify
+  would read "2.5e-07" as 2.5*e - 7). NaN, inf, booleans and lists are errors.
 
 data_source: the row's own (a non-empty string; null counts as absent), else `default_data_source`, else the file's
   stem ("data/train.jsonl" -> "train").
@@ -52,6 +53,7 @@ than max_prompt_tokens is handled by `overflow`:
 """
 
 import dataclasses
+import decimal
 import json
 import math
 import numbers
@@ -195,7 +197,8 @@ def _ground_truth(value, field, origin):
         value = float(value)
         if not math.isfinite(value):
             raise ValueError(f"{origin}: field '{field}' must be finite, got {value}")
-        return str(int(value)) if value.is_integer() else repr(value)
+        # plain positional digits: repr would give "2.5e-07", which math-verify reads as 2.5*e - 7 (Euler's e)
+        return str(int(value)) if value.is_integer() else format(decimal.Decimal(repr(value)), "f")
     raise ValueError(f"{origin}: field '{field}' must be a string or a number, got {type(value).__name__}")
 
 

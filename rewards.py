@@ -160,9 +160,10 @@ def _call_with_deadline(seconds: float, fn, *args):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-# A plain number: an integer, a decimal, \frac{p}{q} (also \dfrac, \tfrac) or p/q, with an optional leading minus.
+# A plain number: an integer, a decimal (optionally with an exponent: "2.5e-07"; math-verify would read that "e" as
+# Euler's number), \frac{p}{q} (also \dfrac, \tfrac) or p/q, with an optional leading minus.
 # At most 50 digits per part, so int() never meets Python's 4300-digit limit.
-_PLAIN_NUMBER = re.compile(r"(?P<minus>-?)(?:(?P<decimal>[0-9]{1,50}(?:\.[0-9]{1,50})?)"
+_PLAIN_NUMBER = re.compile(r"(?P<minus>-?)(?:(?P<decimal>[0-9]{1,50}(?:\.[0-9]{1,50})?(?:[eE][-+]?[0-9]{1,3})?)"
                            r"|\\[dt]?frac\{(?P<frac_p>[0-9]{1,50})\}\{(?P<frac_q>[0-9]{1,50})\}"
                            r"|(?P<slash_p>[0-9]{1,50})/(?P<slash_q>[0-9]{1,50}))")
 
@@ -360,6 +361,7 @@ def compute_rewards(
     started = time.perf_counter()
     rewards, accuracies, statuses, formats, penalties = [], [], [], [], []
     for response, ground_truth, source, length in zip(responses, ground_truths, data_sources, response_lengths):
+        response = response if isinstance(response, str) else ""  # a missing response scores as no answer
         if source == SUM_TASK_SOURCE:
             correct, status = verify_sum(response, ground_truth)
         else:

@@ -18,7 +18,9 @@ Design, and the vLLM facts behind it (each quirk has its upstream reference next
     construction is a collective over ranks, so every rank builds it at the same point, after the process group
     and before optimizer state (the engine sizes its KV cache from the memory still free).
   * seed = base seed + rank, or every rank samples the same responses (vLLM #15980, verl #974). For exact resume
-    the trainer also passes one seed per prompt, derived from (seed, step, rank, index).
+    the trainer also passes one seed per prompt, derived from (seed, step, rank, index). Building the engine reseeds
+    this process's Python, NumPy and torch RNGs with that seed (vllm/utils/torch_utils.py set_random_seed, called
+    by the workers): set the trainer's own RNG state after `build_engine`, never before.
   * logprobs_mode="processed_logprobs": log-probs after temperature, the distribution actually sampled (vLLM's
     default is before temperature; TRL #4159). Train with top_p = 1 and top_k off: the processed log-probs of a
     truncated distribution are renormalised over the kept support, which a full-softmax trainer cannot reproduce.
@@ -44,16 +46,23 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utilization=0.3, kv_cache_gib=None,
                  tensor_parallel_size=1, max_num_seqs=256, max_num_batched_tokens=8192, enable_sleep_mode=False,
-                 enforce_eager=False):
+                 enforce_eager=False, block_size=None):
     """The local vLLM engine of this rank.
 
     model_path: a local HF checkpoint directory (nothing is downloaded). seed: base seed + rank.
+    dtype: "auto" is vLLM's choice, which runs a float32 checkpoint in bfloat16 on GPU and x86 CPU; pass
+    "float32" for bit-level agreement with a float32 trainer.
     kv_cache_gib: the KV cache size in GiB; needed on CPU, where gpu_memory_utilization would mean a fraction of
     the machine's RAM. On GPU leave it None and size gpu_memory_utilization so the training state still fits.
+    block_size: KV cache block (and prefix-cache) granularity in tokens; None = vLLM's (128 on CPU, 16 on GPU).
     """
     from vllm import LLM
 
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and tensor_parallel_size > 1:
+        # the ranks of one TP group must share a seed (base + rank // tp) and identical prompts; the colocated
+        # trainer does not group its ranks that way yet
+        raise NotImplementedError("tensor_parallel_size > 1 under torchrun is not supported yet: use 1 engine/rank")
     kwargs = dict(
         model=str(model_path), tokenizer=str(model_path), seed=seed, dtype=dtype, max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
@@ -64,6 +73,8 @@ def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utili
     )
     if kv_cache_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    if block_size is not None:
+        kwargs["block_size"] = block_size
     if distributed:
         # torchrun's RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* are what vLLM reads; each rank gets its own engine
         kwargs["distributed_executor_backend"] = "external_launcher"
@@ -100,9 +111,10 @@ class Rollouts:
 def generate(engine, prompt_token_ids, n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=256, stop=None,
              seeds=None, use_tqdm=False):
     """n responses per prompt, with the sampler's per-token log-probs. prompt_token_ids: list of id lists.
-    seeds: one per prompt, in [0, 2**56): a prompt's n samples then depend only on its seed and the weights (not on
-    the batch or the rank), which makes a resumed run sample what an uninterrupted one would. None: the engine's
-    own stream (seeded per rank at construction).
+    seeds: one per prompt, in [0, 2**56): a prompt's n samples then depend only on its seed and the weights, not on
+    the rank (and, on CPU, not on the rest of the batch; GPU kernels may vary with batch composition), which makes
+    a resumed run sample what an uninterrupted one would. None: the sampler draws from this process's global torch
+    RNG (the engine runs in-process), seeded per rank when the engine was built.
     top_k = 0 means off. -> Rollouts."""
     from vllm import SamplingParams
 
@@ -148,13 +160,20 @@ def full_parameters(model, dtype=None):
 
     With FSDP2 each entry is a DTensor shard and `full_tensor()` all-gathers it: a collective, so every rank must
     iterate (all ranks see the same keys in the same order). Plain tensors (unsharded models, FSDP2-ignored params,
-    TRL PR #6623) pass through. Names are HF's own: FSDP2 adds no prefix; activation-checkpoint and torch.compile
+    TRL PR #6623) pass through. With tied embeddings vLLM skips `lm_head.weight` (the embedding's alias). Names are HF's own: FSDP2 adds no prefix; activation-checkpoint and torch.compile
     wrappers do, and are stripped.
     """
     for name, tensor in model.state_dict().items():
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if hasattr(tensor, "full_tensor"):
+            if tensor.device.type == "cpu" and torch.cuda.is_available():
+                tensor = tensor.to("cuda")  # CPU-offloaded shards: NCCL all-gathers CUDA tensors only (TRL does so)
+            full = tensor.full_tensor()
+        else:
+            full = tensor
         name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        yield name, (full.detach() if dtype is None else full.detach().to(dtype))
+        converted = full.detach() if dtype is None else full.detach().to(dtype)
+        del full  # with a dtype cast, do not keep the float32 copy alive while the engine loads the cast one
+        yield name, converted
 
 
 def sync_weights(engine, named_tensors):
@@ -215,7 +234,11 @@ def engine_logprobs(engine, token_ids, prompt_len):
     prompt log-probs. token_ids: one sequence (list of ints). -> float32 tensor [len(token_ids) - prompt_len]."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, flat_logprobs=True)
+    if not 1 <= prompt_len < len(token_ids):
+        raise ValueError(f"prompt_len must be in [1, {len(token_ids)}), got {prompt_len} (position 0 has no log-prob)")
+    # seeded, so the one sampled token does not draw from the trainer's global RNG; prompt log-probs never read the
+    # prefix cache (vllm/sampling_params.py), so the probe always recomputes the whole sequence with current weights
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, flat_logprobs=True, seed=0)
     (request,) = engine.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)
     flat = request.prompt_logprobs  # position 0 has no log-prob; position t holds log p(token_t | tokens_<t)
     values = [float(flat.logprobs[flat.start_indices[t]]) for t in range(prompt_len, len(token_ids))]

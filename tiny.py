@@ -205,9 +205,11 @@ def build_tiny(out_dir, seed=0, warmup_steps=800, force=False):
     from transformers import AutoTokenizer
 
     start = time.time()
-    build_tokenizer().save_pretrained(out_dir / "model")
+    built_tokenizer = build_tokenizer()
+    model = build_model(built_tokenizer, seed=seed)
+    built_tokenizer.save_pretrained(out_dir / "model")
+    model.config.save_pretrained(out_dir / "model")  # config.json first: it makes AutoTokenizer pick Qwen2Tokenizer
     tokenizer = AutoTokenizer.from_pretrained(out_dir / "model")  # exactly what the trainer and vLLM will load
-    model = build_model(tokenizer, seed=seed)
     splits = make_splits(seed=seed)
     (out_dir / "data").mkdir(parents=True, exist_ok=True)
     for name, rows in splits.items():

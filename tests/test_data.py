@@ -176,7 +176,9 @@ def test_stare_suffix_matches_the_reference():
         (42.0, "42"),
         (-0.0, "0"),
         (0.1, "0.1"),
-        (2.5e-07, "2.5e-07"),
+        (2.5e-07, "0.00000025"),  # not "2.5e-07": math-verify reads that "e" as Euler's number
+        (1e-05, "0.00001"),
+        (1.5e20, "150000000000000000000"),
         ("  3/4 ", "  3/4 "),  # strings are kept exactly
         ("\\frac{1}{2}", "\\frac{1}{2}"),
     ],

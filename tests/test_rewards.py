@@ -358,3 +358,13 @@ def test_reward_config_errors_name_the_field(kwargs, field):
 def test_reward_config_accepts_overlong_shaping_when_consistent():
     cfg = rewards.RewardConfig(overlong_buffer_len=4096, max_response_len=20480, overlong_penalty_factor=1.0)
     assert cfg.overlong_buffer_len == 4096
+
+
+def test_exponent_notation_and_missing_responses():
+    # "2.5e-07" as a ground truth or an answer is a number, not 2.5 * e - 7 (math-verify's reading of "e")
+    assert rewards.verify_math("\\boxed{0.00000025}", "2.5e-07") == (True, "ok")
+    assert rewards.verify_math("\\boxed{2.5e-07}", "0.00000025") == (True, "ok")
+    assert rewards.verify_math("\\boxed{2.5e-06}", "2.5e-07") == (False, "ok")
+    scores, accuracies, metrics = rewards.compute_rewards([None, "\\boxed{1}"], ["1", "1"], ["x", "x"], [0, 1],
+                                                          rewards.RewardConfig())
+    assert accuracies == [0.0, 1.0] and metrics["rollout/no_answer_frac"] == 0.5

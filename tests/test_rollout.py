@@ -16,9 +16,11 @@ import rollout
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
-    # float32 so the engine and a transformers forward agree to ~1e-6; eager: no compile step at start-up
+    # float32 so the engine and a transformers forward agree to ~1e-6; eager: no compile step at start-up;
+    # 32-token blocks (the CPU minimum) so the ~49-token prompts fill a block that the prefix cache reuses (the CPU
+    # default block is 128 tokens, longer than every prompt here)
     return rollout.build_engine(tiny_dir / "model", seed=0, max_model_len=128, dtype="float32", kv_cache_gib=0.25,
-                                max_num_seqs=64, enforce_eager=True)
+                                max_num_seqs=64, enforce_eager=True, block_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,21 @@ def prompts(tiny_dir):
 
 def load_model(tiny_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
+
+
+def sampler_error(model, prompts, out, temperature=1.0):
+    """max |sampler log-prob - log_softmax(logits / T)| over all sampled tokens, with a transformers forward in
+    float64: independent of stare.py and of vLLM."""
+    worst = 0.0
+    for prompt_index, ids, logprobs in zip(out.prompt_index, out.token_ids, out.logprobs):
+        sequence = list(prompts[prompt_index]) + ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([sequence])).logits[0].double()
+        log_pi = torch.log_softmax(logits / temperature, -1)
+        positions = torch.arange(len(prompts[prompt_index]) - 1, len(sequence) - 1)
+        expected = log_pi[positions, torch.tensor(ids)]
+        worst = max(worst, (torch.tensor(logprobs, dtype=torch.float64) - expected).abs().max().item())
+    return worst
 
 
 def test_generate_shapes_and_stop_reasons(engine, prompts, tiny_dir):
@@ -52,31 +69,33 @@ def test_generate_shapes_and_stop_reasons(engine, prompts, tiny_dir):
     assert logprobs[~mask].abs().sum() == 0
 
 
-def test_seeds_make_samples_reproducible_and_distinct(engine, prompts):
+def test_seeds_make_samples_reproducible_and_distinct(engine, prompts, monkeypatch):
     first = rollout.generate(engine, prompts, n=4, max_tokens=24, seeds=[10, 11, 12])
     again = rollout.generate(engine, prompts, n=4, max_tokens=24, seeds=[10, 11, 12])
     assert first.token_ids == again.token_ids
-    # the same prompt under adjacent seeds: vLLM seeds sample j with seed + j, so unspaced seeds 10 and 11 would
-    # share 3 of their 4 samples
-    same_prompt = rollout.generate(engine, [prompts[0], prompts[0]], n=4, max_tokens=24, seeds=[10, 11])
-    group_a, group_b = same_prompt.token_ids[:4], same_prompt.token_ids[4:]
-    assert group_a == first.token_ids[:4]  # a prompt's samples do not depend on the rest of the batch
-    assert sum(a == b for a in group_a for b in group_b) < 4
+    alone = rollout.generate(engine, prompts[:1], n=4, max_tokens=24, seeds=[10])
+    assert alone.token_ids == first.token_ids[:4]  # a prompt's samples do not depend on the rest of the batch
+    # vLLM seeds the j-th sample of a request with seed + j, so the requests' seeds must be n apart: record what
+    # reaches the real engine
+    seen = []
+    real_generate = engine.generate
+
+    def recording_generate(requests, params, **kwargs):
+        seen.extend(p.seed for p in params)
+        return real_generate(requests, params, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", recording_generate)
+    rollout.generate(engine, prompts, n=4, max_tokens=8, seeds=[10, 11, 12])
+    assert seen == [40, 44, 48]  # children 40-43, 44-47, 48-51: disjoint
 
 
-def test_engine_logprobs_match_an_independent_forward(engine, prompts, tiny_dir):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_logprobs_match_an_independent_forward(engine, prompts, tiny_dir, temperature):
+    # processed log-probs: those of the distribution actually sampled, softmax(logits / T)
     model = load_model(tiny_dir)
-    out = rollout.generate(engine, prompts, n=2, max_tokens=24, seeds=[3, 4, 5])
-    worst = 0.0
-    for prompt_index, ids, logprobs in zip(out.prompt_index, out.token_ids, out.logprobs):
-        sequence = list(prompts[prompt_index]) + ids
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([sequence])).logits[0].double()
-        log_pi = torch.log_softmax(logits, -1)  # transformers' forward, float64 softmax: independent of stare.py
-        positions = torch.arange(len(prompts[prompt_index]) - 1, len(sequence) - 1)
-        expected = log_pi[positions, torch.tensor(ids)]
-        worst = max(worst, (torch.tensor(logprobs, dtype=torch.float64) - expected).abs().max().item())
-    print(f"max |vLLM sampler log-prob - transformers log-prob| = {worst:.2e}")
+    out = rollout.generate(engine, prompts, n=2, temperature=temperature, max_tokens=24, seeds=[3, 4, 5])
+    worst = sampler_error(model, prompts, out, temperature)
+    print(f"T={temperature}: max |vLLM sampler log-prob - transformers log-prob| = {worst:.2e}")
     assert worst < 1e-4
 
 
@@ -96,7 +115,10 @@ def test_weight_sync_is_checkable(engine, prompts, tiny_dir):
     assert count == len(model.state_dict())
     assert rollout.weight_sync_error(engine, model, probe, len(prompts[0])) < 1e-4  # and now it is not
     after = rollout.generate(engine, prompts, n=4, max_tokens=24, seeds=[20, 21, 22])
-    assert after.token_ids != before.token_ids  # same seeds, new weights (and no stale prefix cache)
+    assert after.token_ids != before.token_ids  # same seeds, new weights
+    # the prompts' KV blocks were cached under the old weights; sampling must have recomputed them (the probe
+    # cannot tell: prompt log-probs never read the prefix cache)
+    assert sampler_error(model, prompts, after) < 1e-4
 
     model.load_state_dict(original)
     rollout.sync_weights(engine, rollout.full_parameters(model))
@@ -144,4 +166,3 @@ def test_sleep_wake_sync_cycle_on_gpu(tiny_dir, prompts):
     rollout.sync_weights(engine, rollout.full_parameters(model))
     rollout.wake_kv_cache(engine)
     assert rollout.weight_sync_error(engine, model, probe, len(prompts[0])) < 1e-4
-    rollout.shutdown_engine(engine)

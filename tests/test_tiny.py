@@ -16,8 +16,9 @@ def test_summary_and_starting_success_rates(tiny_dir):
     assert summary["seconds"] < 120  # "under 2 minutes on 2 cores"
     # the regime where RL has something to learn: some, not most, sampled answers correct (loose bounds: the exact
     # value moves with CPU thread counts)
-    assert 0.05 <= summary["sum_train_success_rate_t1"] <= 0.7
-    assert 0.1 <= summary["add_test_success_rate_t1"] <= 0.8
+    assert 0.08 <= summary["sum_train_success_rate_t1"] <= 0.7
+    assert 0.1 <= summary["add_test_success_rate_t1"] <= 0.7
+    assert summary["sum_test_success_rate_t1"] <= 0.7  # held-out N: harder, often lower
     # a second call reuses the directory instead of training again
     assert tiny.build_tiny(tiny_dir) == summary
 
