@@ -181,7 +181,9 @@ def sync_weights(engine, named_tensors):
 
     The iterator is consumed lazily by the engine, so with `full_parameters` only one gathered parameter exists
     at a time. Uses the engine's `reload_weights` (vLLM PR #32133): on CPU in 0.32 the older
-    `model.load_weights` path fails after weights are repacked for the CPU kernels.
+    `model.load_weights` path fails after weights are repacked for the CPU kernels. Each reload logs
+    "RotaryEmbedding: Failed to load weights": the rotary cache is a buffer that no checkpoint holds, and vLLM puts
+    the existing one back (vllm/model_executor/model_loader/reload/layerwise.py); the sync probe confirms the result.
     """
     count = 0
 

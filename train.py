@@ -1,0 +1,519 @@
+"""train.py: the hand-written GRPO/STARE loop on torchrun + FSDP2, with one vLLM engine per rank.
+
+    python tiny.py --out runs/tiny && python train.py --config configs/tiny.yaml        # CPU, one process
+    torchrun --nproc_per_node 2 train.py --config configs/tiny.yaml                      # CPU, two ranks (gloo)
+    torchrun --nproc_per_node 8 train.py --config configs/qwen2.5_math_7b_short_stare.yaml train.out_dir=runs/x
+
+Any config value can be overridden as section.key=value (see config.py). Everything a run writes goes under
+train.out_dir: config.yaml (the resolved config), metrics.jsonl (one JSON object per step), hf/ (the final model,
+loadable by transformers and vLLM).
+
+One step, top to bottom (the banners below follow it):
+  1. prompts      each rank takes its share of a deterministic, seeded order of the training prompts
+  2. rollout      n responses per prompt from the local engine, one seed per prompt from (seed, step, round, index)
+  3. rewards      verifier -> group advantages; dynamic sampling keeps groups whose rewards differ, samples more
+                  rounds until the global batch holds train_batch_size groups, then deals them out evenly
+  4. no-grad pass old log-probs, true entropies and entropy sensitivities (and Lp-Reg's proxy) from one forward;
+                  the batch's token-mean entropy, over all ranks, updates the EntropyGate
+  5. selection    algorithm.stare_scope=step: every method's token selection is made once over the whole batch
+                  (all ranks), so the update does not depend on micro-batch size or world size; micro: inside
+                  each micro-batch on current log-probs, as the reference
+  6. update       micro-batches by token budget (the same count on every rank), loss normalised by the global
+                  count of loss tokens, gradient clipping, AdamW; a non-finite loss or gradient skips the step
+  7. sync         stream the new weights into the engine; check the log-prob probe every few steps
+  8. log          metrics.jsonl and the console
+
+Simplified relative to the reference (verl): no Ray, no separate reference model (no KL term: STARE's runs use none),
+on-policy by default (several mini-batches per step are supported), and the whole batch is exchanged between ranks
+with all_gather_object after dynamic sampling (fine up to a few thousand responses per step).
+Not yet here: sharded checkpoints and exact resume, periodic evaluation, wandb/TensorBoard (see the open issues).
+"""
+
+import json
+import math
+import os
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import baselines
+import config
+import data
+import rewards
+import rollout
+import stare
+
+
+# ======================================================================================================================
+# Plumbing: processes, model, batches
+# ======================================================================================================================
+
+
+def setup_distributed():
+    """A process group in every case (a single process gets a group of one), so one code path serves both."""
+    if "RANK" not in os.environ:  # plain `python train.py`: a local group of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def build_model(cfg, device, world_size):
+    """The HF model, sharded with FSDP2 per decoder layer and then at the root (engineering.md §3)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32,
+                                                 attn_implementation=cfg.model.attn_implementation).to(device)
+    model.config.use_cache = False
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mesh = init_device_mesh(device.type, (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.model.param_dtype),
+                                  reduce_dtype=getattr(torch, cfg.model.reduce_dtype))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def learning_rate_lambda(cfg):
+    def factor(step):
+        if step < cfg.optim.warmup_steps:
+            return (step + 1) / cfg.optim.warmup_steps
+        if cfg.optim.schedule == "constant":
+            return 1.0
+        progress = (step - cfg.optim.warmup_steps) / max(1, cfg.train.total_steps - cfg.optim.warmup_steps)
+        return cfg.optim.min_lr_ratio + (1 - cfg.optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def pad_rows(rows, key, width, value=0.0, dtype=torch.float32):
+    """[len(rows), width] tensor of rows[i][key] (lists or 1-D tensors), right-padded with value."""
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        values = torch.as_tensor(row[key], dtype=dtype)
+        out[i, :len(values)] = values
+    return out
+
+
+def sequence_tensors(rows, pad_id, device):
+    """Prompts left-padded to a common width P and responses right-padded to R, so every row's response starts at
+    column P: the logits of positions P-1 ... P+R-2 predict the response tokens. -> dict of tensors."""
+    prompt_width = max(len(r["prompt"]) for r in rows)
+    response_width = max(1, max(len(r["response"]) for r in rows))
+    input_ids = torch.full((len(rows), prompt_width + response_width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        start = prompt_width - len(row["prompt"])
+        input_ids[i, start:prompt_width] = torch.tensor(row["prompt"])
+        input_ids[i, prompt_width:prompt_width + len(row["response"])] = torch.tensor(row["response"], dtype=torch.long)
+        attention[i, start:prompt_width + len(row["response"])] = 1
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # RoPE positions restart at each prompt's first token
+    response_mask = torch.arange(response_width)[None, :] < torch.tensor([len(r["response"]) for r in rows])[:, None]
+    return {"input_ids": input_ids.to(device), "attention_mask": attention.to(device),
+            "position_ids": position_ids.to(device), "response_ids": input_ids[:, prompt_width:].to(device),
+            "mask": response_mask.to(device), "prompt_width": prompt_width, "response_width": response_width}
+
+
+def response_logits(model, tensors):
+    """Logits at the response positions only ([b, R, V]): the LM head never runs over the prompt."""
+    keep = torch.arange(tensors["prompt_width"] - 1, tensors["prompt_width"] + tensors["response_width"] - 1,
+                        device=tensors["input_ids"].device)
+    return model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"],
+                 position_ids=tensors["position_ids"], logits_to_keep=keep, use_cache=False).logits
+
+
+def stack_row_tensors(rows, key, width, device):
+    """Per-row 1-D tensors rows[i][key] (any dtype) right-padded with zeros to [len(rows), width]."""
+    return torch.stack([torch.nn.functional.pad(r[key], (0, width - len(r[key]))) for r in rows]).to(device)
+
+
+def micro_batches(rows, token_budget):
+    """Row indices grouped so that rows x padded length stays within the budget (longest first)."""
+    order = sorted(range(len(rows)), key=lambda i: -(len(rows[i]["prompt"]) + len(rows[i]["response"])))
+    batches, current, width = [], [], 0
+    for i in order:
+        length = len(rows[i]["prompt"]) + len(rows[i]["response"])
+        if current and (len(current) + 1) * max(width, length) > token_budget:
+            batches.append(current)
+            current, width = [], 0
+        current.append(i)
+        width = max(width, length)
+    return batches + ([current] if current else [])
+
+
+def equal_count_micro_batches(rows, token_budget, device):
+    """micro_batches, padded with empty ones to the largest count over ranks: FSDP2's forward and backward are
+    collectives, so every rank must run the same number of them (a mismatch hangs)."""
+    batches = micro_batches(rows, token_budget)
+    count = torch.tensor([len(batches)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return batches + [[]] * (int(count) - len(batches))
+
+
+def all_sum(values, device):
+    """Sum a list of floats over ranks."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+class MetricsLog:
+    """metrics.jsonl (one object per step, rank 0) and a console line every log_every steps."""
+
+    def __init__(self, path, log_every, rank):
+        self.rank, self.log_every = rank, log_every
+        self.file = open(path, "a") if rank == 0 else None
+
+    def write(self, step, metrics, progress):
+        if self.rank != 0:
+            return
+        record = {"step": step, **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        progress.set_postfix(acc=metrics.get("rollout/acc"), entropy=metrics.get("train/entropy"),
+                             gate=metrics.get("stare/gate_on"), refresh=False)
+        if step % self.log_every == 0:
+            keys = ("rollout/acc", "train/entropy", "train/loss", "stare/gate_on", "train/grad_norm", "time/step")
+            progress.write(f"step {step}: " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
+
+
+# ======================================================================================================================
+# The loop
+# ======================================================================================================================
+
+
+def main(argv):
+    # ------------------------------------------------------------------------------------- config, processes, files
+    if not argv or argv[0] != "--config" or len(argv) < 2:
+        print("usage: train.py --config CONFIG.yaml [section.key=value ...]", file=sys.stderr)
+        return 2
+    try:
+        cfg = config.load(argv[1], argv[2:])
+    except config.ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    rank, world, device = setup_distributed()
+    try:
+        config.check(cfg, world_size=world)
+    except config.ConfigError as error:
+        if rank == 0:
+            print(f"config error: {error}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    out_dir = Path(cfg.train.out_dir)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(config.to_yaml(cfg))
+        print(config.to_yaml(cfg))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    examples = [e for path in cfg.data.train_files
+                for e in data.load_examples(path, prompt_suffix=cfg.data.prompt_suffix)]
+    prompt_ids, examples, prompt_stats = data.tokenize_prompts(examples, tokenizer, cfg.data.max_prompt_tokens,
+                                                               cfg.data.overflow)
+
+    # ----------------------------------------------------- engine (after the process group, before optimizer state)
+    engine = rollout.build_engine(
+        cfg.model.path, seed=cfg.train.seed + rank, max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_tokens,
+        dtype=cfg.rollout.dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        kv_cache_gib=cfg.rollout.kv_cache_gib, max_num_seqs=cfg.rollout.max_num_seqs,
+        enable_sleep_mode=cfg.rollout.enable_sleep_mode, enforce_eager=cfg.rollout.enforce_eager)
+    torch.manual_seed(cfg.train.seed)  # after build_engine, which reseeds every global RNG (see rollout.py)
+    random.seed(cfg.train.seed)
+    model = build_model(cfg, device, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_lambda(cfg))
+    gate = stare.EntropyGate(cfg.algorithm.target_entropy, cfg.loss.stare_w, cfg.loss.stare_m,
+                             cfg.algorithm.gate_adaptive, cfg.algorithm.gate_alpha, cfg.algorithm.gate_w_max,
+                             cfg.algorithm.gate_m_min)
+    log = MetricsLog(out_dir / "metrics.jsonl", cfg.train.log_every, rank)
+    method, n, temperature = cfg.algorithm.method, cfg.rollout.n, cfg.rollout.temperature
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    probe = None
+    nonfinite_in_a_row = 0
+    data_position = 0  # prompts consumed so far (global), the index into the seeded order below
+
+    def prompt_order(epoch):
+        order = list(range(len(prompt_ids)))
+        if cfg.data.shuffle:
+            random.Random(cfg.train.seed * 100_003 + epoch).shuffle(order)
+        return order
+
+    progress = tqdm(range(1, cfg.train.total_steps + 1), desc="train", disable=rank != 0)
+    for step in progress:
+        timings, step_start = {}, time.time()
+        metrics = {}
+
+        # ---------------------------------------------------------------- 1-3. prompts, rollout, rewards, filtering
+        kept_groups, rounds, generated_groups, generated_responses = [], 0, 0, []
+        while len(kept_groups) < cfg.train.train_batch_size:
+            if cfg.algorithm.max_num_gen_batches and rounds >= cfg.algorithm.max_num_gen_batches:
+                raise RuntimeError(
+                    f"step {step}: dynamic sampling kept {len(kept_groups)} of the {cfg.train.train_batch_size} "
+                    f"groups needed after {rounds} rounds (algorithm.max_num_gen_batches); the task is too easy or "
+                    f"too hard for the model: raise the limit or turn algorithm.dynamic_sampling off")
+            share = cfg.algorithm.gen_batch_size // world
+            global_indices = [data_position + rank * share + i for i in range(share)]
+            data_position += cfg.algorithm.gen_batch_size
+            local_prompts = [prompt_order(g // len(prompt_ids))[g % len(prompt_ids)] for g in global_indices]
+            start = time.time()
+            seeds = [(cfg.train.seed * 1_000_003 + g) % 2**48 for g in global_indices]  # the global index decides
+            out = rollout.generate(engine, [prompt_ids[p] for p in local_prompts], n=n, temperature=temperature,
+                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                   max_tokens=cfg.rollout.max_tokens, seeds=seeds)
+            timings["time/rollout"] = timings.get("time/rollout", 0.0) + time.time() - start
+            start = time.time()
+            truths = [examples[local_prompts[i]].ground_truth for i in out.prompt_index]
+            sources = [examples[local_prompts[i]].data_source for i in out.prompt_index]
+            scores, accuracies, reward_metrics = rewards.compute_rewards(out.texts, truths, sources, out.lengths,
+                                                                         cfg.reward)
+            timings["time/reward"] = timings.get("time/reward", 0.0) + time.time() - start
+            groups = []
+            for j in range(len(local_prompts)):
+                rows = range(j * n, (j + 1) * n)
+                groups.append({"prompt": prompt_ids[local_prompts[j]], "responses": [out.token_ids[r] for r in rows],
+                               "rollout_logprobs": [out.logprobs[r] for r in rows],
+                               "rewards": [scores[r] for r in rows], "accuracies": [accuracies[r] for r in rows],
+                               "finish_reasons": [out.finish_reasons[r] for r in rows]})
+            generated_responses.append(reward_metrics)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, groups)
+            for rank_groups in gathered:  # rank order: every rank sees the same global list
+                for group in rank_groups:
+                    generated_groups += 1
+                    varied = len(set(group["accuracies"])) > 1
+                    if varied or not cfg.algorithm.dynamic_sampling:
+                        kept_groups.append(group)
+            rounds += 1
+        kept_groups = kept_groups[:cfg.train.train_batch_size]
+        per_rank = cfg.train.train_batch_size // world
+        my_groups = kept_groups[rank * per_rank:(rank + 1) * per_rank]  # balanced shares
+
+        # advantages, one row per response
+        rows = []
+        for group in my_groups:
+            advantages = stare.group_advantages(torch.tensor(group["rewards"]), n, cfg.algorithm.normalize_std)
+            for k in range(n):
+                rows.append({"prompt": group["prompt"], "response": group["responses"][k],
+                             "rollout_logprobs": group["rollout_logprobs"][k], "advantage": advantages[k].item(),
+                             "reward": group["rewards"][k], "accuracy": group["accuracies"][k],
+                             "truncated": group["finish_reasons"][k] == "length"})
+
+        # ---------------------------------------------------------------- 4. no-grad pass: old log-probs, entropy
+        start = time.time()
+        model.eval()
+        with torch.no_grad():
+            for indices in equal_count_micro_batches(rows, cfg.train.micro_token_budget, device):
+                batch_rows = [rows[i] for i in indices] or rows[:1]  # an empty batch: a collective-only forward
+                tensors = sequence_tensors(batch_rows, pad_id, device)
+                logits = response_logits(model, tensors)
+                logprobs, entropy = stare.token_logprobs_and_entropy(logits, tensors["response_ids"], temperature)
+                sensitivity = stare.entropy_sensitivity(logits, tensors["response_ids"], temperature)
+                proxy = (baselines.minp_proxy_logprobs(logits, tensors["response_ids"], temperature,
+                                                       cfg.loss.lp_reg_kappa, cfg.loss.lp_reg_soft)
+                         if method == "lp_reg" else None)
+                for j, i in enumerate(indices):  # nothing for an empty batch
+                    length = len(rows[i]["response"])
+                    rows[i]["old_logprobs"] = logprobs[j, :length].cpu()
+                    rows[i]["entropy"] = entropy[j, :length].cpu()
+                    rows[i]["sensitivity"] = sensitivity[j, :length].cpu()
+                    if proxy is not None:
+                        rows[i]["proxy_logprobs"] = proxy[j, :length].cpu()
+        timings["time/old_logprobs"] = time.time() - start
+        token_entropy_sum = sum(float(r["entropy"].sum()) for r in rows)
+        token_count = sum(len(r["response"]) for r in rows)
+        entropy_sum, surprisal_sum, tokens = all_sum(
+            [token_entropy_sum, sum(float(-r["old_logprobs"].sum()) for r in rows), token_count], device)
+        batch_entropy = entropy_sum / max(tokens, 1)
+        gate_accepted = gate.update(batch_entropy)  # once per step, before the update (§1.3)
+
+        # ---------------------------------------------------------------- 5. token selection over the whole step
+        selection_metrics = {}
+        if cfg.algorithm.stare_scope == "step" and method not in ("grpo", "entropy_bonus"):
+            shared_keys = ["old_logprobs", "entropy", "advantage", "response"] + (
+                ["proxy_logprobs"] if method == "lp_reg" else [])
+            gathered = [None] * world
+            dist.all_gather_object(gathered, [{k: r[k] for k in shared_keys} for r in rows])
+            everyone = [r for rank_rows in gathered for r in rank_rows]
+            width = max(1, max(len(r["response"]) for r in everyone))
+            step_batch = {"logprobs": pad_rows(everyone, "old_logprobs", width),
+                          "old_logprobs": pad_rows(everyone, "old_logprobs", width),
+                          "entropy": pad_rows(everyone, "entropy", width),
+                          "advantages": torch.tensor([r["advantage"] for r in everyone]),
+                          "mask": torch.arange(width)[None, :] < torch.tensor([len(r["response"]) for r in everyone])[:, None]}
+            if method == "lp_reg":
+                step_batch["proxy_logprobs"] = pad_rows(everyone, "proxy_logprobs", width)
+            generator = torch.Generator().manual_seed(cfg.train.seed * 7919 + step)  # the same on every rank
+            selection, selection_metrics = baselines.token_selection(method, step_batch, cfg.loss, gate=gate,
+                                                                     generator=generator)
+            offset = rank * len(rows)
+            for j, row in enumerate(rows):
+                row["selection"] = {k: v[offset + j, :len(row["response"])] for k, v in selection.items()}
+
+        # ---------------------------------------------------------------- 6. update
+        start = time.time()
+        model.train()
+        loss_sum, stats_sum, stats_weight = 0.0, {}, 0.0
+        num_mini = cfg.train.train_batch_size // cfg.train.mini_batch_size
+        mini_size = len(rows) // num_mini
+        grad_norm = float("nan")
+        step_scope = cfg.algorithm.stare_scope == "step"
+        micro_batch_count = 0
+        for mini in range(num_mini):
+            mini_rows = rows[mini * mini_size:(mini + 1) * mini_size]
+            batches = equal_count_micro_batches(mini_rows, cfg.train.micro_token_budget, device)
+            micro_batch_count += len(batches)
+            if step_scope:  # the denominator: this mini-batch's loss tokens (and sequences) over all ranks
+                local_tokens = local_sequences = 0.0
+                for row in mini_rows:
+                    row_selection = {k: v[None] for k, v in row.get("selection", {}).items()}
+                    row_mask = baselines.loss_mask(method, torch.ones(1, len(row["response"]), dtype=torch.bool),
+                                                   row_selection, cfg.loss)
+                    local_tokens += float(row_mask.sum())
+                    local_sequences += float(row_mask.any())
+                num_tokens, num_sequences = all_sum([local_tokens, local_sequences], device)
+                scale = world  # FSDP averages gradients over ranks; the loss is already the global mean
+            else:  # the reference: each micro-batch's own mean, averaged over micro-batches (and ranks by FSDP)
+                num_tokens = num_sequences = None
+                scale = 1.0 / len(batches)
+            for indices in batches:
+                batch_rows = [mini_rows[i] for i in indices] or mini_rows[:1]  # an empty batch reruns one row x 0
+                tensors = sequence_tensors(batch_rows, pad_id, device)
+                logits = response_logits(model, tensors)
+                logprobs, entropy = stare.token_logprobs_and_entropy(logits.float(), tensors["response_ids"],
+                                                                     temperature)
+                width = tensors["response_width"]
+                batch = {"logprobs": logprobs, "entropy": entropy,
+                         "old_logprobs": pad_rows(batch_rows, "old_logprobs", width).to(device),
+                         "advantages": torch.tensor([r["advantage"] for r in batch_rows], device=device),
+                         "mask": tensors["mask"] & bool(indices)}
+                if method == "lp_reg":
+                    batch["proxy_logprobs"] = pad_rows(batch_rows, "proxy_logprobs", width).to(device)
+                selection = None  # micro scope (or grpo / entropy_bonus): policy_loss selects within this micro-batch
+                if "selection" in batch_rows[0]:
+                    for row in batch_rows:
+                        row.update({f"selection/{k}": v for k, v in row["selection"].items()})
+                    selection = {k: stack_row_tensors(batch_rows, f"selection/{k}", width, device)
+                                 for k in batch_rows[0]["selection"]}
+                generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 7919 + step)
+                loss, loss_metrics = baselines.policy_loss(
+                    method, batch, cfg.loss, selection=selection, gate=gate, generator=generator,
+                    num_tokens=num_tokens, num_sequences=num_sequences)
+                (loss * scale).backward()
+                loss_sum += loss.item() * (1.0 if step_scope else scale)
+                weight = float(batch["mask"].sum())
+                stats_weight += weight
+                for k, v in loss_metrics.items():
+                    stats_sum[k] = stats_sum.get(k, 0.0) + v.item() * weight
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            finite = all_sum([float(math.isfinite(grad_norm) and math.isfinite(loss_sum))], device)[0] == world
+            if finite:
+                optimizer.step()
+                nonfinite_in_a_row = 0
+            else:
+                nonfinite_in_a_row += 1
+                if nonfinite_in_a_row > cfg.optim.max_nonfinite_steps:
+                    raise RuntimeError(f"step {step}: {nonfinite_in_a_row} consecutive non-finite losses or gradient "
+                                       f"norms (optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
+            optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        timings["time/update"] = time.time() - start
+
+        # ---------------------------------------------------------------- 7. sync the engine
+        start = time.time()
+        rollout.sync_weights(engine, rollout.full_parameters(model))
+        timings["time/sync"] = time.time() - start
+        sync_error = None
+        if cfg.rollout.sync_check_every and step % cfg.rollout.sync_check_every == 0:
+            if probe is None:
+                probe = (rows[0]["prompt"] + rows[0]["response"], len(rows[0]["prompt"]))
+                probes = [None] * world
+                dist.all_gather_object(probes, probe)
+                probe = probes[0]  # the same sequence on every rank: the trainer's forward is collective
+            model.eval()
+            sync_error = rollout.weight_sync_error(engine, model, probe[0], probe[1])
+
+        # ---------------------------------------------------------------- 8. metrics
+        accuracy_sum = sum(r["accuracy"] for r in rows)
+        reward_sum = sum(r["reward"] for r in rows)
+        lengths = [len(r["response"]) for r in rows]
+        mismatch = [(torch.tensor(r["rollout_logprobs"]) - r["old_logprobs"]).abs() for r in rows if r["response"]]
+        mismatch_sum = sum(float(m.sum()) for m in mismatch)
+        mismatch_max = max([float(m.max()) for m in mismatch] or [0.0])
+        totals = all_sum([accuracy_sum, reward_sum, len(rows), sum(lengths), sum(r["truncated"] for r in rows),
+                          mismatch_sum, stats_weight, loss_sum], device)
+        width = max(1, max(lengths))
+        dynamics = stare.entropy_dynamics(torch.tensor([r["advantage"] for r in rows]),
+                                          pad_rows(rows, "sensitivity", width),
+                                          torch.arange(width)[None, :] < torch.tensor(lengths)[:, None],
+                                          num_tokens=tokens)
+        dynamics_keys = sorted(dynamics)
+        dynamics_sum = all_sum([float(dynamics[k]) for k in dynamics_keys], device)
+        metric_keys = sorted(stats_sum)
+        loss_stats = all_sum([stats_sum[k] for k in metric_keys], device)
+        metrics.update({
+            "rollout/acc": totals[0] / totals[2], "rollout/reward_mean": totals[1] / totals[2],
+            "rollout/response_length_mean": totals[3] / totals[2], "rollout/truncated_frac": totals[4] / totals[2],
+            "rollout/logprob_mismatch_mean": totals[5] / max(tokens, 1), "rollout/logprob_mismatch_max": mismatch_max,
+            "rollout/gen_rounds": rounds, "rollout/kept_group_frac": len(kept_groups) / max(generated_groups, 1)
+            if not cfg.algorithm.dynamic_sampling else cfg.train.train_batch_size / max(generated_groups, 1),
+            "train/entropy": batch_entropy, "train/surprisal": surprisal_sum / max(tokens, 1),
+            "train/loss": totals[7] / num_mini / (1 if cfg.algorithm.stare_scope == "step" else world), "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0],
+            "train/tokens": tokens, "train/micro_batches": micro_batch_count, "train/skipped_steps_in_a_row": nonfinite_in_a_row,
+            "stare/gate_on": float(gate.gate_on), "stare/w": gate.w, "stare/m": gate.m,
+            "stare/gate_update_accepted": float(gate_accepted),
+            **{f"train/{k}": v / max(totals[6], 1) for k, v in zip(metric_keys, loss_stats)},
+            **{f"stare/dynamics/{k}": v for k, v in zip(dynamics_keys, dynamics_sum)},
+            **{k: float(v) for k, v in selection_metrics.items()},
+            **{k: sum(m[k] for m in generated_responses) / len(generated_responses) for k in
+               ("rollout/no_answer_frac", "rollout/parse_error_frac", "rollout/timeout_frac", "rollout/format_ok_frac")},
+            **timings, "time/step": time.time() - step_start,
+            "time/tokens_per_s": tokens / max(time.time() - step_start, 1e-9),
+        })
+        if sync_error is not None:
+            metrics["rollout/sync_probe_error"] = sync_error
+        log.write(step, metrics, progress)
+
+    # ------------------------------------------------------------------------------------------ export and shut down
+    export_hf(model, cfg, tokenizer, out_dir / "hf", rank)
+    rollout.shutdown_engine(engine)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def export_hf(model, cfg, tokenizer, path, rank):
+    """The full model as a Hugging Face checkpoint (safetensors + config + tokenizer), written by rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        with torch.device("meta"):
+            fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
+        fresh.load_state_dict(state, assign=True)
+        fresh.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
