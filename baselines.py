@@ -290,12 +290,15 @@ def loss_mask(method, mask, selection, cfg):
     return valid
 
 
-def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, num_tokens=None, num_sequences=None):
+def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, num_tokens=None, num_sequences=None,
+                token_weights=None):
     """The policy loss of `method` on `batch` -> (scalar loss to minimise, metrics of 0-dim tensors).
 
     selection: from `token_selection` (sliced to this batch); None = select within this batch.
     num_tokens / num_sequences: the optimizer step's counts of `loss_mask` tokens / non-empty sequences (see
     stare.aggregate_loss), so that micro-batch losses add up to the full-batch loss.
+    token_weights: [B, T] constants multiplying every token's loss before aggregation (e.g. truncated importance
+    weights pi_old / pi_rollout; verl applies them to the surrogate, §0), or None.
 
     Every method returns "touched_frac", the fraction of valid tokens whose loss term differs from GRPO's (STARE:
     reweighted; STAPO: silenced; Lp-Reg: regularised; Clip-Cov: detached; KL-Cov: penalised; 80/20: gradient
@@ -343,6 +346,8 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
         touched = torch.full_like(valid, cfg.entropy_coef != 0)
     # -----------------------------------------------------------------------------------------------------------------
 
+    if token_weights is not None:
+        token_loss = token_loss * token_weights.detach()
     loss = stare.aggregate_loss(token_loss, loss_mask(method, mask, selection, cfg), cfg.agg_mode, num_tokens,
                                 num_sequences, cfg.loss_scale_factor)
     num_valid = valid.sum().clamp(min=1)

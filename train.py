@@ -29,6 +29,7 @@ with all_gather_object after dynamic sampling (fine up to a few thousand respons
 Not yet here: sharded checkpoints and exact resume, periodic evaluation, wandb/TensorBoard (see the open issues).
 """
 
+import functools
 import json
 import math
 import os
@@ -222,6 +223,12 @@ def main(argv):
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(config.to_yaml(cfg))
         print(config.to_yaml(cfg))
+        not_yet = [key for key, used in (("eval.files", bool(cfg.eval.files) and cfg.eval.every > 0),
+                                         ("train.wandb", cfg.train.wandb), ("train.tensorboard", cfg.train.tensorboard),
+                                         ("train.save_every / train.resume (checkpoints)", cfg.train.save_every > 0))
+                   if used]
+        if not_yet:
+            print(f"note: not implemented in train.py yet, ignored: {', '.join(not_yet)}", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     examples = [e for path in cfg.data.train_files
                 for e in data.load_examples(path, prompt_suffix=cfg.data.prompt_suffix)]
@@ -250,6 +257,7 @@ def main(argv):
     nonfinite_in_a_row = 0
     data_position = 0  # prompts consumed so far (global), the index into the seeded order below
 
+    @functools.lru_cache(maxsize=2)
     def prompt_order(epoch):
         order = list(range(len(prompt_ids)))
         if cfg.data.shuffle:
@@ -262,7 +270,7 @@ def main(argv):
         metrics = {}
 
         # ---------------------------------------------------------------- 1-3. prompts, rollout, rewards, filtering
-        kept_groups, rounds, generated_groups, generated_responses = [], 0, 0, []
+        kept_groups, rounds, generated_groups, varied_groups, generated_responses = [], 0, 0, 0, []
         while len(kept_groups) < cfg.train.train_batch_size:
             if cfg.algorithm.max_num_gen_batches and rounds >= cfg.algorithm.max_num_gen_batches:
                 raise RuntimeError(
@@ -299,9 +307,12 @@ def main(argv):
                 for group in rank_groups:
                     generated_groups += 1
                     varied = len(set(group["accuracies"])) > 1
+                    varied_groups += varied
                     if varied or not cfg.algorithm.dynamic_sampling:
                         kept_groups.append(group)
             rounds += 1
+        if cfg.rollout.enable_sleep_mode:
+            rollout.release_memory(engine)  # free the KV cache and weights for the update (GPU)
         kept_groups = kept_groups[:cfg.train.train_batch_size]
         per_rank = cfg.train.train_batch_size // world
         my_groups = kept_groups[rank * per_rank:(rank + 1) * per_rank]  # balanced shares
@@ -406,6 +417,10 @@ def main(argv):
                          "mask": tensors["mask"] & bool(indices)}
                 if method == "lp_reg":
                     batch["proxy_logprobs"] = pad_rows(batch_rows, "proxy_logprobs", width).to(device)
+                token_weights = None
+                if cfg.algorithm.importance_sampling:  # truncated IS: pi_old / pi_rollout, capped (TIS)
+                    rollout_logprobs = pad_rows(batch_rows, "rollout_logprobs", width).to(device)
+                    token_weights = torch.exp(batch["old_logprobs"] - rollout_logprobs).clamp(max=cfg.algorithm.is_cap)
                 selection = None  # micro scope (or grpo / entropy_bonus): policy_loss selects within this micro-batch
                 if "selection" in batch_rows[0]:
                     for row in batch_rows:
@@ -415,7 +430,7 @@ def main(argv):
                 generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 7919 + step)
                 loss, loss_metrics = baselines.policy_loss(
                     method, batch, cfg.loss, selection=selection, gate=gate, generator=generator,
-                    num_tokens=num_tokens, num_sequences=num_sequences)
+                    num_tokens=num_tokens, num_sequences=num_sequences, token_weights=token_weights)
                 (loss * scale).backward()
                 loss_sum += loss.item() * (1.0 if step_scope else scale)
                 weight = float(batch["mask"].sum())
@@ -439,7 +454,11 @@ def main(argv):
 
         # ---------------------------------------------------------------- 7. sync the engine
         start = time.time()
+        if cfg.rollout.enable_sleep_mode:
+            rollout.wake_weights(engine)  # weights first, then load, then the KV cache (engineering.md §1)
         rollout.sync_weights(engine, rollout.full_parameters(model))
+        if cfg.rollout.enable_sleep_mode:
+            rollout.wake_kv_cache(engine)
         timings["time/sync"] = time.time() - start
         sync_error = None
         if cfg.rollout.sync_check_every and step % cfg.rollout.sync_check_every == 0:
@@ -473,8 +492,7 @@ def main(argv):
             "rollout/acc": totals[0] / totals[2], "rollout/reward_mean": totals[1] / totals[2],
             "rollout/response_length_mean": totals[3] / totals[2], "rollout/truncated_frac": totals[4] / totals[2],
             "rollout/logprob_mismatch_mean": totals[5] / max(tokens, 1), "rollout/logprob_mismatch_max": mismatch_max,
-            "rollout/gen_rounds": rounds, "rollout/kept_group_frac": len(kept_groups) / max(generated_groups, 1)
-            if not cfg.algorithm.dynamic_sampling else cfg.train.train_batch_size / max(generated_groups, 1),
+            "rollout/gen_rounds": rounds, "rollout/varied_group_frac": varied_groups / max(generated_groups, 1),
             "train/entropy": batch_entropy, "train/surprisal": surprisal_sum / max(tokens, 1),
             "train/loss": totals[7] / num_mini / (1 if cfg.algorithm.stare_scope == "step" else world), "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0],
             "train/tokens": tokens, "train/micro_batches": micro_batch_count, "train/skipped_steps_in_a_row": nonfinite_in_a_row,

@@ -420,3 +420,19 @@ def test_loss_config_rejects_bad_values_by_name():
         baselines.LossConfig(dual_clip=1.0)
     with pytest.raises(ValueError, match="stare_top_ratio"):
         baselines.LossConfig(stare_top_ratio=1.5)
+
+
+def test_token_weights_multiply_each_token_loss():
+    # e.g. truncated importance weights: the loss becomes the weighted sum over the same denominator
+    batch = make_batch(seed=17)
+    cfg = baselines.LossConfig()
+    weights = torch.rand(6, 9, generator=torch.Generator().manual_seed(1)) * 2
+    weighted, _ = baselines.policy_loss("grpo", batch, cfg, token_weights=weights)
+
+    def per_token(i, t, a):
+        return weights[i, t].item() * surrogate_loop(lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t), a,
+                                                     cfg)
+
+    assert weighted.item() == pytest.approx(token_mean_loop(batch, per_token), rel=1e-5)
+    assert torch.equal(baselines.policy_loss("grpo", batch, cfg, token_weights=torch.ones(6, 9))[0],
+                       baselines.policy_loss("grpo", batch, cfg)[0])
