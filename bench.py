@@ -8,6 +8,8 @@ logprob-memory: peak *extra* memory (beyond the input logits) of stare.token_log
     log_softmax + entropy on the full tensor, for float32 and bfloat16 logits. On CUDA it reads the allocator's
     peak; on CPU (Linux) the process's peak resident memory, reset just before each measurement
     (/proc/self/clear_refs), so every byte the computation touched counts. Goal: ratio <= 0.125.
+train-step: per-stage time of the real training loop (train.py on the tiny default, CPU: rollout, reward, the
+    no-grad pass, update, sync) and tokens/s, averaged over the steps after the first (start-up excluded).
 stare-overhead: time of stare_weights + clipped_surrogate + aggregate_loss vs clipped_surrogate + aggregate_loss
     alone, on the same tokens in the same run (interleaved, median of repeats). overhead_ratio = stare/grpo - 1.
     Goal: <= 0.25. The forward+backward numbers include the backward of the loss, which training always pays.
@@ -224,12 +226,48 @@ def bench_reward_throughput(args):
             "responses_per_s": round(len(responses) / seconds, 1), "acc": round(sum(accuracies) / len(accuracies), 4)}
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# train-step
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def bench_train_step(args):
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import tiny
+
+    tiny_dir = Path(args.tiny)
+    tiny.build_tiny(tiny_dir)  # reused when complete
+    with tempfile.TemporaryDirectory() as out_dir:
+        command = [sys.executable, "train.py", "--config", "configs/tiny.yaml", f"model.path={tiny_dir / 'model'}",
+                   f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]",
+                   f"train.out_dir={out_dir}", f"train.total_steps={args.steps}", f"algorithm.method={args.method}"]
+        completed = subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True)
+        if completed.returncode != 0:
+            raise RuntimeError(completed.stderr[-3000:])
+        steps = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()][1:]
+    keys = ["time/rollout", "time/reward", "time/old_logprobs", "time/update", "time/sync", "time/step",
+            "time/tokens_per_s"]
+    result = {"method": args.method, "steps_averaged": len(steps), "threads": torch.get_num_threads(),
+              "response_tokens_per_step": statistics.mean(s["train/tokens"] for s in steps)}
+    result.update({key.replace("time/", "") + ("" if key.endswith("_per_s") else "_s"):
+                   round(statistics.mean(s[key] for s in steps), 3) for key in keys})
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     memory = commands.add_parser("logprob-memory", help="peak memory of chunked vs naive log-probs/entropy")
     memory.add_argument("--tokens", type=int, default=4096)
     memory.add_argument("--vocab", type=int, default=151_936)  # Qwen2.5
+    train_step = commands.add_parser("train-step", help="per-stage time of train.py on the tiny default")
+    train_step.add_argument("--tiny", default="runs/tiny", help="the tiny default's directory (built if missing)")
+    train_step.add_argument("--steps", type=int, default=6)
+    train_step.add_argument("--method", default="stare")
     overhead = commands.add_parser("stare-overhead", help="time of the STARE loss vs the GRPO loss")
     overhead.add_argument("--tokens", type=int, default=2**20)
     overhead.add_argument("--repeats", type=int, default=15)
@@ -239,7 +277,7 @@ def main():
     throughput.add_argument("--responses", type=int, default=2000)
     args = parser.parse_args()
     run = {"logprob-memory": bench_logprob_memory, "stare-overhead": bench_stare_overhead,
-           "reward-throughput": bench_reward_throughput}[args.command]
+           "reward-throughput": bench_reward_throughput, "train-step": bench_train_step}[args.command]
     print(json.dumps(run(args)))
 
 
