@@ -10,7 +10,8 @@ loadable by transformers and vLLM).
 
 One step, top to bottom (the banners below follow it):
   1. prompts      each rank takes its share of a deterministic, seeded order of the training prompts
-  2. rollout      n responses per prompt from the local engine, one seed per prompt from (seed, step, round, index)
+  2. rollout      n responses per prompt from the local engine, one seed per prompt from (seed, its global index
+                  in the seeded prompt stream), so samples do not depend on the number of ranks
   3. rewards      verifier -> group advantages; dynamic sampling keeps groups whose rewards differ, samples more
                   rounds until the global batch holds train_batch_size groups, then deals them out evenly
   4. no-grad pass old log-probs, true entropies and entropy sensitivities (and Lp-Reg's proxy) from one forward;
@@ -18,17 +19,23 @@ One step, top to bottom (the banners below follow it):
   5. selection    algorithm.stare_scope=step: every method's token selection is made once over the whole batch
                   (all ranks), so the update does not depend on micro-batch size or world size; micro: inside
                   each micro-batch on current log-probs, as the reference
-  6. update       micro-batches by token budget (the same count on every rank), loss normalised by the global
-                  count of loss tokens, gradient clipping, AdamW; a non-finite loss or gradient skips the step
+  6. update       micro-batches by token budget (the same count on every rank); step scope: loss normalised by the
+                  global count of loss tokens; micro scope: each micro-batch's own mean, weighted by its share of
+                  rows (verl's dynamic batch size); gradient clipping, AdamW; a non-finite loss or gradient skips
+                  the optimizer step
   7. sync         stream the new weights into the engine; check the log-prob probe every few steps
   8. log          metrics.jsonl and the console
 
 Simplified relative to the reference (verl): no Ray, no separate reference model (no KL term: STARE's runs use none),
-on-policy by default (several mini-batches per step are supported), and the whole batch is exchanged between ranks
-with all_gather_object after dynamic sampling (fine up to a few thousand responses per step).
+on-policy by default, and the whole batch is exchanged between ranks with all_gather_object after dynamic sampling
+(fine up to a few thousand responses per step). Old log-probs come from a separate no-grad pass (verl sets
+pi_old := pi_theta.detach() on-policy, so its ratio is exactly 1; here it is 1 up to float noise). With several
+mini-batches per step, step-scope selections are still made once per step on the old log-probs. Without dynamic
+sampling the first train_batch_size groups of a generation round are used. No balance_batch reordering.
 Not yet here: sharded checkpoints and exact resume, periodic evaluation, wandb/TensorBoard (see the open issues).
 """
 
+import dataclasses
 import functools
 import json
 import math
@@ -143,16 +150,17 @@ def stack_row_tensors(rows, key, width, device):
 
 
 def micro_batches(rows, token_budget):
-    """Row indices grouped so that rows x padded length stays within the budget (longest first)."""
+    """Row indices grouped so that rows x padded width stays within the budget (longest first). The width is the
+    longest prompt plus the longest response: prompts are left-padded and responses right-padded separately."""
     order = sorted(range(len(rows)), key=lambda i: -(len(rows[i]["prompt"]) + len(rows[i]["response"])))
-    batches, current, width = [], [], 0
+    batches, current, prompt_width, response_width = [], [], 0, 0
     for i in order:
-        length = len(rows[i]["prompt"]) + len(rows[i]["response"])
-        if current and (len(current) + 1) * max(width, length) > token_budget:
+        p, r = len(rows[i]["prompt"]), max(1, len(rows[i]["response"]))
+        if current and (len(current) + 1) * (max(prompt_width, p) + max(response_width, r)) > token_budget:
             batches.append(current)
-            current, width = [], 0
+            current, prompt_width, response_width = [], 0, 0
         current.append(i)
-        width = max(width, length)
+        prompt_width, response_width = max(prompt_width, p), max(response_width, r)
     return batches + ([current] if current else [])
 
 
@@ -163,6 +171,10 @@ def equal_count_micro_batches(rows, token_budget, device):
     count = torch.tensor([len(batches)], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return batches + [[]] * (int(count) - len(batches))
+
+
+REWARD_FRACTIONS = ("rollout/no_answer_frac", "rollout/parse_error_frac", "rollout/timeout_frac",
+                    "rollout/format_ok_frac")
 
 
 def all_sum(values, device):
@@ -252,6 +264,9 @@ def main(argv):
                              cfg.algorithm.gate_m_min)
     log = MetricsLog(out_dir / "metrics.jsonl", cfg.train.log_every, rank)
     method, n, temperature = cfg.algorithm.method, cfg.rollout.n, cfg.rollout.temperature
+    if cfg.loss.agg_mode == "seq-mean-token-sum-norm" and cfg.loss.loss_scale_factor is None:
+        # Dr.GRPO's constant must not be the padded width of each micro-batch: use the response budget
+        cfg.loss = dataclasses.replace(cfg.loss, loss_scale_factor=float(cfg.rollout.max_tokens))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     probe = None
     nonfinite_in_a_row = 0
@@ -300,7 +315,7 @@ def main(argv):
                                "rollout_logprobs": [out.logprobs[r] for r in rows],
                                "rewards": [scores[r] for r in rows], "accuracies": [accuracies[r] for r in rows],
                                "finish_reasons": [out.finish_reasons[r] for r in rows]})
-            generated_responses.append(reward_metrics)
+            generated_responses.append([reward_metrics[k] * len(out.texts) for k in REWARD_FRACTIONS] + [len(out.texts)])
             gathered = [None] * world
             dist.all_gather_object(gathered, groups)
             for rank_groups in gathered:  # rank order: every rank sees the same global list
@@ -386,7 +401,7 @@ def main(argv):
         mini_size = len(rows) // num_mini
         grad_norm = float("nan")
         step_scope = cfg.algorithm.stare_scope == "step"
-        micro_batch_count = 0
+        micro_batch_count, skipped_updates = 0, 0
         for mini in range(num_mini):
             mini_rows = rows[mini * mini_size:(mini + 1) * mini_size]
             batches = equal_count_micro_batches(mini_rows, cfg.train.micro_token_budget, device)
@@ -400,16 +415,17 @@ def main(argv):
                     local_tokens += float(row_mask.sum())
                     local_sequences += float(row_mask.any())
                 num_tokens, num_sequences = all_sum([local_tokens, local_sequences], device)
-                scale = world  # FSDP averages gradients over ranks; the loss is already the global mean
-            else:  # the reference: each micro-batch's own mean, averaged over micro-batches (and ranks by FSDP)
+            else:  # the reference: each micro-batch's own mean, weighted by its share of rows (and ranks by FSDP)
                 num_tokens = num_sequences = None
-                scale = 1.0 / len(batches)
+            mini_loss = 0.0
             for indices in batches:
+                # step scope: the loss is already a share of the global mean and FSDP averages gradients over
+                # ranks, hence x world; micro scope: weighted by the rows it holds (0 for a padding batch)
+                scale = world if step_scope else len(indices) / len(mini_rows)
                 batch_rows = [mini_rows[i] for i in indices] or mini_rows[:1]  # an empty batch reruns one row x 0
                 tensors = sequence_tensors(batch_rows, pad_id, device)
                 logits = response_logits(model, tensors)
-                logprobs, entropy = stare.token_logprobs_and_entropy(logits.float(), tensors["response_ids"],
-                                                                     temperature)
+                logprobs, entropy = stare.token_logprobs_and_entropy(logits, tensors["response_ids"], temperature)
                 width = tensors["response_width"]
                 batch = {"logprobs": logprobs, "entropy": entropy,
                          "old_logprobs": pad_rows(batch_rows, "old_logprobs", width).to(device),
@@ -432,23 +448,27 @@ def main(argv):
                     method, batch, cfg.loss, selection=selection, gate=gate, generator=generator,
                     num_tokens=num_tokens, num_sequences=num_sequences, token_weights=token_weights)
                 (loss * scale).backward()
-                loss_sum += loss.item() * (1.0 if step_scope else scale)
+                mini_loss += loss.item() * (1.0 if step_scope else scale)
                 weight = float(batch["mask"].sum())
+                if weight == 0:  # a padding batch: its statistics are 0/0
+                    continue
                 stats_weight += weight
                 for k, v in loss_metrics.items():
                     stats_sum[k] = stats_sum.get(k, 0.0) + v.item() * weight
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
             grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            finite = all_sum([float(math.isfinite(grad_norm) and math.isfinite(loss_sum))], device)[0] == world
+            loss_sum += mini_loss
+            finite = all_sum([float(math.isfinite(grad_norm) and math.isfinite(mini_loss))], device)[0] == world
             if finite:
                 optimizer.step()
-                nonfinite_in_a_row = 0
             else:
-                nonfinite_in_a_row += 1
-                if nonfinite_in_a_row > cfg.optim.max_nonfinite_steps:
-                    raise RuntimeError(f"step {step}: {nonfinite_in_a_row} consecutive non-finite losses or gradient "
-                                       f"norms (optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
+                skipped_updates += 1
             optimizer.zero_grad(set_to_none=True)
+        nonfinite_in_a_row = nonfinite_in_a_row + 1 if skipped_updates else 0
+        if nonfinite_in_a_row > cfg.optim.max_nonfinite_steps:
+            raise RuntimeError(f"step {step}: non-finite loss or gradient norm in {nonfinite_in_a_row} consecutive "
+                               f"steps (optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
+        learning_rate = scheduler.get_last_lr()[0]  # the rate this step used
         scheduler.step()
         timings["time/update"] = time.time() - start
 
@@ -462,13 +482,15 @@ def main(argv):
         timings["time/sync"] = time.time() - start
         sync_error = None
         if cfg.rollout.sync_check_every and step % cfg.rollout.sync_check_every == 0:
-            if probe is None:
-                probe = (rows[0]["prompt"] + rows[0]["response"], len(rows[0]["prompt"]))
+            if probe is None:  # a finished, non-empty response: room in the context and at least one log-prob
+                usable = [r for r in rows if r["response"] and not r["truncated"]]
                 probes = [None] * world
-                dist.all_gather_object(probes, probe)
-                probe = probes[0]  # the same sequence on every rank: the trainer's forward is collective
-            model.eval()
-            sync_error = rollout.weight_sync_error(engine, model, probe[0], probe[1])
+                dist.all_gather_object(probes, (usable[0]["prompt"] + usable[0]["response"],
+                                                len(usable[0]["prompt"])) if usable else None)
+                probe = next((p for p in probes if p is not None), None)  # the same on every rank: a collective
+            if probe is not None:
+                model.eval()
+                sync_error = rollout.weight_sync_error(engine, model, probe[0], probe[1])
 
         # ---------------------------------------------------------------- 8. metrics
         accuracy_sum = sum(r["accuracy"] for r in rows)
@@ -476,7 +498,9 @@ def main(argv):
         lengths = [len(r["response"]) for r in rows]
         mismatch = [(torch.tensor(r["rollout_logprobs"]) - r["old_logprobs"]).abs() for r in rows if r["response"]]
         mismatch_sum = sum(float(m.sum()) for m in mismatch)
-        mismatch_max = max([float(m.max()) for m in mismatch] or [0.0])
+        mismatch_max = torch.tensor(max([float(m.max()) for m in mismatch] or [0.0]), device=device)
+        dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
+        mismatch_max = float(mismatch_max)
         totals = all_sum([accuracy_sum, reward_sum, len(rows), sum(lengths), sum(r["truncated"] for r in rows),
                           mismatch_sum, stats_weight, loss_sum], device)
         width = max(1, max(lengths))
@@ -486,6 +510,7 @@ def main(argv):
                                           num_tokens=tokens)
         dynamics_keys = sorted(dynamics)
         dynamics_sum = all_sum([float(dynamics[k]) for k in dynamics_keys], device)
+        fraction_sums = all_sum([sum(column) for column in zip(*generated_responses)], device)
         metric_keys = sorted(stats_sum)
         loss_stats = all_sum([stats_sum[k] for k in metric_keys], device)
         metrics.update({
@@ -494,15 +519,14 @@ def main(argv):
             "rollout/logprob_mismatch_mean": totals[5] / max(tokens, 1), "rollout/logprob_mismatch_max": mismatch_max,
             "rollout/gen_rounds": rounds, "rollout/varied_group_frac": varied_groups / max(generated_groups, 1),
             "train/entropy": batch_entropy, "train/surprisal": surprisal_sum / max(tokens, 1),
-            "train/loss": totals[7] / num_mini / (1 if cfg.algorithm.stare_scope == "step" else world), "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0],
-            "train/tokens": tokens, "train/micro_batches": micro_batch_count, "train/skipped_steps_in_a_row": nonfinite_in_a_row,
+            "train/loss": totals[7] / num_mini / (1 if cfg.algorithm.stare_scope == "step" else world), "train/grad_norm": grad_norm, "train/lr": learning_rate,
+            "train/tokens": tokens, "train/micro_batches": micro_batch_count, "train/skipped_updates": skipped_updates,
             "stare/gate_on": float(gate.gate_on), "stare/w": gate.w, "stare/m": gate.m,
             "stare/gate_update_accepted": float(gate_accepted),
             **{f"train/{k}": v / max(totals[6], 1) for k, v in zip(metric_keys, loss_stats)},
             **{f"stare/dynamics/{k}": v for k, v in zip(dynamics_keys, dynamics_sum)},
             **{k: float(v) for k, v in selection_metrics.items()},
-            **{k: sum(m[k] for m in generated_responses) / len(generated_responses) for k in
-               ("rollout/no_answer_frac", "rollout/parse_error_frac", "rollout/timeout_frac", "rollout/format_ok_frac")},
+            **dict(zip(REWARD_FRACTIONS, [v / max(fraction_sums[-1], 1) for v in fraction_sums[:-1]])),
             **timings, "time/step": time.time() - step_start,
             "time/tokens_per_s": tokens / max(time.time() - step_start, 1e-9),
         })
@@ -528,7 +552,8 @@ def export_hf(model, cfg, tokenizer, path, rank):
         with torch.device("meta"):
             fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
         fresh.load_state_dict(state, assign=True)
-        fresh.save_pretrained(path)
+        fresh.tie_weights()  # assign=True replaced the tied parameters with separate tensors
+        fresh.to(getattr(torch, cfg.model.param_dtype)).save_pretrained(path)  # the dtype the model trained in
         tokenizer.save_pretrained(path)
     dist.barrier()
 

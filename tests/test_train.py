@@ -84,3 +84,14 @@ def test_config_errors_exit_before_writing(tmp_path):
     assert completed.returncode == 2
     assert "did you mean 'algorithm.method'" in completed.stderr
     assert not (tmp_path / "never").exists()
+
+
+def test_micro_scope_and_two_mini_batches_on_two_ranks(tiny_dir, tmp_path):
+    # the reference's per-micro-batch selection, two optimizer steps per training step, a small token budget
+    completed = run_train(tiny_dir, tmp_path / "run", "algorithm.stare_scope=micro", "train.mini_batch_size=8",
+                          "train.micro_token_budget=600", "rollout.sync_check_every=1", nproc=2, port=29637)
+    metrics = check_finished(completed, tmp_path / "run")
+    for record in metrics:
+        assert record["rollout/sync_probe_error"] < 1e-4  # both optimizer steps reached the engine
+        assert record["train/micro_batches"] >= 4 and record["train/skipped_updates"] == 0
+        assert record["train/touched_frac"] > 0
