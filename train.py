@@ -144,11 +144,6 @@ def response_logits(model, tensors):
                  position_ids=tensors["position_ids"], logits_to_keep=keep, use_cache=False).logits
 
 
-def stack_row_tensors(rows, key, width, device):
-    """Per-row 1-D tensors rows[i][key] (any dtype) right-padded with zeros to [len(rows), width]."""
-    return torch.stack([torch.nn.functional.pad(r[key], (0, width - len(r[key]))) for r in rows]).to(device)
-
-
 def micro_batches(rows, token_budget):
     """Row indices grouped so that rows x padded width stays within the budget (longest first). The width is the
     longest prompt plus the longest response: prompts are left-padded and responses right-padded separately."""
@@ -439,10 +434,9 @@ def main(argv):
                     token_weights = torch.exp(batch["old_logprobs"] - rollout_logprobs).clamp(max=cfg.algorithm.is_cap)
                 selection = None  # micro scope (or grpo / entropy_bonus): policy_loss selects within this micro-batch
                 if "selection" in batch_rows[0]:
-                    for row in batch_rows:
-                        row.update({f"selection/{k}": v for k, v in row["selection"].items()})
-                    selection = {k: stack_row_tensors(batch_rows, f"selection/{k}", width, device)
-                                 for k in batch_rows[0]["selection"]}
+                    row_selections = [r["selection"] for r in batch_rows]
+                    selection = {k: pad_rows(row_selections, k, width, dtype=v.dtype).to(device)
+                                 for k, v in row_selections[0].items()}
                 generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 7919 + step)
                 loss, loss_metrics = baselines.policy_loss(
                     method, batch, cfg.loss, selection=selection, gate=gate, generator=generator,
