@@ -1,0 +1,618 @@
+"""sandbox.py: the code interpreter of multi-turn tool-use rollouts. The model writes Python, this runs it, and the
+text the model sees in its tool turn comes back.
+
+    results = sandbox.run_batch(codes, sandbox.SandboxConfig(timeout_s=10))  # in order, max_workers at a time
+    turn = sandbox.format_result(results[0])  # the output, then one "Error: ..." line if the run failed
+    result = sandbox.run_code("print(1)")     # one execution
+    sandbox.isolation()                       # "namespaces" or "process": what this machine allows (below)
+
+The reference releases no tool config or sandbox (reference/algorithms.md §1.7); this one is ours. Whatever the code
+does, the trainer neither hangs nor crashes: run_code never raises, returns within timeout_s (plus up to 2 s when
+the clean-up has to be forced), and nothing a run started outlives it. About 0.2 s per execution on a small CPU
+machine: two interpreter start-ups.
+
+What runs. Each execution is a fresh interpreter (`python -I -B sandbox.py --run`: isolated mode, so no PYTHON*
+variables, no user site, no script directory on sys.path) that compiles the code as main.py and runs it as
+__main__, in a private working directory that is also HOME and TMPDIR. Tracebacks say "main.py", so the same code
+gives the same text on every machine. stdin is /dev/null; the environment is built from scratch (none of the
+trainer's variables, tokens included), with OMP/OpenBLAS/MKL at one thread. stdout and stderr share one pipe
+(interleaved as written, stdout line-buffered), which the trainer reads in 64 KB chunks, keeping only the first and
+the last max_output_bytes/2 bytes: 100 MB of prints cost the trainer a few KB and under a second.
+
+The process tree: trainer -> L, the launcher (`sandbox.py --launch`, in a session of its own) -> the code. L is a
+child subreaper: every orphaned descendant, setsid() or not, becomes its child, and when the code ends L kills and
+reaps all of them, then exits with the code's status. At the deadline the trainer sends L SIGTERM (L kills the code,
+then cleans up the same way) and SIGKILLs L's process group if L has not exited 2 s later. The trainer reaps L
+only after that kill, so L's pid, the group's id, cannot have been reused by then.
+
+Isolation, in one of two modes; isolation="auto" probes once per (python, network) and takes "namespaces" if it works.
+  "namespaces" (Linux user namespaces: root, and ordinary users on most distributions). L forks C into new user,
+    mount, PID, IPC and (unless network=True) network namespaces, and writes C's uid/gid maps from outside. C
+      - remounts every filesystem read-only: a write outside fails with EROFS, whatever the file permissions;
+      - mounts a fresh tmpfs of max_file_mb on /tmp, the working directory (bound on /dev/shm too), and an empty
+        read-only tmpfs on /run (daemon sockets: a network namespace does not cover Unix sockets on disk); what the
+        code writes never reaches a disk and vanishes with the namespace;
+      - forks a reaper as PID 1, and the code as PID 2, which mounts a /proc that shows only the namespace (an
+        empty one where the kernel refuses, e.g. inside Docker), drops every capability but CAP_DAC_READ_SEARCH,
+        sets no_new_privs (setuid binaries then grant nothing) and the limits, and execs the interpreter.
+    So the code has no network (no interface at all, not even loopback: connect() fails with ENETUNREACH), sees and
+    signals no process outside (its getppid() is 0, kill(-1) stays in its namespace, and C's process group is not
+    L's, so kill(0) cannot reach L), and sees no other run's files. When the code exits, C kills PID 1 and the
+    kernel kills everything left in the namespace; C dies with L and PID 1 with C (PDEATHSIG, out of the code's
+    reach). Identity: uid 0 inside the namespace, which outside is the trainer's user, or `nobody` (65534) when
+    the trainer is root (root is exempt from RLIMIT_NPROC). The code can read what that user can read, and under a
+    root trainer root's files too (CAP_DAC_READ_SEARCH, so that an interpreter under /root still starts): keep
+    secrets unreadable to the trainer, or run the trainer as an ordinary user.
+  "process" (the fallback, e.g. under Docker's default seccomp profile, which forbids user namespaces). Best effort:
+    the same interpreter, limits, environment and clean-up, a private directory (mkdtemp under tmp_root, removed
+    afterwards), and under a root trainer the code runs as `nobody` (then tmp_root and the interpreter must be
+    reachable by `nobody`: set `python`). NOT contained: writes wherever that user may write (world-writable places
+    such as /tmp, other runs' directories, whose names are random but not secret); the network, except that
+    creating a socket from Python raises PermissionError (an audit hook; ctypes or a subprocess gets around it);
+    signals to that user's processes (the code's parent is L, not the trainer, but code that searches /proc can
+    find a non-root trainer, and kill(-1) reaches all of that user's processes). RLIMIT_NPROC counts every process
+    of the user, so it is set to that user's count at start plus max_processes (racy).
+
+Limits (SandboxConfig; defaults in parentheses), per execution unless stated:
+  timeout_s (10)          wall clock; then the code is killed, with everything it started.
+  cpu_s (10)              RLIMIT_CPU, per process: SIGXCPU at cpu_s, SIGKILL a second later.
+  memory_mb (1024)        RLIMIT_AS, per process: allocations beyond it raise MemoryError. An address-space limit,
+                          not a cgroup, so the worst case is max_processes * memory_mb per execution.
+  max_processes (8)       processes + threads of the code, itself included (RLIMIT_NPROC in its own user namespace;
+                          see "process" mode otherwise). A fork bomb gets EAGAIN, then the timeout.
+  max_file_mb (32)        RLIMIT_FSIZE (largest file), and in "namespaces" mode the size of its whole tmpfs.
+  max_output_bytes (8192) the output kept: the first and the last half, with a marker between them.
+  max_workers (8)         concurrent executions in run_batch.
+  network (False)         True: the host's network ("namespaces": no network namespace; "process": no audit hook).
+
+Result.error is "" when the code exited 0, else one of "timeout", "cpu" (SIGXCPU), "memory" (an uncaught
+MemoryError), "syntax" (the code does not compile), "exception" (any other uncaught exception), "exit_code" (a
+non-zero exit status), "killed" (a signal: a segfault, the code killing itself) or "sandbox" (the sandbox itself
+failed: a bug or a machine problem, not the model's doing; the message says what). The runner reports "syntax",
+"exception" and "memory" with the reserved exit codes 211-213 (214: set-up failure); code calling sys.exit(211)
+is misread as a syntax error, which is harmless.
+"""
+
+import ctypes
+import dataclasses
+import json
+import os
+import re
+import resource
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+import warnings
+
+_THIS_FILE = os.path.abspath(__file__)
+_NOBODY = 65534  # the identity code runs under when the trainer is root
+_EXIT_SYNTAX, _EXIT_EXCEPTION, _EXIT_MEMORY, _EXIT_SETUP = 211, 212, 213, 214  # the runner's reserved exit codes
+_STOP_GRACE_S = 2.0  # after a timeout, how long the launcher gets to clean up before it is SIGKILLed
+
+
+@dataclasses.dataclass
+class SandboxConfig:
+    timeout_s: float = 10.0  # wall clock per execution; the whole process group is killed at expiry
+    cpu_s: int = 10  # CPU seconds per process (RLIMIT_CPU)
+    memory_mb: int = 1024  # address space per process (RLIMIT_AS); numpy + sympy need ~170 MB
+    max_processes: int = 8  # processes + threads, the code's own included (RLIMIT_NPROC in its user namespace)
+    max_file_mb: int = 32  # largest file (RLIMIT_FSIZE); in "namespaces" mode also the whole private tmpfs
+    max_output_bytes: int = 8192  # stdout+stderr kept: the first and the last half, the middle dropped
+    max_workers: int = 8  # concurrent executions in run_batch
+    network: bool = False  # True: the code shares the host network
+    python: str = ""  # interpreter for the code; "" = the trainer's own (sys.executable)
+    isolation: str = "auto"  # auto | namespaces | process (see the module docstring)
+    tmp_root: str = ""  # "process" mode: where private directories are made; "" = tempfile.gettempdir()
+
+    def __post_init__(self):
+        if self.isolation not in ("auto", "namespaces", "process"):
+            raise ValueError(f"isolation must be auto, namespaces or process, not {self.isolation!r}")
+        for name in ("timeout_s", "cpu_s", "memory_mb", "max_processes", "max_file_mb", "max_output_bytes",
+                     "max_workers"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, not {getattr(self, name)!r}")
+
+
+@dataclasses.dataclass
+class Result:
+    output: str  # stdout+stderr as the model will see it (truncated in the middle if long)
+    ok: bool  # the code exited with status 0 in time
+    error: str  # "" if ok, else timeout | cpu | memory | syntax | exception | exit_code | killed | sandbox
+    message: str  # one line describing the error, "" if ok (deterministic: no timings, no paths)
+    exit_code: int | None  # the process status: >= 0 an exit code, < 0 a signal; None if killed at timeout
+    duration_s: float  # wall clock of the whole execution
+    truncated: bool  # output was cut to max_output_bytes
+    output_bytes: int  # bytes the code wrote in total
+
+
+def format_result(result: Result) -> str:
+    """The tool turn's text: the output, then one error line if the run failed ("(no output)" if there is none)."""
+    text = result.output
+    if result.ok:
+        return text if text else "(no output)"
+    if text and not text.endswith("\n"):
+        text += "\n"
+    return text + result.message
+
+
+def run_batch(codes: list[str], config: SandboxConfig | None = None) -> list[Result]:
+    """Run every code, at most config.max_workers at a time (one thread per subprocess); results in input order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = config or SandboxConfig()
+    if not codes:
+        return []
+    isolation(config)  # probe once, before the threads race for it
+    with ThreadPoolExecutor(max_workers=min(config.max_workers, len(codes)), thread_name_prefix="sandbox") as pool:
+        return list(pool.map(lambda code: run_code(code, config), codes))
+
+
+def run_code(code: str, config: SandboxConfig | None = None) -> Result:
+    """Run one piece of code in a fresh sandbox. Never raises, returns within about config.timeout_s."""
+    config = config or SandboxConfig()
+    try:
+        return _run(code, config, isolation(config))
+    except Exception as e:  # a sandbox bug or a machine problem; the trainer carries on
+        return Result("", False, "sandbox", f"Error: sandbox failure ({type(e).__name__}: {e})", None, 0.0,
+                      False, 0)
+
+
+_MODES: dict[tuple[str, bool], str] = {}
+_MODES_LOCK = threading.Lock()
+
+
+def isolation(config: SandboxConfig | None = None) -> str:
+    """The mode run_code uses for this config: "namespaces" or "process". "auto" probes once per (python, network)."""
+    config = config or SandboxConfig()
+    if config.isolation != "auto":
+        return config.isolation
+    key = (_python(config), config.network)
+    with _MODES_LOCK:
+        if key not in _MODES:
+            probe = dataclasses.replace(config, timeout_s=30.0, cpu_s=10, memory_mb=max(config.memory_mb, 256))
+            result = _run("print('sandbox ok')", probe, "namespaces")
+            _MODES[key] = "namespaces" if result.ok and result.output == "sandbox ok\n" else "process"
+            if _MODES[key] == "process":
+                warnings.warn("sandbox: user namespaces are not available here, falling back to best-effort "
+                              f"'process' isolation (see sandbox.py). The probe said: {format_result(result)!r}")
+        return _MODES[key]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The trainer side: start the launcher, read its output with a bound, kill its process group, classify.
+# ----------------------------------------------------------------------------------------------------------------
+
+def _python(config):
+    python = shutil.which(config.python or sys.executable) or config.python
+    return os.path.abspath(python)
+
+
+def _run(code, config, mode):
+    start = time.monotonic()
+    python = _python(config)
+    workdir = None
+    if mode == "process":
+        workdir = tempfile.mkdtemp(prefix="stare-sandbox-", dir=config.tmp_root or None)
+        if os.geteuid() == 0:
+            os.chown(workdir, _NOBODY, _NOBODY)
+    home = workdir or "/tmp"
+    env = {"PATH": f"{os.path.dirname(python)}:/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home,
+           "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    spec = {"mode": mode, "python": python, "workdir": workdir, "network": config.network,
+            "cpu_s": int(config.cpu_s), "memory_mb": int(config.memory_mb), "max_processes": int(config.max_processes),
+            "max_file_mb": int(config.max_file_mb)}
+    proc = None
+    try:
+        with tempfile.TemporaryFile() as code_file:  # the launcher reads the code from stdin, then closes it
+            code_file.write(code.encode("utf-8", "replace"))
+            code_file.seek(0)
+            proc = subprocess.Popen([python, "-I", "-S", "-B", _THIS_FILE, "--launch", json.dumps(spec)],
+                                    stdin=code_file, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                    cwd="/", start_new_session=True, close_fds=True)
+        head, tail, total, timed_out = _read_bounded(proc.stdout.fileno(), start + config.timeout_s,
+                                                     config.max_output_bytes)
+        if timed_out:  # ask the launcher to kill and reap everything, then give it a moment
+            os.kill(proc.pid, signal.SIGTERM)
+            stop_deadline = time.monotonic() + _STOP_GRACE_S
+            while not _has_exited(proc.pid) and time.monotonic() < stop_deadline:
+                time.sleep(0.01)
+    finally:
+        if proc is not None:
+            # Before reaping the launcher, so that its pid (the group's id) cannot have been reused: normally a
+            # no-op, else it kills the launcher and what is left in its group (see "The process tree").
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+            proc.stdout.close()
+        if workdir is not None:
+            _remove_tree(workdir)
+    output, truncated = _join_output(head, tail, total, config.max_output_bytes)
+    status = None if timed_out else proc.returncode
+    error, message = _classify(status, output, config)
+    return Result(output, error == "", error, message, status, time.monotonic() - start, truncated, total)
+
+
+def _read_bounded(fd, deadline, limit):
+    """Read fd to EOF or the deadline, keeping the first `limit` bytes and the last limit/2; returns
+    (head, tail, total bytes, timed_out). Memory stays O(limit) however much the child writes."""
+    head, tail, total, half = bytearray(), bytearray(), 0, limit // 2
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return head, tail, total, True
+            if not selector.select(remaining):
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return head, tail, total, False
+            total += len(chunk)
+            if len(head) < limit:
+                head += chunk[:limit - len(head)]
+            tail += chunk
+            if len(tail) > 2 * half:
+                del tail[:len(tail) - half]
+
+
+def _has_exited(pid):
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None  # without reaping it
+
+
+def _join_output(head, tail, total, limit):
+    if total <= limit:
+        return head.decode("utf-8", "replace"), False
+    keep_tail = limit // 2
+    keep_head = limit - keep_tail
+    omitted = total - keep_head - keep_tail
+    text = (head[:keep_head].decode("utf-8", "replace") + f"\n[... {omitted} bytes of output omitted ...]\n"
+            + bytes(tail[len(tail) - keep_tail:]).decode("utf-8", "replace"))
+    return text, True
+
+
+def _classify(status, output, config):
+    if status is None:
+        return "timeout", f"Error: timed out after {config.timeout_s:g} s (the code was killed)"
+    if status == 0:
+        return "", ""
+    if status == -signal.SIGXCPU:
+        return "cpu", f"Error: CPU time limit of {config.cpu_s} s exceeded (the code was killed)"
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:  # a real-time signal
+            name = f"signal {-status}"
+        return "killed", f"Error: the code was killed by {name}"
+    if status == _EXIT_SYNTAX:
+        return "syntax", "Error: the code has a syntax error"
+    if status == _EXIT_EXCEPTION:
+        return "exception", "Error: uncaught exception"
+    if status == _EXIT_MEMORY:
+        return "memory", f"Error: out of memory (limit {config.memory_mb} MB per process)"
+    if status == _EXIT_SETUP:
+        lines = output.strip().splitlines()
+        return "sandbox", f"Error: sandbox failure ({lines[-1] if lines else 'no message'})"
+    return "exit_code", f"Error: the code exited with status {status}"
+
+
+def _remove_tree(path):
+    def make_writable_and_retry(function, failed_path, _):
+        os.chmod(os.path.dirname(failed_path), 0o700)  # the code may have made a directory read-only
+        function(failed_path)
+    shutil.rmtree(path, onerror=make_writable_and_retry)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The sandbox side: everything below runs in the launcher and its children, never in the trainer.
+# ----------------------------------------------------------------------------------------------------------------
+
+_CLONE_NEWNS, _CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = (
+    0x00020000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
+_MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE = 1 << 10, 1 << 11, 1 << 12, 1 << 14, 1 << 18
+_MS_RELATIME, _MS_STRICTATIME = 1 << 21, 1 << 24
+_MOUNT_OPTION_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noatime": _MS_NOATIME,
+                       "nodiratime": _MS_NODIRATIME, "relatime": _MS_RELATIME}
+_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 24, 36, 38
+_CAP_DAC_READ_SEARCH = 2
+
+
+def _libc(name, *args):
+    function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    if function(*args) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{name}{args}: {os.strerror(errno)}")
+
+
+def _prctl(option, value):
+    _libc("prctl", option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+
+
+def _mount(source, target, fstype, flags, data=None):
+    encode = lambda s: None if s is None else s.encode()  # noqa: E731
+    _libc("mount", encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data))
+
+
+def _launch(spec):
+    """The launcher L: the trainer's child and session leader. Start the code, wait for it, kill and reap whatever
+    it left, exit as it did. SIGTERM from the trainer (the deadline) kills the code first."""
+    code = sys.stdin.buffer.read()
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    try:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # orphans of the run, setsid() or not, become our children
+        start = _start_in_namespaces if spec["mode"] == "namespaces" else _start_as_process
+        child = start(code, spec)
+        signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
+        _, status = os.waitpid(child, 0)
+    except Exception as e:
+        print(f"sandbox launcher: {type(e).__name__}: {e}", flush=True)
+        status = _EXIT_SETUP << 8
+    _kill_descendants()
+    _exit_like(status)
+
+
+def _kill_descendants():
+    """SIGKILL and reap every child until there is none. As a subreaper we inherit every orphaned descendant, so
+    then nothing the run started is alive anywhere."""
+    me = str(os.getpid())
+    while True:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    parent = f.read().rsplit(")", 1)[1].split()[1]
+                if parent == me:
+                    os.kill(int(pid), signal.SIGKILL)
+            except (OSError, IndexError):
+                continue
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def _exit_like(status):
+    """Exit with the same status as a child: the same code, or death by the same signal."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)  # only if the signal did not kill us (it always should)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _child(function, *args):
+    """fork(); the child runs function and never returns into its parent's code."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        function(*args)
+    except BaseException as e:  # noqa: B036 - the child must exit here, whatever happened
+        print(f"sandbox setup: {type(e).__name__}: {e}", flush=True)
+        os._exit(_EXIT_SETUP)
+    os._exit(0)
+
+
+def _start_as_process(code, spec):
+    """ "process" mode: the code process P is L's child, in L's process group; returns its pid."""
+    os.chdir(spec["workdir"])
+    with open("main.py", "wb") as f:
+        f.write(code)
+    if os.geteuid() == 0:
+        os.chown("main.py", _NOBODY, _NOBODY)
+
+    def code_process():
+        if os.geteuid() == 0:  # root is exempt from RLIMIT_NPROC and can write anywhere
+            os.setgroups([])
+            os.setresgid(_NOBODY, _NOBODY, _NOBODY)
+            os.setresuid(_NOBODY, _NOBODY, _NOBODY)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # if L dies (the code can clear this: best effort)
+        _set_limits(spec, nproc=_count_tasks(os.getuid()) + spec["max_processes"])
+        _exec_runner(spec, "process" if not spec["network"] else "plain")
+    return _child(code_process)
+
+
+def _count_tasks(uid):
+    """Processes + threads of this real uid now (what RLIMIT_NPROC counts in the initial user namespace)."""
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            count += int(fields["Threads"]) if int(fields["Uid"].split()[0]) == uid else 0
+        except (OSError, KeyError, ValueError):
+            continue
+    return count
+
+
+def _start_in_namespaces(code, spec):
+    """ "namespaces" mode: fork the namespace owner C and write its uid/gid maps from out here (only the parent
+    namespace can map `nobody` for a root trainer); C does the rest in _inside_namespaces. Returns C's pid."""
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    uid, gid = os.geteuid(), os.getegid()
+
+    def owner():
+        os.close(ready_r)
+        os.close(go_w)
+        os.setpgid(0, 0)  # a group of its own: kill(0, ...) from the code cannot reach L
+        if uid == 0:
+            os.setgroups([])  # no supplementary groups (a non-root user cannot drop them; they stay)
+        flags = _CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWIPC
+        _libc("unshare", flags if spec["network"] else flags | _CLONE_NEWNET)
+        os.write(ready_w, b"u")
+        if os.read(go_r, 1) != b"m":
+            raise RuntimeError("the launcher could not write the uid/gid maps")
+        os.setresgid(0, 0, 0)  # uid 0 inside: `nobody` outside for a root trainer, else the trainer's user
+        os.setresuid(0, 0, 0)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
+        _inside_namespaces(code, spec)
+
+    pid = _child(owner)
+    os.close(ready_w)
+    os.close(go_r)
+    if os.read(ready_r, 1) == b"u":
+        try:
+            if uid == 0:  # 0 inside = nobody outside; root mapped (as 1) only so its files stay readable
+                maps = {"uid_map": f"0 {_NOBODY} 1\n1 0 1\n", "gid_map": f"0 {_NOBODY} 1\n1 0 1\n"}
+            else:
+                maps = {"setgroups": "deny", "uid_map": f"0 {uid} 1\n", "gid_map": f"0 {gid} 1\n"}
+            for name, text in maps.items():
+                with open(f"/proc/{pid}/{name}", "w") as f:
+                    f.write(text)
+            os.write(go_w, b"m")
+        except OSError as e:
+            print(f"sandbox launcher: {e}", flush=True)
+    os.close(go_w)
+    os.close(ready_r)
+    return pid
+
+
+def _inside_namespaces(code, spec):
+    """C: make the filesystem read-only but a private tmpfs, start PID 1 and the code (PID 2), wait for the code,
+    kill PID 1 (the kernel then kills everything left in the namespace), exit as the code did."""
+    _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here propagates back to the host
+    _remount_all_readonly()
+    _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV,
+           f"size={spec['max_file_mb']}m,nr_inodes=16384,mode=0755")
+    if os.path.isdir("/dev/shm") and not os.path.islink("/dev/shm"):
+        _mount("/tmp", "/dev/shm", None, _MS_BIND)  # multiprocessing's semaphores live there
+    if os.path.isdir("/run") and not os.path.islink("/run"):
+        _mount("tmpfs", "/run", "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k")
+    with open("/tmp/main.py", "wb") as f:
+        f.write(code)
+
+    init = _child(_reap_forever)  # the first child of an unshare(CLONE_NEWPID) process is PID 1
+    code_pid = _child(_code_process, spec)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)  # so the trainer sees EOF as soon as the code's side is gone
+    os.dup2(null, 2)
+    _, status = os.waitpid(code_pid, 0)
+    os.kill(init, signal.SIGKILL)
+    os.waitpid(init, 0)
+    _exit_like(status)
+
+
+def _remount_all_readonly():
+    """Remount every mount point read-only, keeping its other (possibly locked) flags."""
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f]
+    for fields in mounts:
+        mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+        options = fields[5].split(",")
+        if "ro" in options or mount_point == "/proc" or mount_point.startswith("/proc/"):
+            continue  # already read-only / replaced by a fresh /proc below
+        flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | sum(_MOUNT_OPTION_FLAGS.get(o, 0) for o in options)
+        if "noatime" not in options and "relatime" not in options:
+            flags |= _MS_STRICTATIME
+        try:
+            _mount(None, mount_point, None, flags)
+        except OSError as e:
+            if e.errno != 13:  # EACCES: a mount point this identity cannot even reach
+                raise
+
+
+def _reap_forever():
+    """PID 1 of the sandbox: reap orphans until killed. No signal handlers, so nothing inside can kill it."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # if C dies, so does PID 1, and with it the whole namespace
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+    while True:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
+        signal.sigtimedwait([signal.SIGCHLD], 1.0)
+
+
+def _code_process(spec):
+    """PID 2, still our code: a /proc for this PID namespace, no capabilities, the limits, then exec the runner."""
+    try:
+        _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    except OSError:  # e.g. in Docker, where parts of the host /proc are masked
+        _mount("tmpfs", "/proc", "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k")
+    os.chdir("/tmp")
+    for cap in range(64):
+        if cap != _CAP_DAC_READ_SEARCH:
+            try:
+                _prctl(_PR_CAPBSET_DROP, cap)
+            except OSError as e:
+                if e.errno != 22:  # EINVAL: past the kernel's last capability
+                    raise
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    _set_limits(spec, nproc=spec["max_processes"] + 2)  # + the namespace owner and PID 1, same user
+    _exec_runner(spec, "plain")
+
+
+def _set_limits(spec, nproc):
+    mb = 1 << 20
+    limits = {resource.RLIMIT_AS: (spec["memory_mb"] * mb,) * 2,
+              resource.RLIMIT_CPU: (spec["cpu_s"], spec["cpu_s"] + 1),
+              resource.RLIMIT_FSIZE: (spec["max_file_mb"] * mb,) * 2,
+              resource.RLIMIT_NPROC: (nproc, nproc),
+              resource.RLIMIT_CORE: (0, 0)}
+    for which, (soft, hard) in limits.items():
+        current_hard = resource.getrlimit(which)[1]
+        if current_hard != resource.RLIM_INFINITY:
+            soft, hard = min(soft, current_hard), min(hard, current_hard)
+        resource.setrlimit(which, (soft, hard))
+
+
+def _exec_runner(spec, hooks):
+    os.closerange(3, 1 << 16)
+    python = spec["python"]
+    os.execve(python, [python, "-I", "-B", _THIS_FILE, "--run", hooks], dict(os.environ))
+
+
+def _run_user_code(hooks):
+    """The runner, in the sandboxed interpreter: compile main.py, run it as __main__, report how it ended."""
+    if hooks == "process":  # best effort only: see "process" mode in the module docstring
+        def deny_sockets(event, _):
+            if event == "socket.__new__":
+                raise PermissionError("network access is disabled in this sandbox")
+        sys.addaudithook(deny_sockets)
+    sys.stdout.reconfigure(line_buffering=True)  # prints reach the trainer even if the code is killed later
+    with open("main.py", "rb") as f:
+        source = f.read()
+    try:
+        code = compile(source, "main.py", "exec")
+    except Exception as e:  # SyntaxError, ValueError (null bytes), RecursionError/MemoryError (deep nesting)
+        traceback.print_exception(type(e), e, None)
+        sys.stderr.flush()
+        os._exit(_EXIT_SYNTAX)
+    main = types.ModuleType("__main__")
+    main.__file__ = "main.py"
+    sys.modules["__main__"] = main  # so pickle / multiprocessing find the code's functions
+    sys.argv = ["main.py"]
+    try:
+        exec(code, main.__dict__)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: B036 - report every uncaught exception, like the interpreter does
+        sys.stdout.flush()
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # without this runner's frame
+        sys.exit(_EXIT_MEMORY if isinstance(e, MemoryError) else _EXIT_EXCEPTION)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--launch"]:
+        _launch(json.loads(sys.argv[2]))
+    elif sys.argv[1:2] == ["--run"]:
+        _run_user_code(sys.argv[2])
+    else:
+        sys.exit("sandbox.py is a library (see its docstring); --launch and --run are its internal entry points")

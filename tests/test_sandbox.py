@@ -1,0 +1,451 @@
+"""Adversarial tests of sandbox.py. Every test runs in each isolation mode this machine offers ("namespaces" where
+user namespaces work, "process" always) and checks what that mode guarantees (sandbox.py's docstring says which).
+Each hostile program is bounded, so that a broken sandbox fails its test rather than harming the machine."""
+
+import dataclasses
+import os
+import signal
+import socket
+import sys
+import tempfile
+import textwrap
+import time
+import tracemalloc
+
+import pytest
+
+import sandbox
+
+FAST = dict(timeout_s=2.0, cpu_s=2, memory_mb=512, max_processes=8, max_file_mb=8, max_output_bytes=4096)
+
+
+def _usable_python(mode, tmp_root):
+    """An interpreter the sandbox can run in this mode. In "process" mode under root it must be reachable by
+    `nobody`, and this machine's pyenv lives under /root: hence the system one as a second choice."""
+    for python in (sys.executable, "/usr/bin/python3"):
+        config = sandbox.SandboxConfig(isolation=mode, python=python, tmp_root=tmp_root, timeout_s=20)
+        if os.path.exists(python) and sandbox.run_code("print('ok')", config).output == "ok\n":
+            return python
+    return None
+
+
+@pytest.fixture(scope="module")
+def tmp_root():
+    # Not pytest's tmp_path: under root, "process" mode needs a directory `nobody` can traverse.
+    root = tempfile.mkdtemp(prefix="sandbox-test-root-")
+    os.chmod(root, 0o711)
+    yield root
+    os.rmdir(root)  # fails the teardown if a run left anything behind
+
+
+@pytest.fixture(scope="module", params=["namespaces", "process"])
+def mode_config(request, tmp_root):
+    mode = request.param
+    if mode == "namespaces" and sandbox.isolation(sandbox.SandboxConfig()) != "namespaces":
+        pytest.skip("user namespaces are not available on this machine")
+    python = _usable_python(mode, tmp_root)
+    if python is None:
+        pytest.skip(f"no interpreter runs in {mode!r} mode here")
+    return mode, sandbox.SandboxConfig(isolation=mode, python=python, tmp_root=tmp_root, **FAST)
+
+
+def run(code, config, **overrides):
+    result = sandbox.run_code(textwrap.dedent(code), dataclasses.replace(config, **overrides))
+    assert os.listdir(config.tmp_root) == [], "a private directory was left behind"
+    return result
+
+
+def batch(codes, config, **overrides):
+    return sandbox.run_batch([textwrap.dedent(c) for c in codes], dataclasses.replace(config, **overrides))
+
+
+def runner_processes():
+    """Pids of sandboxed interpreters still alive (their command line names sandbox.py with --run)."""
+    marker = sandbox._THIS_FILE.encode() + b"\0--run"
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+# ---------------------------------------------------------------------------------------------------- normal use
+
+def test_output_stdout_and_stderr_interleaved(mode_config):
+    _, config = mode_config
+    result = run("""
+        import sys
+        print('one')
+        print('two', file=sys.stderr)
+        print('three')
+    """, config)
+    assert (result.ok, result.error, result.exit_code, result.truncated) == (True, "", 0, False)
+    assert result.output == "one\ntwo\nthree\n"
+    assert sandbox.format_result(result) == "one\ntwo\nthree\n"
+    assert sandbox.format_result(run("x = 1", config)) == "(no output)"
+
+
+def test_private_working_directory(mode_config):
+    mode, config = mode_config
+    result = run("import os; print(os.getcwd(), os.environ['HOME'], os.environ['TMPDIR'], os.listdir('.'))", config)
+    cwd, home, tmpdir, listing = result.output.split(" ", 3)
+    assert cwd == home == tmpdir and listing == "['main.py']\n"
+    if mode == "namespaces":
+        assert cwd == "/tmp"  # its own tmpfs
+    else:
+        assert os.path.dirname(cwd) == config.tmp_root and not os.path.exists(cwd)  # removed after the run
+
+
+def test_environment_is_not_inherited(mode_config, monkeypatch):
+    _, config = mode_config
+    monkeypatch.setenv("STARE_TEST_SECRET", "hunter2")
+    result = run("import os; print(os.environ.get('STARE_TEST_SECRET'), os.environ['OMP_NUM_THREADS'])", config)
+    assert result.output == "None 1\n"
+
+
+def test_stdin_is_closed(mode_config):
+    _, config = mode_config
+    result = run("input()", config)
+    assert result.error == "exception" and "EOFError" in result.output
+
+
+def test_batch_runs_in_parallel_and_keeps_order(mode_config):
+    _, config = mode_config
+    codes = [f"import time; time.sleep({1.0 - 0.1 * i:.1f}); print({i})" for i in range(6)]
+    start = time.monotonic()
+    results = batch(codes, config, max_workers=6, timeout_s=10)
+    elapsed = time.monotonic() - start
+    assert [r.output for r in results] == [f"{i}\n" for i in range(6)]
+    assert elapsed < 4.0, f"{elapsed:.1f} s: the batch did not run in parallel (one at a time takes > 4.5 s)"
+    assert sandbox.run_batch([], config) == []
+
+
+# --------------------------------------------------------------------------------------------- errors of the code
+
+SYNTAX_ERROR = """
+    print('never')
+    def f(:
+        pass
+"""
+
+
+def test_syntax_error(mode_config):
+    _, config = mode_config
+    result = run(SYNTAX_ERROR, config)
+    assert (result.ok, result.error) == (False, "syntax")
+    assert 'File "main.py", line 3' in result.output and "SyntaxError" in result.output
+    assert "never" not in result.output
+    text = sandbox.format_result(result)
+    assert text.endswith("\nError: the code has a syntax error")
+    assert text == sandbox.format_result(run(SYNTAX_ERROR, config))  # deterministic
+
+
+def test_missing_module(mode_config):
+    _, config = mode_config
+    result = run("print('before')\nimport no_such_module_xyz", config)
+    assert result.error == "exception"
+    assert result.output.startswith('before\nTraceback (most recent call last):\n  File "main.py", line 2')
+    assert "ModuleNotFoundError: No module named 'no_such_module_xyz'" in result.output
+    assert "sandbox.py" not in result.output  # the runner's own frame is not shown
+
+
+def test_exit_code(mode_config):
+    _, config = mode_config
+    result = run("import os\nprint('bye', flush=True)\nos._exit(3)", config)
+    assert (result.ok, result.error, result.exit_code) == (False, "exit_code", 3)
+    assert sandbox.format_result(result) == "bye\nError: the code exited with status 3"
+    assert run("import sys; sys.exit(0)", config).ok
+
+
+# ------------------------------------------------------------------------------------------------------- limits
+
+def test_infinite_loop_times_out(mode_config):
+    _, config = mode_config
+    start = time.monotonic()
+    result = run("print('started')\nwhile True:\n    pass", config, cpu_s=30)
+    assert time.monotonic() - start < config.timeout_s + 1.0
+    assert (result.error, result.exit_code, result.output) == ("timeout", None, "started\n")
+    assert sandbox.format_result(result).endswith("Error: timed out after 2 s (the code was killed)")
+
+
+def test_cpu_limit(mode_config):
+    _, config = mode_config
+    start = time.monotonic()
+    result = run("while True:\n    pass", config, cpu_s=1, timeout_s=10)
+    assert result.error == "cpu" and result.exit_code == -signal.SIGXCPU
+    assert time.monotonic() - start < 5
+
+
+def test_allocating_10_gib(mode_config):
+    _, config = mode_config
+    start = time.monotonic()
+    result = run("x = bytearray(10 * 1024**3)\nprint('allocated')", config)
+    assert result.error == "memory" and "MemoryError" in result.output and "allocated" not in result.output
+    assert time.monotonic() - start < 3
+
+
+def test_fork_limit(mode_config):
+    _, config = mode_config
+    result = run("""
+        import os, time
+        n = 0
+        try:
+            for _ in range(200):  # bounded: without a limit the assertion fails, not the machine
+                if os.fork() == 0:
+                    time.sleep(30)
+                    os._exit(0)
+                n += 1
+        except OSError as e:
+            print('refused', e.errno)
+        print('forks', n)
+    """, config)
+    assert "refused 11" in result.output  # EAGAIN
+    forks = int(result.output.split("forks ")[1])
+    assert forks < config.max_processes + 3, result.output  # "process" mode counts the user's tasks (racy)
+    assert result.ok and result.duration_s < 2, "the sleeping children must die with the code"
+    assert runner_processes() == []
+
+
+def test_fork_bomb(mode_config):
+    _, config = mode_config
+    result = run("""
+        import os, time
+        for _ in range(10):  # 2**10 processes without a limit
+            try:
+                os.fork()
+            except OSError:
+                pass
+        time.sleep(60)  # so only the wall-clock kill ends it
+    """, config)
+    assert result.error == "timeout"
+    assert runner_processes() == []
+
+
+def test_huge_file(mode_config):
+    _, config = mode_config
+    start = time.monotonic()
+    result = run("""
+        with open('big', 'wb') as f:
+            for _ in range(1024):
+                f.write(b'x' * 2**20)
+        print('wrote 1 GiB')
+    """, config)
+    assert result.error == "exception" and "wrote" not in result.output
+    assert "File too large" in result.output or "No space left on device" in result.output
+    assert time.monotonic() - start < 3
+
+
+def test_print_100_mb(mode_config):
+    _, config = mode_config
+    tracemalloc.start()
+    try:
+        result = run("import sys\nsys.stdout.write('x' * 100_000_000)\nprint('END')", config, timeout_s=20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert result.ok and result.truncated and result.output_bytes == 100_000_004
+    assert result.output.startswith("x" * 100) and result.output.endswith("xxEND\n")
+    assert "bytes of output omitted" in result.output and len(result.output) < config.max_output_bytes + 100
+    assert peak < 2 * 2**20, f"the trainer held {peak} bytes"
+    assert result.duration_s < 10
+
+
+def test_many_prints_keep_head_and_tail(mode_config):
+    _, config = mode_config
+    result = run("for i in range(100000):\n    print(i)", config, timeout_s=10)
+    assert result.ok and result.truncated
+    assert result.output.startswith("0\n1\n2\n") and result.output.endswith("99998\n99999\n")
+
+
+# --------------------------------------------------------------------------------------------------- isolation
+
+def test_network_is_unreachable(mode_config):
+    mode, config = mode_config
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        result = run(f"""
+            import socket
+            socket.create_connection(('127.0.0.1', {port}), timeout=1)
+            print('connected')
+        """, config)
+        assert result.error == "exception" and "connected" not in result.output
+        if mode == "namespaces":
+            assert "Network is unreachable" in result.output  # no interface at all, not even loopback
+        else:
+            assert "PermissionError: network access is disabled" in result.output  # the audit hook
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nothing ever reached the listening socket
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_signalling_the_parent(mode_config, sig):
+    mode, config = mode_config
+    result = run(f"""
+        import os
+        print(os.getppid(), flush=True)
+        os.kill(os.getppid(), {int(sig)})
+        print('after')
+    """, config)
+    # Whatever it hit was inside the sandbox: this test process is still here.
+    if mode == "namespaces":
+        assert result.output.startswith("0\n")  # no parent in its PID namespace; kill(0) hits its own group
+        assert (result.error, result.exit_code) == ("killed", -sig)
+    else:
+        assert int(result.output.split()[0]) != os.getpid()  # its parent is the launcher, not us
+        assert not result.ok
+
+
+def test_signalling_the_trainer_by_pid(mode_config):
+    mode, config = mode_config
+    if mode == "process" and os.geteuid() != 0:
+        pytest.skip("documented: in 'process' mode a non-root trainer shares its uid with the code")
+    result = run(f"import os\nos.kill({os.getpid()}, 9)", config)
+    assert result.error == "exception"
+    assert ("ProcessLookupError" if mode == "namespaces" else "PermissionError") in result.output
+
+
+def test_kill_everything_stays_in_its_namespace(mode_config):
+    mode, config = mode_config
+    if mode == "process":
+        pytest.skip("documented: in 'process' mode kill(-1) reaches every process of the code's user")
+    results = batch(["import time\ntime.sleep(1.0)\nprint('survived')",
+                     "import os, time\ntime.sleep(0.3)\nos.kill(-1, 9)"], config, max_workers=2, timeout_s=10)
+    assert results[0].ok and results[0].output == "survived\n"
+    assert "ProcessLookupError" in results[1].output  # there was nobody else to kill
+
+
+def test_writing_outside(mode_config):
+    mode, config = mode_config
+    if mode == "process":
+        pytest.skip("documented: in 'process' mode world-writable places stay writable")
+    targets = [tempfile.mkdtemp(), tempfile.mkdtemp(dir="/var/tmp"), os.path.dirname(os.path.abspath(__file__))]
+    for target in targets[:2]:
+        os.chmod(target, 0o777)  # writable by anyone: only the sandbox can stop it
+    name = f"sandbox-escape-{os.getpid()}"
+    try:
+        result = run(f"""
+            import os
+            for d in {targets!r}:
+                try:
+                    open(os.path.join(d, {name!r}), 'w').write('x')
+                    print('wrote', d)
+                except OSError as e:
+                    print('refused', e.errno)
+            open('/tmp/' + {name!r}, 'w').write('x')  # its own tmpfs
+            open('/dev/shm/' + {name!r}, 'w').write('x')  # the same
+            print('private ok')
+        """, config)
+        assert "wrote" not in result.output and result.output.count("refused") == 3
+        assert result.output.endswith("private ok\n")
+        for path in [os.path.join(t, name) for t in targets] + [f"/tmp/{name}", f"/dev/shm/{name}"]:
+            assert not os.path.exists(path), path
+    finally:
+        for target in targets[:2]:
+            for leftover in os.listdir(target):
+                os.remove(os.path.join(target, leftover))
+            os.rmdir(target)
+
+
+def test_concurrent_runs_cannot_see_each_other(mode_config):
+    mode, config = mode_config
+    if mode == "process":
+        pytest.skip("documented: in 'process' mode all runs share one uid")
+    token = f"secret-{os.getpid()}-{time.time_ns()}"
+    writer = f"""
+        import os, time
+        for d in ('.', '/tmp', '/dev/shm'):
+            open(os.path.join(d, 'secret.txt'), 'w').write({token!r})
+        time.sleep(1.5)
+        print('written')
+    """
+    reader = f"""
+        import os, time
+        token = {token[::-1]!r}[::-1]  # not spelled out in its own main.py
+        time.sleep(0.5)
+        found = []
+        for top in ('.', '/tmp', '/dev/shm', {config.tmp_root!r}, '/proc'):
+            for root, dirs, files in os.walk(top):
+                if root.startswith('/proc/') and root.count('/') > 2:
+                    continue
+                for f in files:
+                    try:
+                        if token in open(os.path.join(root, f), errors='ignore').read(100000):
+                            found.append(os.path.join(root, f))
+                    except OSError:
+                        pass
+        print('found', found)
+    """
+    results = batch([writer, reader], config, max_workers=2, timeout_s=10)
+    assert results[0].output == "written\n"
+    assert results[1].output == "found []\n", results[1].output
+
+
+def test_setsid_does_not_escape(mode_config):
+    _, config = mode_config
+    result = run("""
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            time.sleep(60)
+        print('parent done')
+    """, config)
+    assert result.ok and result.output == "parent done\n"
+    assert runner_processes() == []
+
+
+def test_cannot_regain_privileges(mode_config):
+    mode, config = mode_config
+    if mode == "process" and os.geteuid() != 0:
+        pytest.skip("the code runs as the trainer's own user here")
+    result = run("""
+        import os
+        try:
+            os.setuid(1 if os.getuid() == 0 else 0)
+            print('setuid worked')
+        except PermissionError:
+            print('refused')
+        print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])
+    """, config)
+    refused, capabilities = result.output.split()
+    assert refused == "refused"
+    assert int(capabilities, 16) & ~(1 << 2) == 0, "capabilities other than CAP_DAC_READ_SEARCH survived"
+
+
+def test_no_files_left_behind(mode_config):
+    _, config = mode_config
+    before = set(os.listdir(tempfile.gettempdir()))
+    result = run("""
+        import os
+        os.makedirs('a/b/c')
+        open('a/b/c/f', 'w').write('x')
+        os.chmod('a/b/c', 0)  # the clean-up must cope
+        os.chmod('a', 0o500)
+        open(os.environ['TMPDIR'] + '/t', 'w').write('x')
+        while True:
+            pass
+    """, config)  # run() checks that tmp_root is empty again
+    assert result.error == "timeout"
+    assert set(os.listdir(tempfile.gettempdir())) - before == set()
+
+
+# ------------------------------------------------------------------------------------------- the trainer is safe
+
+def test_a_broken_sandbox_is_a_result_not_an_exception(tmp_root):
+    config = sandbox.SandboxConfig(isolation="process", python="/nonexistent/python3", tmp_root=tmp_root)
+    result = sandbox.run_code("print(1)", config)
+    assert (result.ok, result.error) == (False, "sandbox") and result.message.startswith("Error: sandbox failure")
+    assert os.listdir(tmp_root) == []
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError, match="isolation"):
+        sandbox.SandboxConfig(isolation="docker")
+    with pytest.raises(ValueError, match="timeout_s"):
+        sandbox.SandboxConfig(timeout_s=0)
