@@ -305,10 +305,14 @@ def _classify(status, output, config):
 
 
 def _remove_tree(path):
-    def make_writable_and_retry(function, failed_path, _):
-        os.chmod(os.path.dirname(failed_path), 0o700)  # the code may have made a directory read-only
-        function(failed_path)
-    shutil.rmtree(path, onerror=make_writable_and_retry)
+    """Delete a run's private directory, whatever permissions the code left inside (its files are the trainer's
+    own, or it runs as root). Directories are made accessible top-down before rmtree; symlinks are not followed."""
+    os.chmod(path, 0o700)
+    for root, dirs, _ in os.walk(path):
+        for name in dirs:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o700)
+    shutil.rmtree(path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -484,8 +488,21 @@ def _inside_namespaces(code, spec):
     kill PID 1 (the kernel then kills everything left in the namespace), exit as the code did."""
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here propagates back to the host
     _remount_all_readonly()
+    # The tmpfs hides the host's /tmp, so first hold on to what the sandbox itself needs from there, if anything:
+    # this file and the interpreter (L runs the configured one, so these sys values are its own).
+    needed = {_THIS_FILE, sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(spec["python"]),
+              os.path.dirname(os.path.realpath(spec["python"]))}
+    needed = {p for p in needed if p.startswith("/tmp/") and not any(p.startswith(q + "/") for q in needed)}
+    held = {path: os.open(path, os.O_PATH) for path in needed}
     _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV,
            f"size={spec['max_file_mb']}m,nr_inodes=16384,mode=0755")
+    for path, fd in sorted(held.items()):  # bound back, read-only as their source
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(path, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, "w").close()
+        _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
     if os.path.isdir("/dev/shm") and not os.path.islink("/dev/shm"):
         _mount("/tmp", "/dev/shm", None, _MS_BIND)  # multiprocessing's semaphores live there
     if os.path.isdir("/run") and not os.path.islink("/run"):
