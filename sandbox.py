@@ -6,6 +6,8 @@ text the model sees in its tool turn comes back.
     result = sandbox.run_code("print(1)")     # one execution
     sandbox.isolation()                       # "namespaces" or "process": what this machine allows (below)
 
+    echo 'import os; print(os.getppid())' | python sandbox.py    # try it: prints "0" under "namespaces"
+
 The reference releases no tool config or sandbox (reference/algorithms.md §1.7); this one is ours. Whatever the code
 does, the trainer neither hangs nor crashes: run_code never raises, returns within timeout_s (plus up to 2 s when
 the clean-up has to be forced), and nothing a run started outlives it. About 0.2 s per execution on a small CPU
@@ -29,9 +31,10 @@ Isolation, in one of two modes; isolation="auto" probes once per (python, networ
   "namespaces" (Linux user namespaces: root, and ordinary users on most distributions). L forks C into new user,
     mount, PID, IPC and (unless network=True) network namespaces, and writes C's uid/gid maps from outside. C
       - remounts every filesystem read-only: a write outside fails with EROFS, whatever the file permissions;
-      - mounts a fresh tmpfs of max_file_mb on /tmp, the working directory (bound on /dev/shm too), and an empty
-        read-only tmpfs on /run (daemon sockets: a network namespace does not cover Unix sockets on disk); what the
-        code writes never reaches a disk and vanishes with the namespace;
+      - mounts a fresh tmpfs of max_file_mb on /tmp, the working directory (bound on /dev/shm too; what the
+        sandbox itself needs from the host's /tmp, if anything, is bound back read-only), and unless network=True
+        an empty read-only tmpfs on /run (daemon sockets: a network namespace does not cover Unix sockets on disk);
+        what the code writes never reaches a disk and vanishes with the namespace;
       - forks a reaper as PID 1, and the code as PID 2, which mounts a /proc that shows only the namespace (an
         empty one where the kernel refuses, e.g. inside Docker), drops every capability but CAP_DAC_READ_SEARCH,
         sets no_new_privs (setuid binaries then grant nothing) and the limits, and execs the interpreter.
@@ -63,7 +66,8 @@ Limits (SandboxConfig; defaults in parentheses), per execution unless stated:
   max_file_mb (32)        RLIMIT_FSIZE (largest file), and in "namespaces" mode the size of its whole tmpfs.
   max_output_bytes (8192) the output kept: the first and the last half, with a marker between them.
   max_workers (8)         concurrent executions in run_batch.
-  network (False)         True: the host's network ("namespaces": no network namespace; "process": no audit hook).
+  network (False)         True: the host's network ("namespaces": no network namespace, /run left visible for DNS;
+                          "process": no audit hook).
 
 Result.error is "" when the code exited 0, else one of "timeout", "cpu" (SIGXCPU), "memory" (an uncaught
 MemoryError), "syntax" (the code does not compile), "exception" (any other uncaught exception), "exit_code" (a
@@ -177,11 +181,14 @@ def isolation(config: SandboxConfig | None = None) -> str:
     with _MODES_LOCK:
         if key not in _MODES:
             probe = dataclasses.replace(config, timeout_s=30.0, cpu_s=10, memory_mb=max(config.memory_mb, 256))
-            result = _run("print('sandbox ok')", probe, "namespaces")
-            _MODES[key] = "namespaces" if result.ok and result.output == "sandbox ok\n" else "process"
+            try:
+                said = format_result(_run("print('sandbox ok')", probe, "namespaces"))
+            except Exception as e:
+                said = f"{type(e).__name__}: {e}"
+            _MODES[key] = "namespaces" if said == "sandbox ok\n" else "process"
             if _MODES[key] == "process":
                 warnings.warn("sandbox: user namespaces are not available here, falling back to best-effort "
-                              f"'process' isolation (see sandbox.py). The probe said: {format_result(result)!r}")
+                              f"'process' isolation (see sandbox.py). The probe said: {said!r}")
         return _MODES[key]
 
 
@@ -349,6 +356,7 @@ def _mount(source, target, fstype, flags, data=None):
 def _launch(spec):
     """The launcher L: the trainer's child and session leader. Start the code, wait for it, kill and reap whatever
     it left, exit as it did. SIGTERM from the trainer (the deadline) kills the code first."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a SIGINT from the code is a plain death, not a traceback here
     code = sys.stdin.buffer.read()
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     try:
@@ -505,7 +513,7 @@ def _inside_namespaces(code, spec):
         _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
     if os.path.isdir("/dev/shm") and not os.path.islink("/dev/shm"):
         _mount("/tmp", "/dev/shm", None, _MS_BIND)  # multiprocessing's semaphores live there
-    if os.path.isdir("/run") and not os.path.islink("/run"):
+    if not spec["network"] and os.path.isdir("/run") and not os.path.islink("/run"):
         _mount("tmpfs", "/run", "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k")
     with open("/tmp/main.py", "wb") as f:
         f.write(code)
@@ -631,5 +639,8 @@ if __name__ == "__main__":
         _launch(json.loads(sys.argv[2]))
     elif sys.argv[1:2] == ["--run"]:
         _run_user_code(sys.argv[2])
-    else:
-        sys.exit("sandbox.py is a library (see its docstring); --launch and --run are its internal entry points")
+    else:  # python sandbox.py [FILE | -]: run a file (or stdin) as the model's code would be, print the tool turn
+        source = sys.stdin.read() if sys.argv[1:] in ([], ["-"]) else open(sys.argv[1]).read()
+        print(f"[sandbox: {isolation()} isolation]", file=sys.stderr)
+        text = format_result(run_code(source))
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")

@@ -273,11 +273,12 @@ def test_network_is_unreachable(mode_config):
         server.listen(8)
         server.setblocking(False)
         port = server.getsockname()[1]
-        result = run(f"""
+        code = f"""
             import socket
             socket.create_connection(('127.0.0.1', {port}), timeout=1)
             print('connected')
-        """, config)
+        """
+        result = run(code, config)
         assert result.error == "exception" and "connected" not in result.output
         if mode == "namespaces":
             assert "Network is unreachable" in result.output  # no interface at all, not even loopback
@@ -285,9 +286,11 @@ def test_network_is_unreachable(mode_config):
             assert "PermissionError: network access is disabled" in result.output  # the audit hook
         with pytest.raises(BlockingIOError):
             server.accept()  # nothing ever reached the listening socket
+        if mode == "namespaces":  # and the switch works
+            assert run(code, config, network=True).output == "connected\n"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_signalling_the_parent(mode_config, sig):
     mode, config = mode_config
     result = run(f"""
