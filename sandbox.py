@@ -10,8 +10,10 @@ text the model sees in its tool turn comes back.
 
 The reference releases no tool config or sandbox (reference/algorithms.md §1.7); this one is ours. Whatever the code
 does, the trainer neither hangs nor crashes: run_code never raises, returns within timeout_s (plus up to 2 s when
-the clean-up has to be forced), and nothing a run started outlives it. About 0.2 s per execution on a small CPU
-machine: two interpreter start-ups.
+the clean-up has to be forced), and nothing a run started outlives it. An execution costs 0.15-0.3 s on a 2-core
+CPU machine: two interpreter start-ups. Neither mode is a virtual machine: the code talks to the host's kernel (no
+seccomp filter), so a kernel exploit gets out; for code you would not run on the host yourself, run the sandboxes
+under gVisor or in a VM.
 
 What runs. Each execution is a fresh interpreter (`python -I -B sandbox.py --run`: isolated mode, so no PYTHON*
 variables, no user site, no script directory on sys.path) that compiles the code as main.py and runs it as
@@ -36,8 +38,9 @@ Isolation, in one of two modes; isolation="auto" probes once per (python, networ
         an empty read-only tmpfs on /run (daemon sockets: a network namespace does not cover Unix sockets on disk);
         what the code writes never reaches a disk and vanishes with the namespace;
       - forks a reaper as PID 1, and the code as PID 2, which mounts a /proc that shows only the namespace (an
-        empty one where the kernel refuses, e.g. inside Docker), drops every capability but CAP_DAC_READ_SEARCH,
-        sets no_new_privs (setuid binaries then grant nothing) and the limits, and execs the interpreter.
+        empty one where the kernel refuses, e.g. inside Docker), forbids nested user namespaces, drops every
+        capability but CAP_DAC_READ_SEARCH, sets no_new_privs (setuid binaries then grant nothing) and the
+        limits, and execs the interpreter.
     So the code has no network (no interface at all, not even loopback: connect() fails with ENETUNREACH), sees and
     signals no process outside (its getppid() is 0, kill(-1) stays in its namespace, and C's process group is not
     L's, so kill(0) cannot reach L), and sees no other run's files. When the code exits, C kills PID 1 and the
@@ -53,8 +56,9 @@ Isolation, in one of two modes; isolation="auto" probes once per (python, networ
     such as /tmp, other runs' directories, whose names are random but not secret); the network, except that
     creating a socket from Python raises PermissionError (an audit hook; ctypes or a subprocess gets around it);
     signals to that user's processes (the code's parent is L, not the trainer, but code that searches /proc can
-    find a non-root trainer, and kill(-1) reaches all of that user's processes). RLIMIT_NPROC counts every process
-    of the user, so it is set to that user's count at start plus max_processes (racy).
+    find a non-root trainer, and kill(-1) reaches all of that user's processes; code that kills L leaves what it
+    started after setsid() running). RLIMIT_NPROC counts every process of the user, so it is set to that user's
+    count at start plus max_processes (racy).
 
 Limits (SandboxConfig; defaults in parentheses), per execution unless stated:
   timeout_s (10)          wall clock; then the code is killed, with everything it started.
@@ -571,6 +575,11 @@ def _code_process(spec):
         _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     except OSError:  # e.g. in Docker, where parts of the host /proc are masked
         _mount("tmpfs", "/proc", "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k")
+    try:
+        with open("/proc/sys/user/max_user_namespaces", "w") as f:  # this namespace's own limit, not the host's
+            f.write("0")  # no nested user namespaces, the usual first step of a kernel exploit
+    except OSError:
+        pass  # no /proc of its own (see above): best effort
     os.chdir("/tmp")
     for cap in range(64):
         if cap != _CAP_DAC_READ_SEARCH:

@@ -424,6 +424,18 @@ def test_cannot_regain_privileges(mode_config):
     assert int(capabilities, 16) & ~(1 << 2) == 0, "capabilities other than CAP_DAC_READ_SEARCH survived"
 
 
+def test_no_nested_user_namespaces(mode_config):
+    mode, config = mode_config
+    if mode == "process":
+        pytest.skip("documented: 'process' mode has no namespaces of its own")
+    result = run("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        print('refused' if libc.unshare(0x10000000) else 'created', os.strerror(ctypes.get_errno()))
+    """, config)
+    assert result.output.startswith("refused"), result.output
+
+
 def test_no_files_left_behind(mode_config):
     _, config = mode_config
     before = set(os.listdir(tempfile.gettempdir()))
