@@ -27,7 +27,8 @@ The process tree: trainer -> L, the launcher (`sandbox.py --launch`, in a sessio
 child subreaper: every orphaned descendant, setsid() or not, becomes its child, and when the code ends L kills and
 reaps all of them, then exits with the code's status. At the deadline the trainer sends L SIGTERM (L kills the code,
 then cleans up the same way) and SIGKILLs L's process group if L has not exited 2 s later. The trainer reaps L
-only after that kill, so L's pid, the group's id, cannot have been reused by then.
+only after that kill, so L's pid, the group's id, cannot have been reused by then. If the trainer dies, L dies with
+it (PDEATHSIG) and the run with L (below; in "process" mode the private directory is then left behind).
 
 Isolation, in one of two modes; isolation="auto" probes once per (python, network) and takes "namespaces" if it works.
   "namespaces" (Linux user namespaces: root, and ordinary users on most distributions). L forks C into new user,
@@ -192,7 +193,7 @@ def isolation(config: SandboxConfig | None = None) -> str:
             _MODES[key] = "namespaces" if said == "sandbox ok\n" else "process"
             if _MODES[key] == "process":
                 warnings.warn("sandbox: user namespaces are not available here, falling back to best-effort "
-                              f"'process' isolation (see sandbox.py). The probe said: {said!r}")
+                              f"'process' isolation (see sandbox.py). The probe said: {said!r}", stacklevel=2)
         return _MODES[key]
 
 
@@ -216,9 +217,9 @@ def _run(code, config, mode):
     home = workdir or "/tmp"
     env = {"PATH": f"{os.path.dirname(python)}:/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home,
            "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    spec = {"mode": mode, "python": python, "workdir": workdir, "network": config.network,
-            "cpu_s": int(config.cpu_s), "memory_mb": int(config.memory_mb), "max_processes": int(config.max_processes),
-            "max_file_mb": int(config.max_file_mb)}
+    spec = {"mode": mode, "python": python, "workdir": workdir, "network": config.network, "trainer_pid": os.getpid(),
+            "cpu_s": int(config.cpu_s), "memory_mb": int(config.memory_mb),
+            "max_processes": int(config.max_processes), "max_file_mb": int(config.max_file_mb)}
     proc = None
     try:
         with tempfile.TemporaryFile() as code_file:  # the launcher reads the code from stdin, then closes it
@@ -364,11 +365,15 @@ def _launch(spec):
     code = sys.stdin.buffer.read()
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     try:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # if the trainer dies, the run dies (and the chain below)
+        if os.getppid() != spec["trainer_pid"]:
+            raise RuntimeError("the trainer is gone")
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # orphans of the run, setsid() or not, become our children
         start = _start_in_namespaces if spec["mode"] == "namespaces" else _start_as_process
         child = start(code, spec)
         signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
         _, status = os.waitpid(child, 0)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the child is reaped: its pid is not ours to kill any more
     except Exception as e:
         print(f"sandbox launcher: {type(e).__name__}: {e}", flush=True)
         status = _EXIT_SETUP << 8

@@ -4,8 +4,10 @@ Each hostile program is bounded, so that a broken sandbox fails its test rather 
 
 import dataclasses
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -118,12 +120,12 @@ def test_stdin_is_closed(mode_config):
 
 def test_batch_runs_in_parallel_and_keeps_order(mode_config):
     _, config = mode_config
-    codes = [f"import time; time.sleep({1.0 - 0.1 * i:.1f}); print({i})" for i in range(6)]
+    codes = [f"import time; time.sleep({1.5 - 0.1 * i:.1f}); print({i})" for i in range(6)]  # the first ends last
     start = time.monotonic()
     results = batch(codes, config, max_workers=6, timeout_s=10)
     elapsed = time.monotonic() - start
     assert [r.output for r in results] == [f"{i}\n" for i in range(6)]
-    assert elapsed < 4.0, f"{elapsed:.1f} s: the batch did not run in parallel (one at a time takes > 4.5 s)"
+    assert elapsed < 5.0, f"{elapsed:.1f} s: the batch did not run in parallel (one at a time takes > 7.5 s)"
     assert sandbox.run_batch([], config) == []
 
 
@@ -454,6 +456,32 @@ def test_no_files_left_behind(mode_config):
 
 
 # ------------------------------------------------------------------------------------------- the trainer is safe
+
+def test_the_run_dies_with_the_trainer(mode_config):
+    mode, config = mode_config
+    own_root = tempfile.mkdtemp(prefix="sandbox-test-trainer-")  # a killed trainer cannot clean up in "process" mode
+    os.chmod(own_root, 0o711)
+    trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sandbox
+        config = sandbox.SandboxConfig(isolation={mode!r}, python={config.python!r}, tmp_root={own_root!r},
+                                       timeout_s=60)
+        sandbox.run_code("import time; time.sleep(60)", config)
+    """)], cwd=os.path.dirname(sandbox._THIS_FILE))
+    try:
+        deadline = time.monotonic() + 10
+        while not runner_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert runner_processes(), "the sandbox never started"
+        trainer.kill()
+        trainer.wait()
+        deadline = time.monotonic() + 2
+        while runner_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert runner_processes() == []
+    finally:
+        trainer.kill()
+        shutil.rmtree(own_root)
+
 
 def test_a_broken_sandbox_is_a_result_not_an_exception(tmp_root):
     config = sandbox.SandboxConfig(isolation="process", python="/nonexistent/python3", tmp_root=tmp_root)
