@@ -108,7 +108,7 @@ _STOP_GRACE_S = 2.0  # after a timeout, how long the launcher gets to clean up b
 
 @dataclasses.dataclass
 class SandboxConfig:
-    timeout_s: float = 10.0  # wall clock per execution; the whole process group is killed at expiry
+    timeout_s: float = 10.0  # wall clock per execution; then the code and all it started are killed
     cpu_s: int = 10  # CPU seconds per process (RLIMIT_CPU)
     memory_mb: int = 1024  # address space per process (RLIMIT_AS); numpy + sympy need ~170 MB
     max_processes: int = 8  # processes + threads, the code's own included (RLIMIT_NPROC in its user namespace)
