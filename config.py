@@ -15,6 +15,7 @@ once, next to the code that uses it.
 
 import dataclasses
 import difflib
+import importlib.util
 import types
 import typing
 
@@ -105,11 +106,12 @@ class TrainConfig:
     seed: int = 0  # everything random derives from it (data order, sampling, Clip-Cov)
     out_dir: str = "runs/default"  # config.yaml, metrics.jsonl, checkpoints/, hf/ go here
     save_every: int = 10  # steps between checkpoints; 0 = only at the end
-    keep_last: int = 3  # checkpoints kept
+    keep_last: int = 3  # checkpoints kept (>= 1)
     resume: str = "auto"  # auto: continue from out_dir's latest checkpoint if any | never | a checkpoint path
     log_every: int = 1  # steps between console lines (metrics.jsonl gets every step)
-    wandb: bool = False  # also log to Weights & Biases (optional import)
-    tensorboard: bool = False  # also log to TensorBoard (optional import)
+    wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`)
+    wandb_project: str = "stare"  # the W&B project; the run is named after out_dir
+    tensorboard: bool = False  # also log to TensorBoard under out_dir/tensorboard (needs `pip install tensorboard`)
 
 
 @dataclasses.dataclass
@@ -250,10 +252,10 @@ def check(cfg, world_size=None):
             raise ConfigError(f"config key {key!r}: {value!r} is not one of {allowed}{hint}")
     positive = ["rollout.n", "rollout.max_tokens", "data.max_prompt_tokens", "train.train_batch_size",
                 "train.mini_batch_size", "train.micro_token_budget", "train.total_steps", "algorithm.gen_batch_size",
-                "rollout.temperature", "rollout.tensor_parallel_size", "rollout.max_num_seqs", "optim.lr",
+                "rollout.temperature", "rollout.tensor_parallel_size", "train.keep_last", "rollout.max_num_seqs", "optim.lr",
                 "eval.n", "eval.temperature", "eval.max_tokens"]
     non_negative = ["optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
-                    "train.save_every", "train.keep_last", "train.log_every", "eval.every", "rollout.sync_check_every",
+                    "train.save_every", "train.log_every", "eval.every", "rollout.sync_check_every",
                     "algorithm.max_num_gen_batches", "algorithm.gate_alpha", "optim.max_nonfinite_steps"]
     for key in positive:
         if not _get(cfg, key) > 0:
@@ -279,6 +281,10 @@ def check(cfg, world_size=None):
         ("algorithm.gate_w_max", cfg.algorithm.gate_w_max >= 1, "must be >= 1"),
         ("algorithm.gate_m_min", 0 <= cfg.algorithm.gate_m_min <= 1, "must be in [0, 1]"),
         ("data.train_files", bool(cfg.data.train_files), "needs at least one file"),
+        ("train.wandb", not cfg.train.wandb or importlib.util.find_spec("wandb") is not None,
+         "needs the wandb package (pip install wandb)"),
+        ("train.tensorboard", not cfg.train.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+         "needs the tensorboard package (pip install tensorboard)"),
         ("reward.max_response_len", cfg.reward.overlong_buffer_len == 0
          or cfg.reward.max_response_len == cfg.rollout.max_tokens,
          f"must equal rollout.max_tokens ({cfg.rollout.max_tokens}) when overlong shaping is on"),

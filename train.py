@@ -4,9 +4,15 @@
     torchrun --nproc_per_node 2 train.py --config configs/tiny.yaml                      # CPU, two ranks (gloo)
     torchrun --nproc_per_node 8 train.py --config configs/qwen2.5_math_7b_short_stare.yaml train.out_dir=runs/x
 
+    python train.py --config configs/tiny.yaml --export                                 # HF export of the latest checkpoint
+
 Any config value can be overridden as section.key=value (see config.py). Everything a run writes goes under
-train.out_dir: config.yaml (the resolved config), metrics.jsonl (one JSON object per step), hf/ (the final model,
-loadable by transformers and vLLM).
+train.out_dir: config.yaml (the resolved config), metrics.jsonl (one JSON object per step), checkpoints/ (sharded,
+every train.save_every steps and at the end, the last train.keep_last kept), hf/ (the final model, loadable by
+transformers and vLLM), hf_step_N/ (--export). Rerunning the same command resumes from the latest checkpoint
+(train.resume=auto) exactly: model, optimizer, scheduler, step, data position, every RNG, the gate; the metrics of
+steps after that checkpoint are dropped from metrics.jsonl and recomputed. SIGTERM / SIGINT finish the current step,
+save a checkpoint and exit with 128 + the signal number (a second signal kills at once).
 
 One step, top to bottom (the banners below follow it):
   1. prompts      each rank takes its share of a deterministic, seeded order of the training prompts
@@ -24,7 +30,8 @@ One step, top to bottom (the banners below follow it):
                   rows (verl's dynamic batch size); gradient clipping, AdamW; a non-finite loss or gradient skips
                   the optimizer step
   7. sync         stream the new weights into the engine; check the log-prob probe every few steps
-  8. log          metrics.jsonl and the console
+  8. log          metrics.jsonl and the console (and wandb / TensorBoard when train.wandb / train.tensorboard)
+  9. checkpoint   on schedule, at the end, and on SIGTERM / SIGINT
 
 Simplified relative to the reference (verl): no Ray, no separate reference model (no KL term: STARE's runs use none),
 on-policy by default, and the whole batch is exchanged between ranks with all_gather_object after dynamic sampling
@@ -32,7 +39,7 @@ on-policy by default, and the whole batch is exchanged between ranks with all_ga
 pi_old := pi_theta.detach() on-policy, so its ratio is exactly 1; here it is 1 up to float noise). With several
 mini-batches per step, step-scope selections are still made once per step on the old log-probs. Without dynamic
 sampling the first train_batch_size groups of a generation round are used. No balance_batch reordering.
-Not yet here: sharded checkpoints and exact resume, periodic evaluation, wandb/TensorBoard (see the open issues).
+Not yet here: periodic evaluation (eval.*).
 """
 
 import dataclasses
@@ -41,6 +48,7 @@ import json
 import math
 import os
 import random
+import signal
 import socket
 import sys
 import time
@@ -180,11 +188,20 @@ def all_sum(values, device):
 
 
 class MetricsLog:
-    """metrics.jsonl (one object per step, rank 0) and a console line every log_every steps."""
+    """metrics.jsonl (one object per step, rank 0), a console line every log_every steps, and wandb / TensorBoard
+    when the config turns them on (optional imports; config.check makes sure they are installed)."""
 
-    def __init__(self, path, log_every, rank):
-        self.rank, self.log_every = rank, log_every
-        self.file = open(path, "a") if rank == 0 else None
+    def __init__(self, out_dir, cfg, rank):
+        self.rank, self.log_every = rank, cfg.train.log_every
+        self.file = open(Path(out_dir) / "metrics.jsonl", "a") if rank == 0 else None
+        self.wandb_run = self.tensorboard = None
+        if rank == 0 and cfg.train.wandb:
+            import wandb
+            self.wandb_run = wandb.init(project=cfg.train.wandb_project, name=Path(out_dir).name,
+                                        dir=str(out_dir), config=config.to_dict(cfg))
+        if rank == 0 and cfg.train.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(str(Path(out_dir) / "tensorboard"))
 
     def write(self, step, metrics, progress):
         if self.rank != 0:
@@ -192,11 +209,146 @@ class MetricsLog:
         record = {"step": step, **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, step)
+            self.tensorboard.flush()
         progress.set_postfix(acc=metrics.get("rollout/acc"), entropy=metrics.get("train/entropy"),
                              gate=metrics.get("stare/gate_on"), refresh=False)
         if step % self.log_every == 0:
             keys = ("rollout/acc", "train/entropy", "train/loss", "stare/gate_on", "train/grad_norm", "time/step")
             progress.write(f"step {step}: " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+# ======================================================================================================================
+# Checkpoints: sharded (torch.distributed.checkpoint), atomic, exact resume
+# ======================================================================================================================
+#
+# out_dir/checkpoints/step_00000010/   sharded/ (model + optimizer, one file per rank: DCP), trainer.pt (step, data
+#                                      position, scheduler, gate, probe), rng_rank{r}.pt (every RNG of rank r),
+#                                      config.yaml (the resolved config of the run that wrote it)
+# A checkpoint is written under a hidden .tmp name and renamed once every rank has finished, so a run killed mid-save
+# never leaves a half checkpoint that looks complete; the newest step_* directory is the latest. With several nodes,
+# out_dir must be on a shared file system (every rank writes its own shard).
+
+CHECKPOINT_PREFIX = "step_"
+
+
+def list_checkpoints(out_dir):
+    """Complete checkpoints under out_dir/checkpoints, oldest first."""
+    root = Path(out_dir) / "checkpoints"
+    found = [p for p in root.glob(CHECKPOINT_PREFIX + "*") if p.is_dir() and (p / "trainer.pt").exists()]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def rng_states():
+    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy
+        states["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_rng_states(states):
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if "numpy" in states:
+        import numpy
+        numpy.random.set_state(states["numpy"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, world):
+    """Every rank writes its shard into a hidden directory; rank 0 renames it once all are done, then prunes."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = Path(out_dir) / "checkpoints"
+    final, partial = root / f"{CHECKPOINT_PREFIX}{step:08d}", root / f".{CHECKPOINT_PREFIX}{step:08d}.tmp"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # the leftover of a run killed while saving this step
+        partial.mkdir(parents=True)
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial / "sharded")
+    torch.save(rng_states(), partial / f"rng_rank{rank}.pt")
+    if rank == 0:
+        torch.save({**trainer_state, "world_size": world}, partial / "trainer.pt")
+        (partial / "config.yaml").write_text(config.to_yaml(cfg))
+    dist.barrier()  # every shard is on disk
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
+        os.replace(partial, final)  # the atomic step: from here on this checkpoint counts
+        for old in list_checkpoints(out_dir)[:-cfg.train.keep_last or None]:
+            doomed = old.with_name("." + old.name + ".deleting")  # hidden first, so a half-deleted one never counts
+            os.replace(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path, model, optimizer, rank):
+    """Restore model and optimizer shards (DCP reshards if the world size changed), this rank's RNGs; -> trainer state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(path)
+    if not (path / "trainer.pt").exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no trainer.pt)")
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=path / "sharded")
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    trainer_state = torch.load(path / "trainer.pt", weights_only=False)
+    rng_file = path / f"rng_rank{rank}.pt"
+    if not rng_file.exists():  # fewer ranks wrote this checkpoint: the stream of random numbers will differ
+        print(f"warning: {rng_file} missing (checkpoint written by {trainer_state['world_size']} ranks); "
+              f"using rank 0's RNG state, so the resumed run is not bit-exact", file=sys.stderr)
+        rng_file = path / "rng_rank0.pt"
+    set_rng_states(torch.load(rng_file, weights_only=False))
+    return trainer_state
+
+
+def resume_path(cfg):
+    """The checkpoint train.resume names: auto = the latest under out_dir (None when there is none), never = None."""
+    if cfg.train.resume == "never":
+        return None
+    if cfg.train.resume == "auto":
+        found = list_checkpoints(cfg.train.out_dir)
+        return found[-1] if found else None
+    return Path(cfg.train.resume)
+
+
+def config_differences(old_yaml, cfg):
+    """Keys whose value differs between a checkpoint's config and this run's (a resumed run should match)."""
+    import yaml
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, prefix + k + ".")
+            else:
+                yield prefix + k, v
+
+    old, new = dict(flat(yaml.safe_load(old_yaml))), dict(flat(config.to_dict(cfg)))
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
 
 
 # ======================================================================================================================
@@ -206,8 +358,10 @@ class MetricsLog:
 
 def main(argv):
     # ------------------------------------------------------------------------------------- config, processes, files
+    export_only = "--export" in argv  # write an HF export of the checkpoint train.resume names, then stop
+    argv = [a for a in argv if a != "--export"]
     if not argv or argv[0] != "--config" or len(argv) < 2:
-        print("usage: train.py --config CONFIG.yaml [section.key=value ...]", file=sys.stderr)
+        print("usage: train.py --config CONFIG.yaml [--export] [section.key=value ...]", file=sys.stderr)
         return 2
     try:
         cfg = config.load(argv[1], argv[2:])
@@ -226,17 +380,16 @@ def main(argv):
     from transformers import AutoTokenizer
 
     out_dir = Path(cfg.train.out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    checkpoint = resume_path(cfg)
+    if export_only:
+        return export_checkpoint(cfg, checkpoint, tokenizer, device, rank, world)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(config.to_yaml(cfg))
         print(config.to_yaml(cfg))
-        not_yet = [key for key, used in (("eval.files", bool(cfg.eval.files) and cfg.eval.every > 0),
-                                         ("train.wandb", cfg.train.wandb), ("train.tensorboard", cfg.train.tensorboard),
-                                         ("train.save_every / train.resume (checkpoints)", cfg.train.save_every > 0))
-                   if used]
-        if not_yet:
-            print(f"note: not implemented in train.py yet, ignored: {', '.join(not_yet)}", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        if cfg.eval.files and cfg.eval.every > 0:
+            print("note: not implemented in train.py yet, ignored: eval.files", file=sys.stderr)
     examples = [e for path in cfg.data.train_files
                 for e in data.load_examples(path, prompt_suffix=cfg.data.prompt_suffix)]
     prompt_ids, examples, prompt_stats = data.tokenize_prompts(examples, tokenizer, cfg.data.max_prompt_tokens,
@@ -257,15 +410,43 @@ def main(argv):
     gate = stare.EntropyGate(cfg.algorithm.target_entropy, cfg.loss.stare_w, cfg.loss.stare_m,
                              cfg.algorithm.gate_adaptive, cfg.algorithm.gate_alpha, cfg.algorithm.gate_w_max,
                              cfg.algorithm.gate_m_min)
-    log = MetricsLog(out_dir / "metrics.jsonl", cfg.train.log_every, rank)
     method, n, temperature = cfg.algorithm.method, cfg.rollout.n, cfg.rollout.temperature
     if cfg.loss.agg_mode == "seq-mean-token-sum-norm" and cfg.loss.loss_scale_factor is None:
         # Dr.GRPO's constant must not be the padded width of each micro-batch: use the response budget
         cfg.loss = dataclasses.replace(cfg.loss, loss_scale_factor=float(cfg.rollout.max_tokens))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    probe = None
-    nonfinite_in_a_row = 0
-    data_position = 0  # prompts consumed so far (global), the index into the seeded order below
+
+    # ----------------------------------------------------------------------------- resume: everything a step reads
+    state = {"step": 0,  # the last finished step
+             "data_position": 0,  # prompts consumed so far (global), the index into the seeded order below
+             "nonfinite_in_a_row": 0, "probe": None}  # the probe: (token ids, prompt length) of the sync check
+    if checkpoint is not None:
+        state.update(load_checkpoint(checkpoint, model, optimizer, rank))
+        scheduler.load_state_dict(state.pop("scheduler"))
+        gate.load_state_dict(state.pop("gate"))
+        rollout.sync_weights(engine, rollout.full_parameters(model))  # the engine started from model.path
+        changed = config_differences((checkpoint / "config.yaml").read_text(), cfg)
+        if rank == 0:
+            print(f"resumed from {checkpoint} at step {state['step']}"
+                  + (f"; config keys changed since: {', '.join(changed)}" if changed else ""), file=sys.stderr)
+    elif cfg.train.resume not in ("auto", "never"):
+        raise FileNotFoundError(f"train.resume={cfg.train.resume!r}: no such checkpoint")
+    data_position, nonfinite_in_a_row, probe = state["data_position"], state["nonfinite_in_a_row"], state["probe"]
+    if rank == 0:  # metrics of steps after the checkpoint belong to the interrupted attempt: drop them
+        metrics_path = out_dir / "metrics.jsonl"
+        kept = [line for line in (metrics_path.read_text().splitlines() if metrics_path.exists() else [])
+                if json.loads(line)["step"] <= state["step"]]
+        metrics_path.write_text("".join(line + "\n" for line in kept))
+    log = MetricsLog(out_dir, cfg, rank)
+
+    stop_signals = []  # SIGTERM / SIGINT: finish the step, save a checkpoint, exit (a second signal acts at once)
+
+    def request_stop(signum, frame):
+        stop_signals.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, request_stop)
 
     @functools.lru_cache(maxsize=2)
     def prompt_order(epoch):
@@ -274,7 +455,8 @@ def main(argv):
             random.Random(cfg.train.seed * 100_003 + epoch).shuffle(order)
         return order
 
-    progress = tqdm(range(1, cfg.train.total_steps + 1), desc="train", disable=rank != 0)
+    progress = tqdm(range(state["step"] + 1, cfg.train.total_steps + 1), desc="train", disable=rank != 0,
+                    initial=state["step"], total=cfg.train.total_steps)
     for step in progress:
         timings, step_start = {}, time.time()
         metrics = {}
@@ -528,11 +710,45 @@ def main(argv):
             metrics["rollout/sync_probe_error"] = sync_error
         log.write(step, metrics, progress)
 
+        # ---------------------------------------------------------------- 9. checkpoint
+        stop = all_sum([float(bool(stop_signals))], device)[0] > 0  # a signal to any rank stops all of them
+        if stop or step == cfg.train.total_steps or (cfg.train.save_every and step % cfg.train.save_every == 0):
+            trainer_state = {"step": step, "data_position": data_position, "nonfinite_in_a_row": nonfinite_in_a_row,
+                             "probe": probe, "scheduler": scheduler.state_dict(), "gate": gate.state_dict()}
+            path = save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, world)
+            if rank == 0:
+                progress.write(f"step {step}: checkpoint {path}")
+        if stop:
+            if rank == 0:
+                progress.write(f"stopped by a signal after step {step}; `resume: auto` continues from {path}")
+            log.close()
+            rollout.shutdown_engine(engine)
+            return 128 + (stop_signals[0] if stop_signals else signal.SIGTERM)
+
     # ------------------------------------------------------------------------------------------ export and shut down
     export_hf(model, cfg, tokenizer, out_dir / "hf", rank)
+    log.close()
     rollout.shutdown_engine(engine)
     if dist.is_initialized():
         dist.destroy_process_group()
+    return 0
+
+
+def export_checkpoint(cfg, checkpoint, tokenizer, device, rank, world):
+    """`train.py --config C --export`: the checkpoint train.resume names as an HF model in out_dir/hf_step_N."""
+    if checkpoint is None:
+        print(f"--export: no checkpoint under {cfg.train.out_dir}/checkpoints (train.resume={cfg.train.resume!r})",
+              file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    model = build_model(cfg, device, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)  # DCP restores model and optimizer together
+    step = load_checkpoint(checkpoint, model, optimizer, rank)["step"]
+    path = Path(cfg.train.out_dir) / f"hf_step_{step}"
+    export_hf(model, cfg, tokenizer, path, rank)
+    if rank == 0:
+        print(f"exported {checkpoint} to {path}")
+    dist.destroy_process_group()
     return 0
 
 

@@ -1,5 +1,6 @@
 """config.py: every shipped config loads and validates; bad input fails with a message naming the key."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_round_trips(path, tmp_path):
     cfg = config.load(path)
-    config.check(cfg, world_size=16 if "7b" in path.name else 8 if "1.5b" in path.name else 2)
+    gpus = {"1.5b": 8, "7b": 16, "14b": 16, "32b": 32}  # the node counts the configs' comments give
+    config.check(cfg, world_size=next((n for size, n in gpus.items() if f"{size}_" in path.name), 2))
     resolved = tmp_path / "config.yaml"
     resolved.write_text(config.to_yaml(cfg))
     assert config.load(resolved) == cfg  # what a run saves reloads to the same config
@@ -30,6 +32,18 @@ def test_paper_config_values():
     twin = config.load(Path(CONFIGS[0]).with_name("qwen2.5_math_7b_short_grpo_ds.yaml"))
     differing = {k for k, v in config.to_dict(twin).items() if v != config.to_dict(cfg)[k]}
     assert differing == {"algorithm", "train"} and twin.algorithm.method == "grpo"
+
+
+def test_long_cot_configs_scale_the_reweighting_and_length():
+    short = config.load(Path(CONFIGS[0]).with_name("qwen2.5_math_7b_short_stare.yaml"))
+    long7 = config.load(Path(CONFIGS[0]).with_name("qwen7b_long.yaml"))
+    assert (long7.loss.stare_w, long7.loss.stare_m) == (1.1, 0.9) and long7.rollout.max_tokens > short.rollout.max_tokens
+    for size in ("14b", "32b"):  # the reference README: W = 1.05, M = 0.95 and a longer max_response
+        cfg = config.load(Path(CONFIGS[0]).with_name(f"qwen{size}_long.yaml"))
+        assert (cfg.loss.stare_w, cfg.loss.stare_m) == (1.05, 0.95)
+        assert cfg.rollout.max_tokens > long7.rollout.max_tokens and cfg.eval.max_tokens == cfg.rollout.max_tokens
+        assert cfg.train.micro_token_budget >= cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
+        assert (cfg.loss, cfg.algorithm) == (dataclasses.replace(long7.loss, stare_w=1.05, stare_m=0.95), long7.algorithm)
 
 
 def test_overrides_are_typed(tmp_path):
@@ -89,3 +103,12 @@ def test_world_size_and_file_errors(tmp_path):
         config.load(tmp_path / "list.yaml")
     with pytest.raises(config.ConfigError, match="'data.train_files': needs at least one file"):
         config.load(None)
+
+
+@pytest.mark.parametrize("package", ["wandb", "tensorboard"])
+def test_optional_loggers_need_their_package(package):
+    import importlib.util
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    with pytest.raises(config.ConfigError, match=f"train.{package}.*pip install {package}"):
+        config.load("configs/tiny.yaml", [f"train.{package}=true"])

@@ -3,8 +3,10 @@
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,113 @@ def test_micro_scope_and_two_mini_batches_on_two_ranks(tiny_dir, tmp_path):
         assert record["rollout/sync_probe_error"] < 1e-4  # both optimizer steps reached the engine
         assert record["train/micro_batches"] >= 4 and record["train/skipped_updates"] == 0
         assert record["train/touched_frac"] > 0
+
+
+def comparable(metrics):
+    """Per-step metrics without the wall-clock timings."""
+    return [{k: v for k, v in record.items() if not k.startswith("time/")} for record in metrics]
+
+
+def logged_steps(out_dir):
+    path = Path(out_dir) / "metrics.jsonl"
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def wait_until(process, condition, timeout=600):
+    deadline = time.time() + timeout
+    while not condition():
+        assert process.poll() is None, "the run ended before the condition was met"
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
+    steps = ["train.total_steps=4", "train.save_every=2", "train.keep_last=1"]
+    full = check_finished(run_train(tiny_dir, tmp_path / "full", *steps, nproc=2, port=29641), tmp_path / "full", 4)
+
+    # the same run, killed (SIGKILL, every process) once step 2's checkpoint is written and step 3 is logged
+    out = tmp_path / "killed"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29643"]
+    args = ["train.py", "--config", "configs/tiny.yaml", f"model.path={tiny_dir / 'model'}",
+            f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]", f"train.out_dir={out}",
+            "algorithm.target_entropy=1.0", *steps]
+    process = subprocess.Popen(launcher + args, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    wait_until(process, lambda: (out / "checkpoints" / "step_00000002").exists() and logged_steps(out) >= 3)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]
+    assert len(read_metrics(out)) == 3  # step 3 was logged but not saved: the resumed run must drop it
+
+    resumed = check_finished(run_train(tiny_dir, out, *steps, nproc=2, port=29645), out, 4)
+    assert comparable(resumed) == comparable(full)  # every metric of every step, bitwise
+    want = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "hf", dtype=torch.float32).state_dict()
+    got = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).state_dict()
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000004"]  # keep_last=1
+
+
+def test_sigterm_saves_a_checkpoint_that_exports(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    args = ["train.py", "--config", "configs/tiny.yaml", f"model.path={tiny_dir / 'model'}",
+            f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]", f"train.out_dir={out}",
+            "train.total_steps=1000", "train.save_every=0"]
+    with open(tmp_path / "console.txt", "w") as console:  # a file, not a pipe nobody reads until the end
+        process = subprocess.Popen([sys.executable] + args, cwd=REPO, stdout=console, stderr=subprocess.STDOUT)
+        wait_until(process, lambda: logged_steps(out) >= 1)
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=300)
+    output = (tmp_path / "console.txt").read_text()
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    (checkpoint,) = list((out / "checkpoints").iterdir())
+    step = int(checkpoint.name.split("_")[1])
+    assert 1 <= step < 1000 and len(read_metrics(out)) == step
+    assert "stopped by a signal" in output
+
+    exported = subprocess.run([sys.executable] + args + ["--export"], cwd=REPO, capture_output=True, text=True,
+                              timeout=300)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(out / f"hf_step_{step}", dtype=torch.float32)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
+    assert any(not torch.equal(p, initial.state_dict()[name]) for name, p in model.state_dict().items())
+
+
+def test_only_complete_checkpoints_count(tmp_path):
+    import train
+
+    root = tmp_path / "checkpoints"
+    for name, complete in (("step_00000010", True), ("step_00000002", True), (".step_00000020.tmp", True),
+                           ("step_00000030", False), (".step_00000001.deleting", True)):
+        (root / name).mkdir(parents=True)
+        if complete:
+            (root / name / "trainer.pt").write_bytes(b"")
+    assert [p.name for p in train.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000010"]
+
+
+def test_metrics_log_writes_jsonl_and_mirrors_to_wandb(tmp_path, monkeypatch):
+    import dataclasses
+    import types
+
+    import config
+    import train
+    from tqdm import tqdm
+
+    calls = []
+
+    class Run:
+        def log(self, metrics, step):
+            calls.append(("log", step, dict(metrics)))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or Run()))
+    cfg = config.load("configs/tiny.yaml")
+    cfg.train = dataclasses.replace(cfg.train, wandb=True, log_every=100)
+    log = train.MetricsLog(tmp_path, cfg, rank=0)
+    log.write(3, {"rollout/acc": 0.123456789, "train/tokens": 7}, tqdm(disable=True))
+    log.close()
+    assert read_metrics(tmp_path) == [{"step": 3, "rollout/acc": 0.123457, "train/tokens": 7}]
+    assert calls[0][0] == "init" and calls[0][1]["config"]["loss"]["stare_w"] == cfg.loss.stare_w
+    assert calls[1:] == [("log", 3, {"rollout/acc": 0.123456789, "train/tokens": 7}), ("finish",)]
+    assert train.MetricsLog(tmp_path, cfg, rank=1).file is None  # only rank 0 writes
