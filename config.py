@@ -116,9 +116,10 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class EvalConfig:
-    every: int = 10  # steps between evaluations; 0 = never
-    files: list[str] = dataclasses.field(default_factory=list)  # benchmark files (data.py formats)
-    n: int = 32  # samples per prompt (avg@n, pass@k)
+    every: int = 10  # steps between evaluations (and after the last step); 0 = never
+    before_train: bool = True  # also evaluate the starting model (logged as step 0; not on resume)
+    files: list[str] = dataclasses.field(default_factory=list)  # benchmark files (data.py formats; see evaluate.py)
+    n: int | None = None  # samples per prompt (avg@n, pass@k); null = the paper's per benchmark (evaluate.default_n)
     temperature: float = 1.0
     top_p: float = 0.7  # the paper's validation setting
     max_tokens: int = 3072
@@ -253,7 +254,7 @@ def check(cfg, world_size=None):
     positive = ["rollout.n", "rollout.max_tokens", "data.max_prompt_tokens", "train.train_batch_size",
                 "train.mini_batch_size", "train.micro_token_budget", "train.total_steps", "algorithm.gen_batch_size",
                 "rollout.temperature", "rollout.tensor_parallel_size", "train.keep_last", "rollout.max_num_seqs", "optim.lr",
-                "eval.n", "eval.temperature", "eval.max_tokens"]
+                "eval.temperature", "eval.max_tokens"]
     non_negative = ["optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
                     "train.save_every", "train.log_every", "eval.every", "rollout.sync_check_every",
                     "algorithm.max_num_gen_batches", "algorithm.gate_alpha", "optim.max_nonfinite_steps"]
@@ -266,6 +267,7 @@ def check(cfg, world_size=None):
     rules = [
         ("rollout.top_p", 0 < cfg.rollout.top_p <= 1, "must be in (0, 1]"),
         ("eval.top_p", 0 < cfg.eval.top_p <= 1, "must be in (0, 1]"),
+        ("eval.n", cfg.eval.n is None or cfg.eval.n >= 1, "must be >= 1 or null"),
         ("rollout.top_k", cfg.rollout.top_k >= -1, "must be >= -1 (0 or -1 = off)"),
         ("rollout.n", cfg.rollout.n >= 2, "must be >= 2: a group of one response has no baseline"),
         ("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size == 1,

@@ -30,7 +30,8 @@ One step, top to bottom (the banners below follow it):
                   rows (verl's dynamic batch size); gradient clipping, AdamW; a non-finite loss or gradient skips
                   the optimizer step
   7. sync         stream the new weights into the engine; check the log-prob probe every few steps
-  8. log          metrics.jsonl and the console (and wandb / TensorBoard when train.wandb / train.tensorboard)
+  8. log          evaluation every eval.every steps (evaluate.py's sampler and verifier on the synced engine);
+                  metrics.jsonl and the console (and wandb / TensorBoard when train.wandb / train.tensorboard)
   9. checkpoint   on schedule, at the end, and on SIGTERM / SIGINT
 
 Simplified relative to the reference (verl): no Ray, no separate reference model (no KL term: STARE's runs use none),
@@ -39,7 +40,6 @@ on-policy by default, and the whole batch is exchanged between ranks with all_ga
 pi_old := pi_theta.detach() on-policy, so its ratio is exactly 1; here it is 1 up to float noise). With several
 mini-batches per step, step-scope selections are still made once per step on the old log-probs. Without dynamic
 sampling the first train_batch_size groups of a generation round are used. No balance_batch reordering.
-Not yet here: periodic evaluation (eval.*).
 """
 
 import dataclasses
@@ -60,6 +60,7 @@ import torch.distributed as dist
 import baselines
 import config
 import data
+import evaluate
 import rewards
 import rollout
 import stare
@@ -388,16 +389,16 @@ def main(argv):
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(config.to_yaml(cfg))
         print(config.to_yaml(cfg))
-        if cfg.eval.files and cfg.eval.every > 0:
-            print("note: not implemented in train.py yet, ignored: eval.files", file=sys.stderr)
     examples = [e for path in cfg.data.train_files
                 for e in data.load_examples(path, prompt_suffix=cfg.data.prompt_suffix)]
     prompt_ids, examples, prompt_stats = data.tokenize_prompts(examples, tokenizer, cfg.data.max_prompt_tokens,
                                                                cfg.data.overflow)
+    benchmarks = (evaluate.load_benchmarks(cfg.eval.files, prompt_suffix=cfg.data.prompt_suffix)
+                  if cfg.eval.files and cfg.eval.every else {})
 
     # ----------------------------------------------------- engine (after the process group, before optimizer state)
     engine = rollout.build_engine(
-        cfg.model.path, seed=cfg.train.seed + rank, max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_tokens,
+        cfg.model.path, seed=cfg.train.seed + rank, max_model_len=cfg.data.max_prompt_tokens + max(cfg.rollout.max_tokens, cfg.eval.max_tokens),
         dtype=cfg.rollout.dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         kv_cache_gib=cfg.rollout.kv_cache_gib, max_num_seqs=cfg.rollout.max_num_seqs,
         enable_sleep_mode=cfg.rollout.enable_sleep_mode, enforce_eager=cfg.rollout.enforce_eager)
@@ -455,14 +456,25 @@ def main(argv):
             random.Random(cfg.train.seed * 100_003 + epoch).shuffle(order)
         return order
 
+    def evaluation():  # evaluate.py's sampler and verifier on the engine's current weights -> eval/... metrics
+        start = time.time()
+        result = evaluate.evaluate(engine, tokenizer, benchmarks, n=cfg.eval.n, temperature=cfg.eval.temperature,
+                                   top_p=cfg.eval.top_p, max_tokens=cfg.eval.max_tokens, reward_cfg=cfg.reward,
+                                   seed=cfg.train.seed, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                   overflow=cfg.data.overflow)
+        return {**evaluate.flatten_metrics(result), "time/eval": time.time() - start}
+
     progress = tqdm(range(state["step"] + 1, cfg.train.total_steps + 1), desc="train", disable=rank != 0,
                     initial=state["step"], total=cfg.train.total_steps)
+    if benchmarks and cfg.eval.before_train and state["step"] == 0:
+        log.write(0, evaluation(), progress)  # the starting point of every eval curve
     for step in progress:
         timings, step_start = {}, time.time()
         metrics = {}
 
         # ---------------------------------------------------------------- 1-3. prompts, rollout, rewards, filtering
         kept_groups, rounds, generated_groups, varied_groups, generated_responses = [], 0, 0, 0, []
+        generated_correct = 0.0  # accuracy before dynamic sampling's filter (kept groups are never all-correct)
         while len(kept_groups) < cfg.train.train_batch_size:
             if cfg.algorithm.max_num_gen_batches and rounds >= cfg.algorithm.max_num_gen_batches:
                 raise RuntimeError(
@@ -491,8 +503,10 @@ def main(argv):
                 groups.append({"prompt": prompt_ids[local_prompts[j]], "responses": [out.token_ids[r] for r in rows],
                                "rollout_logprobs": [out.logprobs[r] for r in rows],
                                "rewards": [scores[r] for r in rows], "accuracies": [accuracies[r] for r in rows],
-                               "finish_reasons": [out.finish_reasons[r] for r in rows]})
+                               "finish_reasons": [out.finish_reasons[r] for r in rows],
+                               "reflection": [evaluate.reflection_counts(out.texts[r]) for r in rows]})
             generated_responses.append([reward_metrics[k] * len(out.texts) for k in REWARD_FRACTIONS] + [len(out.texts)])
+            generated_correct += sum(accuracies)
             gathered = [None] * world
             dist.all_gather_object(gathered, groups)
             for rank_groups in gathered:  # rank order: every rank sees the same global list
@@ -517,7 +531,8 @@ def main(argv):
                 rows.append({"prompt": group["prompt"], "response": group["responses"][k],
                              "rollout_logprobs": group["rollout_logprobs"][k], "advantage": advantages[k].item(),
                              "reward": group["rewards"][k], "accuracy": group["accuracies"][k],
-                             "truncated": group["finish_reasons"][k] == "length"})
+                             "truncated": group["finish_reasons"][k] == "length",
+                             "reflection": group["reflection"][k]})
 
         # ---------------------------------------------------------------- 4. no-grad pass: old log-probs, entropy
         start = time.time()
@@ -576,7 +591,7 @@ def main(argv):
         loss_sum, stats_sum, stats_weight = 0.0, {}, 0.0
         num_mini = cfg.train.train_batch_size // cfg.train.mini_batch_size
         mini_size = len(rows) // num_mini
-        grad_norm = float("nan")
+        grad_norms = []
         step_scope = cfg.algorithm.stare_scope == "step"
         micro_batch_count, skipped_updates = 0, 0
         for mini in range(num_mini):
@@ -633,6 +648,7 @@ def main(argv):
                     stats_sum[k] = stats_sum.get(k, 0.0) + v.item() * weight
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
             grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            grad_norms.append(grad_norm)
             loss_sum += mini_loss
             finite = all_sum([float(math.isfinite(grad_norm) and math.isfinite(mini_loss))], device)[0] == world
             if finite:
@@ -674,11 +690,13 @@ def main(argv):
         lengths = [len(r["response"]) for r in rows]
         mismatch = [(torch.tensor(r["rollout_logprobs"]) - r["old_logprobs"]).abs() for r in rows if r["response"]]
         mismatch_sum = sum(float(m.sum()) for m in mismatch)
-        mismatch_max = torch.tensor(max([float(m.max()) for m in mismatch] or [0.0]), device=device)
-        dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
-        mismatch_max = float(mismatch_max)
+        maxima = torch.tensor([max([float(m.max()) for m in mismatch] or [0.0]), max(lengths, default=0)],
+                              dtype=torch.float64, device=device)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        mismatch_max, length_max = maxima.tolist()
         totals = all_sum([accuracy_sum, reward_sum, len(rows), sum(lengths), sum(r["truncated"] for r in rows),
-                          mismatch_sum, stats_weight, loss_sum], device)
+                          mismatch_sum, stats_weight, loss_sum, sum(r["reflection"][0] for r in rows),
+                          sum(r["reflection"][1] for r in rows)], device)
         width = max(1, max(lengths))
         dynamics = stare.entropy_dynamics(torch.tensor([r["advantage"] for r in rows]),
                                           pad_rows(rows, "sensitivity", width),
@@ -686,20 +704,24 @@ def main(argv):
                                           num_tokens=tokens)
         dynamics_keys = sorted(dynamics)
         dynamics_sum = all_sum([float(dynamics[k]) for k in dynamics_keys], device)
-        fraction_sums = all_sum([sum(column) for column in zip(*generated_responses)], device)
+        fraction_sums = all_sum([sum(column) for column in zip(*generated_responses)] + [generated_correct], device)
+        generated_acc = fraction_sums.pop() / max(fraction_sums[-1], 1)
         metric_keys = sorted(stats_sum)
         loss_stats = all_sum([stats_sum[k] for k in metric_keys], device)
         metrics.update({
             "rollout/acc": totals[0] / totals[2], "rollout/reward_mean": totals[1] / totals[2],
             "rollout/response_length_mean": totals[3] / totals[2], "rollout/truncated_frac": totals[4] / totals[2],
+            "rollout/response_length_max": length_max,
             "rollout/logprob_mismatch_mean": totals[5] / max(tokens, 1), "rollout/logprob_mismatch_max": mismatch_max,
-            "rollout/gen_rounds": rounds, "rollout/varied_group_frac": varied_groups / max(generated_groups, 1),
+            "rollout/acc_before_filter": generated_acc,
+            "rollout/reflection_per_1k_words": 1000 * totals[8] / max(totals[9], 1), "rollout/gen_rounds": rounds, "rollout/varied_group_frac": varied_groups / max(generated_groups, 1),
             "train/entropy": batch_entropy, "train/surprisal": surprisal_sum / max(tokens, 1),
-            "train/loss": totals[7] / num_mini / (1 if cfg.algorithm.stare_scope == "step" else world), "train/grad_norm": grad_norm, "train/lr": learning_rate,
+            "train/loss": totals[7] / num_mini / (1 if cfg.algorithm.stare_scope == "step" else world),
+            "train/grad_norm": sum(grad_norms) / num_mini, "train/grad_norm_max": max(grad_norms), "train/lr": learning_rate,
             "train/tokens": tokens, "train/micro_batches": micro_batch_count, "train/skipped_updates": skipped_updates,
             "stare/gate_on": float(gate.gate_on), "stare/w": gate.w, "stare/m": gate.m,
             "stare/gate_update_accepted": float(gate_accepted),
-            **{f"train/{k}": v / max(totals[6], 1) for k, v in zip(metric_keys, loss_stats)},
+            **{(k if "/" in k else f"train/{k}"): v / max(totals[6], 1) for k, v in zip(metric_keys, loss_stats)},
             **{f"stare/dynamics/{k}": v for k, v in zip(dynamics_keys, dynamics_sum)},
             **{k: float(v) for k, v in selection_metrics.items()},
             **dict(zip(REWARD_FRACTIONS, [v / max(fraction_sums[-1], 1) for v in fraction_sums[:-1]])),
@@ -708,6 +730,8 @@ def main(argv):
         })
         if sync_error is not None:
             metrics["rollout/sync_probe_error"] = sync_error
+        if benchmarks and (step % cfg.eval.every == 0 or step == cfg.train.total_steps):
+            metrics.update(evaluation())
         log.write(step, metrics, progress)
 
         # ---------------------------------------------------------------- 9. checkpoint

@@ -59,11 +59,18 @@ def test_every_method_trains_end_to_end(method, tiny_dir, tmp_path):
 
 
 def test_two_ranks_match_one_and_export_loads(tiny_dir, tmp_path):
-    one = check_finished(run_train(tiny_dir, tmp_path / "one"), tmp_path / "one")
-    two = check_finished(run_train(tiny_dir, tmp_path / "two", nproc=2), tmp_path / "two")
+    # generation rounds of 16 prompts for 16 varied groups: dynamic sampling needs several rounds per step
+    one = check_finished(run_train(tiny_dir, tmp_path / "one", "algorithm.gen_batch_size=16"), tmp_path / "one")
+    two = check_finished(run_train(tiny_dir, tmp_path / "two", "algorithm.gen_batch_size=16", nproc=2),
+                         tmp_path / "two")
     # step scope + samples seeded by global prompt index: the first update is the same whatever the world size
     for key in ("rollout/acc", "train/entropy", "train/loss", "train/grad_norm", "stare/pos_selected_frac"):
         assert two[0][key] == pytest.approx(one[0][key], rel=1e-4, abs=1e-7), key
+    assert one[0]["rollout/gen_rounds"] == two[0]["rollout/gen_rounds"] >= 2
+    assert one[0]["rollout/acc_before_filter"] < one[0]["rollout/acc"]  # all-wrong groups were dropped
+    positions = [torch.load(train_checkpoints(tmp_path / run)[-1] / "trainer.pt", weights_only=False)["data_position"]
+                 for run in ("one", "two")]
+    assert positions[0] == positions[1] == 16 * sum(m["rollout/gen_rounds"] for m in one)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "hf", dtype=torch.float32)
     initial = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
     changed = [name for name, p in exported.state_dict().items() if not torch.equal(p, initial.state_dict()[name])]
@@ -207,3 +214,89 @@ def test_metrics_log_writes_jsonl_and_mirrors_to_wandb(tmp_path, monkeypatch):
     assert calls[0][0] == "init" and calls[0][1]["config"]["loss"]["stare_w"] == cfg.loss.stare_w
     assert calls[1:] == [("log", 3, {"rollout/acc": 0.123456789, "train/tokens": 7}), ("finish",)]
     assert train.MetricsLog(tmp_path, cfg, rank=1).file is None  # only rank 0 writes
+
+
+def checkpoint_weights(checkpoint):
+    """The model tensors of a DCP checkpoint, read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = checkpoint.parent / (checkpoint.name + ".pt")
+    dcp_to_torch_save(checkpoint / "sharded", target)
+    return torch.load(target, weights_only=False)["model"]
+
+
+def test_nonfinite_loss_skips_the_step_then_stops_the_run(tiny_dir, tmp_path):
+    def run(nan_steps, out, *overrides):
+        args = ["tests/nan_train.py", nan_steps, "--config", "configs/tiny.yaml", f"model.path={tiny_dir / 'model'}",
+                f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]",
+                f"train.out_dir={out}", "train.save_every=1", "train.keep_last=10", "optim.max_nonfinite_steps=2",
+                "train.micro_token_budget=100000", *overrides]  # one micro-batch, so policy_loss call k = step k
+        return subprocess.run([sys.executable] + args, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                              capture_output=True, text=True, timeout=900)
+
+    # one bad step: skipped (no update), counted, and the run goes on
+    out = tmp_path / "one"
+    metrics = check_finished(run("2", out, "train.total_steps=3"), out, steps=3)
+    assert [m["train/skipped_updates"] for m in metrics] == [0, 1, 0]
+    assert not math.isfinite(metrics[1]["train/grad_norm"])
+    weights = [checkpoint_weights(out / "checkpoints" / f"step_{s:08d}") for s in (1, 2, 3)]
+    assert all(torch.equal(weights[1][k], weights[0][k]) for k in weights[0])  # step 2 changed nothing
+    assert not all(torch.equal(weights[2][k], weights[1][k]) for k in weights[0])  # step 3 trained again
+
+    # more bad steps in a row than optim.max_nonfinite_steps: a clear error, the checkpoints before it intact
+    out = tmp_path / "many"
+    completed = run("2,3,4,5", out, "train.total_steps=6")
+    assert completed.returncode != 0
+    assert "non-finite loss or gradient norm in 3 consecutive steps (optim.max_nonfinite_steps=2)" in completed.stderr
+    assert [p.name for p in train_checkpoints(out)] == [f"step_{s:08d}" for s in (1, 2, 3)]
+
+
+def train_checkpoints(out_dir):
+    import train
+
+    return train.list_checkpoints(out_dir)
+
+
+def test_dynamic_sampling_gives_up_with_a_clear_error(tiny_dir, tmp_path):
+    # every group of the tiny sum task is all-wrong or mixed; demanding 16 varied groups from one round of 16 fails
+    completed = run_train(tiny_dir, tmp_path / "run", "algorithm.gen_batch_size=16", "algorithm.max_num_gen_batches=1",
+                          "train.total_steps=1")
+    assert completed.returncode != 0
+    assert "dynamic sampling kept" in completed.stderr and "algorithm.max_num_gen_batches" in completed.stderr
+
+
+def test_padded_batch_logits_match_unpadded_forwards(tiny_dir):
+    # prompts left-padded and responses right-padded to shared widths: every row's response logits must equal
+    # those of the row run alone without padding
+    import train
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"prompt": torch.randint(3, 300, (p,), generator=generator).tolist(),
+             "response": torch.randint(3, 300, (r,), generator=generator).tolist()}
+            for p, r in ((5, 9), (12, 3), (1, 1), (8, 0))]
+    tensors = train.sequence_tensors(rows, pad_id=0, device=torch.device("cpu"))
+    with torch.no_grad():
+        logits = train.response_logits(model, tensors)
+        for i, row in enumerate(rows):
+            alone = model(input_ids=torch.tensor([row["prompt"] + row["response"]])).logits[0]
+            want = alone[len(row["prompt"]) - 1:len(row["prompt"]) + len(row["response"]) - 1]
+            got = logits[i, :len(row["response"])]
+            assert torch.allclose(got, want, atol=1e-5), i
+            assert tensors["mask"][i].sum() == len(row["response"])
+            assert tensors["response_ids"][i, :len(row["response"])].tolist() == row["response"]
+
+
+@pytest.mark.parametrize("budget", [1, 30, 64, 10_000])
+def test_micro_batches_cover_every_row_once_within_the_budget(budget):
+    import train
+
+    generator = torch.Generator().manual_seed(budget)
+    rows = [{"prompt": [1] * int(p), "response": [2] * int(r)}
+            for p, r in zip(torch.randint(1, 20, (25,), generator=generator),
+                            torch.randint(0, 20, (25,), generator=generator))]
+    batches = train.micro_batches(rows, budget)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(rows)))
+    for batch in batches:
+        width = max(len(rows[i]["prompt"]) for i in batch) + max(max(1, len(rows[i]["response"])) for i in batch)
+        assert len(batch) == 1 or len(batch) * width <= budget  # a row longer than the budget goes alone
