@@ -216,10 +216,10 @@ class MetricsLog:
             for key, value in metrics.items():
                 self.tensorboard.add_scalar(key, value, step)
             self.tensorboard.flush()
-        progress.set_postfix(acc=metrics.get("rollout/acc"), entropy=metrics.get("train/entropy"),
+        progress.set_postfix(acc=metrics.get("rollout/acc_before_filter"), entropy=metrics.get("train/entropy"),
                              gate=metrics.get("stare/gate_on"), refresh=False)
         if step % self.log_every == 0:
-            keys = ("rollout/acc", "train/entropy", "train/loss", "stare/gate_on", "train/grad_norm", "time/step")
+            keys = ("rollout/acc_before_filter", "rollout/acc", "eval/overall/avg@n", "train/entropy", "train/loss", "stare/gate_on", "train/grad_norm", "time/step")
             progress.write(f"step {step}: " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
 
     def close(self):
