@@ -111,9 +111,14 @@ def _first_present(row, fields):
 
 
 def _strip_dollars(text):
+    """"$x$" / "$$x$$" -> "x"; delimiters are dropped only around the whole answer: "$x=1$ or $x=2$" has inner ones
+    and stays as it is (stripping its ends would leave "x=1$ or $x=2")."""
     text = text.strip()
-    while len(text) >= 2 and text.startswith("$") and text.endswith("$"):
-        text = text[1:-1].strip()
+    for delimiter in ("$$", "$"):
+        inner = text[len(delimiter):-len(delimiter)]
+        if len(text) > 2 * len(delimiter) and text.startswith(delimiter) and text.endswith(delimiter) \
+                and "$" not in inner:
+            return inner.strip()
     return text
 
 

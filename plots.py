@@ -42,8 +42,10 @@ QUADRANTS = (("pos_high", "pos_high: A > 0, surprisal ≥ s0"), ("pos_low", "pos
 # figure -> (title, [(keys tried in order, panel title, y label)])
 FIGURES = {
     "accuracy": ("Training rollouts: accuracy and reward", [
-        (("rollout/acc",), "accuracy (rollout/acc)", "fraction correct"),
-        (("rollout/reward_mean",), "reward (rollout/reward_mean)", "mean reward per response"),
+        (("rollout/acc_before_filter", "rollout/acc"), "accuracy of all sampled responses (before dynamic "
+         "sampling's filter)", "fraction correct"),
+        (("rollout/acc",), "accuracy of the kept groups (the training batch)", "fraction correct"),
+        (("rollout/reward_mean",), "reward of the kept groups (rollout/reward_mean)", "mean reward per response"),
     ]),
     "length": ("Training rollouts: length and reflection", [
         (("rollout/response_length_mean",), "response length", "tokens per response"),

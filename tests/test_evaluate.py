@@ -350,3 +350,9 @@ def test_two_ranks_give_the_same_result(one_process, tiny_dir, tmp_path):
     assert two["sampling"]["world_size"] == 2
     assert [s["response"] for s in two_samples] == [s["response"] for s in one_samples]  # seeds by prompt, not rank
     assert two["benchmarks"] == one["benchmarks"] and two["overall"] == one["overall"]
+
+
+@pytest.mark.parametrize("text, want", [("$x$", "x"), ("$$x$$", "x"), (" $\\frac{1}{2}$ ", "\\frac{1}{2}"), ("3", "3"),
+                                        ("$x=1$ or $x=2$", "$x=1$ or $x=2$")])  # inner delimiters: left alone
+def test_answer_dollars_are_stripped_only_around_the_whole_answer(text, want):
+    assert benchmarks._strip_dollars(text) == want
