@@ -4,15 +4,22 @@
     torchrun --nproc_per_node 2 train.py --config configs/tiny.yaml                      # CPU, two ranks (gloo)
     torchrun --nproc_per_node 8 train.py --config configs/qwen2.5_math_7b_short_stare.yaml train.out_dir=runs/x
 
-    python train.py --config configs/tiny.yaml --export                                 # HF export of the latest checkpoint
+    python train.py --config configs/tiny.yaml --export                                 # the latest checkpoint as HF
 
 Any config value can be overridden as section.key=value (see config.py). Everything a run writes goes under
 train.out_dir: config.yaml (the resolved config), metrics.jsonl (one JSON object per step), checkpoints/ (sharded,
 every train.save_every steps and at the end, the last train.keep_last kept), hf/ (the final model, loadable by
 transformers and vLLM), hf_step_N/ (--export). Rerunning the same command resumes from the latest checkpoint
 (train.resume=auto) exactly: model, optimizer, scheduler, step, data position, every RNG, the gate; the metrics of
-steps after that checkpoint are dropped from metrics.jsonl and recomputed. SIGTERM / SIGINT finish the current step,
-save a checkpoint and exit with 128 + the signal number (a second signal kills at once).
+steps after that checkpoint are dropped from metrics.jsonl and recomputed. A run refuses to start where checkpoints
+newer than its starting step exist (another trajectory). SIGTERM, SIGUSR1 and SIGINT finish the current step, save a
+checkpoint and exit with 128 + the signal number (a second Ctrl-C kills at once); under torchrun pass
+--shutdown-timeout longer than a step plus a save, as torchrun SIGKILLs its workers 30 s after forwarding a signal.
+
+Metrics (metrics.jsonl): rollout/acc_before_filter and the rollout/*_frac reward fractions cover every response
+sampled in the step; rollout/acc, reward_mean, response_length_*, truncated_frac and reflection_per_1k_words cover
+the kept groups, i.e. the training batch (dynamic sampling drops the all-equal ones, so its accuracy is pulled
+towards 0.5). train/entropy and train/surprisal are token means over the batch, tool-result tokens excluded.
 
 One step, top to bottom (the banners below follow it):
   1. prompts      each rank takes its share of a deterministic, seeded order of the training prompts
@@ -48,12 +55,14 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import sys
 import time
 from pathlib import Path
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -126,6 +135,14 @@ def pad_rows(rows, key, width, value=0.0, dtype=torch.float32):
     return out
 
 
+def policy_token_mask(length, tool_mask=None):
+    """[length] bool: True at the response tokens the policy sampled; False at tool-result tokens (multi-turn), which
+    carry no gradient and count in no statistic (loss denominators, entropy, selection, mismatch)."""
+    if tool_mask is None:
+        return torch.ones(length, dtype=torch.bool)
+    return ~torch.as_tensor(tool_mask, dtype=torch.bool)
+
+
 def sequence_tensors(rows, pad_id, device):
     """Prompts left-padded to a common width P and responses right-padded to R, so every row's response starts at
     column P: the logits of positions P-1 ... P+R-2 predict the response tokens. -> dict of tensors."""
@@ -140,6 +157,8 @@ def sequence_tensors(rows, pad_id, device):
         attention[i, start:prompt_width + len(row["response"])] = 1
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # RoPE positions restart at each prompt's first token
     response_mask = torch.arange(response_width)[None, :] < torch.tensor([len(r["response"]) for r in rows])[:, None]
+    if "policy_mask" in rows[0]:  # tool-result tokens are part of the sequence but not of the loss
+        response_mask &= pad_rows(rows, "policy_mask", response_width, value=False, dtype=torch.bool)
     return {"input_ids": input_ids.to(device), "attention_mask": attention.to(device),
             "position_ids": position_ids.to(device), "response_ids": input_ids[:, prompt_width:].to(device),
             "mask": response_mask.to(device), "prompt_width": prompt_width, "response_width": response_width}
@@ -192,17 +211,21 @@ class MetricsLog:
     """metrics.jsonl (one object per step, rank 0), a console line every log_every steps, and wandb / TensorBoard
     when the config turns them on (optional imports; config.check makes sure they are installed)."""
 
-    def __init__(self, out_dir, cfg, rank):
+    def __init__(self, out_dir, cfg, rank, first_step=1):
         self.rank, self.log_every = rank, cfg.train.log_every
         self.file = open(Path(out_dir) / "metrics.jsonl", "a") if rank == 0 else None
         self.wandb_run = self.tensorboard = None
-        if rank == 0 and cfg.train.wandb:
-            import wandb
-            self.wandb_run = wandb.init(project=cfg.train.wandb_project, name=Path(out_dir).name,
-                                        dir=str(out_dir), config=config.to_dict(cfg))
+        if rank == 0 and cfg.train.wandb:  # one W&B run per out_dir, continued on resume (repeated steps keep their
+            import wandb                   # first values there: W&B ignores steps it has seen)
+            id_file = Path(out_dir) / "wandb_run_id"
+            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            id_file.write_text(run_id)
+            self.wandb_run = wandb.init(project=cfg.train.wandb_project, name=Path(out_dir).name, id=run_id,
+                                        resume="allow", dir=str(out_dir), config=config.to_dict(cfg))
         if rank == 0 and cfg.train.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+            # purge_step: events of the steps a resume recomputes are dropped from the old event files
+            self.tensorboard = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=first_step)
 
     def write(self, step, metrics, progress):
         if self.rank != 0:
@@ -219,7 +242,8 @@ class MetricsLog:
         progress.set_postfix(acc=metrics.get("rollout/acc_before_filter"), entropy=metrics.get("train/entropy"),
                              gate=metrics.get("stare/gate_on"), refresh=False)
         if step % self.log_every == 0:
-            keys = ("rollout/acc_before_filter", "rollout/acc", "eval/overall/avg@n", "train/entropy", "train/loss", "stare/gate_on", "train/grad_norm", "time/step")
+            keys = ("rollout/acc_before_filter", "rollout/acc", "eval/overall/avg@n", "train/entropy", "train/loss",
+                    "stare/gate_on", "train/grad_norm", "time/step")
             progress.write(f"step {step}: " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
 
     def close(self):
@@ -242,23 +266,21 @@ class MetricsLog:
 # never leaves a half checkpoint that looks complete; the newest step_* directory is the latest. With several nodes,
 # out_dir must be on a shared file system (every rank writes its own shard).
 
-CHECKPOINT_PREFIX = "step_"
+CHECKPOINT_NAME = re.compile(r"step_(\d+)")
 
 
 def list_checkpoints(out_dir):
-    """Complete checkpoints under out_dir/checkpoints, oldest first."""
+    """Complete checkpoints under out_dir/checkpoints, oldest first (hidden .tmp / .deleting ones never count)."""
     root = Path(out_dir) / "checkpoints"
-    found = [p for p in root.glob(CHECKPOINT_PREFIX + "*") if p.is_dir() and (p / "trainer.pt").exists()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+    found = [(int(match[1]), p) for p in root.glob("step_*")
+             if (match := CHECKPOINT_NAME.fullmatch(p.name)) and (p / "trainer.pt").exists()]
+    return [p for _, p in sorted(found)]
 
 
 def rng_states():
-    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy
-        states["numpy"] = numpy.random.get_state()
-    except ImportError:
-        pass
+    """Every RNG of this process. No step draws from them today (sampling, data order and Clip-Cov's ties are seeded
+    from (seed, step, index)); they are kept so that a change that does (dropout, say) still resumes exactly."""
+    states = {"python": random.getstate(), "numpy": numpy.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
     return states
@@ -266,10 +288,8 @@ def rng_states():
 
 def set_rng_states(states):
     random.setstate(states["python"])
+    numpy.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
-    if "numpy" in states:
-        import numpy
-        numpy.random.set_state(states["numpy"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
 
@@ -279,25 +299,34 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
     import shutil
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     root = Path(out_dir) / "checkpoints"
-    final, partial = root / f"{CHECKPOINT_PREFIX}{step:08d}", root / f".{CHECKPOINT_PREFIX}{step:08d}.tmp"
+    final, partial = root / f"step_{step:08d}", root / f".step_{step:08d}.tmp"
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # the leftover of a run killed while saving this step
+        for leftover in root.glob(".step_*"):  # of runs killed while saving or pruning (possibly huge)
+            shutil.rmtree(leftover, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial / "sharded")
+    # an optimizer that has not stepped yet has no state; get_state_dict would create it with a zero-lr step, and
+    # the next real update would then use the wrong bias correction: save the model alone
+    has_optimizer_state = bool(optimizer.state)
+    if has_optimizer_state:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        shards = {"model": model_state, "optimizer": optimizer_state}
+    else:
+        shards = {"model": get_model_state_dict(model)}
+    dcp.save(shards, checkpoint_id=partial / "sharded")
     torch.save(rng_states(), partial / f"rng_rank{rank}.pt")
     if rank == 0:
-        torch.save({**trainer_state, "world_size": world}, partial / "trainer.pt")
+        torch.save({**trainer_state, "world_size": world, "has_optimizer_state": has_optimizer_state},
+                   partial / "trainer.pt")
         (partial / "config.yaml").write_text(config.to_yaml(cfg))
     dist.barrier()  # every shard is on disk
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
         os.replace(partial, final)  # the atomic step: from here on this checkpoint counts
-        for old in list_checkpoints(out_dir)[:-cfg.train.keep_last or None]:
+        for old in list_checkpoints(out_dir)[:-cfg.train.keep_last]:
             doomed = old.with_name("." + old.name + ".deleting")  # hidden first, so a half-deleted one never counts
             os.replace(old, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
@@ -306,18 +335,25 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
 
 
 def load_checkpoint(path, model, optimizer, rank):
-    """Restore model and optimizer shards (DCP reshards if the world size changed), this rank's RNGs; -> trainer state."""
+    """Restore the model's shards (DCP reshards if the world size changed), the optimizer's when given and saved, and
+    this rank's RNGs; -> the trainer state (step, data position, scheduler, gate, probe, ...)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
 
     path = Path(path)
     if not (path / "trainer.pt").exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no trainer.pt)")
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=path / "sharded")
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     trainer_state = torch.load(path / "trainer.pt", weights_only=False)
+    if optimizer is not None and trainer_state["has_optimizer_state"]:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        shards = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(shards, checkpoint_id=path / "sharded")
+        set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
+    else:
+        shards = {"model": get_model_state_dict(model)}
+        dcp.load(shards, checkpoint_id=path / "sharded")
+        set_model_state_dict(model, shards["model"])
     rng_file = path / f"rng_rank{rank}.pt"
     if not rng_file.exists():  # fewer ranks wrote this checkpoint: the stream of random numbers will differ
         print(f"warning: {rng_file} missing (checkpoint written by {trainer_state['world_size']} ranks); "
@@ -335,6 +371,21 @@ def resume_path(cfg):
         found = list_checkpoints(cfg.train.out_dir)
         return found[-1] if found else None
     return Path(cfg.train.resume)
+
+
+def keep_metrics(path, last_step):
+    """Rewrite metrics.jsonl with its records up to last_step (None: none, a fresh start), atomically; the records
+    after it belong to the interrupted attempt and will be recomputed, a half-written line is dropped."""
+    kept = []
+    for line in (path.read_text().splitlines() if last_step is not None and path.exists() else []):
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text("".join(line + "\n" for line in kept))
+    os.replace(partial, path)
 
 
 def config_differences(old_yaml, cfg):
@@ -383,6 +434,21 @@ def main(argv):
     out_dir = Path(cfg.train.out_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     checkpoint = resume_path(cfg)
+    problem = None
+    if checkpoint is not None and not (checkpoint / "trainer.pt").exists():
+        problem = f"train.resume={cfg.train.resume!r}: {checkpoint} is not a complete checkpoint (no trainer.pt)"
+    elif not export_only:
+        start_step = torch.load(checkpoint / "trainer.pt", weights_only=False)["step"] if checkpoint else 0
+        later = [p.name for p in list_checkpoints(out_dir) if int(p.name[len("step_"):]) > start_step]
+        if later:  # another trajectory's: pruning and `resume: auto` would mix the two
+            problem = (f"{out_dir}/checkpoints holds checkpoints after step {start_step}, where this run starts "
+                       f"(train.resume={cfg.train.resume!r}): {', '.join(later)}; use another train.out_dir or "
+                       f"delete them")
+    if problem:
+        if rank == 0:
+            print(f"error: {problem}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
     if export_only:
         return export_checkpoint(cfg, checkpoint, tokenizer, device, rank, world)
     if rank == 0:
@@ -398,7 +464,8 @@ def main(argv):
 
     # ----------------------------------------------------- engine (after the process group, before optimizer state)
     engine = rollout.build_engine(
-        cfg.model.path, seed=cfg.train.seed + rank, max_model_len=cfg.data.max_prompt_tokens + max(cfg.rollout.max_tokens, cfg.eval.max_tokens),
+        cfg.model.path, seed=cfg.train.seed + rank,
+        max_model_len=cfg.data.max_prompt_tokens + max(cfg.rollout.max_tokens, cfg.eval.max_tokens),
         dtype=cfg.rollout.dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         kv_cache_gib=cfg.rollout.kv_cache_gib, max_num_seqs=cfg.rollout.max_num_seqs,
         enable_sleep_mode=cfg.rollout.enable_sleep_mode, enforce_eager=cfg.rollout.enforce_eager)
@@ -424,29 +491,31 @@ def main(argv):
     if checkpoint is not None:
         state.update(load_checkpoint(checkpoint, model, optimizer, rank))
         scheduler.load_state_dict(state.pop("scheduler"))
-        gate.load_state_dict(state.pop("gate"))
+        saved_gate = state.pop("gate")  # its state, not its settings: those come from this run's config
+        for key in ("gate_on", "current_entropy") + (("w", "m") if gate.adaptive else ()):
+            setattr(gate, key, saved_gate[key])
         rollout.sync_weights(engine, rollout.full_parameters(model))  # the engine started from model.path
         changed = config_differences((checkpoint / "config.yaml").read_text(), cfg)
         if rank == 0:
             print(f"resumed from {checkpoint} at step {state['step']}"
                   + (f"; config keys changed since: {', '.join(changed)}" if changed else ""), file=sys.stderr)
-    elif cfg.train.resume not in ("auto", "never"):
-        raise FileNotFoundError(f"train.resume={cfg.train.resume!r}: no such checkpoint")
     data_position, nonfinite_in_a_row, probe = state["data_position"], state["nonfinite_in_a_row"], state["probe"]
-    if rank == 0:  # metrics of steps after the checkpoint belong to the interrupted attempt: drop them
-        metrics_path = out_dir / "metrics.jsonl"
-        kept = [line for line in (metrics_path.read_text().splitlines() if metrics_path.exists() else [])
-                if json.loads(line)["step"] <= state["step"]]
-        metrics_path.write_text("".join(line + "\n" for line in kept))
-    log = MetricsLog(out_dir, cfg, rank)
+    if rank == 0:
+        keep_metrics(out_dir / "metrics.jsonl", state["step"] if checkpoint is not None else None)
+    log = MetricsLog(out_dir, cfg, rank, first_step=state["step"] + 1)
 
-    stop_signals = []  # SIGTERM / SIGINT: finish the step, save a checkpoint, exit (a second signal acts at once)
+    # SIGTERM / SIGUSR1 (e.g. SLURM's --signal=USR1@300) / SIGINT: finish the step, save a checkpoint, exit. Under
+    # torchrun, give it --shutdown-timeout longer than a step plus a save: it SIGKILLs its workers 30 s after
+    # forwarding a signal by default. A second Ctrl-C stops at once; a repeated SIGTERM does not (a scheduler may
+    # signal every process and torchrun forward the same signal again).
+    stop_signals = []
 
     def request_stop(signum, frame):
         stop_signals.append(signum)
-        signal.signal(signum, signal.SIG_DFL)
+        if signum == signal.SIGINT:
+            signal.signal(signum, signal.SIG_DFL)
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(signum, request_stop)
 
     @functools.lru_cache(maxsize=2)
@@ -505,7 +574,8 @@ def main(argv):
                                "rewards": [scores[r] for r in rows], "accuracies": [accuracies[r] for r in rows],
                                "finish_reasons": [out.finish_reasons[r] for r in rows],
                                "reflection": [evaluate.reflection_counts(out.texts[r]) for r in rows]})
-            generated_responses.append([reward_metrics[k] * len(out.texts) for k in REWARD_FRACTIONS] + [len(out.texts)])
+            generated_responses.append([reward_metrics[k] * len(out.texts) for k in REWARD_FRACTIONS]
+                                       + [len(out.texts)])
             generated_correct += sum(accuracies)
             gathered = [None] * world
             dist.all_gather_object(gathered, groups)
@@ -532,7 +602,9 @@ def main(argv):
                              "rollout_logprobs": group["rollout_logprobs"][k], "advantage": advantages[k].item(),
                              "reward": group["rewards"][k], "accuracy": group["accuracies"][k],
                              "truncated": group["finish_reasons"][k] == "length",
-                             "reflection": group["reflection"][k]})
+                             "reflection": group["reflection"][k],
+                             "policy_mask": policy_token_mask(len(group["responses"][k]),
+                                                              group.get("tool_masks", [None] * n)[k])})
 
         # ---------------------------------------------------------------- 4. no-grad pass: old log-probs, entropy
         start = time.time()
@@ -555,17 +627,17 @@ def main(argv):
                     if proxy is not None:
                         rows[i]["proxy_logprobs"] = proxy[j, :length].cpu()
         timings["time/old_logprobs"] = time.time() - start
-        token_entropy_sum = sum(float(r["entropy"].sum()) for r in rows)
-        token_count = sum(len(r["response"]) for r in rows)
-        entropy_sum, surprisal_sum, tokens = all_sum(
-            [token_entropy_sum, sum(float(-r["old_logprobs"].sum()) for r in rows), token_count], device)
+        token_entropy_sum = sum(float(r["entropy"][r["policy_mask"]].sum()) for r in rows)
+        token_count = sum(int(r["policy_mask"].sum()) for r in rows)
+        token_surprisal_sum = sum(float(-r["old_logprobs"][r["policy_mask"]].sum()) for r in rows)
+        entropy_sum, surprisal_sum, tokens = all_sum([token_entropy_sum, token_surprisal_sum, token_count], device)
         batch_entropy = entropy_sum / max(tokens, 1)
         gate_accepted = gate.update(batch_entropy)  # once per step, before the update (§1.3)
 
         # ---------------------------------------------------------------- 5. token selection over the whole step
         selection_metrics = {}
         if cfg.algorithm.stare_scope == "step" and method not in ("grpo", "entropy_bonus"):
-            shared_keys = ["old_logprobs", "entropy", "advantage", "response"] + (
+            shared_keys = ["old_logprobs", "entropy", "advantage", "response", "policy_mask"] + (
                 ["proxy_logprobs"] if method == "lp_reg" else [])
             gathered = [None] * world
             dist.all_gather_object(gathered, [{k: r[k] for k in shared_keys} for r in rows])
@@ -575,7 +647,7 @@ def main(argv):
                           "old_logprobs": pad_rows(everyone, "old_logprobs", width),
                           "entropy": pad_rows(everyone, "entropy", width),
                           "advantages": torch.tensor([r["advantage"] for r in everyone]),
-                          "mask": torch.arange(width)[None, :] < torch.tensor([len(r["response"]) for r in everyone])[:, None]}
+                          "mask": pad_rows(everyone, "policy_mask", width, value=False, dtype=torch.bool)}
             if method == "lp_reg":
                 step_batch["proxy_logprobs"] = pad_rows(everyone, "proxy_logprobs", width)
             generator = torch.Generator().manual_seed(cfg.train.seed * 7919 + step)  # the same on every rank
@@ -602,8 +674,7 @@ def main(argv):
                 local_tokens = local_sequences = 0.0
                 for row in mini_rows:
                     row_selection = {k: v[None] for k, v in row.get("selection", {}).items()}
-                    row_mask = baselines.loss_mask(method, torch.ones(1, len(row["response"]), dtype=torch.bool),
-                                                   row_selection, cfg.loss)
+                    row_mask = baselines.loss_mask(method, row["policy_mask"][None], row_selection, cfg.loss)
                     local_tokens += float(row_mask.sum())
                     local_sequences += float(row_mask.any())
                 num_tokens, num_sequences = all_sum([local_tokens, local_sequences], device)
@@ -688,7 +759,8 @@ def main(argv):
         accuracy_sum = sum(r["accuracy"] for r in rows)
         reward_sum = sum(r["reward"] for r in rows)
         lengths = [len(r["response"]) for r in rows]
-        mismatch = [(torch.tensor(r["rollout_logprobs"]) - r["old_logprobs"]).abs() for r in rows if r["response"]]
+        mismatch = [(torch.tensor(r["rollout_logprobs"]) - r["old_logprobs"]).abs()[r["policy_mask"]] for r in rows
+                    if r["policy_mask"].any()]
         mismatch_sum = sum(float(m.sum()) for m in mismatch)
         maxima = torch.tensor([max([float(m.max()) for m in mismatch] or [0.0]), max(lengths, default=0)],
                               dtype=torch.float64, device=device)
@@ -700,7 +772,7 @@ def main(argv):
         width = max(1, max(lengths))
         dynamics = stare.entropy_dynamics(torch.tensor([r["advantage"] for r in rows]),
                                           pad_rows(rows, "sensitivity", width),
-                                          torch.arange(width)[None, :] < torch.tensor(lengths)[:, None],
+                                          pad_rows(rows, "policy_mask", width, value=False, dtype=torch.bool),
                                           num_tokens=tokens)
         dynamics_keys = sorted(dynamics)
         dynamics_sum = all_sum([float(dynamics[k]) for k in dynamics_keys], device)
@@ -714,10 +786,13 @@ def main(argv):
             "rollout/response_length_max": length_max,
             "rollout/logprob_mismatch_mean": totals[5] / max(tokens, 1), "rollout/logprob_mismatch_max": mismatch_max,
             "rollout/acc_before_filter": generated_acc,
-            "rollout/reflection_per_1k_words": 1000 * totals[8] / max(totals[9], 1), "rollout/gen_rounds": rounds, "rollout/varied_group_frac": varied_groups / max(generated_groups, 1),
+            "rollout/reflection_per_1k_words": 1000 * totals[8] / max(totals[9], 1),
+            "rollout/gen_rounds": rounds, "rollout/varied_group_frac": varied_groups / max(generated_groups, 1),
             "train/entropy": batch_entropy, "train/surprisal": surprisal_sum / max(tokens, 1),
-            "train/loss": totals[7] / num_mini / (1 if cfg.algorithm.stare_scope == "step" else world),
-            "train/grad_norm": sum(grad_norms) / num_mini, "train/grad_norm_max": max(grad_norms), "train/lr": learning_rate,
+            "train/loss": totals[7] / num_mini / (1 if step_scope else world),
+            "train/grad_norm": sum(grad_norms) / num_mini,
+            "train/grad_norm_max": float(torch.tensor(grad_norms).max()),  # NaN if any is (Python's max hides it)
+            "train/lr": learning_rate,
             "train/tokens": tokens, "train/micro_batches": micro_batch_count, "train/skipped_updates": skipped_updates,
             "stare/gate_on": float(gate.gate_on), "stare/w": gate.w, "stare/m": gate.m,
             "stare/gate_update_accepted": float(gate_accepted),
@@ -742,7 +817,7 @@ def main(argv):
             path = save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, world)
             if rank == 0:
                 progress.write(f"step {step}: checkpoint {path}")
-        if stop:
+        if stop and step < cfg.train.total_steps:  # at the last step: finish normally (export included)
             if rank == 0:
                 progress.write(f"stopped by a signal after step {step}; `resume: auto` continues from {path}")
             log.close()
@@ -766,8 +841,7 @@ def export_checkpoint(cfg, checkpoint, tokenizer, device, rank, world):
         dist.destroy_process_group()
         return 2
     model = build_model(cfg, device, world)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)  # DCP restores model and optimizer together
-    step = load_checkpoint(checkpoint, model, optimizer, rank)["step"]
+    step = load_checkpoint(checkpoint, model, None, rank)["step"]  # the weights only
     path = Path(cfg.train.out_dir) / f"hf_step_{step}"
     export_hf(model, cfg, tokenizer, path, rank)
     if rank == 0:

@@ -18,15 +18,20 @@ import baselines
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_train(tiny_dir, out_dir, *overrides, nproc=1, port=29631):
+def train_command(tiny_dir, out_dir, *overrides, nproc=1):
+    """train.py on the tiny default (torchrun --standalone picks a free port) -> (argv, env)."""
     base = [f"model.path={tiny_dir / 'model'}", f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
             "eval.files=[]", f"train.out_dir={out_dir}", "train.total_steps=2",
             "algorithm.target_entropy=1.0"]  # above the tiny model's entropy: the gate is on, STARE reweights
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                                      str(nproc), "--master_port", str(port)]
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                      "--nproc_per_node", str(nproc)]
     env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
-    return subprocess.run(launcher + ["train.py", "--config", "configs/tiny.yaml", *base, *overrides], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=900)
+    return launcher + ["train.py", "--config", "configs/tiny.yaml", *base, *overrides], env
+
+
+def run_train(tiny_dir, out_dir, *overrides, nproc=1):
+    command, env = train_command(tiny_dir, out_dir, *overrides, nproc=nproc)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
 def read_metrics(out_dir):
@@ -36,7 +41,7 @@ def read_metrics(out_dir):
 def check_finished(completed, out_dir, steps=2):
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
     metrics = read_metrics(out_dir)
-    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert [m["step"] for m in metrics if m["step"] > 0] == list(range(1, steps + 1))  # step 0: eval before training
     for record in metrics:
         bad = {k: v for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, bad
@@ -98,7 +103,7 @@ def test_config_errors_exit_before_writing(tmp_path):
 def test_micro_scope_and_two_mini_batches_on_two_ranks(tiny_dir, tmp_path):
     # the reference's per-micro-batch selection, two optimizer steps per training step, a small token budget
     completed = run_train(tiny_dir, tmp_path / "run", "algorithm.stare_scope=micro", "train.mini_batch_size=8",
-                          "train.micro_token_budget=600", "rollout.sync_check_every=1", nproc=2, port=29637)
+                          "train.micro_token_budget=600", "rollout.sync_check_every=1", nproc=2)
     metrics = check_finished(completed, tmp_path / "run")
     for record in metrics:
         assert record["rollout/sync_probe_error"] < 1e-4  # both optimizer steps reached the engine
@@ -124,26 +129,67 @@ def wait_until(process, condition, timeout=600):
         time.sleep(0.05)
 
 
+def descendants(pid):
+    """Every process below pid (torchrun starts its workers in sessions of their own: killing its group misses them)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, queue = [], [pid]
+    while queue:
+        below = children.get(queue.pop(), [])
+        found += below
+        queue += below
+    return found
+
+
+def dead(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def kill_tree(process):
+    """SIGKILL a launcher and everything it started, as a machine failure would; returns once all are dead."""
+    victims = [process.pid] + descendants(process.pid)
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+    deadline = time.time() + 60
+    while not all(dead(pid) for pid in victims):
+        assert time.time() < deadline, "processes survived SIGKILL"
+        time.sleep(0.05)
+
+
 def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
-    steps = ["train.total_steps=4", "train.save_every=2", "train.keep_last=1"]
-    full = check_finished(run_train(tiny_dir, tmp_path / "full", *steps, nproc=2, port=29641), tmp_path / "full", 4)
+    # everything a step reads from the past: a warm-up + cosine schedule, an adaptive gate, the sync probe, evaluations
+    steps = ["train.total_steps=4", "train.save_every=2", "train.keep_last=1", "optim.warmup_steps=3",
+             "optim.schedule=cosine", "algorithm.gate_adaptive=true", "algorithm.gate_alpha=0.1",
+             "rollout.sync_check_every=2", f"eval.files=[{tiny_dir / 'data' / 'sum_test.jsonl'}]", "eval.n=2",
+             "eval.every=2"]
+    full = check_finished(run_train(tiny_dir, tmp_path / "full", *steps, nproc=2), tmp_path / "full", 4)
 
     # the same run, killed (SIGKILL, every process) once step 2's checkpoint is written and step 3 is logged
     out = tmp_path / "killed"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29643"]
-    args = ["train.py", "--config", "configs/tiny.yaml", f"model.path={tiny_dir / 'model'}",
-            f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]", f"train.out_dir={out}",
-            "algorithm.target_entropy=1.0", *steps]
-    process = subprocess.Popen(launcher + args, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    wait_until(process, lambda: (out / "checkpoints" / "step_00000002").exists() and logged_steps(out) >= 3)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    command, env = train_command(tiny_dir, out, *steps, nproc=2)
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until(process, lambda: (out / "checkpoints" / "step_00000002").exists() and logged_steps(out) >= 4)
+    kill_tree(process)
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]
-    assert len(read_metrics(out)) == 3  # step 3 was logged but not saved: the resumed run must drop it
+    assert [m["step"] for m in read_metrics(out)] == [0, 1, 2, 3]  # step 3 was logged, not saved: to be dropped
 
-    resumed = check_finished(run_train(tiny_dir, out, *steps, nproc=2, port=29645), out, 4)
-    assert comparable(resumed) == comparable(full)  # every metric of every step, bitwise
+    completed = run_train(tiny_dir, out, *steps, nproc=2)
+    assert "resumed from" in completed.stderr and "step_00000002 at step 2" in completed.stderr
+    resumed = check_finished(completed, out, 4)
+    assert comparable(resumed) == comparable(full)  # every metric of every step, bitwise (eval and step 0 included)
+    assert len({m["stare/w"] for m in full[1:]}) > 1 and len({m["train/lr"] for m in full[1:]}) > 1  # state moved
     want = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "hf", dtype=torch.float32).state_dict()
     got = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).state_dict()
     assert all(torch.equal(got[name], want[name]) for name in want)
@@ -204,7 +250,9 @@ def test_metrics_log_writes_jsonl_and_mirrors_to_wandb(tmp_path, monkeypatch):
         def finish(self):
             calls.append(("finish",))
 
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or Run()))
+    stub = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or Run(),
+                                 util=types.SimpleNamespace(generate_id=lambda: "abc123"))
+    monkeypatch.setitem(sys.modules, "wandb", stub)
     cfg = config.load("configs/tiny.yaml")
     cfg.train = dataclasses.replace(cfg.train, wandb=True, log_every=100)
     log = train.MetricsLog(tmp_path, cfg, rank=0)
@@ -212,6 +260,7 @@ def test_metrics_log_writes_jsonl_and_mirrors_to_wandb(tmp_path, monkeypatch):
     log.close()
     assert read_metrics(tmp_path) == [{"step": 3, "rollout/acc": 0.123457, "train/tokens": 7}]
     assert calls[0][0] == "init" and calls[0][1]["config"]["loss"]["stare_w"] == cfg.loss.stare_w
+    assert calls[0][1]["id"] == (tmp_path / "wandb_run_id").read_text() == "abc123"  # a resumed run continues it
     assert calls[1:] == [("log", 3, {"rollout/acc": 0.123456789, "train/tokens": 7}), ("finish",)]
     assert train.MetricsLog(tmp_path, cfg, rank=1).file is None  # only rank 0 writes
 
@@ -303,3 +352,14 @@ def test_micro_batches_cover_every_row_once_within_the_budget(budget):
     for batch in batches:
         width = max(len(rows[i]["prompt"]) for i in batch) + max(max(1, len(rows[i]["response"])) for i in batch)
         assert len(batch) == 1 or len(batch) * width <= budget  # a row longer than the budget goes alone
+
+
+def test_a_run_refuses_to_mix_with_another_trajectory(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_00000005").mkdir(parents=True)
+    torch.save({"step": 5}, out / "checkpoints" / "step_00000005" / "trainer.pt")
+    completed = run_train(tiny_dir, out, "train.resume=never")  # would start at 0 beside another run's step 5
+    assert completed.returncode == 2 and "checkpoints after step 0" in completed.stderr
+    completed = run_train(tiny_dir, out, f"train.resume={tmp_path / 'nowhere'}")
+    assert completed.returncode == 2 and "is not a complete checkpoint" in completed.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]  # nothing written
