@@ -50,8 +50,12 @@ def check_finished(completed, out_dir, steps=2):
 
 @pytest.mark.parametrize("method", baselines.METHODS)
 def test_every_method_trains_end_to_end(method, tiny_dir, tmp_path):
-    completed = run_train(tiny_dir, tmp_path / "run", f"algorithm.method={method}", "rollout.sync_check_every=1")
+    completed = run_train(tiny_dir, tmp_path / "run", f"algorithm.method={method}", "rollout.sync_check_every=1",
+                          nproc=2)
     metrics = check_finished(completed, tmp_path / "run")
+    assert [p.name for p in train_checkpoints(tmp_path / "run")] == ["step_00000002"]  # the end-of-run checkpoint
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32)
+    assert torch.isfinite(exported(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
     for record in metrics:
         assert record["rollout/sync_probe_error"] < 1e-4  # the engine holds the weights just trained
         assert record["rollout/logprob_mismatch_max"] < 1e-3  # float32 sampler vs trainer
