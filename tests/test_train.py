@@ -194,6 +194,8 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
     resumed = check_finished(completed, out, 4)
     assert comparable(resumed) == comparable(full)  # every metric of every step, bitwise (eval and step 0 included)
     assert len({m["stare/w"] for m in full[1:]}) > 1 and len({m["train/lr"] for m in full[1:]}) > 1  # state moved
+    evaluated = [m["step"] for m in full if "eval/sum_test/avg@n" in m]
+    assert evaluated == [0, 2, 4] and all(0 <= m["eval/overall/pass@2"] <= 1 for m in full if m["step"] in evaluated)
     want = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "hf", dtype=torch.float32).state_dict()
     got = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).state_dict()
     assert all(torch.equal(got[name], want[name]) for name in want)
