@@ -1,6 +1,7 @@
 """tiny.py: the offline tiny default: a tokenizer, a tiny Qwen2 model and two verifiable tasks, made from nothing.
 
     python tiny.py --out runs/tiny          # ~90 s on 2 CPU cores; reuses the directory when it is complete
+    python tiny.py --out runs/tiny --tool   # + the tool-use variant (~40 s more; the default first if missing)
 
 Nothing here downloads anything. It writes:
 
@@ -13,6 +14,17 @@ Nothing here downloads anything. It writes:
     runs/tiny/data/add_{train,test}.jsonl    "What is a+b?" for a, b in 1..15. One correct answer, checked
                                              by math-verify ("tiny_add").
     runs/tiny/tiny.json       what was built: sizes, warm-up loss, sampled success rate at temperature 1
+
+and, with --tool (build_tiny_tool), the tool-use variant next to it, leaving the files above as they are:
+
+    runs/tiny/data/mul_{train,test}.jsonl    "What is a*b?" for a 3-digit a and a 2-digit b (512 / 64 prompts),
+                                             checked by math-verify ("tiny_mul"): too long to do in one's head
+    runs/tiny/tool_model/     the tiny model after 300 more warm-up steps on code-interpreter conversations in the
+                              rollout's own format (rollout.QWEN_TOOL_TURN): 20% answer at once, 60% call
+                              print(a*b) and copy the output into \\boxed{}, 20% check with print(b*a) before answering
+    runs/tiny/tool.json       what was built, with the first turns' call rates at temperature 1 (~70% make a valid
+                              call; the copied digits are mostly wrong: copying a*b into the code is what RL can
+                              then teach, the answer being the program's output)
 
 Why the "sum" task: with a unique answer, entropy must fall as accuracy rises, so no method can show an exploration
 effect. With many correct answers, plain GRPO tends to collapse onto a few of them, while an entropy-stabilising
@@ -133,19 +145,29 @@ def load_split(data_dir, name, tokenizer):
     """A split as the trainer sees it: (rows as dicts, prompt token ids)."""
     examples = data.load_examples(Path(data_dir) / f"{name}.jsonl", prompt_suffix=None)
     prompt_ids, _, _ = data.tokenize_prompts(examples, tokenizer, max_prompt_tokens=512, overflow="error")
-    rows = [{"answer": e.ground_truth, "data_source": e.data_source} for e in examples]
+    rows = [{"answer": e.ground_truth, "data_source": e.data_source, "problem": e.messages[-1]["content"]}
+            for e in examples]
     return rows, prompt_ids
 
 
-def warmup(model, tokenizer, rows, prompt_ids, steps, batch_size=32, lr=3e-3, seed=0):
+def answer_sequence(tokenizer, prompt_ids, response):
+    """(ids, labels) of prompt + response + EOS, the loss on the response and EOS only."""
+    response_ids = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return prompt_ids + response_ids, [-100] * len(prompt_ids) + response_ids
+
+
+def warmup(model, tokenizer, rows, prompt_ids, steps, batch_size=32, lr=3e-3, seed=0, sequence=None):
     """Teacher-force random correct responses after each prompt (loss on response tokens only). Returns the mean
-    loss of the last 50 steps."""
+    loss of the last 50 steps. sequence(i, rng) -> (ids, labels) makes one training sequence for row i; the default
+    is prompt + a random correct answer (warmup_response) + EOS."""
+    if sequence is None:
+        sequence = lambda i, rng: answer_sequence(tokenizer, prompt_ids[i], warmup_response(rows[i], rng))  # noqa: E731
     rng = random.Random(seed)
     by_task = {}
     for i, row in enumerate(rows):
         by_task.setdefault(row["data_source"], []).append(i)
     tasks = sorted(by_task)
-    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    pad_id = tokenizer.pad_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * (1 - s / steps))
     model.train()
@@ -154,9 +176,9 @@ def warmup(model, tokenizer, rows, prompt_ids, steps, batch_size=32, lr=3e-3, se
         batch = [rng.choice(by_task[rng.choice(tasks)]) for _ in range(batch_size)]  # the tasks in equal shares
         sequences, labels = [], []
         for i in batch:
-            response = tokenizer.encode(warmup_response(rows[i], rng), add_special_tokens=False) + [eos_id]
-            sequences.append(prompt_ids[i] + response)
-            labels.append([-100] * len(prompt_ids[i]) + response)
+            ids, label_ids = sequence(i, rng)
+            sequences.append(ids)
+            labels.append(label_ids)
         width = max(map(len, sequences))
         input_ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in sequences])
         label_ids = torch.tensor([s + [-100] * (width - len(s)) for s in labels])
@@ -189,6 +211,85 @@ def sampled_success_rate(model, tokenizer, rows, prompt_ids, temperature=1.0, ma
                                                [r["data_source"] for r in rows], [0] * len(rows),
                                                rewards.RewardConfig())
     return sum(accuracies) / len(accuracies), responses
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The tool-use variant: multiplication, which the tiny model cannot do in its head but can hand to the interpreter
+# ----------------------------------------------------------------------------------------------------------------------
+
+MUL_SOURCE = "tiny_mul"
+TOOL_SHAPES = {"direct": 0.2, "one_call": 0.6, "two_calls": 0.2}  # the warm-up's mix of conversation shapes
+
+
+def mul_task_rows(pairs):
+    return [{"problem": f"What is {a}*{b}?", "answer": str(a * b), "data_source": MUL_SOURCE} for a, b in pairs]
+
+
+def make_tool_splits(seed=0, num_train=512, num_test=64):
+    """Deterministic, disjoint train/test splits of "What is a*b?" with a 3-digit a and a 2-digit b."""
+    rng = random.Random(seed)
+    pairs = rng.sample([(a, b) for a in range(100, 1000) for b in range(10, 100)], num_train + num_test)
+    return {"mul_train": mul_task_rows(pairs[num_test:]), "mul_test": mul_task_rows(sorted(pairs[:num_test]))}
+
+
+def tool_call_text(code):
+    """A call as Qwen's chat template writes one (its own lines around the JSON)."""
+    import rollout
+
+    call = json.dumps({"name": rollout.CODE_INTERPRETER, "arguments": {"code": code}})
+    return f"{rollout.TOOL_CALL_OPEN}\n{call}\n{rollout.TOOL_CALL_CLOSE}"
+
+
+def tool_warmup_turns(problem, answer, rng):
+    """A warm-up conversation for "What is a*b?" as [(text, is_tool_output)]: a guess at the product (direct), or a
+    call printing a*b, its output and the answer copied from it (one_call), or a second call checking b*a first
+    (two_calls). The mix (TOOL_SHAPES) makes a sampled response stop after 1, 2 or 3 model turns."""
+    a, b = problem.removeprefix("What is ").removesuffix("?").split("*")
+    shape = rng.choices(list(TOOL_SHAPES), weights=list(TOOL_SHAPES.values()))[0]
+    codes = {"direct": [], "one_call": [f"print({a}*{b})"], "two_calls": [f"print({a}*{b})", f"print({b}*{a})"]}
+    turns = []
+    for code in codes[shape]:
+        turns += [(tool_call_text(code), False), (answer, True)]  # the program prints the product
+    return turns + [(f"\\boxed{{{answer}}}", False)]
+
+
+def tool_warmup_sequence(tokenizer, prompt_ids, turns, wrapper):
+    """(ids, labels) of one warm-up conversation, built with the rollout's own tool-turn ids; tool outputs get
+    label -100 (not trained: the model does not write them)."""
+    import rollout
+
+    ids, labels = list(prompt_ids), [-100] * len(prompt_ids)
+    for text, is_tool in turns:
+        if is_tool:
+            turn = rollout.tool_turn_ids(tokenizer, text, wrapper, max_content_tokens=512)
+            ids, labels = ids + turn, labels + [-100] * len(turn)
+        else:
+            turn = tokenizer.encode(text, add_special_tokens=False)
+            ids, labels = ids + turn, labels + turn
+    return ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
+
+
+@torch.no_grad()
+def first_turn_calls(model, tokenizer, rows, prompt_ids, temperature=1.0, max_new_tokens=96, seed=0):
+    """Sample each prompt's first model turn (HF generate) and sort it: -> fractions of turns that make a call, that
+    make a valid call, and whose code is exactly print(a*b) for the prompt's a*b; and the sampled turns."""
+    import rollout
+
+    torch.manual_seed(seed)
+    width = max(map(len, prompt_ids))
+    pad_id = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids])  # left padding for generate
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    output = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=temperature,
+                            top_k=0, top_p=1.0, max_new_tokens=max_new_tokens)
+    turns = [text.split(rollout.TOOL_CALL_CLOSE)[0] + rollout.TOOL_CALL_CLOSE if rollout.TOOL_CALL_CLOSE in text
+             else text for text in tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)]
+    calls = [rollout.parse_tool_call(t)[0] if t.endswith(rollout.TOOL_CALL_CLOSE) else None for t in turns]
+    expected = [f"print({row['problem'].removeprefix('What is ').removesuffix('?')})" for row in rows]
+    count = len(turns)
+    return {"call_rate": sum(t.endswith(rollout.TOOL_CALL_CLOSE) for t in turns) / count,
+            "valid_call_rate": sum(c is not None for c in calls) / count,
+            "exact_code_rate": sum(c == e for c, e in zip(calls, expected)) / count}, turns
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -235,14 +336,58 @@ def build_tiny(out_dir, seed=0, warmup_steps=800, force=False):
     return summary
 
 
+def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False):
+    """Create (or reuse) the tool-use variant next to the tiny default (built first if needed): data/mul_{train,
+    test}.jsonl and tool_model/, the tiny model after a warm-up on tool conversations. Returns the summary dict
+    written to tool.json. The tiny default's own files are left as they are."""
+    import shutil
+
+    out_dir = Path(out_dir)
+    summary_path = out_dir / "tool.json"
+    if summary_path.exists() and not force:  # written last, so its presence means the variant is complete
+        return json.loads(summary_path.read_text())
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import rollout
+
+    build_tiny(out_dir, seed=seed)
+    start = time.time()
+    tokenizer = AutoTokenizer.from_pretrained(out_dir / "model")
+    model = AutoModelForCausalLM.from_pretrained(out_dir / "model", dtype=torch.float32)
+    for name, rows in make_tool_splits(seed=seed).items():
+        data.save_jsonl(rows, out_dir / "data" / f"{name}.jsonl")
+    rows, prompt_ids = load_split(out_dir / "data", "mul_train", tokenizer)
+    wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in rollout.QWEN_TOOL_TURN]
+
+    def sequence(i, rng):
+        turns = tool_warmup_turns(rows[i]["problem"], rows[i]["answer"], rng)
+        return tool_warmup_sequence(tokenizer, prompt_ids[i], turns, wrapper)
+
+    final_loss = warmup(model, tokenizer, rows, prompt_ids, warmup_steps, batch_size=8, seed=seed,
+                        sequence=sequence)
+    test_rows, test_prompts = load_split(out_dir / "data", "mul_test", tokenizer)
+    rates, turns = first_turn_calls(model, tokenizer, test_rows, test_prompts, seed=seed)
+    shutil.copytree(out_dir / "model", out_dir / "tool_model", dirs_exist_ok=True)  # tokenizer files and config
+    model.save_pretrained(out_dir / "tool_model")
+    summary = {"model_dir": str(out_dir / "tool_model"), "data_dir": str(out_dir / "data"),
+               "warmup_steps": warmup_steps, "warmup_final_loss": round(final_loss, 4), "shapes": TOOL_SHAPES,
+               **{f"first_turn_{k}_t1": round(v, 3) for k, v in rates.items()}, "first_turn_samples": turns[:4],
+               "seconds": round(time.time() - start, 1), "seed": seed}
+    summary_path.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/tiny", help="directory to create (reused if complete)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-steps", type=int, default=800)
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
+    parser.add_argument("--tool", action="store_true", help="also build the tool-use variant (tool_model/, mul_*)")
     args = parser.parse_args()
     print(json.dumps(build_tiny(args.out, args.seed, args.warmup_steps, args.force), indent=2))
+    if args.tool:
+        print(json.dumps(build_tiny_tool(args.out, args.seed, force=args.force), indent=2))
 
 
 if __name__ == "__main__":
