@@ -19,8 +19,12 @@ def engine(tiny_dir):
     # float32 so the engine and a transformers forward agree to ~1e-6; eager: no compile step at start-up;
     # 32-token blocks (the CPU minimum) so the ~49-token prompts fill a block that the prefix cache reuses (the CPU
     # default block is 128 tokens, longer than every prompt here)
-    return rollout.build_engine(tiny_dir / "model", seed=0, max_model_len=128, dtype="float32", kv_cache_gib=0.25,
-                                max_num_seqs=64, enforce_eager=True, block_size=32)
+    engine = rollout.build_engine(tiny_dir / "model", seed=0, max_model_len=128, dtype="float32", kv_cache_gib=0.25,
+                                  max_num_seqs=64, enforce_eager=True, block_size=32)
+    yield engine
+    # the engine's process group outlives it otherwise, and the next module's engine would take this process for a
+    # torchrun rank (rollout.build_engine)
+    rollout.shutdown_engine(engine)
 
 
 @pytest.fixture(scope="module")
