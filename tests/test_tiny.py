@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data
 import rewards
+import rollout
 import tiny
 
 
@@ -70,3 +71,29 @@ def test_splits_are_disjoint_and_verifiable(tiny_dir):
                                                    [r["data_source"] for r in rows], [0] * len(rows),
                                                    rewards.RewardConfig())
         assert not any(accuracies)
+
+
+def test_tool_variant(tiny_dir):
+    summary = tiny.build_tiny_tool(tiny_dir)
+    assert summary["first_turn_valid_call_rate_t1"] >= 0.3  # ~0.7: the warm-up taught the call format
+    assert tiny.build_tiny_tool(tiny_dir) == summary  # reused
+    train, test = (data.load_examples(tiny_dir / "data" / f"mul_{split}.jsonl", prompt_suffix=None)
+                   for split in ("train", "test"))
+    assert not {e.messages[0]["content"] for e in train} & {e.messages[0]["content"] for e in test}
+    for e in train[:20]:
+        a, b = e.messages[0]["content"].removeprefix("What is ").removesuffix("?").split("*")
+        assert e.ground_truth == str(int(a) * int(b)) and e.data_source == "tiny_mul"
+    # a warm-up conversation: trained on the model's turns only; its tool turns are the rollout's own ids
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tool_model")
+    wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in rollout.QWEN_TOOL_TURN]
+    turns = [(tiny.tool_call_text("print(347*29)"), False), ("10063", True), ("\\boxed{10063}", False)]
+    prompt = data.chat_template_ids(tokenizer, [{"role": "user", "content": "What is 347*29?"}])
+    ids, labels = tiny.tool_warmup_sequence(tokenizer, prompt, turns, wrapper)
+    call = tokenizer.encode(turns[0][0], add_special_tokens=False)
+    tool = rollout.tool_turn_ids(tokenizer, "10063\n", wrapper, 512)
+    answer = tokenizer.encode("\\boxed{10063}", add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert ids == prompt + call + tool + answer
+    assert labels == [-100] * len(prompt) + call + [-100] * len(tool) + answer
+    assert rollout.parse_tool_call(turns[0][0]) == ("print(347*29)", None)
+    _, accuracies, _ = rewards.compute_rewards([turns[-1][0]], ["10063"], ["tiny_mul"], [0], rewards.RewardConfig())
+    assert accuracies == [1.0]
