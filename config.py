@@ -9,8 +9,8 @@ names the key: an unknown key (with the nearest valid one suggested), a value of
 its range, or an impossible combination. Overrides are `section.key=value`; the value is read as YAML (`3`, `0.5`,
 `true`, `null`, `[a, b]`, or a bare string).
 
-Sections `loss` and `reward` are baselines.LossConfig and rewards.RewardConfig themselves: each knob is defined
-once, next to the code that uses it.
+Sections `loss`, `reward` and `sandbox` are baselines.LossConfig, rewards.RewardConfig and sandbox.SandboxConfig
+themselves: each knob is defined once, next to the code that uses it.
 """
 
 import dataclasses
@@ -24,6 +24,7 @@ import yaml
 import baselines
 import data
 import rewards
+from sandbox import SandboxConfig  # a plain `import sandbox` would be shadowed by the field of that name
 
 
 class ConfigError(ValueError):
@@ -63,6 +64,9 @@ class RolloutConfig:
     enable_sleep_mode: bool = False  # GPU: release the KV cache and weights while training
     enforce_eager: bool = False  # no CUDA graphs / compilation (faster start-up, slower sampling)
     sync_check_every: int = 10  # steps between checks of the weight-sync probe; 0 = never
+    tools: bool = False  # multi-turn code-interpreter rollouts (rollout.generate_with_tools; sandbox section)
+    max_turns: int = 4  # tools: model turns per response; max_tokens bounds model + tool tokens together
+    max_tool_response_tokens: int = 512  # tools: tokens of one tool output shown to the model (head and tail)
 
 
 @dataclasses.dataclass
@@ -136,6 +140,7 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)  # used with rollout.tools
 
 
 CHOICES = {  # fields with a fixed set of values
@@ -254,7 +259,7 @@ def check(cfg, world_size=None):
     positive = ["rollout.n", "rollout.max_tokens", "data.max_prompt_tokens", "train.train_batch_size",
                 "train.mini_batch_size", "train.micro_token_budget", "train.total_steps", "algorithm.gen_batch_size",
                 "rollout.temperature", "rollout.tensor_parallel_size", "train.keep_last", "rollout.max_num_seqs", "optim.lr",
-                "eval.temperature", "eval.max_tokens"]
+                "eval.temperature", "eval.max_tokens", "rollout.max_turns", "rollout.max_tool_response_tokens"]
     non_negative = ["optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
                     "train.save_every", "train.log_every", "eval.every", "rollout.sync_check_every",
                     "algorithm.max_num_gen_batches", "algorithm.gate_alpha", "optim.max_nonfinite_steps"]

@@ -268,7 +268,7 @@ def save_jsonl(rows, path) -> int:
 # ======================================================================================================================
 
 
-def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str = "left_truncate"):
+def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str = "left_truncate", tools=None):
     """Chat-template each example's messages (with the generation prompt) into token ids and enforce the length cap.
 
     Returns (prompt_ids, kept_examples, stats): prompt_ids[i] belongs to kept_examples[i], in input order.
@@ -283,7 +283,7 @@ def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str 
     prompt_ids, kept, num_prompts, num_truncated, num_skipped = [], [], 0, 0, 0
     for example in examples:
         num_prompts += 1
-        ids = chat_template_ids(tokenizer, example.messages)
+        ids = chat_template_ids(tokenizer, example.messages, tools)
         if len(ids) > max_prompt_tokens:
             if overflow == "error":
                 raise ValueError(
@@ -307,13 +307,14 @@ def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str 
     return prompt_ids, kept, stats
 
 
-def chat_template_ids(tokenizer, messages) -> list[int]:
+def chat_template_ids(tokenizer, messages, tools=None) -> list[int]:
     """Token ids of `messages` under the tokenizer's chat template, ending with the assistant generation prompt.
 
     transformers 5.x returns a BatchEncoding ({"input_ids", "attention_mask"}) from apply_chat_template(...,
     tokenize=True), where 4.x returned a plain list; accept either, and tensors/arrays too.
     """
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # tools: JSON schemas the template lists for the model (Qwen's "# Tools" block), e.g. rollout.CODE_INTERPRETER_TOOL
+    encoded = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
     if hasattr(ids, "tolist"):
         ids = ids.tolist()  # torch tensor or numpy array

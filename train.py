@@ -457,15 +457,16 @@ def main(argv):
         print(config.to_yaml(cfg))
     examples = [e for path in cfg.data.train_files
                 for e in data.load_examples(path, prompt_suffix=cfg.data.prompt_suffix)]
+    tools = [rollout.CODE_INTERPRETER_TOOL] if cfg.rollout.tools else None  # listed in the prompt's system block
     prompt_ids, examples, prompt_stats = data.tokenize_prompts(examples, tokenizer, cfg.data.max_prompt_tokens,
-                                                               cfg.data.overflow)
+                                                               cfg.data.overflow, tools=tools)
     benchmarks = (evaluate.load_benchmarks(cfg.eval.files, prompt_suffix=cfg.data.prompt_suffix)
                   if cfg.eval.files and cfg.eval.every else {})
 
     # ----------------------------------------------------- engine (after the process group, before optimizer state)
     engine = rollout.build_engine(
         cfg.model.path, seed=cfg.train.seed + rank,
-        max_model_len=cfg.data.max_prompt_tokens + max(cfg.rollout.max_tokens, cfg.eval.max_tokens),
+        max_model_len=cfg.data.max_prompt_tokens + max(cfg.rollout.max_tokens, cfg.eval.max_tokens if benchmarks else 0),
         dtype=cfg.rollout.dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         kv_cache_gib=cfg.rollout.kv_cache_gib, max_num_seqs=cfg.rollout.max_num_seqs,
         enable_sleep_mode=cfg.rollout.enable_sleep_mode, enforce_eager=cfg.rollout.enforce_eager)
@@ -544,6 +545,7 @@ def main(argv):
         # ---------------------------------------------------------------- 1-3. prompts, rollout, rewards, filtering
         kept_groups, rounds, generated_groups, varied_groups, generated_responses = [], 0, 0, 0, []
         generated_correct = 0.0  # accuracy before dynamic sampling's filter (kept groups are never all-correct)
+        tool_sums = []  # per round: calls, errors, timeouts, invalid calls, tool tokens, tokens, max_turns, responses
         while len(kept_groups) < cfg.train.train_batch_size:
             if cfg.algorithm.max_num_gen_batches and rounds >= cfg.algorithm.max_num_gen_batches:
                 raise RuntimeError(
@@ -556,9 +558,18 @@ def main(argv):
             local_prompts = [prompt_order(g // len(prompt_ids))[g % len(prompt_ids)] for g in global_indices]
             start = time.time()
             seeds = [(cfg.train.seed * 1_000_003 + g) % 2**48 for g in global_indices]  # the global index decides
-            out = rollout.generate(engine, [prompt_ids[p] for p in local_prompts], n=n, temperature=temperature,
-                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                                   max_tokens=cfg.rollout.max_tokens, seeds=seeds)
+            sampling = dict(n=n, temperature=temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                            max_tokens=cfg.rollout.max_tokens, seeds=seeds)
+            if cfg.rollout.tools:  # multi-turn: the code interpreter's output comes back as tool turns
+                out = rollout.generate_with_tools(engine, tokenizer, [prompt_ids[p] for p in local_prompts],
+                                                  max_turns=cfg.rollout.max_turns, sandbox_config=cfg.sandbox,
+                                                  max_tool_response_tokens=cfg.rollout.max_tool_response_tokens,
+                                                  **sampling)
+                tool_sums.append([sum(out.num_calls), sum(out.num_errors), sum(out.num_timeouts),
+                                  sum(out.num_invalid), sum(map(sum, out.tool_mask)), sum(out.lengths),
+                                  out.finish_reasons.count("max_turns"), len(out.texts)])
+            else:
+                out = rollout.generate(engine, [prompt_ids[p] for p in local_prompts], **sampling)
             timings["time/rollout"] = timings.get("time/rollout", 0.0) + time.time() - start
             start = time.time()
             truths = [examples[local_prompts[i]].ground_truth for i in out.prompt_index]
@@ -573,7 +584,8 @@ def main(argv):
                                "rollout_logprobs": [out.logprobs[r] for r in rows],
                                "rewards": [scores[r] for r in rows], "accuracies": [accuracies[r] for r in rows],
                                "finish_reasons": [out.finish_reasons[r] for r in rows],
-                               "reflection": [evaluate.reflection_counts(out.texts[r]) for r in rows]})
+                               "reflection": [evaluate.reflection_counts(out.texts[r]) for r in rows],
+                               "tool_masks": [out.tool_mask[r] for r in rows] if cfg.rollout.tools else [None] * n})
             generated_responses.append([reward_metrics[k] * len(out.texts) for k in REWARD_FRACTIONS]
                                        + [len(out.texts)])
             generated_correct += sum(accuracies)
@@ -603,8 +615,7 @@ def main(argv):
                              "reward": group["rewards"][k], "accuracy": group["accuracies"][k],
                              "truncated": group["finish_reasons"][k] == "length",
                              "reflection": group["reflection"][k],
-                             "policy_mask": policy_token_mask(len(group["responses"][k]),
-                                                              group.get("tool_masks", [None] * n)[k])})
+                             "policy_mask": policy_token_mask(len(group["responses"][k]), group["tool_masks"][k])})
 
         # ---------------------------------------------------------------- 4. no-grad pass: old log-probs, entropy
         start = time.time()
@@ -805,6 +816,15 @@ def main(argv):
         })
         if sync_error is not None:
             metrics["rollout/sync_probe_error"] = sync_error
+        if cfg.rollout.tools:  # over every response sampled in the step, all ranks
+            calls, errors, timeouts, invalid, tool_tokens, all_tokens, max_turns, responses = all_sum(
+                [sum(column) for column in zip(*tool_sums)], device)
+            metrics.update({"rollout/tool_calls_mean": calls / max(responses, 1),
+                            "rollout/tool_error_frac": errors / max(calls, 1),
+                            "rollout/tool_timeout_frac": timeouts / max(calls, 1),
+                            "rollout/tool_invalid_frac": invalid / max(calls, 1),
+                            "rollout/tool_token_frac": tool_tokens / max(all_tokens, 1),
+                            "rollout/max_turns_frac": max_turns / max(responses, 1)})
         if benchmarks and (step % cfg.eval.every == 0 or step == cfg.train.total_steps):
             metrics.update(evaluation())
         log.write(step, metrics, progress)

@@ -369,3 +369,25 @@ def test_a_run_refuses_to_mix_with_another_trajectory(tiny_dir, tmp_path):
     completed = run_train(tiny_dir, out, f"train.resume={tmp_path / 'nowhere'}")
     assert completed.returncode == 2 and "is not a complete checkpoint" in completed.stderr
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]  # nothing written
+
+
+def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tiny_dir, tmp_path):
+    import tiny
+
+    tiny.build_tiny_tool(tiny_dir)  # reused when complete
+    out = tmp_path / "run"
+    # the tiny tool model is never right; DAPO's overlong shaping makes rewards (and so advantages) differ anyway
+    command = [sys.executable, "train.py", "--config", "configs/tiny_tool.yaml", f"model.path={tiny_dir / 'tool_model'}",
+               f"data.train_files=[{tiny_dir / 'data' / 'mul_train.jsonl'}]", f"train.out_dir={out}",
+               "train.total_steps=2", "reward.overlong_buffer_len=300", "reward.max_response_len=400",
+               "rollout.sync_check_every=1", "optim.lr=1e-5"]
+    completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    metrics = check_finished(completed, out)
+    assert metrics[0]["rollout/tool_calls_mean"] > 0.3 and 0.1 < metrics[0]["rollout/tool_token_frac"] < 0.9
+    for record in metrics:
+        # the loss and every statistic count only the tokens the policy sampled
+        responses = 8 * 4  # train_batch_size x n (no dynamic sampling)
+        policy_tokens = record["rollout/response_length_mean"] * responses * (1 - record["rollout/tool_token_frac"])
+        assert record["train/tokens"] == pytest.approx(policy_tokens, abs=0.5)
+        assert record["rollout/logprob_mismatch_max"] < 1e-3  # tool tokens' rollout log-prob is a 0.0 placeholder
+        assert record["rollout/sync_probe_error"] < 1e-4 and record["train/grad_norm"] > 0
