@@ -391,3 +391,35 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tiny_dir, tmp_path):
         assert record["train/tokens"] == pytest.approx(policy_tokens, abs=0.5)
         assert record["rollout/logprob_mismatch_max"] < 1e-3  # tool tokens' rollout log-prob is a 0.0 placeholder
         assert record["rollout/sync_probe_error"] < 1e-4 and record["train/grad_norm"] > 0
+
+
+def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
+    # rows as train.py builds them: policy_mask False at tool-result tokens; the batch mask comes from sequence_tensors
+    import config
+    import stare
+    import train
+
+    generator = torch.Generator().manual_seed(0)
+    tool_masks = [[False, False, True, True, True, False, False], [False, True, True, False], [False] * 5]
+    rows = [{"prompt": [5, 6, 7], "response": list(range(10, 10 + len(m))),
+             "policy_mask": train.policy_token_mask(len(m), m)} for m in tool_masks]
+    tensors = train.sequence_tensors(rows, pad_id=0, device=torch.device("cpu"))
+    tool = train.pad_rows([{"t": m} for m in tool_masks], "t", tensors["response_width"], value=False, dtype=torch.bool)
+    assert not (tensors["mask"] & tool).any() and tensors["mask"].sum() == sum(m.count(False) for m in tool_masks)
+
+    shape = tensors["mask"].shape
+    logprobs = (-torch.rand(shape, generator=generator) * 3).requires_grad_()
+    batch = {"logprobs": logprobs, "old_logprobs": logprobs.detach() + 0.01 * torch.randn(shape, generator=generator),
+             "entropy": torch.rand(shape, generator=generator), "advantages": torch.tensor([1.0, -1.0, 0.5]),
+             "mask": tensors["mask"]}
+    cfg = config.load("configs/tiny.yaml", ["loss.stare_top_ratio=1.0"])  # select every eligible token
+    gate = stare.EntropyGate(target_entropy=10.0)  # on
+    for method in ("stare", "kl_cov", "high_entropy"):
+        selection, _ = baselines.token_selection(method, batch, cfg.loss, gate=gate, generator=generator)
+        for name, chosen in selection.items():
+            if chosen.dtype == torch.bool and name != "kept":
+                assert not (chosen & tool).any(), (method, name)  # never a tool token
+        loss, _ = baselines.policy_loss(method, batch, cfg.loss, selection=selection, gate=gate, generator=generator,
+                                        num_tokens=float(tensors["mask"].sum()), num_sequences=3.0)
+        (gradient,) = torch.autograd.grad(loss, logprobs)
+        assert (gradient[tool] == 0).all() and (gradient[tensors["mask"]] != 0).any(), method
