@@ -272,9 +272,12 @@ CHECKPOINT_NAME = re.compile(r"step_(\d+)")
 def list_checkpoints(out_dir):
     """Complete checkpoints under out_dir/checkpoints, oldest first (hidden .tmp / .deleting ones never count)."""
     root = Path(out_dir) / "checkpoints"
-    found = [(int(match[1]), p) for p in root.glob("step_*")
-             if (match := CHECKPOINT_NAME.fullmatch(p.name)) and (p / "trainer.pt").exists()]
-    return [p for _, p in sorted(found)]
+    found = [p for p in root.glob("step_*") if CHECKPOINT_NAME.fullmatch(p.name) and (p / "trainer.pt").exists()]
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path):
+    return int(CHECKPOINT_NAME.fullmatch(Path(path).name)[1])
 
 
 def rng_states():
@@ -439,7 +442,7 @@ def main(argv):
         problem = f"train.resume={cfg.train.resume!r}: {checkpoint} is not a complete checkpoint (no trainer.pt)"
     elif not export_only:
         start_step = torch.load(checkpoint / "trainer.pt", weights_only=False)["step"] if checkpoint else 0
-        later = [p.name for p in list_checkpoints(out_dir) if int(p.name[len("step_"):]) > start_step]
+        later = [p.name for p in list_checkpoints(out_dir) if checkpoint_step(p) > start_step]
         if later:  # another trajectory's: pruning and `resume: auto` would mix the two
             problem = (f"{out_dir}/checkpoints holds checkpoints after step {start_step}, where this run starts "
                        f"(train.resume={cfg.train.resume!r}): {', '.join(later)}; use another train.out_dir or "
@@ -464,9 +467,9 @@ def main(argv):
                   if cfg.eval.files and cfg.eval.every else {})
 
     # ----------------------------------------------------- engine (after the process group, before optimizer state)
+    response_budget = max(cfg.rollout.max_tokens, cfg.eval.max_tokens if benchmarks else 0)
     engine = rollout.build_engine(
-        cfg.model.path, seed=cfg.train.seed + rank,
-        max_model_len=cfg.data.max_prompt_tokens + max(cfg.rollout.max_tokens, cfg.eval.max_tokens if benchmarks else 0),
+        cfg.model.path, seed=cfg.train.seed + rank, max_model_len=cfg.data.max_prompt_tokens + response_budget,
         dtype=cfg.rollout.dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         kv_cache_gib=cfg.rollout.kv_cache_gib, max_num_seqs=cfg.rollout.max_num_seqs,
         enable_sleep_mode=cfg.rollout.enable_sleep_mode, enforce_eager=cfg.rollout.enforce_eager)

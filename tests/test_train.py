@@ -201,6 +201,14 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
     assert all(torch.equal(got[name], want[name]) for name in want)
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000004"]  # keep_last=1
 
+    # plots.py on these two real runs (training curves, evaluations), overlaid
+    import plots
+
+    written = plots.plot_runs([tmp_path / "full", out], tmp_path / "figures", labels=["uninterrupted", "resumed"])
+    assert sorted(p.name for p in written) == ["accuracy.png", "dynamics.png", "entropy.png", "eval.png",
+                                               "length.png", "selection.png"]
+    assert all(p.stat().st_size > 10_000 for p in written)
+
 
 def test_sigterm_saves_a_checkpoint_that_exports(tiny_dir, tmp_path):
     out = tmp_path / "run"
@@ -215,7 +223,7 @@ def test_sigterm_saves_a_checkpoint_that_exports(tiny_dir, tmp_path):
     output = (tmp_path / "console.txt").read_text()
     assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
     (checkpoint,) = list((out / "checkpoints").iterdir())
-    step = int(checkpoint.name.split("_")[1])
+    step = train_checkpoint_step(checkpoint)
     assert 1 <= step < 1000 and len(read_metrics(out)) == step
     assert "stopped by a signal" in output
 
@@ -313,6 +321,12 @@ def train_checkpoints(out_dir):
     import train
 
     return train.list_checkpoints(out_dir)
+
+
+def train_checkpoint_step(path):
+    import train
+
+    return train.checkpoint_step(path)
 
 
 def test_dynamic_sampling_gives_up_with_a_clear_error(tiny_dir, tmp_path):
