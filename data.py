@@ -314,7 +314,8 @@ def chat_template_ids(tokenizer, messages, tools=None) -> list[int]:
     tokenize=True), where 4.x returned a plain list; accept either, and tensors/arrays too.
     """
     # tools: JSON schemas the template lists for the model (Qwen's "# Tools" block), e.g. rollout.CODE_INTERPRETER_TOOL
-    encoded = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    extra = {"tools": tools} if tools else {}
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
     if hasattr(ids, "tolist"):
         ids = ids.tolist()  # torch tensor or numpy array

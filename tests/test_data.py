@@ -468,3 +468,19 @@ def test_invalid_arguments(tokenizer):
     for cap in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_prompt_tokens must be a positive int"):
             data.tokenize_prompts([make_example("a")], tokenizer, cap)
+
+
+def test_tools_reach_the_chat_template(tokenizer):
+    # a template that lists the tools' names, as Qwen's "# Tools" block does
+    import copy
+
+    listing = copy.copy(tokenizer)
+    listing.chat_template = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t['function']['name'] }}"
+                             "{% endfor %}<|im_end|>\n{% endif %}" + QWEN_STYLE_TEMPLATE)
+    messages = [{"role": "user", "content": "abc"}]
+    tool = {"type": "function", "function": {"name": "code_interpreter", "parameters": {}}}
+    plain = data.chat_template_ids(listing, messages)
+    with_tools = data.chat_template_ids(listing, messages, tools=[tool])
+    assert "code_interpreter" in listing.decode(with_tools) and "code_interpreter" not in listing.decode(plain)
+    ids, _, _ = data.tokenize_prompts([data.Example(messages, "1", "x", "t")], listing, 500, tools=[tool])
+    assert ids == [with_tools]
