@@ -195,10 +195,8 @@ def warmup(model, tokenizer, rows, prompt_ids, steps, batch_size=32, lr=3e-3, se
 
 
 @torch.no_grad()
-def sampled_success_rate(model, tokenizer, rows, prompt_ids, temperature=1.0, max_new_tokens=16, seed=0):
-    """Fraction of prompts whose sampled response (HF generate, temperature 1) the task's verifier accepts."""
-    import rewards
-
+def sample_responses(model, tokenizer, prompt_ids, temperature, max_new_tokens, seed):
+    """One sampled response per prompt (HF generate, left-padded batch, seeded), decoded without special tokens."""
     torch.manual_seed(seed)
     width = max(map(len, prompt_ids))
     pad_id = tokenizer.pad_token_id
@@ -206,7 +204,15 @@ def sampled_success_rate(model, tokenizer, rows, prompt_ids, temperature=1.0, ma
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
     output = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=temperature,
                             top_k=0, top_p=1.0, max_new_tokens=max_new_tokens)
-    responses = tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
+    return tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
+
+
+@torch.no_grad()
+def sampled_success_rate(model, tokenizer, rows, prompt_ids, temperature=1.0, max_new_tokens=16, seed=0):
+    """Fraction of prompts whose sampled response (HF generate, temperature 1) the task's verifier accepts."""
+    import rewards
+
+    responses = sample_responses(model, tokenizer, prompt_ids, temperature, max_new_tokens, seed)
     _, accuracies, _ = rewards.compute_rewards(responses, [r["answer"] for r in rows],
                                                [r["data_source"] for r in rows], [0] * len(rows),
                                                rewards.RewardConfig())
@@ -275,15 +281,8 @@ def first_turn_calls(model, tokenizer, rows, prompt_ids, temperature=1.0, max_ne
     make a valid call, and whose code is exactly print(a*b) for the prompt's a*b; and the sampled turns."""
     import rollout
 
-    torch.manual_seed(seed)
-    width = max(map(len, prompt_ids))
-    pad_id = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids])  # left padding for generate
-    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-    output = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=temperature,
-                            top_k=0, top_p=1.0, max_new_tokens=max_new_tokens)
     turns = [text.split(rollout.TOOL_CALL_CLOSE)[0] + rollout.TOOL_CALL_CLOSE if rollout.TOOL_CALL_CLOSE in text
-             else text for text in tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)]
+             else text for text in sample_responses(model, tokenizer, prompt_ids, temperature, max_new_tokens, seed)]
     calls = [rollout.parse_tool_call(t)[0] if t.endswith(rollout.TOOL_CALL_CLOSE) else None for t in turns]
     expected = [f"print({row['problem'].removeprefix('What is ').removesuffix('?')})" for row in rows]
     count = len(turns)
