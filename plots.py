@@ -13,7 +13,8 @@ Figures (x axis: the training step, train.py's "step")
                   config.yaml, where STARE reweights (none for target <= 0); dots mark the steps with
                   stare/gate_on = 1. Below it, train/surprisal (the mean -log pi of the sampled tokens: a different
                   quantity, kept in its own panel).
-  accuracy.png    rollout/acc and rollout/reward_mean of the training rollouts.
+  accuracy.png    rollout/acc_before_filter (every sampled response), rollout/acc and rollout/reward_mean (the kept
+                  groups), rollout/distinct_correct_frac (distinct correct answers / correct answers per group).
   length.png      rollout/response_length_mean (tokens), rollout/truncated_frac, and
                   rollout/reflection_per_1k_words (evaluate.reflection_per_1k_words on the rollouts).
   dynamics.png    stare/dynamics/<quadrant>/dH for pos_high, pos_low, neg_high, neg_low and total: the predicted
@@ -46,6 +47,8 @@ FIGURES = {
          "sampling's filter)", "fraction correct"),
         (("rollout/acc",), "accuracy of the kept groups (the training batch)", "fraction correct"),
         (("rollout/reward_mean",), "reward of the kept groups (rollout/reward_mean)", "mean reward per response"),
+        (("rollout/distinct_correct_frac",), "diversity of correct answers (distinct / correct, per group)",
+         "fraction"),
     ]),
     "length": ("Training rollouts: length and reflection", [
         (("rollout/response_length_mean",), "response length", "tokens per response"),

@@ -200,6 +200,18 @@ REWARD_FRACTIONS = ("rollout/no_answer_frac", "rollout/parse_error_frac", "rollo
                     "rollout/format_ok_frac")
 
 
+def distinct_correct_fraction(groups):
+    """Diversity of the correct answers: over the groups with at least one correct response, the mean of (distinct
+    correct responses, as token sequences) / (correct responses); None if no group has one. Entropy collapse on a task
+    with many right answers shows here first: the group keeps being right, with ever fewer different answers."""
+    fractions = []
+    for group in groups:
+        correct = [tuple(r) for r, accuracy in zip(group["responses"], group["accuracies"]) if accuracy > 0]
+        if correct:
+            fractions.append(len(set(correct)) / len(correct))
+    return sum(fractions) / len(fractions) if fractions else None
+
+
 def all_sum(values, device):
     """Sum a list of floats over ranks."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
@@ -548,6 +560,7 @@ def main(argv):
         # ---------------------------------------------------------------- 1-3. prompts, rollout, rewards, filtering
         kept_groups, rounds, generated_groups, varied_groups, generated_responses = [], 0, 0, 0, []
         generated_correct = 0.0  # accuracy before dynamic sampling's filter (kept groups are never all-correct)
+        generated = []  # every group sampled in this step, all ranks (every rank holds the same list)
         tool_sums = []  # per round: calls, errors, timeouts, invalid calls, tool tokens, tokens, max_turns, responses
         while len(kept_groups) < cfg.train.train_batch_size:
             if cfg.algorithm.max_num_gen_batches and rounds >= cfg.algorithm.max_num_gen_batches:
@@ -596,6 +609,7 @@ def main(argv):
             dist.all_gather_object(gathered, groups)
             for rank_groups in gathered:  # rank order: every rank sees the same global list
                 for group in rank_groups:
+                    generated.append(group)
                     generated_groups += 1
                     varied = len(set(group["accuracies"])) > 1
                     varied_groups += varied
@@ -819,6 +833,9 @@ def main(argv):
         })
         if sync_error is not None:
             metrics["rollout/sync_probe_error"] = sync_error
+        diversity = distinct_correct_fraction(generated)
+        if diversity is not None:
+            metrics["rollout/distinct_correct_frac"] = diversity
         if cfg.rollout.tools:  # over every response sampled in the step, all ranks
             calls, errors, timeouts, invalid, tool_tokens, all_tokens, max_turns, responses = all_sum(
                 [sum(column) for column in zip(*tool_sums)], device)

@@ -60,6 +60,7 @@ def test_every_method_trains_end_to_end(method, tiny_dir, tmp_path):
         assert record["rollout/sync_probe_error"] < 1e-4  # the engine holds the weights just trained
         assert record["rollout/logprob_mismatch_max"] < 1e-3  # float32 sampler vs trainer
         assert 0 <= record["rollout/acc"] <= 1 and record["train/tokens"] > 0
+        assert 0 < record["rollout/distinct_correct_frac"] <= 1  # some groups are right at this accuracy
         assert record["stare/gate_on"] == 1.0
     if method == "stare":
         assert metrics[0]["train/touched_frac"] > 0 and metrics[0]["stare/pos_selected_frac"] > 0
@@ -437,3 +438,13 @@ def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
                                         num_tokens=float(tensors["mask"].sum()), num_sequences=3.0)
         (gradient,) = torch.autograd.grad(loss, logprobs)
         assert (gradient[tool] == 0).all() and (gradient[tensors["mask"]] != 0).any(), method
+
+
+def test_distinct_correct_fraction_by_hand():
+    import train
+
+    groups = [{"responses": [[1, 2], [1, 2], [3], [4]], "accuracies": [1.0, 1.0, 1.0, 0.0]},  # 2 distinct of 3
+              {"responses": [[5], [6]], "accuracies": [0.0, 0.0]},  # no correct answer: not counted
+              {"responses": [[7], [8], [9]], "accuracies": [1.0, 1.0, 0.0]}]  # 2 of 2
+    assert train.distinct_correct_fraction(groups) == pytest.approx((2 / 3 + 1.0) / 2)
+    assert train.distinct_correct_fraction(groups[1:2]) is None
