@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import baselines
+import checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,7 +54,7 @@ def test_every_method_trains_end_to_end(method, tiny_dir, tmp_path):
     completed = run_train(tiny_dir, tmp_path / "run", f"algorithm.method={method}", "rollout.sync_check_every=1",
                           nproc=2)
     metrics = check_finished(completed, tmp_path / "run")
-    assert [p.name for p in train_checkpoints(tmp_path / "run")] == ["step_00000002"]  # the end-of-run checkpoint
+    assert [p.name for p in checkpoints.list_checkpoints(tmp_path / "run")] == ["step_00000002"]  # the end-of-run checkpoint
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32)
     assert torch.isfinite(exported(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
     for record in metrics:
@@ -78,7 +79,7 @@ def test_two_ranks_match_one_and_export_loads(tiny_dir, tmp_path):
         assert two[0][key] == pytest.approx(one[0][key], rel=1e-4, abs=1e-7), key
     assert one[0]["rollout/gen_rounds"] == two[0]["rollout/gen_rounds"] >= 2
     assert one[0]["rollout/acc_before_filter"] < one[0]["rollout/acc"]  # all-wrong groups were dropped
-    positions = [torch.load(train_checkpoints(tmp_path / run)[-1] / "trainer.pt", weights_only=False)["data_position"]
+    positions = [torch.load(checkpoints.list_checkpoints(tmp_path / run)[-1] / "trainer.pt", weights_only=False)["data_position"]
                  for run in ("one", "two")]
     assert positions[0] == positions[1] == 16 * sum(m["rollout/gen_rounds"] for m in one)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "hf", dtype=torch.float32)
@@ -224,7 +225,7 @@ def test_sigterm_saves_a_checkpoint_that_exports(tiny_dir, tmp_path):
     output = (tmp_path / "console.txt").read_text()
     assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
     (checkpoint,) = list((out / "checkpoints").iterdir())
-    step = train_checkpoint_step(checkpoint)
+    step = checkpoints.checkpoint_step(checkpoint)
     assert 1 <= step < 1000 and len(read_metrics(out)) == step
     assert "stopped by a signal" in output
 
@@ -237,15 +238,13 @@ def test_sigterm_saves_a_checkpoint_that_exports(tiny_dir, tmp_path):
 
 
 def test_only_complete_checkpoints_count(tmp_path):
-    import train
-
     root = tmp_path / "checkpoints"
     for name, complete in (("step_00000010", True), ("step_00000002", True), (".step_00000020.tmp", True),
                            ("step_00000030", False), (".step_00000001.deleting", True)):
         (root / name).mkdir(parents=True)
         if complete:
             (root / name / "trainer.pt").write_bytes(b"")
-    assert [p.name for p in train.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000010"]
+    assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000010"]
 
 
 def test_metrics_log_writes_jsonl_and_mirrors_to_wandb(tmp_path, monkeypatch):
@@ -315,19 +314,7 @@ def test_nonfinite_loss_skips_the_step_then_stops_the_run(tiny_dir, tmp_path):
     completed = run("2,3,4,5", out, "train.total_steps=6")
     assert completed.returncode != 0
     assert "non-finite loss or gradient norm in 3 consecutive steps (optim.max_nonfinite_steps=2)" in completed.stderr
-    assert [p.name for p in train_checkpoints(out)] == [f"step_{s:08d}" for s in (1, 2, 3)]
-
-
-def train_checkpoints(out_dir):
-    import train
-
-    return train.list_checkpoints(out_dir)
-
-
-def train_checkpoint_step(path):
-    import train
-
-    return train.checkpoint_step(path)
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == [f"step_{s:08d}" for s in (1, 2, 3)]
 
 
 def test_dynamic_sampling_gives_up_with_a_clear_error(tiny_dir, tmp_path):
