@@ -84,7 +84,6 @@ import re
 import sys
 import time
 import zlib
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -194,6 +193,18 @@ def reflection_per_1k_words(texts) -> float:
         h, w = reflection_counts(text)
         hits, words = hits + h, words + w
     return 1000.0 * hits / words if words else 0.0
+
+
+def distinct_correct_fraction(groups):
+    """Diversity of the correct answers: over the groups with at least one correct response, the mean of (distinct
+    correct responses, as token sequences) / (correct responses); None if no group has one. Entropy collapse on a task
+    with many right answers shows here first: the group keeps being right, with ever fewer different answers."""
+    fractions = []
+    for group in groups:
+        correct = [tuple(r) for r, accuracy in zip(group["responses"], group["accuracies"]) if accuracy > 0]
+        if correct:
+            fractions.append(len(set(correct)) / len(correct))
+    return sum(fractions) / len(fractions) if fractions else None
 
 
 def bootstrap_se(values, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> float:

@@ -199,18 +199,6 @@ REWARD_FRACTIONS = ("rollout/no_answer_frac", "rollout/parse_error_frac", "rollo
                     "rollout/format_ok_frac")
 
 
-def distinct_correct_fraction(groups):
-    """Diversity of the correct answers: over the groups with at least one correct response, the mean of (distinct
-    correct responses, as token sequences) / (correct responses); None if no group has one. Entropy collapse on a task
-    with many right answers shows here first: the group keeps being right, with ever fewer different answers."""
-    fractions = []
-    for group in groups:
-        correct = [tuple(r) for r, accuracy in zip(group["responses"], group["accuracies"]) if accuracy > 0]
-        if correct:
-            fractions.append(len(set(correct)) / len(correct))
-    return sum(fractions) / len(fractions) if fractions else None
-
-
 def all_sum(values, device):
     """Sum a list of floats over ranks."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
@@ -681,7 +669,7 @@ def main(argv):
         })
         if sync_error is not None:
             metrics["rollout/sync_probe_error"] = sync_error
-        diversity = distinct_correct_fraction(generated)
+        diversity = evaluate.distinct_correct_fraction(generated)
         if diversity is not None:
             metrics["rollout/distinct_correct_frac"] = diversity
         if cfg.rollout.tools:  # over every response sampled in the step, all ranks

@@ -356,3 +356,11 @@ def test_two_ranks_give_the_same_result(one_process, tiny_dir, tmp_path):
                                         ("$x=1$ or $x=2$", "$x=1$ or $x=2$")])  # inner delimiters: left alone
 def test_answer_dollars_are_stripped_only_around_the_whole_answer(text, want):
     assert benchmarks._strip_dollars(text) == want
+
+
+def test_distinct_correct_fraction_by_hand():
+    groups = [{"responses": [[1, 2], [1, 2], [3], [4]], "accuracies": [1.0, 1.0, 1.0, 0.0]},  # 2 distinct of 3
+              {"responses": [[5], [6]], "accuracies": [0.0, 0.0]},  # no correct answer: not counted
+              {"responses": [[7], [8], [9]], "accuracies": [1.0, 1.0, 0.0]}]  # 2 of 2
+    assert evaluate.distinct_correct_fraction(groups) == pytest.approx((2 / 3 + 1.0) / 2)
+    assert evaluate.distinct_correct_fraction(groups[1:2]) is None

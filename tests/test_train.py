@@ -425,13 +425,3 @@ def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
                                         num_tokens=float(tensors["mask"].sum()), num_sequences=3.0)
         (gradient,) = torch.autograd.grad(loss, logprobs)
         assert (gradient[tool] == 0).all() and (gradient[tensors["mask"]] != 0).any(), method
-
-
-def test_distinct_correct_fraction_by_hand():
-    import train
-
-    groups = [{"responses": [[1, 2], [1, 2], [3], [4]], "accuracies": [1.0, 1.0, 1.0, 0.0]},  # 2 distinct of 3
-              {"responses": [[5], [6]], "accuracies": [0.0, 0.0]},  # no correct answer: not counted
-              {"responses": [[7], [8], [9]], "accuracies": [1.0, 1.0, 0.0]}]  # 2 of 2
-    assert train.distinct_correct_fraction(groups) == pytest.approx((2 / 3 + 1.0) / 2)
-    assert train.distinct_correct_fraction(groups[1:2]) is None
