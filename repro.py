@@ -1,0 +1,618 @@
+"""repro.py: the paper's entropy effect in miniature: GRPO vs STARE (and STAPO, Lp-Reg) on the tiny default, on CPU.
+
+    python tiny.py --out runs/tiny && python repro.py --tiny runs/tiny --out runs/repro     # everything, ~30 min
+    python repro.py --tiny runs/tiny --out runs/repro --part compare --methods grpo stare_o1 stapo
+    python repro.py --tiny runs/tiny --out runs/repro --part sweep --ws 1.1 2 3 --ps 0.2 --seeds 0 1 2
+    python plots.py runs/repro/compare/*_seed0 --out runs/repro/figs     # any runs, overlaid, with train.py's figures
+
+The task is the tiny default's "write N as a+b" (tiny.py): 9 correct answers per prompt, so an entropy collapse
+shows as the model settling on one of them. What is measured per step, besides entropy and accuracy, is the diversity
+of correct answers (evaluate.distinct_correct_fraction: distinct correct responses / correct responses per group).
+
+Two parts, written under --out:
+  compare/   GRPO ("grpo": STARE off), STARE O1 and C2, STAPO and Lp-Reg, same seeds, same prompts, same steps:
+             compare/<run>_seed<k>/metrics.jsonl (train.py's metric names, so plots.py draws them) and config.yaml;
+             compare.png overlays the seed-mean curves.
+  sweep/     STARE O1 over a grid of W (x P) with several seeds; sweep.png plots the final entropy and distinct-correct
+             fraction against W, with GRPO's band; the critical strength W_c (where the final entropy, as a function
+             of W, crosses halfway between GRPO's and the gate's target) is located by linear interpolation and
+             compared with the first-order prediction below.
+  summary.json   every run's final metrics (mean of the last `--final-window` steps), seed means and standard
+                 errors, W_c measured and predicted; the README's "reproduction in miniature" quotes it.
+
+The first-order prediction. stare.entropy_dynamics gives, for one batch, the token mean of A*S (S: entropy
+sensitivity), the predicted entropy change of a policy-gradient step per unit learning rate; STARE's weights multiply
+each token's term by omega. With the gate on, omega = W on L+ and 1 elsewhere (O1), so the prediction is linear in W:
+    dH(W) = dH_grpo + (W - 1) * dH_L+,   dH_L+ = mean over tokens of A*S on L+ only (> 0: L+ tokens have S > 0 mostly)
+and it is zero at W* = 1 - dH_grpo / dH_L+. Every run logs dH_grpo, dH_L+ and W* for its own batches
+(repro/dH_grpo, repro/dH_lplus, repro/w_critical); the predicted W_c is the median W* of GRPO's batches while its
+entropy is within +-25% of the target, i.e. the strength that would cancel GRPO's drift where the gate engages.
+
+The loop is in this file, not train.py's: train.py costs ~1.5 s per step on the tiny default (vLLM engine, FSDP2,
+weight sync, dynamic-sampling rounds), too slow for a sweep of hundreds of steps x dozens of runs in half an hour.
+Here sampling is a batched KV-cache loop over the same transformers model, on-policy (one update per batch, so the
+PPO ratio is 1 and the clip never acts), with the objective of train.py: the same prompts (data.py), verifier
+(rewards.compute_rewards), advantages (stare.group_advantages), token selection and loss (baselines.policy_loss
+with configs/tiny.yaml's loss and optimizer settings), gate (stare.EntropyGate), AdamW and gradient clipping.
+Two differences, both for speed: (1) dynamic sampling filters groups whose rewards are all equal but does not
+resample to refill the batch (those groups have zero advantage: dropping them changes only the token-mean's
+denominator, which AdamW's normalisation mostly cancels); a step without any mixed group makes no update. (2) The
+gate reads the entropy of every sampled token (computed by the sampler, free), not only the kept groups'.
+Cost: ~0.1-0.2 s per step at 32 prompts x 8 responses on one core; two runs go in parallel on two cores.
+
+Caveats (README): a 0.5M-parameter model, a 16-token task with 9 right answers, AdamW at lr 3e-4: the mechanism
+of the paper, not its numbers. Adam's per-parameter normalisation is not the plain gradient step that
+entropy_dynamics assumes (its tabular softmax approximation neither), so W* is a first-order estimate to compare with.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import multiprocessing
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import baselines
+import config
+import data
+import evaluate
+import rewards
+import stare
+
+TINY_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
+
+# The comparison's runs: name -> loss settings (method + LossConfig fields); STARE's gate target is --target-entropy.
+# "stare_o1"/"stare_c2" use the strength the sweep finds above the threshold; "stare_paper" is the paper's W = 1.1.
+COMPARE_RUNS = {
+    "grpo": dict(method="grpo"),
+    "stare_paper": dict(method="stare", stare_variant="O1", stare_w=1.1, stare_top_ratio=0.1),
+    "stare_o1": dict(method="stare", stare_variant="O1", stare_w=4.0, stare_top_ratio=0.05),
+    "stare_c2": dict(method="stare", stare_variant="C2", stare_w=4.0, stare_m=0.5, stare_top_ratio=0.05),
+    "stapo": dict(method="stapo"),
+    "lp_reg": dict(method="lp_reg"),
+}
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """One training run of the miniature."""
+
+    name: str  # directory name under its part
+    loss: dict  # {"method": ..., LossConfig field: value, ...}
+    seed: int = 0
+    steps: int = 400
+    prompts_per_step: int = 32
+    target_entropy: float = 0.2
+    lr: float | None = None  # None: configs/tiny.yaml's
+    predict_ps: tuple = (0.1,)  # the P values whose first-order W* every step logs (repro/w_critical@P)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The task and the model
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def load_task(tiny_dir, tokenizer, max_prompt_tokens):
+    """The sum task's training prompts -> (prompt ids [P, Lp] long, ground truths, data sources).
+
+    The prompts differ only in the number N (10..29, always two digits), so they tokenise to the same length and
+    batch without padding; a prompt set where that fails is an error here rather than silently padded."""
+    path = Path(tiny_dir) / "data" / "sum_train.jsonl"
+    examples = data.load_examples(path, prompt_suffix=None)
+    prompt_ids, examples, _ = data.tokenize_prompts(examples, tokenizer, max_prompt_tokens, "error")
+    lengths = sorted({len(p) for p in prompt_ids})
+    if len(lengths) != 1:
+        raise ValueError(f"{path}: repro.py batches prompts without padding and needs equal prompt lengths, "
+                         f"got lengths {lengths}")
+    return (torch.tensor(prompt_ids), [e.ground_truth for e in examples], [e.data_source for e in examples])
+
+
+def load_model(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(Path(tiny_dir) / "model", dtype=torch.float32)
+    model.config.use_cache = True
+    return model
+
+
+@torch.no_grad()
+def sample(model, prompts, n, max_tokens, eos_id, pad_id, generator, temperature=1.0):
+    """n responses per prompt, sampled token by token from the model's tempered softmax (no top-p/top-k).
+
+    prompts [P, Lp] long (equal lengths) -> (tokens [P*n, T] long, mask [P*n, T] bool, entropy [P*n, T] float32),
+    rows grouped by prompt (prompt i owns rows i*n .. i*n+n-1). A response ends at eos_id, which it includes (the
+    policy chose it; vLLM's token_ids include it too); later positions hold pad_id, mask False. entropy is the
+    tempered next-token entropy at each response position (0 where masked). The prompt is prefilled once and its
+    KV cache repeated n times; every row then costs one token per forward."""
+    out = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(n)
+    next_logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # [P*n, V]
+    rows = next_logits.shape[0]
+    tokens = torch.full((rows, max_tokens), pad_id, dtype=torch.long)
+    mask = torch.zeros(rows, max_tokens, dtype=torch.bool)
+    entropy = torch.zeros(rows, max_tokens)
+    finished = torch.zeros(rows, dtype=torch.bool)
+    width = max_tokens
+    for t in range(max_tokens):
+        logprobs = torch.log_softmax(next_logits.float() / temperature, dim=-1)  # [P*n, V]
+        probs = logprobs.exp()
+        chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [P*n]
+        alive = ~finished
+        tokens[:, t] = torch.where(alive, chosen, pad_id)
+        mask[:, t] = alive
+        entropy[:, t] = -(probs * logprobs).sum(-1) * alive
+        finished |= alive & (chosen == eos_id)
+        if bool(finished.all()):
+            width = t + 1
+            break
+        next_logits = model(input_ids=tokens[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+    return tokens[:, :width], mask[:, :width], entropy[:, :width]
+
+
+def response_logits(model, prompts, responses, n):
+    """Logits predicting each response token, with grad: the forward pass of training.
+
+    prompts [G, Lp], responses [G*n, T] (grouped as `sample` returns them) -> logits [G*n, T, V]. Like `sample`,
+    the prompt runs once per group and its KV cache (with its graph: gradients flow into the prompt positions'
+    keys and values) is repeated n times; the result equals a forward of the full [prompt; response] rows
+    (tests/test_repro.py checks values and gradients)."""
+    out = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
+    first = out.logits[:, -1:].repeat_interleave(n, dim=0)  # [G*n, 1, V]: predicts response token 0
+    if responses.shape[1] == 1:
+        return first
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(n)
+    rest = model(input_ids=responses[:, :-1], past_key_values=cache, use_cache=True).logits  # [G*n, T-1, V]
+    return torch.cat([first, rest], dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One run
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def critical_w(advantages, sensitivity, logprobs, mask, top_ratio):
+    """The first-order prediction for O1 (module docstring): (dH_grpo, dH_L+, W*) for one batch, 0-dim tensors.
+
+    advantages [B], sensitivity/logprobs [B, T], mask [B, T]. W* is NaN when it does not exist (dH_L+ <= 0, or
+    GRPO's own drift is not negative: nothing to cancel)."""
+    grpo = stare.entropy_dynamics(advantages, sensitivity, mask)["total/dH"]
+    doubled, _ = stare.stare_weights(logprobs, advantages, mask, "O1", top_ratio, w=2.0, gate_on=True)  # 2 on L+
+    lplus = stare.entropy_dynamics(advantages, sensitivity, mask, weights=doubled)["total/dH"] - grpo
+    exists = (lplus > 0) & (grpo < 0)
+    w_star = torch.where(exists, 1.0 - grpo / lplus.clamp(min=1e-12), torch.full((), float("nan")))
+    return grpo, lplus, w_star
+
+
+def run_config(spec):
+    """configs/tiny.yaml with the run's loss settings, gate target, seed and steps: the settings train.py would use."""
+    overrides = [f"loss.{key}={value}" for key, value in spec.loss.items() if key != "method"]
+    overrides += [f"algorithm.method={spec.loss['method']}", f"algorithm.target_entropy={spec.target_entropy}",
+                  f"train.seed={spec.seed}", f"train.total_steps={spec.steps}"]
+    if spec.lr is not None:
+        overrides.append(f"optim.lr={spec.lr}")
+    return config.load(TINY_CONFIG, overrides)
+
+
+def train_run(spec, tiny_dir, out_dir, progress=None):
+    """Train one run of the miniature; writes out_dir/config.yaml and out_dir/metrics.jsonl (one line per step, as
+    it goes) and returns the list of per-step metric dicts."""
+    from transformers import AutoTokenizer
+
+    cfg = run_config(spec)
+    method, n, temperature = cfg.algorithm.method, cfg.rollout.n, cfg.rollout.temperature
+    tokenizer = AutoTokenizer.from_pretrained(Path(tiny_dir) / "model")
+    prompts, truths, sources = load_task(tiny_dir, tokenizer, cfg.data.max_prompt_tokens)
+    torch.manual_seed(spec.seed)
+    model = load_model(tiny_dir)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay)
+    gate = stare.EntropyGate(cfg.algorithm.target_entropy, cfg.loss.stare_w, cfg.loss.stare_m)
+    sampler = torch.Generator().manual_seed(spec.seed)  # responses
+    order = torch.Generator().manual_seed(10_007 + spec.seed)  # prompts: every method sees the same sequence
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(config.to_yaml(cfg))
+    records = []
+    with open(out_dir / "metrics.jsonl", "w") as log:
+        for step in range(1, spec.steps + 1):
+            start = time.time()
+            chosen = torch.cat([torch.randperm(len(prompts), generator=order)
+                                for _ in range(-(-spec.prompts_per_step // len(prompts)))])[:spec.prompts_per_step]
+            tokens, mask, sampled_entropy = sample(model, prompts[chosen], n, cfg.rollout.max_tokens, eos_id, pad_id,
+                                                   sampler, temperature)
+            lengths = mask.sum(1)
+            texts = tokenizer.batch_decode([row[:length] for row, length in zip(tokens.tolist(), lengths.tolist())],
+                                           skip_special_tokens=True)
+            row_prompts = chosen.repeat_interleave(n).tolist()
+            scores, accuracies, _ = rewards.compute_rewards(texts, [truths[p] for p in row_prompts],
+                                                            [sources[p] for p in row_prompts], lengths.tolist(),
+                                                            cfg.reward)
+            groups = [{"responses": [tokens[r, :lengths[r]].tolist() for r in range(g * n, (g + 1) * n)],
+                       "accuracies": accuracies[g * n:(g + 1) * n]} for g in range(len(chosen))]
+            advantages = stare.group_advantages(torch.tensor(scores), n, cfg.algorithm.normalize_std)  # [G*n]
+            kept_groups = [g for g in range(len(chosen)) if len(set(scores[g * n:(g + 1) * n])) > 1]
+            batch_entropy = float(sampled_entropy.sum() / mask.sum())
+            gate.update(batch_entropy)  # before the update, like train.py (§1.3)
+            metrics = {"step": step, "train/entropy": batch_entropy,
+                       "rollout/acc_before_filter": sum(accuracies) / len(accuracies),
+                       "rollout/distinct_correct_frac": evaluate.distinct_correct_fraction(groups),
+                       "rollout/response_length_mean": float(lengths.float().mean()),
+                       "train/kept_groups": len(kept_groups), "stare/gate_on": float(gate.gate_on)}
+            if kept_groups:  # accuracy of the groups the update sees (train.py's rollout/acc)
+                metrics["rollout/acc"] = statistics.mean(accuracies[g * n + k] for g in kept_groups for k in range(n))
+            if kept_groups:
+                metrics.update(update_step(model, optimizer, gate, cfg, method, prompts[chosen], tokens, mask,
+                                           advantages, kept_groups, spec.predict_ps))
+            metrics["time/step"] = time.time() - start
+            records.append(metrics)
+            log.write(json.dumps(metrics) + "\n")
+            log.flush()
+            if progress is not None:
+                progress(spec, metrics)
+    return records
+
+
+def update_step(model, optimizer, gate, cfg, method, prompts, tokens, mask, advantages, kept_groups, predict_ps):
+    """One on-policy update on the kept groups -> metrics. prompts [G, Lp], tokens/mask [G*n, T], advantages [G*n]."""
+    n = cfg.rollout.n
+    rows = torch.tensor([g * n + k for g in kept_groups for k in range(n)])
+    tokens, mask, advantages = tokens[rows], mask[rows], advantages[rows]
+    width = int(mask.sum(1).max())
+    tokens, mask = tokens[:, :width], mask[:, :width]
+    logits = response_logits(model, prompts[kept_groups], tokens, n)  # [K*n, T, V]
+    logprobs, entropy = stare.token_logprobs_and_entropy(logits, tokens, cfg.rollout.temperature)
+    batch = {"logprobs": logprobs, "old_logprobs": logprobs.detach(), "advantages": advantages, "mask": mask,
+             "entropy": entropy.detach()}
+    detached = logits.detach()
+    if method == "lp_reg":
+        batch["proxy_logprobs"] = baselines.minp_proxy_logprobs(detached, tokens, cfg.rollout.temperature,
+                                                                cfg.loss.lp_reg_kappa, cfg.loss.lp_reg_soft)
+    selection, selection_metrics = baselines.token_selection(method, batch, cfg.loss, gate=gate)
+    loss, loss_metrics = baselines.policy_loss(method, batch, cfg.loss, selection=selection)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
+    optimizer.step()
+
+    # what entropy_dynamics predicts for this batch: with this run's weights, and GRPO's / L+'s parts for W*
+    sensitivity = stare.entropy_sensitivity(detached, tokens, cfg.rollout.temperature)
+    weights = selection.get("weights") if method == "stare" else None
+    dynamics = stare.entropy_dynamics(advantages, sensitivity, mask, weights=weights)
+    metrics = {"train/loss": float(loss.detach()), "train/grad_norm": float(grad_norm),
+               "train/touched_frac": float(loss_metrics["touched_frac"]), "train/tokens": int(mask.sum())}
+    for top_ratio in predict_ps:
+        dh_grpo, dh_lplus, w_star = critical_w(advantages, sensitivity, logprobs.detach(), mask, top_ratio)
+        metrics.update({"repro/dH_grpo": float(dh_grpo), f"repro/dH_lplus@{top_ratio:g}": float(dh_lplus),
+                        f"repro/w_critical@{top_ratio:g}": float(w_star)})
+    metrics.update({f"stare/dynamics/{key}": float(value) for key, value in dynamics.items()})
+    metrics.update({key: float(value) for key, value in selection_metrics.items() if key != "stare/gate_on"})
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Many runs: a process pool, one thread per run (a 2x128 model does not use two cores well in one process)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def read_records(path):
+    """A run's metrics.jsonl -> list of dicts (a half-written last line, from a run that was killed, is dropped)."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+def _run_in_worker(job):
+    spec, tiny_dir, out_dir = job
+    torch.set_num_threads(1)
+    started = time.time()
+    train_run(spec, tiny_dir, out_dir)
+    return spec, time.time() - started
+
+
+def run_all(jobs, workers):
+    """Run every (spec, tiny_dir, out_dir) job whose metrics.jsonl is not already complete (so an interrupted
+    `repro.py` continues where it stopped), `workers` at a time; returns {out_dir: records}."""
+    from tqdm import tqdm
+
+    todo = []
+    for spec, tiny_dir, out_dir in jobs:
+        metrics = Path(out_dir) / "metrics.jsonl"
+        if not (metrics.exists() and len(read_records(metrics)) >= spec.steps):
+            todo.append((spec, tiny_dir, out_dir))
+    if todo:
+        progress = tqdm(total=len(todo), desc="runs", unit="run")
+        with multiprocessing.get_context("spawn").Pool(min(workers, len(todo))) as pool:
+            for spec, seconds in pool.imap_unordered(_run_in_worker, todo):
+                progress.set_postfix_str(f"{spec.name} seed {spec.seed}: {seconds:.0f} s")
+                progress.update()
+        progress.close()
+    return {str(out_dir): read_records(Path(out_dir) / "metrics.jsonl") for _, _, out_dir in jobs}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Summaries: final values, the measured and the predicted critical strength
+# ----------------------------------------------------------------------------------------------------------------------
+
+FINAL_KEYS = ("train/entropy", "rollout/distinct_correct_frac", "rollout/acc_before_filter")
+
+
+def final_values(records, window):
+    """Mean of each FINAL_KEYS metric over the last `window` steps (steps where it is None are skipped)."""
+    result = {}
+    for key in FINAL_KEYS:
+        values = [r[key] for r in records[-window:] if r.get(key) is not None]
+        result[key] = statistics.mean(values) if values else float("nan")
+    return result
+
+
+def mean_and_se(values):
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return float("nan"), float("nan")
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
+    return statistics.mean(values), se
+
+
+def crossing(xs, ys, level):
+    """The first x at which the piecewise-linear curve through (xs, ys) (xs increasing) reaches `level` from
+    below; None if it never does, xs[0] if it starts there."""
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        if y >= level:
+            if i == 0:
+                return x
+            x0, y0 = xs[i - 1], ys[i - 1]
+            return x0 + (level - y0) * (x - x0) / (y - y0)
+    return None
+
+
+def predicted_critical_w(grpo_runs, target_entropy, top_ratio, band=0.25):
+    """The first-order W_c (module docstring) from GRPO's batches whose entropy is within +-band*target of the
+    target: 1 - mean(dH_grpo) / mean(dH_L+). Ratio of means, not mean of per-batch ratios: a single batch's dH_L+
+    is noisy and crosses zero. Returns (W_c or None when mean dH_L+ <= 0, i.e. amplifying L+ lowers the entropy
+    to first order and no W can cancel the drift; the two means; the number of batches)."""
+    key = f"repro/dH_lplus@{top_ratio:g}"
+    batches = [r for records in grpo_runs for r in records
+               if key in r and abs(r["train/entropy"] - target_entropy) <= band * target_entropy]
+    if not batches:
+        return None, float("nan"), float("nan"), 0
+    dh_grpo = statistics.mean(r["repro/dH_grpo"] for r in batches)
+    dh_lplus = statistics.mean(r[key] for r in batches)
+    w_c = 1.0 - dh_grpo / dh_lplus if dh_lplus > 0 and dh_grpo < 0 else None
+    return w_c, dh_grpo, dh_lplus, len(batches)
+
+
+def summarize_group(records_by_seed, window):
+    finals = [final_values(records, window) for records in records_by_seed]
+    summary = {}
+    for key in FINAL_KEYS:
+        mean, se = mean_and_se([f[key] for f in finals])
+        summary[key.split("/")[-1]] = {"mean": mean, "se": se, "per_seed": [f[key] for f in finals]}
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Figures
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def smoothed(values, window=10):
+    """Trailing moving average that skips None."""
+    out = []
+    for i in range(len(values)):
+        recent = [v for v in values[max(0, i - window + 1):i + 1] if v is not None]
+        out.append(statistics.mean(recent) if recent else float("nan"))
+    return out
+
+
+def plot_compare(groups, target_entropy, path):
+    """groups: {label: [records per seed]} -> one figure, three panels, seed mean +- SE, 10-step moving average."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("train/entropy", "token entropy"), ("rollout/distinct_correct_frac", "distinct correct / correct"),
+              ("rollout/acc_before_filter", "accuracy (all samples)")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for (key, title), ax in zip(panels, axes):
+        for label, runs in groups.items():
+            curves = [smoothed([r.get(key) for r in records]) for records in runs]
+            length = min(map(len, curves))
+            steps = list(range(1, length + 1))
+            columns = [[c[i] for c in curves] for i in range(length)]
+            means, ses = zip(*[mean_and_se(col) for col in columns])
+            ses = [0.0 if math.isnan(s) else s for s in ses]
+            line, = ax.plot(steps, means, label=label, lw=1.4)
+            ax.fill_between(steps, [m - s for m, s in zip(means, ses)], [m + s for m, s in zip(means, ses)],
+                            color=line.get_color(), alpha=0.2, lw=0)
+        if key == "train/entropy":
+            ax.axhline(target_entropy, color="gray", ls="--", lw=1, label="gate target")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(sweep, grpo, target_entropy, path):
+    """sweep: {P: {W: group summary}}, grpo: group summary -> final entropy / distinct-correct / accuracy vs W."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("entropy", "final token entropy"), ("distinct_correct_frac", "final distinct correct / correct"),
+              ("acc_before_filter", "final accuracy")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for (key, title), ax in zip(panels, axes):
+        for top_ratio, by_w in sorted(sweep["runs"].items()):
+            ws = sorted(by_w)
+            means = [by_w[w][key]["mean"] for w in ws]
+            ses = [by_w[w][key]["se"] if not math.isnan(by_w[w][key]["se"]) else 0.0 for w in ws]
+            line = ax.errorbar(ws, means, yerr=ses, marker="o", ms=4, capsize=3, label=f"STARE O1, P = {top_ratio:g}")
+            found = sweep["critical"][top_ratio]
+            if key == "entropy" and found["measured"] is not None:
+                ax.axvline(found["measured"], color=line[0].get_color(), ls=":", lw=1.2)
+            if key == "entropy" and found["predicted"] is not None:
+                ax.axvline(found["predicted"], color=line[0].get_color(), ls="-.", lw=1.2)
+        mean, se = grpo[key]["mean"], grpo[key]["se"]
+        se = 0.0 if math.isnan(se) else se
+        ax.axhspan(mean - se, mean + se, color="black", alpha=0.15, lw=0)
+        ax.axhline(mean, color="black", lw=1, label="GRPO (STARE off)")
+        if key == "entropy":
+            ax.axhline(target_entropy, color="gray", ls="--", lw=1, label="gate target")
+        ax.set_xscale("log")
+        ax.set_xlabel("W (weight on L+)")
+        ax.set_title(title + ("\n(dotted: measured W_c, dash-dot: first-order W_c)" if key == "entropy" else ""))
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", default="runs/tiny", help="the tiny default's directory (built if missing)")
+    parser.add_argument("--out", default="runs/repro")
+    parser.add_argument("--part", choices=("all", "compare", "sweep"), default="all")
+    parser.add_argument("--methods", nargs="+", default=list(COMPARE_RUNS), choices=list(COMPARE_RUNS),
+                        help="the comparison's runs (see COMPARE_RUNS)")
+    parser.add_argument("--ws", nargs="+", type=float, default=[1.1, 2.0, 4.0, 8.0],
+                        help="the sweep's W values (STARE O1)")
+    parser.add_argument("--ps", nargs="+", type=float, default=[0.05, 0.1, 0.2], help="the sweep's P values")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--target-entropy", type=float, default=0.2, help="STARE's gate target (the sweep's too)")
+    parser.add_argument("--lr", type=float, default=None, help="default: configs/tiny.yaml's optim.lr")
+    parser.add_argument("--final-window", type=int, default=20, help="steps averaged for the final values")
+    parser.add_argument("--workers", type=int, default=None, help="runs in parallel (default: CPU cores)")
+    args = parser.parse_args(argv)
+    for name in ("steps", "prompts_per_step", "final_window"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if any(not 0 < p <= 1 for p in args.ps) or any(w <= 0 for w in args.ws):
+        parser.error("--ps must lie in (0, 1] and --ws be > 0")
+    return args
+
+
+def main(argv):
+    import os
+
+    import tiny
+
+    args = parse_args(argv)
+    tiny.build_tiny(args.tiny)  # reused when complete
+    out = Path(args.out)
+    workers = args.workers or max(1, min(len(os.sched_getaffinity(0)), 8))
+    common = dict(steps=args.steps, prompts_per_step=args.prompts_per_step, target_entropy=args.target_entropy,
+                  lr=args.lr, predict_ps=tuple(sorted(set(args.ps) | {0.1, 0.2})))
+
+    def sweep_name(w, p):
+        return f"stare_o1_w{w:g}_p{p:g}"
+
+    def sweep_loss(w, p):
+        return dict(method="stare", stare_variant="O1", stare_w=w, stare_top_ratio=p)
+
+    jobs = {}  # out_dir -> RunSpec
+    run_dirs = {}  # (part, name) -> the directory of its seed-0 run, "{seed}" left to fill
+    if args.part in ("all", "sweep"):
+        for p in args.ps:
+            for w in args.ws:
+                run_dirs["sweep", sweep_name(w, p)] = out / "sweep" / (sweep_name(w, p) + "_seed{seed}")
+                for seed in args.seeds:
+                    jobs[out / "sweep" / f"{sweep_name(w, p)}_seed{seed}"] = RunSpec(sweep_name(w, p),
+                                                                                     sweep_loss(w, p), seed=seed,
+                                                                                     **common)
+    sweep_points = {json.dumps(spec.loss, sort_keys=True): spec.name for spec in jobs.values()}
+    compare_names = ["grpo"] + [m for m in args.methods if m != "grpo"] if args.part in ("all", "compare") else ["grpo"]
+    for name in compare_names:  # GRPO always: it is the sweep's baseline and the first-order prediction's data
+        same = sweep_points.get(json.dumps(COMPARE_RUNS[name], sort_keys=True))
+        if same is not None:  # e.g. stare_o1 is a sweep point: one run serves both
+            run_dirs["compare", name] = run_dirs["sweep", same]
+            continue
+        run_dirs["compare", name] = out / "compare" / (name + "_seed{seed}")
+        for seed in args.seeds:
+            jobs[out / "compare" / f"{name}_seed{seed}"] = RunSpec(name, COMPARE_RUNS[name], seed=seed, **common)
+    print(f"{len(jobs)} runs of {args.steps} steps ({args.prompts_per_step} prompts x 8 responses), "
+          f"{workers} at a time, under {out}", file=sys.stderr)
+    started = time.time()
+    results = run_all([(spec, args.tiny, out_dir) for out_dir, spec in jobs.items()], workers)
+
+    def seeds_of(part, name):
+        return [results[str(run_dirs[part, name]).format(seed=seed)] for seed in args.seeds]
+
+    summary = {"settings": {**vars(args), "runs": len(jobs)}}
+    compare_groups = {name: seeds_of("compare", name) for name in compare_names}
+    summary["compare"] = {name: summarize_group(runs, args.final_window) for name, runs in compare_groups.items()}
+    plot_compare(compare_groups, args.target_entropy, out / "compare.png")
+    if args.part in ("all", "sweep"):
+        grpo = summary["compare"]["grpo"]
+        sweep = {"runs": {}, "critical": {}}
+        for p in args.ps:
+            by_w = {w: summarize_group(seeds_of("sweep", sweep_name(w, p)), args.final_window) for w in args.ws}
+            sweep["runs"][p] = by_w
+            ws = sorted(by_w)
+            level = (grpo["entropy"]["mean"] + args.target_entropy) / 2  # halfway from GRPO's end to the target
+            predicted, dh_grpo, dh_lplus, batches = predicted_critical_w(compare_groups["grpo"], args.target_entropy, p)
+            measured = (crossing(ws, [by_w[w]["entropy"]["mean"] for w in ws], level)
+                        if grpo["entropy"]["mean"] < args.target_entropy else None)  # no collapse: no threshold
+            sweep["critical"][p] = {"measured": measured,
+                                    "entropy_level": level, "predicted": predicted, "dH_grpo": dh_grpo,
+                                    "dH_lplus": dh_lplus, "batches": batches}
+        plot_sweep(sweep, grpo, args.target_entropy, out / "sweep.png")
+        summary["sweep"] = {"critical": {f"{p:g}": v for p, v in sweep["critical"].items()},
+                            "runs": {f"P={p:g}": {f"W={w:g}": v for w, v in by_w.items()}
+                                     for p, by_w in sweep["runs"].items()}}
+    summary["seconds"] = round(time.time() - started, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print_summary(summary)
+    return 0
+
+
+def print_summary(summary):
+    def cell(stats):
+        return f"{stats['mean']:.3f} ± {stats['se']:.3f}"
+
+    print(f"{'run':<26} {'entropy':>15} {'distinct-correct':>17} {'accuracy':>15}")
+    rows = list(summary["compare"].items())
+    for p_label, by_w in summary.get("sweep", {}).get("runs", {}).items():
+        rows += [(f"O1 {w_label} {p_label}", stats) for w_label, stats in by_w.items()]
+    for name, stats in rows:
+        print(f"{name:<26} {cell(stats['entropy']):>15} {cell(stats['distinct_correct_frac']):>17} "
+              f"{cell(stats['acc_before_filter']):>15}")
+    for p, found in summary.get("sweep", {}).get("critical", {}).items():
+        measured = "none in the grid" if found["measured"] is None else f"{found['measured']:.2f}"
+        if found["batches"] == 0:
+            predicted = "none (no GRPO batch near the target)"
+        elif found["predicted"] is None:
+            predicted = "none (amplifying L+ lowers the entropy: dH_L+ <= 0)"
+        else:
+            predicted = f"{found['predicted']:.2f}"
+        print(f"P = {p}: critical W measured {measured} (final entropy crosses {found['entropy_level']:.3f}), "
+              f"first-order {predicted} (dH_grpo {found['dH_grpo']:.2e}, dH_L+ {found['dH_lplus']:.2e}, "
+              f"{found['batches']} batches)")
+    print(f"{summary['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

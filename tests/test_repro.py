@@ -1,0 +1,133 @@
+"""repro.py: its sampler and training forward against independent computations (train.py's padded forward, a
+closed-form softmax), the first-order critical W against entropy_dynamics, and a short run end to end."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import repro
+import stare
+import tiny
+import train
+
+
+@pytest.fixture(scope="module")
+def random_tiny():
+    """An untrained tiny Qwen2 (random weights: every token has a visible probability) and its tokenizer."""
+    tokenizer = tiny.build_tokenizer()
+    model = tiny.build_model(tokenizer, seed=3)
+    model.eval()
+    return model, tokenizer
+
+
+def test_response_logits_equal_train_py_forward_in_values_and_gradients(random_tiny):
+    model, tokenizer = random_tiny
+    torch.manual_seed(0)
+    prompts = torch.randint(3, 200, (2, 7))
+    lengths = [5, 2, 4, 1, 3, 5]  # 3 responses per prompt, right-padded to 5 (repro's layout)
+    responses = torch.full((6, 5), tokenizer.pad_token_id)
+    for row, length in enumerate(lengths):
+        responses[row, :length] = torch.randint(3, 200, (length,))
+    mask = torch.arange(5)[None, :] < torch.tensor(lengths)[:, None]
+    weights = torch.randn(6, 5, 320)  # a loss touching every logit: equal gradients mean equal graphs
+
+    model.zero_grad()
+    ours = repro.response_logits(model, prompts, responses, 3)
+    (ours * weights * mask[..., None]).sum().backward()
+    ours_grads = [p.grad.clone() for p in model.parameters()]
+
+    model.zero_grad()
+    rows = [{"prompt": prompts[r // 3].tolist(), "response": responses[r, :lengths[r]].tolist()} for r in range(6)]
+    tensors = train.sequence_tensors(rows, tokenizer.pad_token_id, "cpu")
+    theirs = train.response_logits(model, tensors)  # one full padded forward per row, no cache
+    (theirs * weights * mask[..., None]).sum().backward()
+
+    assert torch.allclose(ours[mask], theirs[mask], atol=1e-5)
+    for mine, other in zip(ours_grads, (p.grad for p in model.parameters())):
+        assert torch.allclose(mine, other, atol=1e-4, rtol=1e-4)
+
+
+def test_sampler_entropy_mask_and_first_token_distribution(random_tiny):
+    model, tokenizer = random_tiny
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    prompts = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(1))
+    tokens, mask, entropy = repro.sample(model, prompts, 4, 6, eos, pad, torch.Generator().manual_seed(0))
+    assert tokens.shape == mask.shape == entropy.shape and tokens.shape[0] == 8
+    for row in range(8):  # masked positions: a prefix, ending at the first EOS (included) or at max_tokens
+        length = int(mask[row].sum())
+        assert mask[row, :length].all() and (tokens[row, length:] == pad).all()
+        ends = (tokens[row, :length] == eos).nonzero()
+        assert (len(ends) == 0 and length == tokens.shape[1]) or ends.flatten().tolist() == [length - 1]
+    # the sampler's entropies are the training forward's, at the sampled tokens
+    with torch.no_grad():
+        logits = repro.response_logits(model, prompts, tokens, 4)
+    _, forward_entropy = stare.token_logprobs_and_entropy(logits, tokens)
+    assert torch.allclose(entropy[mask], forward_entropy[mask], atol=1e-5)
+
+    # first tokens of many samples follow the softmax: every frequency within 5 standard errors
+    samples = 4000
+    first, _, _ = repro.sample(model, prompts[:1], samples, 1, eos, pad, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=prompts[:1]).logits[0, -1], -1)
+    counts = torch.bincount(first[:, 0], minlength=probs.numel()).float() / samples
+    tolerance = 5 * torch.sqrt(probs * (1 - probs) / samples) + 1e-3
+    assert ((counts - probs).abs() <= tolerance).all()
+
+
+def test_critical_w_cancels_the_first_order_entropy_change():
+    generator = torch.Generator().manual_seed(0)
+    advantages = torch.randn(16, generator=generator)
+    sensitivity = torch.randn(16, 9, generator=generator)
+    logprobs = -torch.rand(16, 9, generator=generator) * 4
+    mask = torch.rand(16, 9, generator=generator) > 0.2
+    # make GRPO's drift negative and the top-surprisal positive tokens raise entropy (the case where W* exists)
+    surprisal = -logprobs
+    sensitivity = torch.where(surprisal > 2.5, sensitivity.abs(), -sensitivity.abs())
+    dh_grpo, dh_lplus, w_star = repro.critical_w(advantages, sensitivity, logprobs, mask, 0.2)
+    assert dh_grpo < 0 < dh_lplus and w_star > 1
+    weights, _ = stare.stare_weights(logprobs, advantages, mask, "O1", 0.2, w=float(w_star))
+    total = stare.entropy_dynamics(advantages, sensitivity, mask, weights=weights)["total/dH"]
+    assert abs(float(total)) < 1e-6
+    # no W* when amplifying L+ lowers the entropy too
+    _, dh_lplus, w_star = repro.critical_w(advantages, -sensitivity.abs(), logprobs, mask, 0.2)
+    assert dh_lplus < 0 and math.isnan(w_star)
+
+
+def test_crossing_and_predicted_critical_w_by_hand():
+    assert repro.crossing([1, 2, 4], [0.1, 0.2, 0.4], 0.3) == pytest.approx(3.0)
+    assert repro.crossing([1, 2], [0.5, 0.6], 0.3) == 1
+    assert repro.crossing([1, 2], [0.1, 0.2], 0.3) is None
+    batches = [{"train/entropy": 0.2, "repro/dH_grpo": -0.02, "repro/dH_lplus@0.1": 0.01},
+               {"train/entropy": 0.22, "repro/dH_grpo": -0.04, "repro/dH_lplus@0.1": 0.03},
+               {"train/entropy": 0.5, "repro/dH_grpo": -9.0, "repro/dH_lplus@0.1": 1.0}]  # outside the band
+    w_c, dh_grpo, dh_lplus, count = repro.predicted_critical_w([batches[:1], batches[1:]], 0.2, 0.1)
+    assert count == 2 and dh_grpo == pytest.approx(-0.03) and dh_lplus == pytest.approx(0.02)
+    assert w_c == pytest.approx(1 + 0.03 / 0.02)
+
+
+def test_short_runs_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
+    """Three steps of GRPO and of STARE (gate always on) on the tiny default through main(): metrics, summary and
+    figures are written, the same seed gives GRPO and STARE the same first batch, the comparison's stare_o1 (a sweep
+    point) is not run twice, and a second call reruns nothing."""
+    argv = ["--tiny", str(tiny_dir), "--out", str(tmp_path), "--methods", "grpo", "stare_o1", "--ws", "4", "--ps", "0.05",
+            "--seeds", "0", "--steps", "3", "--prompts-per-step", "4", "--target-entropy", "10", "--workers", "1",
+            "--final-window", "2"]
+    assert repro.main(argv) == 0
+    grpo = repro.read_records(tmp_path / "compare" / "grpo_seed0" / "metrics.jsonl")
+    stare_run = repro.read_records(tmp_path / "sweep" / "stare_o1_w4_p0.05_seed0" / "metrics.jsonl")
+    assert [r["step"] for r in grpo] == [r["step"] for r in stare_run] == [1, 2, 3]
+    for key in ("train/entropy", "rollout/acc_before_filter", "rollout/distinct_correct_frac"):
+        assert grpo[0][key] == stare_run[0][key]  # same model, seed and prompts: the same first batch
+    assert all(r["stare/gate_on"] == 1.0 for r in stare_run)
+    updated = [r for r in stare_run if "train/loss" in r]
+    assert all(r["train/touched_frac"] > 0 for r in updated)  # L+ was reweighted
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert sorted(p.name for p in (tmp_path / "compare").iterdir()) == ["grpo_seed0"]
+    assert summary["compare"]["stare_o1"] == summary["sweep"]["runs"]["P=0.05"]["W=4"]
+    assert summary["settings"]["runs"] == 2 and "0.05" in summary["sweep"]["critical"]
+    assert (tmp_path / "compare.png").stat().st_size > 0 and (tmp_path / "sweep.png").stat().st_size > 0
+    before = (tmp_path / "compare" / "grpo_seed0" / "metrics.jsonl").stat().st_mtime_ns
+    assert repro.main(argv) == 0  # complete runs are read back, not rerun
+    assert (tmp_path / "compare" / "grpo_seed0" / "metrics.jsonl").stat().st_mtime_ns == before
