@@ -1,0 +1,67 @@
+"""bench.py trl-compare: TRL stays optional, and its GRPOTrainer is set up to do the work of train.py's step."""
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import bench
+import data
+
+
+def test_bench_does_not_import_trl():
+    # a fresh interpreter: another test may already have imported trl into this one
+    code = "import sys, bench; assert 'trl' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(bench.__file__).parent)
+
+
+def test_trl_compare_without_trl_names_the_requirements_file(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "trl" else real_find_spec(name, *rest))
+    args = argparse.Namespace(trl_worker=None, tiny="unused", steps=6, prompts=16, threads=None, result=None)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.bench_trl_compare(args)
+    assert "pip install -r requirements-bench.txt" in str(exit_info.value.code)
+
+
+def test_trl_step_does_the_work_of_ours(tiny_dir, tmp_path):
+    pytest.importorskip("trl")
+    prompts, steps = 4, 2  # a small batch keeps it fast; trl-compare uses 16
+    cfg = bench.compare_config(tiny_dir, prompts)
+    # ours, from the config train.py runs with: every group of the one generation round is trained on, in one step
+    assert cfg.algorithm.method == "grpo" and not cfg.algorithm.dynamic_sampling
+    assert cfg.algorithm.gen_batch_size == cfg.train.train_batch_size == cfg.train.mini_batch_size == prompts
+    completions = prompts * cfg.rollout.n
+
+    timer = bench.TrlStepTimes()
+    trainer = bench.trl_trainer(cfg, tmp_path, steps, use_vllm=False, timer=timer)
+    args = trainer.args
+    # one generation batch of the same size per optimizer step, used once (on-policy), no KL / reference model
+    assert args.generation_batch_size == args.per_device_train_batch_size == completions
+    assert (args.steps_per_generation, args.gradient_accumulation_steps, args.num_iterations) == (1, 1, 1)
+    assert args.num_generations == cfg.rollout.n and args.max_completion_length == cfg.rollout.max_tokens
+    assert (args.temperature, args.top_p, args.top_k) == (cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+    assert args.beta == 0.0 and trainer.ref_model is None
+    assert (args.learning_rate, args.lr_scheduler_type) == (cfg.optim.lr, "constant")
+    assert not args.gradient_checkpointing and not args.bf16 and not args.fp16
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    # the same prompt token ids as data.py gives train.py
+    examples = data.load_examples(cfg.data.train_files[0], prompt_suffix=cfg.data.prompt_suffix)
+    ours_ids, _, _ = data.tokenize_prompts(examples, trainer.processing_class, cfg.data.max_prompt_tokens)
+    trl_ids, _, _ = trainer._tokenize_prompts([e.messages for e in examples])
+    assert [list(ids) for ids in trl_ids] == ours_ids
+
+    trainer.train()
+    assert len(timer.steps) == steps
+    for step in timer.steps:  # what TRL scored each step: every completion, within the response budget
+        assert step["completions"] == completions
+        assert 0 < step["response_tokens"] <= completions * cfg.rollout.max_tokens
+        assert step["step_s"] > step["generate"] > 0 and "old_logprobs" not in step  # on-policy: no no-grad pass
+    summary = bench.trl_summary({"steps": timer.steps}, wall=0.0)  # the report averages the steps after the first
+    assert summary["completions_per_step"] == completions
+    assert summary["response_tokens_per_step"] == timer.steps[1]["response_tokens"]
