@@ -1,8 +1,8 @@
 """repro.py: the paper's entropy effect in miniature: GRPO vs STARE (and STAPO, Lp-Reg) on the tiny default, on CPU.
 
-    python tiny.py --out runs/tiny && python repro.py --tiny runs/tiny --out runs/repro     # everything, ~30 min
+    python tiny.py --out runs/tiny && python repro.py --tiny runs/tiny --out runs/repro     # everything, ~23 min
     python repro.py --tiny runs/tiny --out runs/repro --part compare --methods grpo stare_o1 stapo
-    python repro.py --tiny runs/tiny --out runs/repro --part sweep --ws 1.1 2 3 --ps 0.2 --seeds 0 1 2
+    python repro.py --tiny runs/tiny --out runs/repro --part sweep --ws 1.1 2 3 --ps 0.05 --seeds 0 1 2
     python plots.py runs/repro/compare/*_seed0 --out runs/repro/figs     # any runs, overlaid, with train.py's figures
 
 The task is the tiny default's "write N as a+b" (tiny.py): 9 correct answers per prompt, so an entropy collapse
@@ -10,9 +10,11 @@ shows as the model settling on one of them. What is measured per step, besides e
 of correct answers (evaluate.distinct_correct_fraction: distinct correct responses / correct responses per group).
 
 Two parts, written under --out:
-  compare/   GRPO ("grpo": STARE off), STARE O1 and C2, STAPO and Lp-Reg, same seeds, same prompts, same steps:
+  compare/   GRPO ("grpo": STARE off), STARE at the paper's W = 1.1, P = 10% and above the threshold (O1, and C2
+             with M = 0.5), STAPO and Lp-Reg (COMPARE_RUNS), same seeds, same prompts, same steps:
              compare/<run>_seed<k>/metrics.jsonl (train.py's metric names, so plots.py draws them) and config.yaml;
-             compare.png overlays the seed-mean curves.
+             compare.png overlays the seed-mean curves (+- SE). A comparison run whose settings are a sweep point
+             is that sweep run (not run twice).
   sweep/     STARE O1 over a grid of W (x P) with several seeds; sweep.png plots the final entropy and distinct-correct
              fraction against W, with GRPO's band; the critical strength W_c (where the final entropy, as a function
              of W, crosses halfway between GRPO's and the gate's target) is located by linear interpolation and
@@ -23,10 +25,14 @@ Two parts, written under --out:
 The first-order prediction. stare.entropy_dynamics gives, for one batch, the token mean of A*S (S: entropy
 sensitivity), the predicted entropy change of a policy-gradient step per unit learning rate; STARE's weights multiply
 each token's term by omega. With the gate on, omega = W on L+ and 1 elsewhere (O1), so the prediction is linear in W:
-    dH(W) = dH_grpo + (W - 1) * dH_L+,   dH_L+ = mean over tokens of A*S on L+ only (> 0: L+ tokens have S > 0 mostly)
-and it is zero at W* = 1 - dH_grpo / dH_L+. Every run logs dH_grpo, dH_L+ and W* for its own batches
-(repro/dH_grpo, repro/dH_lplus, repro/w_critical); the predicted W_c is the median W* of GRPO's batches while its
-entropy is within +-25% of the target, i.e. the strength that would cancel GRPO's drift where the gate engages.
+    dH(W) = dH_grpo + (W - 1) * dH_L+,   dH_L+ = sum of A*S over the L+ tokens / all tokens
+and it is zero at W* = 1 - dH_grpo / dH_L+ when GRPO's drift is negative and dH_L+ > 0. dH_L+ is positive only if
+the top-P% surprisal tokens of A > 0 are mostly above their context's critical surprisal (S > 0); when P is large
+enough that L+ takes in the likely tokens of confident choices (S < 0), amplifying L+ *lowers* the entropy and no
+W holds it. Every run logs, per batch, repro/dH_grpo and repro/dH_lplus@P, repro/w_critical@P for each swept P; the
+predicted W_c is 1 - mean(dH_grpo) / mean(dH_L+) over GRPO's batches whose entropy is within +-25% of the target:
+the strength that would cancel GRPO's drift where the gate engages (a ratio of means: a single batch's dH_L+ is
+noisy and crosses zero).
 
 The loop is in this file, not train.py's: train.py costs ~1.5 s per step on the tiny default (vLLM engine, FSDP2,
 weight sync, dynamic-sampling rounds), too slow for a sweep of hundreds of steps x dozens of runs in half an hour.
@@ -38,7 +44,8 @@ Two differences, both for speed: (1) dynamic sampling filters groups whose rewar
 resample to refill the batch (those groups have zero advantage: dropping them changes only the token-mean's
 denominator, which AdamW's normalisation mostly cancels); a step without any mixed group makes no update. (2) The
 gate reads the entropy of every sampled token (computed by the sampler, free), not only the kept groups'.
-Cost: ~0.1-0.2 s per step at 32 prompts x 8 responses on one core; two runs go in parallel on two cores.
+Cost: 0.2-0.3 s per step at 16 prompts x 8 responses on one core, two runs in parallel on two cores; the default
+(48 runs of 150 steps) took 22.6 min on 2 cores, part of it sharing them with another job.
 
 Caveats (README): a 0.5M-parameter model, a 16-token task with 9 right answers, AdamW at lr 3e-4: the mechanism
 of the paper, not its numbers. Adam's per-parameter normalisation is not the plain gradient step that
@@ -429,6 +436,9 @@ def plot_compare(groups, target_entropy, path):
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for (key, title), ax in zip(panels, axes):
         for label, runs in groups.items():
+            touched = [r.get("train/touched_frac", 0.0) for records in runs for r in records]
+            if label != "grpo" and not any(touched):  # e.g. STAPO at this scale: its curves are GRPO's
+                label += " (changed no token: = grpo)"
             curves = [smoothed([r.get(key) for r in records]) for records in runs]
             length = min(map(len, curves))
             steps = list(range(1, length + 1))
@@ -476,7 +486,10 @@ def plot_sweep(sweep, grpo, target_entropy, path):
         if key == "entropy":
             ax.axhline(target_entropy, color="gray", ls="--", lw=1, label="gate target")
         ax.set_xscale("log")
-        ax.set_xlabel("W (weight on L+)")
+        ws = sorted({w for by_w in sweep["runs"].values() for w in by_w})
+        ax.set_xticks(ws, [f"{w:g}" for w in ws])
+        ax.minorticks_off()
+        ax.set_xlabel("W (weight on L+), log scale")
         ax.set_title(title + ("\n(dotted: measured W_c, dash-dot: first-order W_c)" if key == "entropy" else ""))
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -583,7 +596,7 @@ def main(argv):
         summary["sweep"] = {"critical": {f"{p:g}": v for p, v in sweep["critical"].items()},
                             "runs": {f"P={p:g}": {f"W={w:g}": v for w, v in by_w.items()}
                                      for p, by_w in sweep["runs"].items()}}
-    summary["seconds"] = round(time.time() - started, 1)
+    summary["seconds_this_invocation"] = round(time.time() - started, 1)  # complete runs are not rerun
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)
     return 0
@@ -611,7 +624,7 @@ def print_summary(summary):
         print(f"P = {p}: critical W measured {measured} (final entropy crosses {found['entropy_level']:.3f}), "
               f"first-order {predicted} (dH_grpo {found['dH_grpo']:.2e}, dH_L+ {found['dH_lplus']:.2e}, "
               f"{found['batches']} batches)")
-    print(f"{summary['seconds']:.0f} s")
+    print(f"{summary['seconds_this_invocation']:.0f} s (runs already complete were read back)")
 
 
 if __name__ == "__main__":
