@@ -3,10 +3,11 @@
     python tiny.py --out runs/tiny && python repro.py --tiny runs/tiny --out runs/repro     # everything, ~23 min
     python repro.py --tiny runs/tiny --out runs/repro --part compare --methods grpo stare_o1 stapo
     python repro.py --tiny runs/tiny --out runs/repro --part sweep --ws 1.1 2 3 --ps 0.05 --seeds 0 1 2
-    python plots.py runs/repro/compare/*_seed0 --out runs/repro/figs     # any runs, overlaid, with train.py's figures
+    python plots.py runs/repro/compare/grpo_seed0 runs/repro/sweep/stare_o1_w4_p0.05_seed0 --out runs/repro/figs
 
-The task is the tiny default's "write N as a+b" (tiny.py): 9 correct answers per prompt, so an entropy collapse
-shows as the model settling on one of them. What is measured per step, besides entropy and accuracy, is the diversity
+The task is the tiny default's "write N as a+b" (tiny.py): N - 1 correct answers per prompt (9 to 28; the warm-up
+taught the 9 with a single-digit first addend), so an entropy collapse shows as the model settling on one of them.
+16 prompts per step is the whole training split: every step sees every prompt, in a seeded order. What is measured per step, besides entropy and accuracy, is the diversity
 of correct answers (evaluate.distinct_correct_fraction: distinct correct responses / correct responses per group).
 
 Two parts, written under --out:
@@ -34,8 +35,8 @@ predicted W_c is 1 - mean(dH_grpo) / mean(dH_L+) over GRPO's batches whose entro
 the strength that would cancel GRPO's drift where the gate engages (a ratio of means: a single batch's dH_L+ is
 noisy and crosses zero).
 
-The loop is in this file, not train.py's: train.py costs ~1.5 s per step on the tiny default (vLLM engine, FSDP2,
-weight sync, dynamic-sampling rounds), too slow for a sweep of hundreds of steps x dozens of runs in half an hour.
+The loop is in this file, not train.py's: train.py costs 0.85-2 s per step on the tiny default (bench.py train-step
+and trl-compare: vLLM engine, FSDP2, weight sync, dynamic-sampling rounds), too slow for a sweep of hundreds of steps x dozens of runs in half an hour.
 Here sampling is a batched KV-cache loop over the same transformers model, on-policy (one update per batch, so the
 PPO ratio is 1 and the clip never acts), with the objective of train.py: the same prompts (data.py), verifier
 (rewards.compute_rewards), advantages (stare.group_advantages), token selection and loss (baselines.policy_loss
@@ -43,11 +44,13 @@ with configs/tiny.yaml's loss and optimizer settings), gate (stare.EntropyGate),
 Two differences, both for speed: (1) dynamic sampling filters groups whose rewards are all equal but does not
 resample to refill the batch (those groups have zero advantage: dropping them changes only the token-mean's
 denominator, which AdamW's normalisation mostly cancels); a step without any mixed group makes no update. (2) The
-gate reads the entropy of every sampled token (computed by the sampler, free), not only the kept groups'.
+gate reads the entropy of every sampled token (computed by the sampler, free), not only the kept groups'; that is
+what train/entropy means here. Distinct-correct compares token sequences: spellings the verifier treats alike
+("3+14" and "3 + 14") count as distinct.
 Cost: 0.2-0.3 s per step at 16 prompts x 8 responses on one core, two runs in parallel on two cores; the default
 (48 runs of 150 steps) took 22.6 min on 2 cores, part of it sharing them with another job.
 
-Caveats (README): a 0.5M-parameter model, a 16-token task with 9 right answers, AdamW at lr 3e-4: the mechanism
+Caveats (README): a 0.5M-parameter model, a 16-token task with 9-28 right answers, AdamW at lr 3e-4: the mechanism
 of the paper, not its numbers. Adam's per-parameter normalisation is not the plain gradient step that
 entropy_dynamics assumes (its tabular softmax approximation neither), so W* is a first-order estimate to compare with.
 """
@@ -92,8 +95,8 @@ class RunSpec:
     name: str  # directory name under its part
     loss: dict  # {"method": ..., LossConfig field: value, ...}
     seed: int = 0
-    steps: int = 400
-    prompts_per_step: int = 32
+    steps: int = 150
+    prompts_per_step: int = 16
     target_entropy: float = 0.2
     lr: float | None = None  # None: configs/tiny.yaml's
     predict_ps: tuple = (0.1,)  # the P values whose first-order W* every step logs (repro/w_critical@P)
@@ -221,13 +224,16 @@ def train_run(spec, tiny_dir, out_dir, progress=None):
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
-    gate = stare.EntropyGate(cfg.algorithm.target_entropy, cfg.loss.stare_w, cfg.loss.stare_m)
+    gate = stare.EntropyGate(cfg.algorithm.target_entropy, cfg.loss.stare_w, cfg.loss.stare_m,
+                             cfg.algorithm.gate_adaptive, cfg.algorithm.gate_alpha, cfg.algorithm.gate_w_max,
+                             cfg.algorithm.gate_m_min)
     sampler = torch.Generator().manual_seed(spec.seed)  # responses
     order = torch.Generator().manual_seed(10_007 + spec.seed)  # prompts: every method sees the same sequence
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(config.to_yaml(cfg))
+    (out_dir / "config.yaml").write_text(config.to_yaml(cfg))  # the objective's settings (plots.py reads the target)
+    (out_dir / "repro.json").write_text(json.dumps(spec_record(spec)))  # the run's own: batch, steps, swept P
     records = []
     with open(out_dir / "metrics.jsonl", "w") as log:
         for step in range(1, spec.steps + 1):
@@ -246,7 +252,8 @@ def train_run(spec, tiny_dir, out_dir, progress=None):
             groups = [{"responses": [tokens[r, :lengths[r]].tolist() for r in range(g * n, (g + 1) * n)],
                        "accuracies": accuracies[g * n:(g + 1) * n]} for g in range(len(chosen))]
             advantages = stare.group_advantages(torch.tensor(scores), n, cfg.algorithm.normalize_std)  # [G*n]
-            kept_groups = [g for g in range(len(chosen)) if len(set(scores[g * n:(g + 1) * n])) > 1]
+            kept_groups = [g for g in range(len(chosen))  # train.py's filter: accuracies not all equal
+                           if len(set(accuracies[g * n:(g + 1) * n])) > 1]
             batch_entropy = float(sampled_entropy.sum() / mask.sum())
             gate.update(batch_entropy)  # before the update, like train.py (§1.3)
             metrics = {"step": step, "train/entropy": batch_entropy,
@@ -321,6 +328,11 @@ def read_records(path):
     return records
 
 
+def spec_record(spec):
+    """A RunSpec as the JSON a run directory keeps: a rerun reuses the directory only if it matches."""
+    return json.loads(json.dumps(dataclasses.asdict(spec)))
+
+
 def _run_in_worker(job):
     spec, tiny_dir, out_dir = job
     torch.set_num_threads(1)
@@ -330,14 +342,17 @@ def _run_in_worker(job):
 
 
 def run_all(jobs, workers):
-    """Run every (spec, tiny_dir, out_dir) job whose metrics.jsonl is not already complete (so an interrupted
-    `repro.py` continues where it stopped), `workers` at a time; returns {out_dir: records}."""
+    """Run every (spec, tiny_dir, out_dir) job that out_dir does not already hold complete, with the same RunSpec
+    (so an interrupted `repro.py` reruns only the unfinished runs, each from its first step; changed settings rerun
+    everything they touch), `workers` at a time; returns {out_dir: the first spec.steps records}."""
     from tqdm import tqdm
 
     todo = []
     for spec, tiny_dir, out_dir in jobs:
-        metrics = Path(out_dir) / "metrics.jsonl"
-        if not (metrics.exists() and len(read_records(metrics)) >= spec.steps):
+        metrics, record = Path(out_dir) / "metrics.jsonl", Path(out_dir) / "repro.json"
+        complete = (metrics.exists() and record.exists() and json.loads(record.read_text()) == spec_record(spec)
+                    and len(read_records(metrics)) >= spec.steps)
+        if not complete:
             todo.append((spec, tiny_dir, out_dir))
     if todo:
         progress = tqdm(total=len(todo), desc="runs", unit="run")
@@ -346,7 +361,7 @@ def run_all(jobs, workers):
                 progress.set_postfix_str(f"{spec.name} seed {spec.seed}: {seconds:.0f} s")
                 progress.update()
         progress.close()
-    return {str(out_dir): read_records(Path(out_dir) / "metrics.jsonl") for _, _, out_dir in jobs}
+    return {str(out_dir): read_records(Path(out_dir) / "metrics.jsonl")[:spec.steps] for spec, _, out_dir in jobs}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -402,11 +417,21 @@ def predicted_critical_w(grpo_runs, target_entropy, top_ratio, band=0.25):
 
 
 def summarize_group(records_by_seed, window):
+    """Final values (seed mean, SE, per seed) and, per seed, how the run got there: the first step with the gate on,
+    the fraction of steps with it on, the mean fraction of tokens whose loss differs from GRPO's, the wall time."""
     finals = [final_values(records, window) for records in records_by_seed]
     summary = {}
     for key in FINAL_KEYS:
         mean, se = mean_and_se([f[key] for f in finals])
         summary[key.split("/")[-1]] = {"mean": mean, "se": se, "per_seed": [f[key] for f in finals]}
+    updates = [[r for r in records if "train/touched_frac" in r] for records in records_by_seed]
+    summary["per_seed"] = {
+        "first_gate_on_step": [next((r["step"] for r in records if r["stare/gate_on"]), None)
+                               for records in records_by_seed],
+        "gate_on_frac": [statistics.mean(r["stare/gate_on"] for r in records) for records in records_by_seed],
+        "touched_frac": [statistics.mean(r["train/touched_frac"] for r in rows) if rows else 0.0 for rows in updates],
+        "seconds": [round(sum(r["time/step"] for r in records), 1) for records in records_by_seed],
+    }
     return summary
 
 
@@ -485,6 +510,8 @@ def plot_sweep(sweep, grpo, target_entropy, path):
         ax.axhline(mean, color="black", lw=1, label="GRPO (STARE off)")
         if key == "entropy":
             ax.axhline(target_entropy, color="gray", ls="--", lw=1, label="gate target")
+            level = next(iter(sweep["critical"].values()))["entropy_level"]
+            ax.axhline(level, color="gray", ls=":", lw=1, label="level defining W_c")
         ax.set_xscale("log")
         ws = sorted({w for by_w in sweep["runs"].values() for w in by_w})
         ax.set_xticks(ws, [f"{w:g}" for w in ws])
@@ -617,6 +644,8 @@ def print_summary(summary):
         measured = "none in the grid" if found["measured"] is None else f"{found['measured']:.2f}"
         if found["batches"] == 0:
             predicted = "none (no GRPO batch near the target)"
+        elif found["predicted"] is None and found["dH_grpo"] >= 0:
+            predicted = "none (GRPO's drift near the target is not negative)"
         elif found["predicted"] is None:
             predicted = "none (amplifying L+ lowers the entropy: dH_L+ <= 0)"
         else:

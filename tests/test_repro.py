@@ -1,6 +1,7 @@
 """repro.py: its sampler and training forward against independent computations (train.py's padded forward, a
 closed-form softmax), the first-order critical W against entropy_dynamics, and a short run end to end."""
 
+import copy
 import json
 import math
 
@@ -53,18 +54,30 @@ def test_sampler_entropy_mask_and_first_token_distribution(random_tiny):
     model, tokenizer = random_tiny
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     prompts = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(1))
-    tokens, mask, entropy = repro.sample(model, prompts, 4, 6, eos, pad, torch.Generator().manual_seed(0))
-    assert tokens.shape == mask.shape == entropy.shape and tokens.shape[0] == 8
-    for row in range(8):  # masked positions: a prefix, ending at the first EOS (included) or at max_tokens
-        length = int(mask[row].sum())
-        assert mask[row, :length].all() and (tokens[row, length:] == pad).all()
+    eos_model = copy.deepcopy(model)  # EOS made likely, so that responses end at many lengths
+    with torch.no_grad():
+        eos_model.lm_head.weight[eos] *= 6.0
+    tokens, mask, entropy = repro.sample(eos_model, prompts, 16, 12, eos, pad, torch.Generator().manual_seed(0))
+    assert tokens.shape == mask.shape == entropy.shape and tokens.shape[0] == 32
+    lengths = mask.sum(1)
+    assert lengths.min() < tokens.shape[1] and (lengths > 1).any()  # some stop early, not all at once
+    for row in range(32):  # masked positions: a prefix, ending at the first EOS (included) or at max_tokens
+        length = int(lengths[row])
+        assert mask[row, :length].all() and not mask[row, length:].any() and (tokens[row, length:] == pad).all()
         ends = (tokens[row, :length] == eos).nonzero()
-        assert (len(ends) == 0 and length == tokens.shape[1]) or ends.flatten().tolist() == [length - 1]
+        assert (len(ends) == 0 and length == 12) or ends.flatten().tolist() == [length - 1]
+    if (tokens == eos).any(1).all():  # every row ended: the tensors stop at the longest response
+        assert tokens.shape[1] == int(lengths.max())
     # the sampler's entropies are the training forward's, at the sampled tokens
     with torch.no_grad():
-        logits = repro.response_logits(model, prompts, tokens, 4)
+        logits = repro.response_logits(eos_model, prompts, tokens, 16)
     _, forward_entropy = stare.token_logprobs_and_entropy(logits, tokens)
     assert torch.allclose(entropy[mask], forward_entropy[mask], atol=1e-5)
+    # all rows stop at EOS -> the width is the longest response, not max_tokens
+    with torch.no_grad():
+        eos_model.lm_head.weight[eos] *= 5.0
+    short, short_mask, _ = repro.sample(eos_model, prompts, 16, 200, eos, pad, torch.Generator().manual_seed(0))
+    assert short.shape[1] == int(short_mask.sum(1).max()) < 200
 
     # first tokens of many samples follow the softmax: every frequency within 5 standard errors
     samples = 4000
@@ -90,9 +103,11 @@ def test_critical_w_cancels_the_first_order_entropy_change():
     weights, _ = stare.stare_weights(logprobs, advantages, mask, "O1", 0.2, w=float(w_star))
     total = stare.entropy_dynamics(advantages, sensitivity, mask, weights=weights)["total/dH"]
     assert abs(float(total)) < 1e-6
-    # no W* when amplifying L+ lowers the entropy too
+    # no W* when amplifying L+ lowers the entropy too, nor when GRPO's own drift is not negative
     _, dh_lplus, w_star = repro.critical_w(advantages, -sensitivity.abs(), logprobs, mask, 0.2)
     assert dh_lplus < 0 and math.isnan(w_star)
+    dh_grpo, _, w_star = repro.critical_w(advantages, -sensitivity, logprobs, mask, 0.2)
+    assert dh_grpo > 0 and math.isnan(w_star)
 
 
 def test_crossing_and_predicted_critical_w_by_hand():
@@ -105,6 +120,9 @@ def test_crossing_and_predicted_critical_w_by_hand():
     w_c, dh_grpo, dh_lplus, count = repro.predicted_critical_w([batches[:1], batches[1:]], 0.2, 0.1)
     assert count == 2 and dh_grpo == pytest.approx(-0.03) and dh_lplus == pytest.approx(0.02)
     assert w_c == pytest.approx(1 + 0.03 / 0.02)
+    flipped = [{**b, "repro/dH_lplus@0.1": -b["repro/dH_lplus@0.1"]} for b in batches]
+    assert repro.predicted_critical_w([flipped], 0.2, 0.1)[0] is None  # amplifying L+ lowers entropy: no W_c
+    assert repro.predicted_critical_w([batches], 0.2, 0.05)[3] == 0  # no batch logged this P
 
 
 def test_short_runs_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
@@ -122,12 +140,16 @@ def test_short_runs_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
         assert grpo[0][key] == stare_run[0][key]  # same model, seed and prompts: the same first batch
     assert all(r["stare/gate_on"] == 1.0 for r in stare_run)
     updated = [r for r in stare_run if "train/loss" in r]
-    assert all(r["train/touched_frac"] > 0 for r in updated)  # L+ was reweighted
+    assert updated and all(r["train/touched_frac"] > 0 for r in updated)  # L+ was reweighted
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert sorted(p.name for p in (tmp_path / "compare").iterdir()) == ["grpo_seed0"]
     assert summary["compare"]["stare_o1"] == summary["sweep"]["runs"]["P=0.05"]["W=4"]
     assert summary["settings"]["runs"] == 2 and "0.05" in summary["sweep"]["critical"]
     assert (tmp_path / "compare.png").stat().st_size > 0 and (tmp_path / "sweep.png").stat().st_size > 0
-    before = (tmp_path / "compare" / "grpo_seed0" / "metrics.jsonl").stat().st_mtime_ns
+    runs = [tmp_path / "compare" / "grpo_seed0" / "metrics.jsonl",
+            tmp_path / "sweep" / "stare_o1_w4_p0.05_seed0" / "metrics.jsonl"]
+    before = [path.stat().st_mtime_ns for path in runs]
     assert repro.main(argv) == 0  # complete runs are read back, not rerun
-    assert (tmp_path / "compare" / "grpo_seed0" / "metrics.jsonl").stat().st_mtime_ns == before
+    assert [path.stat().st_mtime_ns for path in runs] == before
+    assert repro.main(argv[:-2] + ["--final-window", "2", "--target-entropy", "9"]) == 0  # other settings: rerun
+    assert all(path.stat().st_mtime_ns != old for path, old in zip(runs, before))
