@@ -261,9 +261,9 @@ def train_run(spec, tiny_dir, out_dir, progress=None):
                        "rollout/distinct_correct_frac": evaluate.distinct_correct_fraction(groups),
                        "rollout/response_length_mean": float(lengths.float().mean()),
                        "train/kept_groups": len(kept_groups), "stare/gate_on": float(gate.gate_on)}
-            if kept_groups:  # accuracy of the groups the update sees (train.py's rollout/acc)
+            if kept_groups:  # else no update, as train.py would resample (repro.py does not)
+                # accuracy of the groups the update sees (train.py's rollout/acc)
                 metrics["rollout/acc"] = statistics.mean(accuracies[g * n + k] for g in kept_groups for k in range(n))
-            if kept_groups:
                 metrics.update(update_step(model, optimizer, gate, cfg, method, prompts[chosen], tokens, mask,
                                            advantages, kept_groups, spec.predict_ps))
             metrics["time/step"] = time.time() - start
