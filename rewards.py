@@ -45,7 +45,10 @@ Timeouts, and why they work this way
     So we pass timeout=None to math-verify and put a single deadline of timeout_s around the whole check.
     In the main thread, the deadline is a SIGALRM interval timer (setitimer, fractional seconds) whose handler
     raises an exception derived from BaseException. math-verify's and sympy's `except Exception` blocks therefore
-    cannot swallow it. Afterwards the caller's SIGALRM handler is restored, and so is whatever time was left on a
+    cannot swallow it. Python itself can: an exception raised while a weakref callback or a __del__ runs (sympy's
+    caches trigger both) is printed as "Exception ignored" and dropped. So after the deadline the timer keeps
+    firing every 10 ms until the exception gets through, and a check that still returns after its deadline (every
+    exception dropped) counts as a timeout too. Afterwards the caller's SIGALRM handler is restored, and so is whatever time was left on a
     pending alarm of the caller's. That alarm goes off late, when the check ends.
     The timer can only interrupt Python code, between bytecodes. A single long C call would run to its end first,
     but in tests every pathological input stopped within 60 ms of the deadline.
@@ -126,10 +129,6 @@ class _Timeout(BaseException):
     math-verify and sympy let it through to verify_math."""
 
 
-def _raise_timeout(signum, frame):
-    raise _Timeout
-
-
 def _alarm_usable() -> bool:
     return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
 
@@ -139,14 +138,25 @@ def _call_with_deadline(seconds: float, fn, *args):
     if seconds is None or seconds <= 0 or not _alarm_usable():
         return fn(*args)
     started = time.monotonic()
-    previous_handler = signal.signal(signal.SIGALRM, _raise_timeout)
+    expired = []
+
+    def raise_timeout(signum, frame):
+        expired.append(True)
+        raise _Timeout
+
+    previous_handler = signal.signal(signal.SIGALRM, raise_timeout)
     previous_timer = (0.0, 0.0)
     try:
-        previous_timer = signal.setitimer(signal.ITIMER_REAL, seconds)
+        # at the deadline, then every 10 ms: a _Timeout that Python dropped (raised inside a weakref callback or a
+        # __del__, "Exception ignored in ...") is raised again at the next tick
+        previous_timer = signal.setitimer(signal.ITIMER_REAL, seconds, 0.01)
         try:
-            return fn(*args)
+            result = fn(*args)
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)  # one-shot timer: once this has run, no _Timeout can follow
+            signal.setitimer(signal.ITIMER_REAL, 0)  # stopped: once this has run, no _Timeout can follow
+        if expired:  # the deadline passed and every _Timeout was dropped: the answer came too late all the same
+            raise _Timeout
+        return result
     finally:
         # None means the handler was not installed from Python; the default is the closest equivalent
         signal.signal(signal.SIGALRM, signal.SIG_DFL if previous_handler is None else previous_handler)

@@ -155,6 +155,36 @@ def test_pathological_input_returns_within_the_deadline(answer):
     assert elapsed < 0.5 + 0.5
 
 
+def test_a_dropped_timeout_still_ends_the_check():
+    """Python drops an exception raised inside a weakref callback or __del__ ("Exception ignored in ..."; seen with
+    sympy's caches): the check must still end at the deadline, and count as timed out if it returns after it."""
+    def drops_the_first_then_computes():
+        try:
+            while True:
+                pass
+        except rewards._Timeout:  # dropped, as Python does in a weakref callback
+            pass
+        start = time.monotonic()
+        while time.monotonic() - start < 2.0:  # keeps computing: the next tick must interrupt it
+            pass
+        return "late"
+
+    def drops_every_one():
+        for _ in range(3):
+            try:
+                while True:
+                    pass
+            except rewards._Timeout:
+                pass
+        return "late"
+
+    for fn in (drops_the_first_then_computes, drops_every_one):
+        start = time.monotonic()
+        with pytest.raises(rewards._Timeout):
+            rewards._call_with_deadline(0.05, fn)
+        assert time.monotonic() - start < 1.0
+
+
 def test_deadline_restores_the_callers_alarm():
     fired = []
 
