@@ -138,11 +138,17 @@ def _call_with_deadline(seconds: float, fn, *args):
     if seconds is None or seconds <= 0 or not _alarm_usable():
         return fn(*args)
     started = time.monotonic()
-    expired = []
+    expired, stopped = [], []
 
     def raise_timeout(signum, frame):
+        if stopped:  # a tick delivered after the check ended: nothing left to interrupt
+            return
         expired.append(True)
         raise _Timeout
+
+    def stop_timer():
+        stopped.append(True)  # first: a tick handled from here on raises nothing
+        signal.setitimer(signal.ITIMER_REAL, 0)
 
     previous_handler = signal.signal(signal.SIGALRM, raise_timeout)
     previous_timer = (0.0, 0.0)
@@ -153,11 +159,12 @@ def _call_with_deadline(seconds: float, fn, *args):
         try:
             result = fn(*args)
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)  # stopped: once this has run, no _Timeout can follow
+            stop_timer()
         if expired:  # the deadline passed and every _Timeout was dropped: the answer came too late all the same
             raise _Timeout
         return result
     finally:
+        stop_timer()  # again: a tick may have interrupted the first call before it stopped the timer
         # None means the handler was not installed from Python; the default is the closest equivalent
         signal.signal(signal.SIGALRM, signal.SIG_DFL if previous_handler is None else previous_handler)
         left, interval = previous_timer
