@@ -125,9 +125,7 @@ def load_task(tiny_dir, tokenizer, max_prompt_tokens):
 def load_model(tiny_dir):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(Path(tiny_dir) / "model", dtype=torch.float32)
-    model.config.use_cache = True
-    return model
+    return AutoModelForCausalLM.from_pretrained(Path(tiny_dir) / "model", dtype=torch.float32)
 
 
 @torch.no_grad()
@@ -210,7 +208,7 @@ def run_config(spec):
     return config.load(TINY_CONFIG, overrides)
 
 
-def train_run(spec, tiny_dir, out_dir, progress=None):
+def train_run(spec, tiny_dir, out_dir):
     """Train one run of the miniature; writes out_dir/config.yaml and out_dir/metrics.jsonl (one line per step, as
     it goes) and returns the list of per-step metric dicts."""
     from transformers import AutoTokenizer
@@ -270,8 +268,6 @@ def train_run(spec, tiny_dir, out_dir, progress=None):
             records.append(metrics)
             log.write(json.dumps(metrics) + "\n")
             log.flush()
-            if progress is not None:
-                progress(spec, metrics)
     return records
 
 
