@@ -224,11 +224,9 @@ def kl_cov_mask(logprobs, advantages, mask, ratio):
     valid = mask.bool()
     if valid.numel() == 0:
         return valid
-    covariance = advantage_logprob_covariance(logprobs, advantages, mask)
-    # select_top_k ranks values >= 0: shift by the smallest valid covariance (order-preserving)
-    lowest = torch.where(valid, covariance, float("inf")).amin()
-    shifted = torch.where(valid, covariance - lowest, 0.0)
-    return stare.select_top_k(shifted, valid, _count_k(ratio, valid.sum(), "floor1"))
+    covariance = advantage_logprob_covariance(logprobs, advantages, mask)  # [B, T], of either sign
+    # signed: the covariances ranked exactly as they are (shifting them to >= 0 in float32 would merge near-ties)
+    return stare.select_top_k(covariance, valid, _count_k(ratio, valid.sum(), "floor1"), signed=True)
 
 
 def high_entropy_mask(entropy, mask, top_ratio=0.2, convention="paper"):

@@ -270,12 +270,13 @@ def _kth_largest_digit(bins, num_digits, k):
     return digit, above
 
 
-def select_top_k(values, candidates, k):
+def select_top_k(values, candidates, k, signed=False):
     """Among the candidates, exactly min(k, n) with the largest values; ties broken by position.
 
-    values [...] float, >= 0 (negative values count as 0, NaN as +inf), candidates [...] bool of the same shape (any
-    shape), k an int or a 0-dim integer tensor (it may live on the device) -> bool mask [...]. n = number of
-    candidates. The selection is deterministic: among equal values at the k-th place, the first in flattened order win.
+    values [...] float, >= 0 (negative values count as 0, NaN as +inf; signed=True: every float32 in its own order,
+    negatives included, -NaN lowest and NaN highest), candidates [...] bool of the same shape (any shape), k an int
+    or a 0-dim integer tensor (it may live on the device) -> bool mask [...]. n = number of candidates. The
+    selection is deterministic: among equal values at the k-th place, the first in flattened order win.
 
     No host-device sync and no sort: the k-th largest value is found by radix select. Non-negative float32 numbers
     order like their bit patterns read as integers, so one histogram of the top 16 bits finds the bucket of the
@@ -291,13 +292,15 @@ def select_top_k(values, candidates, k):
         k = torch.full((), int(k), dtype=torch.int32, device=candidates.device)  # made on the device: no copy
     k = k.to(torch.int32).clamp(min=0).clamp(max=flat_candidates.sum(dtype=torch.int32))  # 0-dim
 
-    # [N] order-preserving int keys: the bit pattern of a float >= 0; sign-bit patterns (negatives, -0.0) -> 0,
-    # NaN patterns -> +inf
-    key = values.reshape(-1).float().view(torch.int32).clamp(0, 0x7F800000)
+    bits = values.reshape(-1).float().view(torch.int32)  # [N]
+    if signed:  # [N] int64 keys in [0, 2^32) ordered as the floats: negatives' magnitude bits flipped, then offset
+        key, high_digits = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() + 2**31, 1 << 16
+    else:  # [N] the bit pattern of a float >= 0; sign-bit patterns (negatives, -0.0) -> 0, NaN patterns -> +inf
+        key, high_digits = bits.clamp(0, 0x7F800000), 1 << 15
     in_play = flat_candidates.int()  # [N] 1 for candidates
-    # pass 1: the top 16 bits (15 in use: the sign bit is 0); bin = bits + 1, non-candidates in bin 0
+    # pass 1: the top 16 bits (15 in use unless signed); bin = bits + 1, non-candidates in bin 0
     high_bins = ((key >> 16) + 1) * in_play
-    high, above_high = _kth_largest_digit(high_bins, 1 << 15, k)
+    high, above_high = _kth_largest_digit(high_bins, high_digits, k)
     # pass 2: the low 16 bits of the candidates in that bucket; lower buckets land in bin 0, higher ones past the end
     low_bins = (key - ((high << 16) - 1)).clamp_(0, (1 << 16) + 1) * in_play
     low, above_low = _kth_largest_digit(low_bins, 1 << 16, k - above_high)
