@@ -1,6 +1,7 @@
 """bench.py: benchmarks for stare.py. Each subcommand prints one JSON object.
 
     python bench.py logprob-memory   [--tokens 4096] [--vocab 151936] [--device cpu|cuda]
+    python bench.py logprob-time     [--tokens 16384] [--vocab 151936] [--dtype bfloat16] [--sweep]     (CUDA)
     python bench.py stare-overhead   [--tokens 1048576] [--repeats 15] [--device cpu|cuda]
     python bench.py reward-throughput [--responses 2000]
     python bench.py train-step       [--tiny runs/tiny] [--steps 6] [--method stare]
@@ -113,6 +114,133 @@ def bench_logprob_memory(args):
     results.update({key: results[worst][key] for key in ("naive_peak_mib", "chunked_peak_mib", "ratio")})
     results["goal_ratio"] = 0.125
     return results
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# logprob-time
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def cuda_ms(fn, repeats=10):
+    """Median time of fn() in ms over `repeats` runs after one warm-up, with CUDA events."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_logprob_time(args):
+    """token_logprobs_and_entropy forward + backward (and the no-grad pass's functions) on CUDA: the Triton path,
+    stare.py's chunked path, and the naive formula; time, peak extra memory, and the bandwidth floor."""
+    from unittest import mock
+
+    import baselines
+    import kernels
+
+    device = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(args.tokens, args.vocab, generator=generator, device=device, dtype=dtype) * 4
+    tokens = torch.randint(0, args.vocab, (args.tokens,), generator=generator, device=device)
+    weights = torch.randn(2, args.tokens, generator=generator, device=device)
+
+    def forward_backward(fn):
+        def run():
+            x = logits.detach().requires_grad_()
+            logprobs, entropy = fn(x)
+            (weights[0] * logprobs + weights[1] * entropy).sum().backward()
+        return run
+
+    def chunked(fn):  # stare.py's PyTorch path on the same device
+        def run(*a):
+            with mock.patch.object(kernels, "supported", lambda logits_2d: False):
+                return fn(*a)
+        return run
+
+    variants = {"triton": lambda x: stare.token_logprobs_and_entropy(x, tokens),
+                "chunked": chunked(lambda x: stare.token_logprobs_and_entropy(x, tokens)),
+                "naive": lambda x: naive_logprobs_and_entropy(x, tokens)}
+    logits_bytes = logits.numel() * logits.element_size()
+    floor_ms = 3 * logits_bytes / args.bandwidth * 1e3  # read in forward, read + write the gradient in backward
+    result = {"tokens": args.tokens, "vocab": args.vocab, "dtype": args.dtype, "device": torch.cuda.get_device_name(),
+              "bandwidth_floor_ms": round(floor_ms, 2), "bandwidth_assumed_gb_s": args.bandwidth / 1e9}
+    for name, fn in variants.items():
+        run = forward_backward(fn)
+        result[name] = {"fwd_bwd_ms": round(cuda_ms(run, args.repeats), 2),
+                        "peak_extra_mib": round(peak_extra_bytes(run, device) / 2**20, 1)}
+    result["ratio_to_floor"] = round(result["triton"]["fwd_bwd_ms"] / floor_ms, 2)
+    result["memory_ratio_to_naive"] = round(result["triton"]["peak_extra_mib"] / result["naive"]["peak_extra_mib"], 4)
+    with torch.no_grad():
+        for name, fn in {"sensitivity": lambda: stare.entropy_sensitivity(logits, tokens),
+                         "minp_proxy": lambda: baselines.minp_proxy_logprobs(logits, tokens)}.items():
+            result[name + "_ms"] = {"triton": round(cuda_ms(fn, args.repeats), 2),
+                                    "chunked": round(cuda_ms(chunked(fn), 3), 2)}
+    if args.sweep:  # block size and warps of the kernels
+        sweep = {}
+        for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16)):
+            with mock.patch.object(kernels, "BLOCK", block), mock.patch.object(kernels, "NUM_WARPS", warps):
+                sweep[f"{block}x{warps}"] = round(cuda_ms(forward_backward(variants["triton"]), args.repeats), 2)
+        result["sweep_fwd_bwd_ms"] = sweep
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# update
+# ----------------------------------------------------------------------------------------------------------------------
+
+# Qwen2.5 shapes (the Math models share them); "tiny" is a CPU-sized model of the same architecture.
+QWEN25 = {
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=False),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152_064, tie_word_embeddings=False),
+}
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak (SXM datasheet)
+
+
+def random_qwen(size, device, attn_implementation="varlen"):
+    """A randomly initialised Qwen2.5-shaped causal LM in float32, built directly on `device` (no download)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import modeling  # noqa: F401  (registers the "varlen" attention)
+
+    config = Qwen2Config(max_position_embeddings=32_768, rope_theta=10_000.0, attn_implementation=attn_implementation,
+                         **QWEN25[size])
+    with torch.device(device):
+        return Qwen2ForCausalLM(config).to(torch.float32)
+
+
+def model_flops(config, rows, backward):
+    """Model FLOPs of one pass over packed rows [(prompt_len, response_len)]: 2 per weight per token in the body
+    (embedding lookup excluded), the head on response tokens only, causal attention (QK^T and PV over the lower
+    triangle); x3 with backward. Gradient-checkpointing recomputation is not counted (model FLOPs, not hardware)."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    body = layers * (hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * config.intermediate_size)
+    tokens = sum(p + r for p, r in rows)
+    responses = sum(r for _, r in rows)
+    attention = layers * sum(2 * q_dim * (p + r) ** 2 for p, r in rows)  # 4 * q_dim * L^2 / 2 per layer
+    forward = 2 * body * tokens + 2 * hidden * config.vocab_size * responses + attention
+    return forward * (3 if backward else 1)
+
+
+def realistic_lengths(num_rows, seed, max_response=3000):
+    """(prompt, response) token counts like a math RL batch: prompts 100-400, responses log-normal around 900 tokens,
+    some cut at max_response."""
+    rng = random.Random(seed)
+    return [(rng.randint(100, 400), max(20, min(max_response, int(rng.lognormvariate(6.8, 0.7)))))
+            for _ in range(num_rows)]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -604,6 +732,14 @@ def main():
     train_step.add_argument("--tiny", default="runs/tiny", help="the tiny default's directory (built if missing)")
     train_step.add_argument("--steps", type=int, default=6)
     train_step.add_argument("--method", default="stare")
+    speed = commands.add_parser("logprob-time", help="time of the log-prob/entropy kernels (CUDA)")
+    speed.add_argument("--tokens", type=int, default=16_384)
+    speed.add_argument("--vocab", type=int, default=151_936)
+    speed.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    speed.add_argument("--repeats", type=int, default=10)
+    speed.add_argument("--bandwidth", type=float, default=3.0e12, help="device memory bytes/s for the floor "
+                       "(an H100 SXM copy measures ~3.0e12 counting reads and writes)")
+    speed.add_argument("--sweep", action="store_true", help="also time other block sizes and warp counts")
     overhead = commands.add_parser("stare-overhead", help="time of the STARE loss vs the GRPO loss")
     overhead.add_argument("--tokens", type=int, default=2**20)
     overhead.add_argument("--repeats", type=int, default=15)
@@ -620,9 +756,9 @@ def main():
     compare.add_argument("--trl-worker", choices=["hf", "vllm"], help=argparse.SUPPRESS)  # internal: one TRL run
     compare.add_argument("--result", help=argparse.SUPPRESS)  # internal: where the TRL run writes its records
     args = parser.parse_args()
-    run = {"logprob-memory": bench_logprob_memory, "stare-overhead": bench_stare_overhead,
-           "reward-throughput": bench_reward_throughput, "train-step": bench_train_step,
-           "trl-compare": bench_trl_compare}[args.command]
+    run = {"logprob-memory": bench_logprob_memory, "logprob-time": bench_logprob_time,
+           "stare-overhead": bench_stare_overhead, "reward-throughput": bench_reward_throughput,
+           "train-step": bench_train_step, "trl-compare": bench_trl_compare}[args.command]
     result = run(args)
     if result is not None:  # None: a trl-compare worker, which reports through its --result file
         print(json.dumps(result))

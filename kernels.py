@@ -28,7 +28,6 @@ except ImportError:  # CPU-only installs need no Triton
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK = 4096  # vocabulary entries per loop iteration of one row's program
 NUM_WARPS = 8
-_FLOAT32_MIN = -3.4028234663852886e38
 
 
 def supported(logits_2d):
@@ -37,6 +36,7 @@ def supported(logits_2d):
 
 
 if triton is not None:
+    _FLOAT32_MIN = tl.constexpr(-3.4028234663852886e38)  # log pi is clamped here, as in stare.py
 
     @triton.jit
     def _row_stats_kernel(logits_ptr, row_stride, tokens_ptr, inv_temp, vocab_size,
