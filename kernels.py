@@ -124,10 +124,12 @@ if triton is not None:
         for start in range(0, vocab_size, BLOCK_V):
             in_range = start + cols < vocab_size
             x = tl.load(row_ptr + start + cols, mask=in_range, other=0.0).to(tl.float32) * inv_temp
-            kept = tl.where(x - top >= log_kappa, x, filtered)
+            # x >= top + c, not x - top >= c: a fused multiply-add (x = logit / T) would skip x's rounding there,
+            # and the row's own maximum could fail the test at kappa = 1
+            kept = tl.where(x >= top + log_kappa, x, filtered)
             total += tl.sum(tl.where(in_range, tl.exp(kept - top), 0.0), 0)
         x_token = tl.load(row_ptr + tl.load(tokens_ptr + row)).to(tl.float32) * inv_temp
-        token_kept = tl.where(x_token - top >= log_kappa, x_token, filtered)
+        token_kept = tl.where(x_token >= top + log_kappa, x_token, filtered)
         tl.store(proxy_ptr + row, token_kept - (top + tl.log(total)))
 
 
