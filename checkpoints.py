@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -121,14 +122,32 @@ def load_checkpoint(path, model, optimizer, rank):
     return trainer_state
 
 
-def resume_path(cfg):
-    """The checkpoint train.resume names: auto = the latest under out_dir (None when there is none), never = None."""
+class RunError(Exception):
+    """A run that cannot start (a bad checkpoint, a clash with another run): one line for the user, nothing written."""
+
+
+def resume_checkpoint(cfg, check_later=True):
+    """The checkpoint train.resume names (auto: out_dir's latest, None when there is none; never: None; else a path).
+    Raises RunError when it is incomplete, or (check_later) when out_dir holds checkpoints after the step this run
+    would start at: they belong to another trajectory, which pruning and `resume: auto` would mix with this one."""
+    out_dir = Path(cfg.train.out_dir)
     if cfg.train.resume == "never":
-        return None
-    if cfg.train.resume == "auto":
-        found = list_checkpoints(cfg.train.out_dir)
-        return found[-1] if found else None
-    return Path(cfg.train.resume)
+        checkpoint = None
+    elif cfg.train.resume == "auto":
+        found = list_checkpoints(out_dir)
+        checkpoint = found[-1] if found else None
+    else:
+        checkpoint = Path(cfg.train.resume)
+    if checkpoint is not None and not (checkpoint / "trainer.pt").exists():
+        raise RunError(f"error: train.resume={cfg.train.resume!r}: {checkpoint} is not a complete checkpoint "
+                       f"(no trainer.pt)")
+    start_step = torch.load(checkpoint / "trainer.pt", weights_only=False)["step"] if checkpoint else 0
+    later = [p.name for p in list_checkpoints(out_dir) if checkpoint_step(p) > start_step]
+    if check_later and later:
+        raise RunError(f"error: {out_dir}/checkpoints holds checkpoints after step {start_step}, where this run "
+                       f"starts (train.resume={cfg.train.resume!r}): {', '.join(later)}; use another train.out_dir "
+                       f"or delete them")
+    return checkpoint
 
 
 def keep_metrics(path, last_step):
@@ -175,3 +194,83 @@ def export_hf(model, cfg, tokenizer, path, rank):
         fresh.to(getattr(torch, cfg.model.param_dtype)).save_pretrained(path)  # the dtype the model trained in
         tokenizer.save_pretrained(path)
     dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The metrics log and the stop signals
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class MetricsLog:
+    """metrics.jsonl (one object per step, rank 0), a console line every log_every steps, and wandb / TensorBoard
+    when the config turns them on (optional imports; config.check makes sure they are installed)."""
+
+    CONSOLE_KEYS = ("rollout/acc_before_filter", "rollout/acc", "eval/overall/avg@n", "train/entropy", "train/loss",
+                    "stare/gate_on", "train/grad_norm", "time/step")
+
+    def __init__(self, out_dir, cfg, rank, first_step=1):
+        self.rank, self.log_every = rank, cfg.train.log_every
+        self.file = open(Path(out_dir) / "metrics.jsonl", "a") if rank == 0 else None
+        self.wandb_run = self.tensorboard = None
+        if rank == 0 and cfg.train.wandb:  # one W&B run per out_dir, continued on resume (repeated steps keep their
+            import wandb                   # first values there: W&B ignores steps it has seen)
+            id_file = Path(out_dir) / "wandb_run_id"
+            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            id_file.write_text(run_id)
+            self.wandb_run = wandb.init(project=cfg.train.wandb_project, name=Path(out_dir).name, id=run_id,
+                                        resume="allow", dir=str(out_dir), config=config.to_dict(cfg))
+        if rank == 0 and cfg.train.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            # purge_step: events of the steps a resume recomputes are dropped from the old event files
+            self.tensorboard = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=first_step)
+
+    def write(self, step, metrics, progress):
+        if self.rank != 0:
+            return
+        record = {"step": step, **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, step)
+            self.tensorboard.flush()
+        progress.set_postfix(acc=metrics.get("rollout/acc_before_filter"), entropy=metrics.get("train/entropy"),
+                             gate=metrics.get("stare/gate_on"), refresh=False)
+        if step % self.log_every == 0:
+            progress.write(f"step {step}: " + " ".join(f"{k}={metrics[k]:.4g}" for k in self.CONSOLE_KEYS
+                                                         if k in metrics))
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+class StopSignals:
+    """SIGTERM, SIGUSR1 (e.g. SLURM's --signal=USR1@300) and SIGINT ask the run to finish its step, save and exit.
+    A second Ctrl-C stops at once; a repeated SIGTERM does not (a scheduler may signal every process and torchrun
+    forward the same signal again). Under torchrun pass --shutdown-timeout longer than a step plus a save: torchrun
+    SIGKILLs its workers 30 s after forwarding a signal."""
+
+    def __init__(self):
+        self.received = []
+        for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(signum, self._request)
+
+    def _request(self, signum, frame):
+        self.received.append(signum)
+        if signum == signal.SIGINT:
+            signal.signal(signum, signal.SIG_DFL)
+
+    @property
+    def requested(self):
+        return bool(self.received)
+
+    @property
+    def signal_number(self):  # the first signal received; SIGTERM when another rank's signal stopped this one
+        return self.received[0] if self.received else signal.SIGTERM

@@ -105,7 +105,7 @@ class OptimConfig:
 class TrainConfig:
     train_batch_size: int = 64  # prompts per step, across all ranks (each brings rollout.n responses)
     mini_batch_size: int = 64  # prompts per optimizer step; == train_batch_size: one update per step (on-policy)
-    micro_token_budget: int = 8192  # tokens per micro-batch (prompt + response, padded) per rank
+    micro_token_budget: int = 8192  # tokens per micro-batch per rank: prompt + response, summed over its rows
     total_steps: int = 1000
     seed: int = 0  # everything random derives from it (data order, sampling, Clip-Cov)
     out_dir: str = "runs/default"  # config.yaml, metrics.jsonl, checkpoints/, hf/ go here

@@ -57,7 +57,7 @@ Overall ("overall"): the unweighted mean over benchmarks, as a paper's "Avg." co
 much as MATH-500); avg@n_se = sqrt(sum se_b^2) / B (independent benchmarks); pass@k and maj@k only for the ks
 every benchmark has; counts are summed and maxima are maxima.
 
-Seeds: the n samples of prompt i of benchmark b use the seed (seed * 1_000_003 + crc32(b) * 65_536 + i) mod 2^48
+Seeds: the n samples of prompt i of benchmark b use the seed rollout.derive_seed(seed, "eval", b, i)
 (rollout.generate spaces it by n for vLLM's per-sample seed + j). A benchmark's samples therefore depend neither on
 the number of ranks nor on which other benchmarks are evaluated, and repeated evaluations during training use the
 same random numbers, so step-to-step differences are the model's (on GPU, batch composition can still change
@@ -83,7 +83,6 @@ import os
 import re
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -197,11 +196,12 @@ def reflection_per_1k_words(texts) -> float:
 
 def distinct_correct_fraction(groups):
     """Diversity of the correct answers: over the groups with at least one correct response, the mean of (distinct
-    correct responses, as token sequences) / (correct responses); None if no group has one. Entropy collapse on a task
-    with many right answers shows here first: the group keeps being right, with ever fewer different answers."""
+    correct responses, as token sequences) / (correct responses); None if no group has one. groups: lists of
+    (response token ids, accuracy) pairs. Entropy collapse on a task with many right answers shows here first: the
+    group keeps being right, with ever fewer different answers."""
     fractions = []
     for group in groups:
-        correct = [tuple(r) for r, accuracy in zip(group["responses"], group["accuracies"]) if accuracy > 0]
+        correct = [tuple(tokens) for tokens, accuracy in group if accuracy > 0]
         if correct:
             fractions.append(len(set(correct)) / len(correct))
     return sum(fractions) / len(fractions) if fractions else None
@@ -229,7 +229,7 @@ def default_n(name: str, num_prompts: int) -> int:
 
 def prompt_seed(seed: int, benchmark: str, index: int) -> int:
     """The sampling seed of a benchmark's index-th prompt: independent of ranks and of the other benchmarks."""
-    return (seed * 1_000_003 + zlib.crc32(benchmark.encode()) * 65_536 + index) % 2**48
+    return rollout.derive_seed(seed, "eval", benchmark, index)
 
 
 # ======================================================================================================================
@@ -466,8 +466,7 @@ def main(argv):
     engine = rollout.build_engine(
         args.model, seed=args.seed + rank, max_model_len=args.max_prompt_tokens + args.max_tokens, dtype=args.dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-        kv_cache_gib=args.kv_cache_gib if args.kv_cache_gib or on_gpu else 1.0,
-        enforce_eager=args.enforce_eager or not on_gpu)
+        kv_cache_gib=args.kv_cache_gib, enforce_eager=args.enforce_eager or None)
     result = evaluate(engine, tokenizer, benchmarks, n=args.n, temperature=args.temperature, top_p=args.top_p,
                       max_tokens=args.max_tokens, reward_cfg=rewards.RewardConfig(answer_format=args.answer_format),
                       seed=args.seed, max_prompt_tokens=args.max_prompt_tokens, overflow=args.overflow,

@@ -1,58 +1,25 @@
 """repro.py: the paper's entropy effect in miniature: GRPO vs STARE (and STAPO, Lp-Reg) on the tiny default, on CPU.
 
-    python tiny.py --out runs/tiny && python repro.py --tiny runs/tiny --out runs/repro     # everything, ~23 min
+    python tiny.py --out runs/tiny && python repro.py --tiny runs/tiny --out runs/repro     # everything
     python repro.py --tiny runs/tiny --out runs/repro --part compare --methods grpo stare_o1 stapo
     python repro.py --tiny runs/tiny --out runs/repro --part sweep --ws 1.1 2 3 --ps 0.05 --seeds 0 1 2
-    python plots.py runs/repro/compare/grpo_seed0 runs/repro/sweep/stare_o1_w4_p0.05_seed0 --out runs/repro/figs
 
-The task is the tiny default's "write N as a+b" (tiny.py): N - 1 correct answers per prompt (9 to 28; the warm-up
-taught the 9 with a single-digit first addend), so an entropy collapse shows as the model settling on one of them.
-16 prompts per step is the whole training split: every step sees every prompt, in a seeded order. What is measured per step, besides entropy and accuracy, is the diversity
-of correct answers (evaluate.distinct_correct_fraction: distinct correct responses / correct responses per group).
+The task is the tiny default's "write N as a+b" (tiny.py): many right answers per prompt, so an entropy collapse
+shows as the model settling on one of them (rollout/distinct_correct_frac falls). Two parts, under --out:
+  compare/   the runs of COMPARE_RUNS with the same seeds, prompts and steps; compare.png (seed means +- SE)
+  sweep/     STARE O1 over a grid of W x P and seeds; sweep.png: final entropy and diversity against W, and the
+             critical strength W_c where the final entropy crosses halfway between GRPO's and the gate's target
+  summary.json   final values (mean of the last --final-window steps), seed means and SEs, W_c measured and
+                 predicted to first order (docs/method.md, the critical strength: 1 - mean dH_grpo / mean dH_L+
+                 over GRPO's batches within 25% of the target entropy).
+Each run writes metrics.jsonl with train.py's metric names (plots.py draws them) and its config.yaml; a complete
+run is not rerun.
 
-Two parts, written under --out:
-  compare/   GRPO ("grpo": STARE off), STARE at the paper's W = 1.1, P = 10% and above the threshold (O1, and C2
-             with M = 0.5), STAPO and Lp-Reg (COMPARE_RUNS), same seeds, same prompts, same steps:
-             compare/<run>_seed<k>/metrics.jsonl (train.py's metric names, so plots.py draws them) and config.yaml;
-             compare.png overlays the seed-mean curves (+- SE). A comparison run whose settings are a sweep point
-             is that sweep run (not run twice).
-  sweep/     STARE O1 over a grid of W (x P) with several seeds; sweep.png plots the final entropy and distinct-correct
-             fraction against W, with GRPO's band; the critical strength W_c (where the final entropy, as a function
-             of W, crosses halfway between GRPO's and the gate's target) is located by linear interpolation and
-             compared with the first-order prediction below.
-  summary.json   every run's final metrics (mean of the last `--final-window` steps), seed means and standard
-                 errors, W_c measured and predicted; the README's "reproduction in miniature" quotes it.
-
-The first-order prediction. stare.entropy_dynamics gives, for one batch, the token mean of A*S (S: entropy
-sensitivity), the predicted entropy change of a policy-gradient step per unit learning rate; STARE's weights multiply
-each token's term by omega. With the gate on, omega = W on L+ and 1 elsewhere (O1), so the prediction is linear in W:
-    dH(W) = dH_grpo + (W - 1) * dH_L+,   dH_L+ = sum of A*S over the L+ tokens / all tokens
-and it is zero at W* = 1 - dH_grpo / dH_L+ when GRPO's drift is negative and dH_L+ > 0. dH_L+ is positive only if
-the top-P% surprisal tokens of A > 0 are mostly above their context's critical surprisal (S > 0); when P is large
-enough that L+ takes in the likely tokens of confident choices (S < 0), amplifying L+ *lowers* the entropy and no
-W holds it. Every run logs, per batch, repro/dH_grpo and repro/dH_lplus@P, repro/w_critical@P for each swept P; the
-predicted W_c is 1 - mean(dH_grpo) / mean(dH_L+) over GRPO's batches whose entropy is within +-25% of the target:
-the strength that would cancel GRPO's drift where the gate engages (a ratio of means: a single batch's dH_L+ is
-noisy and crosses zero).
-
-The loop is in this file, not train.py's: train.py costs 0.85-2 s per step on the tiny default (bench.py train-step
-and trl-compare: vLLM engine, FSDP2, weight sync, dynamic-sampling rounds), too slow for a sweep of hundreds of steps x dozens of runs in half an hour.
-Here sampling is a batched KV-cache loop over the same transformers model, on-policy (one update per batch, so the
-PPO ratio is 1 and the clip never acts), with the objective of train.py: the same prompts (data.py), verifier
-(rewards.compute_rewards), advantages (stare.group_advantages), token selection and loss (baselines.policy_loss
-with configs/tiny.yaml's loss and optimizer settings), gate (stare.EntropyGate), AdamW and gradient clipping.
-Two differences, both for speed: (1) dynamic sampling filters groups whose rewards are all equal but does not
-resample to refill the batch (those groups have zero advantage: dropping them changes only the token-mean's
-denominator, which AdamW's normalisation mostly cancels); a step without any mixed group makes no update. (2) The
-gate reads the entropy of every sampled token (computed by the sampler, free), not only the kept groups'; that is
-what train/entropy means here. Distinct-correct compares token sequences: spellings the verifier treats alike
-("3+14" and "3 + 14") count as distinct.
-Cost: 0.2-0.3 s per step at 16 prompts x 8 responses on one core, two runs in parallel on two cores; the default
-(48 runs of 150 steps) took 22.6 min on 2 cores, part of it sharing them with another job.
-
-Caveats (README): a 0.5M-parameter model, a 16-token task with 9-28 right answers, AdamW at lr 3e-4: the mechanism
-of the paper, not its numbers. Adam's per-parameter normalisation is not the plain gradient step that
-entropy_dynamics assumes (its tabular softmax approximation neither), so W* is a first-order estimate to compare with.
+Training goes through train.py's stages (group_responses, old_policy_pass, update_gate, select_tokens,
+policy_update, batch_metrics) in one process; only sampling differs: a batched KV-cache loop over the same
+transformers model instead of a vLLM engine (whose start-up and weight sync dominate a step at this size), on-policy.
+Dynamic sampling drops groups whose answers were all judged alike but does not resample to refill the batch; a
+step without a varied group makes no update. Distinct-correct compares token sequences.
 """
 
 import argparse
@@ -67,12 +34,13 @@ from pathlib import Path
 
 import torch
 
-import baselines
 import config
 import data
 import evaluate
 import rewards
+import rollout
 import stare
+import train
 
 TINY_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
 
@@ -132,11 +100,11 @@ def load_model(tiny_dir):
 def sample(model, prompts, n, max_tokens, eos_id, pad_id, generator, temperature=1.0):
     """n responses per prompt, sampled token by token from the model's tempered softmax (no top-p/top-k).
 
-    prompts [P, Lp] long (equal lengths) -> (tokens [P*n, T] long, mask [P*n, T] bool, entropy [P*n, T] float32),
+    prompts [P, Lp] long (equal lengths) -> (tokens [P*n, T] long, mask [P*n, T] bool, logprobs [P*n, T] float32),
     rows grouped by prompt (prompt i owns rows i*n .. i*n+n-1). A response ends at eos_id, which it includes (the
-    policy chose it; vLLM's token_ids include it too); later positions hold pad_id, mask False. entropy is the
-    tempered next-token entropy at each response position (0 where masked). The prompt is prefilled once and its
-    KV cache repeated n times; every row then costs one token per forward."""
+    policy chose it; vLLM's token_ids include it too); later positions hold pad_id, mask False. logprobs are the
+    tempered log-probs of the sampled tokens (0 where masked), as vLLM reports them. The prompt is prefilled once
+    and its KV cache repeated n times; every row then costs one token per forward."""
     out = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     cache.batch_repeat_interleave(n)
@@ -144,40 +112,42 @@ def sample(model, prompts, n, max_tokens, eos_id, pad_id, generator, temperature
     rows = next_logits.shape[0]
     tokens = torch.full((rows, max_tokens), pad_id, dtype=torch.long)
     mask = torch.zeros(rows, max_tokens, dtype=torch.bool)
-    entropy = torch.zeros(rows, max_tokens)
+    sampled_logprobs = torch.zeros(rows, max_tokens)
     finished = torch.zeros(rows, dtype=torch.bool)
     width = max_tokens
     for t in range(max_tokens):
         logprobs = torch.log_softmax(next_logits.float() / temperature, dim=-1)  # [P*n, V]
-        probs = logprobs.exp()
-        chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [P*n]
+        chosen = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # [P*n]
         alive = ~finished
         tokens[:, t] = torch.where(alive, chosen, pad_id)
         mask[:, t] = alive
-        entropy[:, t] = -(probs * logprobs).sum(-1) * alive
+        sampled_logprobs[:, t] = logprobs.gather(1, chosen[:, None]).squeeze(1) * alive
         finished |= alive & (chosen == eos_id)
         if bool(finished.all()):
             width = t + 1
             break
         next_logits = model(input_ids=tokens[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
-    return tokens[:, :width], mask[:, :width], entropy[:, :width]
+    return tokens[:, :width], mask[:, :width], sampled_logprobs[:, :width]
 
 
-def response_logits(model, prompts, responses, n):
-    """Logits predicting each response token, with grad: the forward pass of training.
-
-    prompts [G, Lp], responses [G*n, T] (grouped as `sample` returns them) -> logits [G*n, T, V]. Like `sample`,
-    the prompt runs once per group and its KV cache (with its graph: gradients flow into the prompt positions'
-    keys and values) is repeated n times; the result equals a forward of the full [prompt; response] rows
-    (tests/test_repro.py checks values and gradients)."""
-    out = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
-    first = out.logits[:, -1:].repeat_interleave(n, dim=0)  # [G*n, 1, V]: predicts response token 0
-    if responses.shape[1] == 1:
-        return first
-    cache = out.past_key_values
-    cache.batch_repeat_interleave(n)
-    rest = model(input_ids=responses[:, :-1], past_key_values=cache, use_cache=True).logits  # [G*n, T-1, V]
-    return torch.cat([first, rest], dim=1)
+def sample_groups(model, tokenizer, prompts, truths, sources, cfg, generator):
+    """n responses to each prompt ([G, Lp]) from the in-process sampler, scored -> train.Group list."""
+    n = cfg.rollout.n
+    tokens, mask, logprobs = sample(model, prompts, n, cfg.rollout.max_tokens, tokenizer.eos_token_id,
+                                    tokenizer.pad_token_id, generator, cfg.rollout.temperature)
+    lengths = mask.sum(1).tolist()
+    responses = [tokens[r, :length].tolist() for r, length in enumerate(lengths)]
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    scores, accuracies, _ = rewards.compute_rewards(texts, [t for t in truths for _ in range(n)],
+                                                    [s for s in sources for _ in range(n)], lengths, cfg.reward)
+    rows = [train.Response(prompt=prompts[r // n].tolist(), tokens=responses[r],
+                           rollout_logprobs=logprobs[r, :lengths[r]].tolist(), reward=scores[r],
+                           accuracy=accuracies[r],
+                           truncated=lengths[r] == cfg.rollout.max_tokens
+                           and responses[r][-1] != tokenizer.eos_token_id,
+                           reflection=evaluate.reflection_counts(texts[r]),
+                           policy_mask=torch.ones(lengths[r], dtype=torch.bool)) for r in range(len(responses))]
+    return [train.Group(rows[g * n].prompt, rows[g * n:(g + 1) * n]) for g in range(len(prompts))]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -209,25 +179,23 @@ def run_config(spec):
 
 
 def train_run(spec, tiny_dir, out_dir):
-    """Train one run of the miniature; writes out_dir/config.yaml and out_dir/metrics.jsonl (one line per step, as
-    it goes) and returns the list of per-step metric dicts."""
+    """Train one run of the miniature through train.py's stages; writes out_dir/config.yaml and
+    out_dir/metrics.jsonl (one line per step, as it goes) and returns the list of per-step metric dicts."""
     from transformers import AutoTokenizer
 
     cfg = run_config(spec)
-    method, n, temperature = cfg.algorithm.method, cfg.rollout.n, cfg.rollout.temperature
+    cpu = torch.device("cpu")
     tokenizer = AutoTokenizer.from_pretrained(Path(tiny_dir) / "model")
     prompts, truths, sources = load_task(tiny_dir, tokenizer, cfg.data.max_prompt_tokens)
     torch.manual_seed(spec.seed)
     model = load_model(tiny_dir)
-    model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     gate = stare.EntropyGate(cfg.algorithm.target_entropy, cfg.loss.stare_w, cfg.loss.stare_m,
                              cfg.algorithm.gate_adaptive, cfg.algorithm.gate_alpha, cfg.algorithm.gate_w_max,
                              cfg.algorithm.gate_m_min)
-    sampler = torch.Generator().manual_seed(spec.seed)  # responses
-    order = torch.Generator().manual_seed(10_007 + spec.seed)  # prompts: every method sees the same sequence
-    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    sampler = torch.Generator().manual_seed(rollout.derive_seed(spec.seed, "repro", "responses"))
+    order = torch.Generator().manual_seed(rollout.derive_seed(spec.seed, "repro", "prompts"))  # the same for all methods
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(config.to_yaml(cfg))  # the objective's settings (plots.py reads the target)
@@ -238,32 +206,26 @@ def train_run(spec, tiny_dir, out_dir):
             start = time.time()
             chosen = torch.cat([torch.randperm(len(prompts), generator=order)
                                 for _ in range(-(-spec.prompts_per_step // len(prompts)))])[:spec.prompts_per_step]
-            tokens, mask, sampled_entropy = sample(model, prompts[chosen], n, cfg.rollout.max_tokens, eos_id, pad_id,
-                                                   sampler, temperature)
-            lengths = mask.sum(1)
-            texts = tokenizer.batch_decode([row[:length] for row, length in zip(tokens.tolist(), lengths.tolist())],
-                                           skip_special_tokens=True)
-            row_prompts = chosen.repeat_interleave(n).tolist()
-            scores, accuracies, _ = rewards.compute_rewards(texts, [truths[p] for p in row_prompts],
-                                                            [sources[p] for p in row_prompts], lengths.tolist(),
-                                                            cfg.reward)
-            groups = [{"responses": [tokens[r, :lengths[r]].tolist() for r in range(g * n, (g + 1) * n)],
-                       "accuracies": accuracies[g * n:(g + 1) * n]} for g in range(len(chosen))]
-            advantages = stare.group_advantages(torch.tensor(scores), n, cfg.algorithm.normalize_std)  # [G*n]
-            kept_groups = [g for g in range(len(chosen))  # train.py's filter: accuracies not all equal
-                           if len(set(accuracies[g * n:(g + 1) * n])) > 1]
-            batch_entropy = float(sampled_entropy.sum() / mask.sum())
-            gate.update(batch_entropy)  # before the update, like train.py (§1.3)
-            metrics = {"step": step, "train/entropy": batch_entropy,
-                       "rollout/acc_before_filter": sum(accuracies) / len(accuracies),
-                       "rollout/distinct_correct_frac": evaluate.distinct_correct_fraction(groups),
-                       "rollout/response_length_mean": float(lengths.float().mean()),
-                       "train/kept_groups": len(kept_groups), "stare/gate_on": float(gate.gate_on)}
-            if kept_groups:  # else no update, as train.py would resample (repro.py does not)
-                # accuracy of the groups the update sees (train.py's rollout/acc)
-                metrics["rollout/acc"] = statistics.mean(accuracies[g * n + k] for g in kept_groups for k in range(n))
-                metrics.update(update_step(model, optimizer, gate, cfg, method, prompts[chosen], tokens, mask,
-                                           advantages, kept_groups, spec.predict_ps))
+            model.eval()
+            groups = sample_groups(model, tokenizer, prompts[chosen], [truths[p] for p in chosen],
+                                   [sources[p] for p in chosen], cfg, sampler)
+            kept = [group for group in groups if group.varied]  # train.py's filter, without refilling the batch
+            sampled = [r for group in groups for r in group.responses]
+            metrics = {"step": step, "rollout/acc_before_filter": statistics.mean(r.accuracy for r in sampled),
+                       "rollout/distinct_correct_frac": evaluate.distinct_correct_fraction(
+                           [[(r.tokens, r.accuracy) for r in group.responses] for group in groups]),
+                       "rollout/response_length_mean": statistics.mean(len(r.tokens) for r in sampled),
+                       "train/kept_groups": len(kept)}
+            if kept:  # else no update, as train.py would resample (repro.py does not)
+                responses = train.group_responses(kept, cfg, rank=0, world=1)  # train.py's stages, in its order
+                train.old_policy_pass(model, responses, cfg, cpu)
+                num_tokens, gate_metrics = train.update_gate(gate, responses, cpu)
+                metrics.update(gate_metrics)
+                metrics.update(train.select_tokens(responses, cfg, gate, step, cpu))
+                metrics.update(train.policy_update(model, optimizer, responses, cfg, gate, step, cpu))
+                metrics.update(train.batch_metrics(responses, num_tokens, cpu))
+                metrics.update(critical_w_metrics(responses, spec.predict_ps))
+            metrics["stare/gate_on"] = float(gate.gate_on)
             metrics["time/step"] = time.time() - start
             records.append(metrics)
             log.write(json.dumps(metrics) + "\n")
@@ -271,40 +233,16 @@ def train_run(spec, tiny_dir, out_dir):
     return records
 
 
-def update_step(model, optimizer, gate, cfg, method, prompts, tokens, mask, advantages, kept_groups, predict_ps):
-    """One on-policy update on the kept groups -> metrics. prompts [G, Lp], tokens/mask [G*n, T], advantages [G*n]."""
-    n = cfg.rollout.n
-    rows = torch.tensor([g * n + k for g in kept_groups for k in range(n)])
-    tokens, mask, advantages = tokens[rows], mask[rows], advantages[rows]
-    width = int(mask.sum(1).max())
-    tokens, mask = tokens[:, :width], mask[:, :width]
-    logits = response_logits(model, prompts[kept_groups], tokens, n)  # [K*n, T, V]
-    logprobs, entropy = stare.token_logprobs_and_entropy(logits, tokens, cfg.rollout.temperature)
-    batch = {"logprobs": logprobs, "old_logprobs": logprobs.detach(), "advantages": advantages, "mask": mask,
-             "entropy": entropy.detach()}
-    detached = logits.detach()
-    if method == "lp_reg":
-        batch["proxy_logprobs"] = baselines.minp_proxy_logprobs(detached, tokens, cfg.rollout.temperature,
-                                                                cfg.loss.lp_reg_kappa, cfg.loss.lp_reg_soft)
-    selection, selection_metrics = baselines.token_selection(method, batch, cfg.loss, gate=gate)
-    loss, loss_metrics = baselines.policy_loss(method, batch, cfg.loss, selection=selection)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
-    optimizer.step()
-
-    # what entropy_dynamics predicts for this batch: with this run's weights, and GRPO's / L+'s parts for W*
-    sensitivity = stare.entropy_sensitivity(detached, tokens, cfg.rollout.temperature)
-    weights = selection.get("weights") if method == "stare" else None
-    dynamics = stare.entropy_dynamics(advantages, sensitivity, mask, weights=weights)
-    metrics = {"train/loss": float(loss.detach()), "train/grad_norm": float(grad_norm),
-               "train/touched_frac": float(loss_metrics["touched_frac"]), "train/tokens": int(mask.sum())}
+def critical_w_metrics(responses, predict_ps):
+    """The first-order prediction's pieces for this batch (module docstring), for each swept P."""
+    advantages = torch.tensor([r.advantage for r in responses])
+    sensitivity, logprobs, mask = (train.pad_rows([getattr(r, key) for r in responses])
+                                   for key in ("sensitivity", "old_logprobs", "policy_mask"))
+    metrics = {}
     for top_ratio in predict_ps:
-        dh_grpo, dh_lplus, w_star = critical_w(advantages, sensitivity, logprobs.detach(), mask, top_ratio)
+        dh_grpo, dh_lplus, w_star = critical_w(advantages, sensitivity, logprobs, mask, top_ratio)
         metrics.update({"repro/dH_grpo": float(dh_grpo), f"repro/dH_lplus@{top_ratio:g}": float(dh_lplus),
                         f"repro/w_critical@{top_ratio:g}": float(w_star)})
-    metrics.update({f"stare/dynamics/{key}": float(value) for key, value in dynamics.items()})
-    metrics.update({key: float(value) for key, value in selection_metrics.items() if key != "stare/gate_on"})
     return metrics
 
 

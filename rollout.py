@@ -55,16 +55,20 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+CPU_KV_CACHE_GIB = 1.0  # the KV cache on CPU when none is given: vLLM would otherwise take a fraction of the RAM
+
+
 def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utilization=0.3, kv_cache_gib=None,
                  tensor_parallel_size=1, max_num_seqs=256, max_num_batched_tokens=8192, enable_sleep_mode=False,
-                 enforce_eager=False, block_size=None):
+                 enforce_eager=None, block_size=None):
     """The local vLLM engine of this rank.
 
     model_path: a local HF checkpoint directory (nothing is downloaded). seed: base seed + rank.
     dtype: "auto" is vLLM's choice, which runs a float32 checkpoint in bfloat16 on GPU and x86 CPU; pass
     "float32" for bit-level agreement with a float32 trainer.
-    kv_cache_gib: the KV cache size in GiB; needed on CPU, where gpu_memory_utilization would mean a fraction of
-    the machine's RAM. On GPU leave it None and size gpu_memory_utilization so the training state still fits.
+    kv_cache_gib: the KV cache size in GiB; on CPU (where gpu_memory_utilization would mean a fraction of the
+    machine's RAM) None means CPU_KV_CACHE_GIB. On GPU leave it None and size gpu_memory_utilization so the
+    training state still fits. enforce_eager: None = on CPU only (start-up in seconds; no CUDA graphs there).
     block_size: KV cache block (and prefix-cache) granularity in tokens; None = vLLM's (128 on CPU, 16 on GPU).
     """
     from vllm import LLM
@@ -74,6 +78,9 @@ def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utili
         # the ranks of one TP group must share a seed (base + rank // tp) and identical prompts; the colocated
         # trainer does not group its ranks that way yet
         raise NotImplementedError("tensor_parallel_size > 1 under torchrun is not supported yet: use 1 engine/rank")
+    on_gpu = torch.cuda.is_available()
+    kv_cache_gib = CPU_KV_CACHE_GIB if kv_cache_gib is None and not on_gpu else kv_cache_gib
+    enforce_eager = not on_gpu if enforce_eager is None else enforce_eager
     kwargs = dict(
         model=str(model_path), tokenizer=str(model_path), seed=seed, dtype=dtype, max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
@@ -86,7 +93,7 @@ def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utili
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
     if block_size is not None:
         kwargs["block_size"] = block_size
-    if not torch.cuda.is_available():
+    if not on_gpu:
         # vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded request's prompt is split
         # across steps: the model runner rewinds the request's generator by a CUDA-only offset to discard the
         # partial prefill's sample (gpu_model_runner.py _bookkeeping_sync; fixed the same way in vllm-rbln PR
@@ -343,19 +350,25 @@ def _tool_turns(calls, tokenizer, wrapper, max_tool_response_tokens, max_tokens,
             conversation.finish_reason = "length"  # the result filled the budget: no room for an answer
 
 
+def derive_seed(seed, *parts):
+    """One seed from the run's base seed and what it is for, e.g. derive_seed(seed, "prompt", global_index): a hash
+    into [0, 2**48), so seeds of different purposes or indices never coincide by arithmetic, and none depends on
+    the number of ranks. (vLLM spaces a request's samples as seed * n + j, which stays far below 2**63.)"""
+    import hashlib
+
+    digest = hashlib.blake2b(repr((seed,) + parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**48
+
+
 def turn_seed(seed, n, sample, turn):
     """The sampling seed of sample `sample` (0 .. n-1) of the prompt with seed `seed`, at model turn `turn`.
 
     Turn 0 uses seed * n + sample, the seed vLLM gives that sample in `generate` (child j of a request seeded
-    seed * n gets seed * n + j), so a first turn is exactly what `generate` samples. Later turns hash (seed, sample,
-    turn) into [0, 2**56): distinct for every (prompt, sample, turn) up to a 2**-56 chance, and independent of which
-    other conversations are still running."""
-    import hashlib
-
+    seed * n gets seed * n + j), so a first turn is exactly what `generate` samples. Later turns derive a seed from
+    (seed, sample, turn): independent of which other conversations are still running."""
     if turn == 0:
         return seed * n + sample
-    digest = hashlib.blake2b(f"{seed},{sample},{turn}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % 2**56
+    return derive_seed(seed, "turn", sample, turn)
 
 
 def parse_tool_call(text):
@@ -613,12 +626,10 @@ def main():
     examples = examples[:args.limit] if args.limit else examples
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompt_ids, kept, prompt_stats = data.tokenize_prompts(examples, tokenizer, args.max_prompt_tokens)
-    on_gpu = torch.cuda.is_available()
     engine = build_engine(args.model, seed=args.seed, dtype=args.dtype,
-                          max_model_len=args.max_prompt_tokens + args.max_tokens, enforce_eager=not on_gpu,
-                          kv_cache_gib=args.kv_cache_gib if args.kv_cache_gib or on_gpu else 0.5)
+                          max_model_len=args.max_prompt_tokens + args.max_tokens, kv_cache_gib=args.kv_cache_gib)
     start = time.time()
-    seeds = [args.seed * len(prompt_ids) + i for i in range(len(prompt_ids))]
+    seeds = [derive_seed(args.seed, "prompt", i) for i in range(len(prompt_ids))]
     if args.max_turns > 0:
         out = generate_with_tools(engine, tokenizer, prompt_ids, n=args.n, temperature=args.temperature,
                                   max_tokens=args.max_tokens, seeds=seeds, max_turns=args.max_turns)

@@ -359,8 +359,8 @@ def test_answer_dollars_are_stripped_only_around_the_whole_answer(text, want):
 
 
 def test_distinct_correct_fraction_by_hand():
-    groups = [{"responses": [[1, 2], [1, 2], [3], [4]], "accuracies": [1.0, 1.0, 1.0, 0.0]},  # 2 distinct of 3
-              {"responses": [[5], [6]], "accuracies": [0.0, 0.0]},  # no correct answer: not counted
-              {"responses": [[7], [8], [9]], "accuracies": [1.0, 1.0, 0.0]}]  # 2 of 2
+    groups = [[([1, 2], 1.0), ([1, 2], 1.0), ([3], 1.0), ([4], 0.0)],  # 2 distinct of 3
+              [([5], 0.0), ([6], 0.0)],  # no correct answer: not counted
+              [([7], 1.0), ([8], 1.0), ([9], 0.0)]]  # 2 of 2
     assert evaluate.distinct_correct_fraction(groups) == pytest.approx((2 / 3 + 1.0) / 2)
     assert evaluate.distinct_correct_fraction(groups[1:2]) is None

@@ -1,5 +1,5 @@
-"""repro.py: its sampler and training forward against independent computations (train.py's padded forward, a
-closed-form softmax), the first-order critical W against entropy_dynamics, and a short run end to end."""
+"""repro.py: its sampler against independent computations (a full forward per row, the softmax), the first-order
+critical W against entropy_dynamics, and a short run end to end through train.py's stages."""
 
 import copy
 import json
@@ -11,7 +11,6 @@ import torch
 import repro
 import stare
 import tiny
-import train
 
 
 @pytest.fixture(scope="module")
@@ -23,42 +22,15 @@ def random_tiny():
     return model, tokenizer
 
 
-def test_response_logits_equal_train_py_forward_in_values_and_gradients(random_tiny):
-    model, tokenizer = random_tiny
-    torch.manual_seed(0)
-    prompts = torch.randint(3, 200, (2, 7))
-    lengths = [5, 2, 4, 1, 3, 5]  # 3 responses per prompt, right-padded to 5 (repro's layout)
-    responses = torch.full((6, 5), tokenizer.pad_token_id)
-    for row, length in enumerate(lengths):
-        responses[row, :length] = torch.randint(3, 200, (length,))
-    mask = torch.arange(5)[None, :] < torch.tensor(lengths)[:, None]
-    weights = torch.randn(6, 5, 320)  # a loss touching every logit: equal gradients mean equal graphs
-
-    model.zero_grad()
-    ours = repro.response_logits(model, prompts, responses, 3)
-    (ours * weights * mask[..., None]).sum().backward()
-    ours_grads = [p.grad.clone() for p in model.parameters()]
-
-    model.zero_grad()
-    rows = [{"prompt": prompts[r // 3].tolist(), "response": responses[r, :lengths[r]].tolist()} for r in range(6)]
-    tensors = train.sequence_tensors(rows, tokenizer.pad_token_id, "cpu")
-    theirs = train.response_logits(model, tensors)  # one full padded forward per row, no cache
-    (theirs * weights * mask[..., None]).sum().backward()
-
-    assert torch.allclose(ours[mask], theirs[mask], atol=1e-5)
-    for mine, other in zip(ours_grads, (p.grad for p in model.parameters())):
-        assert torch.allclose(mine, other, atol=1e-4, rtol=1e-4)
-
-
-def test_sampler_entropy_mask_and_first_token_distribution(random_tiny):
+def test_sampler_logprobs_mask_and_first_token_distribution(random_tiny):
     model, tokenizer = random_tiny
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     prompts = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(1))
     eos_model = copy.deepcopy(model)  # EOS made likely, so that responses end at many lengths
     with torch.no_grad():
         eos_model.lm_head.weight[eos] *= 6.0
-    tokens, mask, entropy = repro.sample(eos_model, prompts, 16, 12, eos, pad, torch.Generator().manual_seed(0))
-    assert tokens.shape == mask.shape == entropy.shape and tokens.shape[0] == 32
+    tokens, mask, logprobs = repro.sample(eos_model, prompts, 16, 12, eos, pad, torch.Generator().manual_seed(0))
+    assert tokens.shape == mask.shape == logprobs.shape and tokens.shape[0] == 32
     lengths = mask.sum(1)
     assert lengths.min() < tokens.shape[1] and (lengths > 1).any()  # some stop early, not all at once
     for row in range(32):  # masked positions: a prefix, ending at the first EOS (included) or at max_tokens
@@ -68,11 +40,14 @@ def test_sampler_entropy_mask_and_first_token_distribution(random_tiny):
         assert (len(ends) == 0 and length == 12) or ends.flatten().tolist() == [length - 1]
     if (tokens == eos).any(1).all():  # every row ended: the tensors stop at the longest response
         assert tokens.shape[1] == int(lengths.max())
-    # the sampler's entropies are the training forward's, at the sampled tokens
+    # the sampler's log-probs are those of a full forward of each [prompt; response] row, at the sampled tokens
     with torch.no_grad():
-        logits = repro.response_logits(eos_model, prompts, tokens, 16)
-    _, forward_entropy = stare.token_logprobs_and_entropy(logits, tokens)
-    assert torch.allclose(entropy[mask], forward_entropy[mask], atol=1e-5)
+        for row in range(32):
+            length = int(lengths[row])
+            sequence = torch.cat([prompts[row // 16], tokens[row, :length]])[None]
+            forward = torch.log_softmax(eos_model(input_ids=sequence).logits[0, prompts.shape[1] - 1:-1], -1)
+            want = forward.gather(-1, tokens[row, :length, None])[:, 0]
+            assert torch.allclose(logprobs[row, :length], want, atol=1e-5) and (logprobs[row, length:] == 0).all()
     # all rows stop at EOS -> the width is the longest response, not max_tokens
     with torch.no_grad():
         eos_model.lm_head.weight[eos] *= 5.0
@@ -136,8 +111,8 @@ def test_short_runs_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
     grpo = repro.read_records(tmp_path / "compare" / "grpo_seed0" / "metrics.jsonl")
     stare_run = repro.read_records(tmp_path / "sweep" / "stare_o1_w4_p0.05_seed0" / "metrics.jsonl")
     assert [r["step"] for r in grpo] == [r["step"] for r in stare_run] == [1, 2, 3]
-    for key in ("train/entropy", "rollout/acc_before_filter", "rollout/distinct_correct_frac"):
-        assert grpo[0][key] == stare_run[0][key]  # same model, seed and prompts: the same first batch
+    for key in ("train/kept_groups", "rollout/acc_before_filter", "rollout/distinct_correct_frac", "train/entropy"):
+        assert grpo[0].get(key) == stare_run[0].get(key)  # same model, seed and prompts: the same first batch
     assert all(r["stare/gate_on"] == 1.0 for r in stare_run)
     updated = [r for r in stare_run if "train/loss" in r]
     assert updated and all(r["train/touched_frac"] > 0 for r in updated)  # L+ was reweighted

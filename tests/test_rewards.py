@@ -151,7 +151,8 @@ def test_pathological_input_returns_within_the_deadline(answer):
     start = time.monotonic()
     correct, status = rewards.verify_math(rf"\boxed{{{answer}}}", "3", timeout_s=0.5)
     elapsed = time.monotonic() - start
-    assert not correct and status in ("timeout", "parse_error")
+    # the point is the deadline: a fast machine may finish the check in time ("ok", and still not equal to 3)
+    assert not correct and status in ("timeout", "parse_error", "ok")
     assert elapsed < 0.5 + 0.5
 
 

@@ -269,14 +269,14 @@ def test_metrics_log_writes_jsonl_and_mirrors_to_wandb(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", stub)
     cfg = config.load("configs/tiny.yaml")
     cfg.train = dataclasses.replace(cfg.train, wandb=True, log_every=100)
-    log = train.MetricsLog(tmp_path, cfg, rank=0)
+    log = checkpoints.MetricsLog(tmp_path, cfg, rank=0)
     log.write(3, {"rollout/acc": 0.123456789, "train/tokens": 7}, tqdm(disable=True))
     log.close()
     assert read_metrics(tmp_path) == [{"step": 3, "rollout/acc": 0.123457, "train/tokens": 7}]
     assert calls[0][0] == "init" and calls[0][1]["config"]["loss"]["stare_w"] == cfg.loss.stare_w
     assert calls[0][1]["id"] == (tmp_path / "wandb_run_id").read_text() == "abc123"  # a resumed run continues it
     assert calls[1:] == [("log", 3, {"rollout/acc": 0.123456789, "train/tokens": 7}), ("finish",)]
-    assert train.MetricsLog(tmp_path, cfg, rank=1).file is None  # only rank 0 writes
+    assert checkpoints.MetricsLog(tmp_path, cfg, rank=1).file is None  # only rank 0 writes
 
 
 def checkpoint_weights(checkpoint):
@@ -325,43 +325,6 @@ def test_dynamic_sampling_gives_up_with_a_clear_error(tiny_dir, tmp_path):
     assert "dynamic sampling kept" in completed.stderr and "algorithm.max_num_gen_batches" in completed.stderr
 
 
-def test_padded_batch_logits_match_unpadded_forwards(tiny_dir):
-    # prompts left-padded and responses right-padded to shared widths: every row's response logits must equal
-    # those of the row run alone without padding
-    import train
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(0)
-    rows = [{"prompt": torch.randint(3, 300, (p,), generator=generator).tolist(),
-             "response": torch.randint(3, 300, (r,), generator=generator).tolist()}
-            for p, r in ((5, 9), (12, 3), (1, 1), (8, 0))]
-    tensors = train.sequence_tensors(rows, pad_id=0, device=torch.device("cpu"))
-    with torch.no_grad():
-        logits = train.response_logits(model, tensors)
-        for i, row in enumerate(rows):
-            alone = model(input_ids=torch.tensor([row["prompt"] + row["response"]])).logits[0]
-            want = alone[len(row["prompt"]) - 1:len(row["prompt"]) + len(row["response"]) - 1]
-            got = logits[i, :len(row["response"])]
-            assert torch.allclose(got, want, atol=1e-5), i
-            assert tensors["mask"][i].sum() == len(row["response"])
-            assert tensors["response_ids"][i, :len(row["response"])].tolist() == row["response"]
-
-
-@pytest.mark.parametrize("budget", [1, 30, 64, 10_000])
-def test_micro_batches_cover_every_row_once_within_the_budget(budget):
-    import train
-
-    generator = torch.Generator().manual_seed(budget)
-    rows = [{"prompt": [1] * int(p), "response": [2] * int(r)}
-            for p, r in zip(torch.randint(1, 20, (25,), generator=generator),
-                            torch.randint(0, 20, (25,), generator=generator))]
-    batches = train.micro_batches(rows, budget)
-    assert sorted(i for batch in batches for i in batch) == list(range(len(rows)))
-    for batch in batches:
-        width = max(len(rows[i]["prompt"]) for i in batch) + max(max(1, len(rows[i]["response"])) for i in batch)
-        assert len(batch) == 1 or len(batch) * width <= budget  # a row longer than the budget goes alone
-
-
 def test_a_run_refuses_to_mix_with_another_trajectory(tiny_dir, tmp_path):
     out = tmp_path / "run"
     (out / "checkpoints" / "step_00000005").mkdir(parents=True)
@@ -396,18 +359,21 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tiny_dir, tmp_path):
 
 
 def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
-    # rows as train.py builds them: policy_mask False at tool-result tokens; the batch mask comes from sequence_tensors
+    # responses as train.py builds them: policy_mask False at tool-result tokens
+    import types
+
     import config
     import stare
     import train
 
     generator = torch.Generator().manual_seed(0)
     tool_masks = [[False, False, True, True, True, False, False], [False, True, True, False], [False] * 5]
-    rows = [{"prompt": [5, 6, 7], "response": list(range(10, 10 + len(m))),
-             "policy_mask": train.policy_token_mask(len(m), m)} for m in tool_masks]
-    tensors = train.sequence_tensors(rows, pad_id=0, device=torch.device("cpu"))
-    tool = train.pad_rows([{"t": m} for m in tool_masks], "t", tensors["response_width"], value=False, dtype=torch.bool)
-    assert not (tensors["mask"] & tool).any() and tensors["mask"].sum() == sum(m.count(False) for m in tool_masks)
+    out = types.SimpleNamespace(token_ids=[list(range(10, 10 + len(m))) for m in tool_masks], tool_mask=tool_masks)
+    policy_masks = [train.policy_token_mask(out, i) for i in range(len(tool_masks))]
+    mask = train.pad_rows(policy_masks)
+    tool = train.pad_rows([torch.tensor(m) for m in tool_masks])
+    assert not (mask & tool).any() and mask.sum() == sum(m.count(False) for m in tool_masks)
+    tensors = {"mask": mask}
 
     shape = tensors["mask"].shape
     logprobs = (-torch.rand(shape, generator=generator) * 3).requires_grad_()
@@ -425,3 +391,63 @@ def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
                                         num_tokens=float(tensors["mask"].sum()), num_sequences=3.0)
         (gradient,) = torch.autograd.grad(loss, logprobs)
         assert (gradient[tool] == 0).all() and (gradient[tensors["mask"]] != 0).any(), method
+
+
+def random_responses(generator, groups=3, n=4, vocab=300):
+    """Groups of n responses with random prompts, tokens and 0/1 rewards (each group varied), as sample_groups makes."""
+    import train
+
+    out = []
+    for _ in range(groups):
+        prompt = torch.randint(3, vocab, (int(torch.randint(1, 9, (1,), generator=generator)),),
+                               generator=generator).tolist()
+        responses = []
+        for k in range(n):
+            length = int(torch.randint(1, 12, (1,), generator=generator))
+            tokens = torch.randint(3, vocab, (length,), generator=generator).tolist()
+            reward = float(k % 2) if k < 2 else float(torch.randint(0, 2, (1,), generator=generator))
+            responses.append(train.Response(prompt=prompt, tokens=tokens, rollout_logprobs=[0.0] * length,
+                                            reward=reward, accuracy=reward, truncated=False, reflection=(0, 0),
+                                            policy_mask=torch.ones(length, dtype=torch.bool)))
+        out.append(train.Group(prompt, responses))
+    return out
+
+
+@pytest.mark.parametrize("budget", [8, 10_000])  # one row per micro-batch, or all rows in one
+def test_stages_give_the_log_probs_and_the_update_of_an_independent_computation(tiny_dir, budget):
+    # the stages in one process (no process group): old_policy_pass against a forward of each row alone, and
+    # policy_update's GRPO step against the closed-form gradient at ratio 1, -sum A_i grad log pi / N_tokens
+    import config
+    import stare
+    import train
+
+    cfg = config.load("configs/tiny.yaml", ["algorithm.method=grpo", "optim.grad_clip=0",
+                                            f"train.micro_token_budget={budget}", "train.train_batch_size=3",
+                                            "train.mini_batch_size=3", "rollout.n=4"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
+    responses = train.group_responses(random_responses(torch.Generator().manual_seed(budget)), cfg, 0, 1)
+    train.old_policy_pass(model, responses, cfg, torch.device("cpu"))
+
+    reference_loss = 0.0
+    for r in responses:
+        logits = reference(input_ids=torch.tensor([r.prompt + r.tokens])).logits[0, len(r.prompt) - 1:-1]  # [T, V]
+        logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.tokens)[:, None])[:, 0]
+        entropy = torch.distributions.Categorical(logits=logits.detach()).entropy()
+        assert torch.allclose(r.old_logprobs, logprobs.detach(), atol=1e-5)
+        assert torch.allclose(r.entropy, entropy, atol=1e-5)
+        reference_loss = reference_loss - r.advantage * logprobs.sum()
+    (reference_loss / sum(len(r.tokens) for r in responses)).backward()
+
+    gate = stare.EntropyGate(cfg.algorithm.target_entropy)
+    num_tokens, gate_metrics = train.update_gate(gate, responses, torch.device("cpu"))
+    assert num_tokens == sum(len(r.tokens) for r in responses)
+    assert gate_metrics["train/entropy"] == pytest.approx(
+        float(torch.cat([r.entropy for r in responses]).mean()), rel=1e-6)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the parameter change is minus the gradient
+    metrics = train.policy_update(model, optimizer, responses, cfg, gate, 1, torch.device("cpu"))
+    assert metrics["train/skipped_updates"] == 0 and (metrics["train/micro_batches"] > 1) == (budget == 8)
+    for old, new, ref in zip(before, model.parameters(), reference.parameters()):
+        # float32: a parameter minus its updated value keeps ~1e-7 of the parameter's size
+        assert (old - new.detach() - ref.grad).abs().max() <= 1e-5 * ref.grad.abs().max() + 1e-6
