@@ -42,6 +42,7 @@ trl-compare: our training step against TRL's GRPOTrainer (trl==1.16.0, optional:
 import argparse
 import gc
 import json
+import math
 import random
 import statistics
 import time
@@ -236,11 +237,116 @@ def model_flops(config, rows, backward):
 
 
 def realistic_lengths(num_rows, seed, max_response=3000):
-    """(prompt, response) token counts like a math RL batch: prompts 100-400, responses log-normal around 900 tokens,
-    some cut at max_response."""
-    rng = random.Random(seed)
-    return [(rng.randint(100, 400), max(20, min(max_response, int(rng.lognormvariate(6.8, 0.7)))))
-            for _ in range(num_rows)]
+    """(prompt, response) token counts like a math RL batch at max_response = 3000: prompts 100-400, responses
+    log-normal around 900 tokens, some cut at max_response (all scaled with max_response)."""
+    rng, scale = random.Random(seed), max_response / 3000
+    return [(max(1, int(rng.randint(100, 400) * scale)),
+             max(1, min(max_response, int(rng.lognormvariate(6.8, 0.7) * scale)))) for _ in range(num_rows)]
+
+
+def synthetic_responses(lengths, vocab_size, seed, group_size=8):
+    """train.Response rows with random tokens and binary rewards, advantages normalised per group."""
+    import train
+
+    generator = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 2, (len(lengths),), generator=generator).float()
+    advantages = torch.cat([stare.group_advantages(rewards[i:i + group_size], len(rewards[i:i + group_size]))
+                            for i in range(0, len(lengths), group_size)])
+    return [train.Response(prompt=torch.randint(0, vocab_size, (p,), generator=generator).tolist(),
+                           tokens=torch.randint(0, vocab_size, (r,), generator=generator).tolist(),
+                           rollout_logprobs=[-1.0] * r, reward=float(rewards[i]), accuracy=float(rewards[i]),
+                           truncated=False, reflection=(0, r), policy_mask=torch.ones(r, dtype=torch.bool),
+                           advantage=float(advantages[i]))
+            for i, (p, r) in enumerate(lengths)]
+
+
+def bench_update(args):
+    """The no-grad pass and the update through train.py's own stages (old_policy_pass, update_gate, select_tokens,
+    policy_update) on a random-init Qwen2.5 shape, FSDP2 with world size 1; methods interleaved, median times."""
+    import config
+    import modeling
+    import train
+
+    rank, world, device = train.setup_distributed()
+    on_cuda = device.type == "cuda"
+    methods = list(dict.fromkeys([args.method, "grpo"]))
+
+    def cfg_for(method):
+        return config.load(overrides=[
+            "data.train_files=[unused.jsonl]", f"algorithm.method={method}", "algorithm.target_entropy=1e9",  # gate on
+            f"train.micro_token_budget={args.budget}", f"model.gradient_checkpointing={str(args.gc).lower()}",
+            f"model.attn_implementation={args.attention}"])
+
+    torch.manual_seed(0)
+    model = modeling.shard_model(random_qwen(args.size, device, args.attention), cfg_for(methods[0]), device, world)
+    cfg = cfg_for(methods[0])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay)
+    lengths = realistic_lengths(args.rows, args.seed, args.max_response)
+    responses = synthetic_responses(lengths, model.config.vocab_size, args.seed)
+
+    def synchronize():
+        if on_cuda:
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        synchronize()
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = fn()
+        synchronize()
+        peak = torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None
+        return time.perf_counter() - start, peak, out
+
+    def one_step(method, step):
+        cfg = cfg_for(method)
+        gate = stare.EntropyGate(cfg.algorithm.target_entropy, cfg.loss.stare_w, cfg.loss.stare_m)
+        no_grad = timed(lambda: train.old_policy_pass(model, responses, cfg, device))
+        train.update_gate(gate, responses, device)
+        select = timed(lambda: train.select_tokens(responses, cfg, gate, step, device))
+        update = timed(lambda: train.policy_update(model, optimizer, responses, cfg, gate, step, device))
+        return {"no_grad": no_grad, "select": select, "update": update}
+
+    for method in methods:  # warm-up: kernel compilation, the allocator, cuDNN/cuBLAS heuristics
+        one_step(method, 0)
+    runs = {method: [] for method in methods}
+    for repeat in range(args.repeats):  # interleaved, so that drift hits every method alike
+        for method in methods:
+            runs[method].append(one_step(method, repeat + 1))
+
+    device_name = torch.cuda.get_device_name() if on_cuda else "cpu"
+    peak = next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in device_name), None)
+    no_grad_flops, update_flops = model_flops(model.config, lengths, False), model_flops(model.config, lengths, True)
+    batches = modeling.micro_batches([p + r for p, r in lengths], args.budget)
+    real_tokens = sum(p + r for p, r in lengths)
+    padded_tokens = sum(len(b) * (max(lengths[i][0] for i in b) + max(lengths[i][1] for i in b)) for b in batches)
+    result = {"size": args.size, "device": device_name, "rows": args.rows, "budget": args.budget,
+              "gradient_checkpointing": args.gc, "attention": args.attention, "repeats": args.repeats,
+              "tokens": real_tokens, "response_tokens": sum(r for _, r in lengths), "micro_batches": len(batches),
+              "padding_share": 0.0,  # packed rows: the model runs on real tokens only
+              "padding_share_if_padded": round(1 - real_tokens / padded_tokens, 3),
+              "peak_flops": peak, "peak_note": "H100/H200 SXM dense bf16 tensor-core peak" if peak else None,
+              "model_tflop": {"no_grad": round(no_grad_flops / 1e12, 1), "update": round(update_flops / 1e12, 1)}}
+    for method, method_runs in runs.items():
+        summary = {}
+        for stage, flops in (("no_grad", no_grad_flops), ("select", None), ("update", update_flops)):
+            seconds = statistics.median(run[stage][0] for run in method_runs)
+            summary[stage] = {"s": round(seconds, 4)}
+            if flops and peak:
+                summary[stage]["mfu"] = round(flops / seconds / peak, 3)
+            if on_cuda:
+                summary[stage]["peak_gib"] = round(max(run[stage][1] for run in method_runs), 1)
+        metrics = [run["update"][2] for run in method_runs]
+        summary["finite_gradients"] = all(math.isfinite(m["train/grad_norm"]) and m["train/skipped_updates"] == 0
+                                          for m in metrics)
+        summary["grad_norm"] = metrics[-1]["train/grad_norm"]
+        result[method] = summary
+    if args.method != "grpo":
+        update = {m: statistics.median(run["update"][0] for run in runs[m]) for m in methods}
+        result[f"{args.method}_over_grpo_update"] = round(update[args.method] / update["grpo"] - 1, 4)
+    torch.distributed.destroy_process_group()
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -732,6 +838,16 @@ def main():
     train_step.add_argument("--tiny", default="runs/tiny", help="the tiny default's directory (built if missing)")
     train_step.add_argument("--steps", type=int, default=6)
     train_step.add_argument("--method", default="stare")
+    update = commands.add_parser("update", help="the no-grad pass and the update of train.py on a Qwen2.5 shape")
+    update.add_argument("--size", default="1.5b", choices=list(QWEN25))
+    update.add_argument("--method", default="stare", help="timed against grpo in the same run")
+    update.add_argument("--rows", type=int, default=32, help="responses in the step")
+    update.add_argument("--budget", type=int, default=16_384, help="train.micro_token_budget")
+    update.add_argument("--gc", action="store_true", help="gradient checkpointing")
+    update.add_argument("--attention", default="varlen", help="model.attn_implementation")
+    update.add_argument("--max-response", type=int, default=3000, help="longest response (lengths scale with it)")
+    update.add_argument("--repeats", type=int, default=3)
+    update.add_argument("--seed", type=int, default=0)
     speed = commands.add_parser("logprob-time", help="time of the log-prob/entropy kernels (CUDA)")
     speed.add_argument("--tokens", type=int, default=16_384)
     speed.add_argument("--vocab", type=int, default=151_936)
@@ -756,7 +872,7 @@ def main():
     compare.add_argument("--trl-worker", choices=["hf", "vllm"], help=argparse.SUPPRESS)  # internal: one TRL run
     compare.add_argument("--result", help=argparse.SUPPRESS)  # internal: where the TRL run writes its records
     args = parser.parse_args()
-    run = {"logprob-memory": bench_logprob_memory, "logprob-time": bench_logprob_time,
+    run = {"logprob-memory": bench_logprob_memory, "logprob-time": bench_logprob_time, "update": bench_update,
            "stare-overhead": bench_stare_overhead, "reward-throughput": bench_reward_throughput,
            "train-step": bench_train_step, "trl-compare": bench_trl_compare}[args.command]
     result = run(args)
