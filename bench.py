@@ -3,6 +3,7 @@
     python bench.py logprob-memory   [--tokens 4096] [--vocab 151936] [--device cpu|cuda]
     python bench.py logprob-time     [--tokens 16384] [--vocab 151936] [--dtype bfloat16] [--sweep]     (CUDA)
     python bench.py stare-overhead   [--tokens 1048576] [--repeats 15] [--device cpu|cuda]
+    python bench.py update           [--size tiny|0.5b|1.5b|7b] [--method stare] [--rows 32] [--budget 16384] [--gc]
     python bench.py reward-throughput [--responses 2000]
     python bench.py train-step       [--tiny runs/tiny] [--steps 6] [--method stare]
     python bench.py trl-compare      [--tiny runs/tiny] [--steps 6] [--prompts 16] [--threads N]
@@ -13,6 +14,17 @@ logprob-memory: peak *extra* memory (beyond the input logits) of stare.token_log
     (/proc/self/clear_refs), so every byte the computation touched counts. Goal: ratio <= 0.125.
 train-step: per-stage time of the real training loop (train.py on the tiny default, CPU: rollout, reward, the
     no-grad pass, update, sync) and tokens/s, averaged over the steps after the first (start-up excluded).
+logprob-time: forward + backward of stare.token_logprobs_and_entropy on random logits on CUDA: the Triton path, the
+    chunked PyTorch path and the naive formula, with peak extra memory and the memory-bandwidth floor (one read of
+    the logits forward, one read and one gradient write backward); the no-grad functions (entropy sensitivity, the
+    min-p proxy) too. --sweep also times other block sizes and warp counts of the kernels.
+update: train.py's no-grad pass (old_policy_pass) and update (update_gate, select_tokens, policy_update) on a
+    randomly initialised Qwen2.5 shape (Qwen2Config, nothing downloaded; "tiny" runs on CPU), FSDP2 with world size
+    1, `--rows` responses of realistic ragged lengths (prompts 100-400 tokens, responses log-normal around 900, at
+    most --max-response) with group-normalised binary-reward advantages; --method (gate forced on) and GRPO run
+    interleaved after one warm-up step each, median of --repeats. MFU = model FLOPs (2 per body weight per token,
+    the head on response tokens only, causal attention; x3 for the update; recomputation not counted) / time /
+    989 TFLOP/s (H100/H200 SXM dense bf16). The 7B shape needs more than one 80 GB GPU (float32 AdamW state).
 stare-overhead: time of stare_weights + clipped_surrogate + aggregate_loss vs clipped_surrogate + aggregate_loss
     alone, on the same tokens in the same run (interleaved, median of repeats). overhead_ratio = stare/grpo - 1.
     Goal: <= 0.25. The forward+backward numbers include the backward of the loss, which training always pays.
