@@ -40,7 +40,7 @@ class ModelConfig:
     param_dtype: str = "bfloat16"  # FSDP2 compute dtype of parameters: bfloat16 | float16 | float32
     reduce_dtype: str = "float32"  # FSDP2 gradient reduction dtype
     gradient_checkpointing: bool = False  # recompute activations in backward (long responses)
-    attn_implementation: str = "sdpa"  # transformers attention: sdpa | eager | flash_attention_2
+    attn_implementation: str = "varlen"  # varlen (modeling.py: packed rows) | sdpa | eager | flash_attention_2
 
 
 @dataclasses.dataclass
@@ -149,7 +149,7 @@ class Config:
 CHOICES = {  # fields with a fixed set of values
     "model.param_dtype": ("bfloat16", "float16", "float32"),
     "model.reduce_dtype": ("bfloat16", "float16", "float32"),
-    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
+    "model.attn_implementation": ("varlen", "sdpa", "eager", "flash_attention_2"),
     "data.overflow": data.OVERFLOW_MODES,
     "algorithm.method": baselines.METHODS,
     "algorithm.stare_scope": ("step", "micro"),

@@ -133,14 +133,21 @@ def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None)
     and mask later) -> (logprobs [..., T], entropy [..., T]), both float32.
 
     Computed `chunk_size` rows at a time (default: ~128 MiB of float32 per chunk) in forward and backward, so no
-    float32 copy of the whole [N, V] is ever made; the results equal the unchunked computation. Both outputs are
-    differentiable w.r.t. the logits (the entropy gradient is what an entropy bonus needs); under torch.no_grad()
-    nothing is saved. Pass contiguous logits: a strided view such as logits[:, :-1] is first copied whole (in its
-    own dtype) by the flattening reshape, and that copy is what backward keeps. A -inf logit is fine (0 log 0 = 0).
+    float32 copy of the whole [N, V] is ever made; the results equal the unchunked computation. On CUDA the same
+    function runs as one Triton pass per row over the logits (kernels.py; chunk_size is then unused), equal up to
+    float32 rounding. Both outputs are differentiable w.r.t. the logits (the entropy gradient is what an entropy
+    bonus needs); under torch.no_grad() nothing is saved. Pass contiguous logits: a strided view such as
+    logits[:, :-1] is first copied whole (in its own dtype) by the flattening reshape, and that copy is what
+    backward keeps. A -inf logit is fine (0 log 0 = 0).
     """
+    import kernels
+
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     logits_2d, tokens_1d = _flatten_logits(logits, tokens)
+    if kernels.supported(logits_2d):
+        logprobs, entropy = kernels.LogprobEntropy.apply(logits_2d, tokens_1d, float(temperature))
+        return logprobs.view(tokens.shape), entropy.view(tokens.shape)
     chunk_rows = _chunk_rows(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
     logprobs, entropy = _ChunkedLogprobEntropy.apply(logits_2d, tokens_1d, float(temperature), chunk_rows)
     return logprobs.view(tokens.shape), entropy.view(tokens.shape)
@@ -160,10 +167,16 @@ def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None)
 @torch.no_grad()
 def _entropy_geometry(logits, tokens, temperature, chunk_size):
     """Per row of pi = softmax(logits / T): log pi(token) (if tokens given), H, B = sum_a pi_a^2 (s_a - H), and
-    the smallest surprisal s_min = -log max_a pi_a. logits [..., T, V] -> four float32 tensors [N]."""
+    the smallest surprisal s_min = -log max_a pi_a. logits [..., T, V] -> four float32 tensors [N]. One Triton
+    pass per row on CUDA (kernels.py), row chunks elsewhere."""
+    import kernels
+
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     logits_2d, tokens_1d = _flatten_logits(logits, tokens)
+    if kernels.supported(logits_2d):
+        logprobs, entropy, _, cov_b, s_min = kernels.row_stats(logits_2d, tokens_1d, float(temperature), True)
+        return logprobs, entropy, cov_b, s_min
     chunk_rows = _chunk_rows(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
     num_rows, device = logits_2d.shape[0], logits_2d.device
     logprobs, entropy, cov_b, s_min = (torch.empty(num_rows, device=device) for _ in range(4))  # [N] float32 each

@@ -759,13 +759,13 @@ def test_selection_never_syncs_host_and_device():
     logprobs = -torch.rand(64, 256, device=device) * 5
     advantages = torch.randn(64, device=device)
     mask = torch.rand(64, 256, device=device) < 0.9
+    gate_off = torch.tensor(False, device=device)  # made before sync-debug mode: a host-to-device copy syncs
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         stare.select_top_surprisal(-logprobs, mask & (advantages[:, None] > 0), 0.1)
         for variant in ("O1", "C2"):
             stare.stare_weights(logprobs, advantages, mask, variant=variant, top_ratio=0.1, gate_on=True)
-            stare.stare_weights(logprobs, advantages, mask, variant=variant, top_ratio=0.1,
-                                gate_on=torch.tensor(False, device=device))
+            stare.stare_weights(logprobs, advantages, mask, variant=variant, top_ratio=0.1, gate_on=gate_off)
     finally:
         torch.cuda.set_sync_debug_mode("default")
