@@ -466,9 +466,7 @@ def train(run, state):
         log.write(0, evaluation(run), progress)  # the starting point of every eval curve
     try:
         for step in progress:
-            metrics = train_step(run, state, step)
-            if step == first_step:  # what the data loading did, once per start
-                metrics.update(run.task.metrics)
+            metrics = {**train_step(run, state, step), **run.task.metrics}  # data/*: what the prompt loading did
             if run.benchmarks and (step % cfg.eval.every == 0 or step == cfg.train.total_steps):
                 metrics.update(evaluation(run))
             log.write(step, metrics, progress)

@@ -85,8 +85,8 @@ def expected_tool_turn(model_text):
     """The tool turn that must follow a model turn ending in a call, computed independently of rollout.py: the JSON
     parsed here, the code run in a fresh sandbox, the output wrapped as Qwen2.5's template writes a tool message.
     -> (prefix, content or None for an invalid call, suffix)."""
-    body = model_text[model_text.rindex("<tool_call>") + len("<tool_call>"):model_text.rindex("</tool_call>")]
-    try:
+    try:  # a call without its opening tag is invalid too (rindex raises ValueError)
+        body = model_text[model_text.rindex("<tool_call>") + len("<tool_call>"):model_text.rindex("</tool_call>")]
         call = json.loads(body)
         assert call["name"] == "code_interpreter"
         content = sandbox.format_result(sandbox.run_code(call["arguments"]["code"], SANDBOX))
@@ -209,7 +209,8 @@ def test_max_turns_ends_conversations_whose_last_turn_calls(recorded, engine, to
     assert "max_turns" in short.finish_reasons
     assert ran == sandbox_calls[0]  # the first turn's calls only
     for i in range(16):
-        if out.num_turns[i] < MAX_TURNS:  # answered in time: nothing changes
+        tool_runs = [r for r in runs(out.tool_mask[i]) if r[0]]
+        if len(tool_runs) < MAX_TURNS - 1:  # its turn MAX_TURNS - 1 did not call (or never came): nothing changes
             assert short.token_ids[i] == out.token_ids[i] and short.finish_reasons[i] == out.finish_reasons[i]
         else:
             _, _, end = [r for r in runs(out.tool_mask[i]) if not r[0]][MAX_TURNS - 2]
