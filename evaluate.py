@@ -184,16 +184,6 @@ def reflection_counts(text: str) -> tuple[int, int]:
     return len(_REFLECTION_RE.findall(text)), len(text.split())
 
 
-def reflection_per_1k_words(texts) -> float:
-    """1000 x reflection-word occurrences / words, pooled over texts (0.0 for no words). train.py can log it on
-    its rollouts as rollout/reflection_per_1k_words."""
-    hits = words = 0
-    for text in texts:
-        h, w = reflection_counts(text)
-        hits, words = hits + h, words + w
-    return 1000.0 * hits / words if words else 0.0
-
-
 def distinct_correct_fraction(groups):
     """Diversity of the correct answers: over the groups with at least one correct response, the mean of (distinct
     correct responses, as token sequences) / (correct responses); None if no group has one. groups: lists of
