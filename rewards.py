@@ -88,8 +88,7 @@ def extract_boxed(text: str) -> str | None:
 # after the deadline the timer fires every 10 ms until the exception gets through, and a check that still returns
 # after its deadline counts as a timeout too. The caller's SIGALRM handler is restored afterwards, and so is what was
 # left of a pending alarm of the caller's (it goes off late, when the check ends). The timer interrupts Python code
-# only, between bytecodes: a single long C call runs to its end first (in tests every pathological input stopped
-# within 60 ms of the deadline). Outside the main thread there is no deadline at all.
+# only, between bytecodes: a single long C call runs to its end first. Outside the main thread there is no deadline.
 
 
 class _Timeout(BaseException):
