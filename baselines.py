@@ -157,9 +157,13 @@ def minp_proxy_logprobs(logits, tokens, temperature=1.0, kappa=0.02, soft=False,
     So pi_proxy(o) = pi(o) / sum_{a in V} pi(a) for o in V (at T = 1), and ~0 otherwise. (The reference's `fixed`
     variant, p_a >= kappa, is not implemented.)
     """
+    import kernels
+
     if not (temperature > 0 and 0 < kappa <= 1):
         raise ValueError(f"need temperature > 0 and 0 < kappa <= 1, got {temperature=}, {kappa=}")
     logits_2d, tokens_1d = stare._flatten_logits(logits, tokens)
+    if kernels.supported(logits_2d):  # CUDA: two Triton passes per row instead of the chunk loop below
+        return kernels.minp_proxy(logits_2d, tokens_1d, temperature, kappa, soft).view(tokens.shape)
     chunk_rows = stare._chunk_rows(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
     proxy = torch.empty(logits_2d.shape[0], device=logits_2d.device)  # [N] float32
     log_kappa_tempered = math.log(kappa) / temperature  # p_a >= kappa max p  <=>  x_a - max x >= log(kappa) / T
@@ -223,11 +227,9 @@ def kl_cov_mask(logprobs, advantages, mask, ratio):
     valid = mask.bool()
     if valid.numel() == 0:
         return valid
-    covariance = advantage_logprob_covariance(logprobs, advantages, mask)
-    # select_top_k ranks values >= 0: shift by the smallest valid covariance (order-preserving)
-    lowest = torch.where(valid, covariance, float("inf")).amin()
-    shifted = torch.where(valid, covariance - lowest, 0.0)
-    return stare.select_top_k(shifted, valid, _count_k(ratio, valid.sum(), "floor1"))
+    covariance = advantage_logprob_covariance(logprobs, advantages, mask)  # [B, T], of either sign
+    # signed: the covariances ranked exactly as they are (shifting them to >= 0 in float32 would merge near-ties)
+    return stare.select_top_k(covariance, valid, _count_k(ratio, valid.sum(), "floor1"), signed=True)
 
 
 def high_entropy_mask(entropy, mask, top_ratio=0.2, convention="paper"):

@@ -1,7 +1,9 @@
 """bench.py: benchmarks for stare.py. Each subcommand prints one JSON object.
 
     python bench.py logprob-memory   [--tokens 4096] [--vocab 151936] [--device cpu|cuda]
+    python bench.py logprob-time     [--tokens 16384] [--vocab 151936] [--dtype bfloat16] [--sweep]     (CUDA)
     python bench.py stare-overhead   [--tokens 1048576] [--repeats 15] [--device cpu|cuda]
+    python bench.py update           [--size tiny|0.5b|1.5b|7b] [--method stare] [--rows 32] [--budget 16384] [--gc]
     python bench.py reward-throughput [--responses 2000]
     python bench.py train-step       [--tiny runs/tiny] [--steps 6] [--method stare]
     python bench.py trl-compare      [--tiny runs/tiny] [--steps 6] [--prompts 16] [--threads N]
@@ -12,6 +14,17 @@ logprob-memory: peak *extra* memory (beyond the input logits) of stare.token_log
     (/proc/self/clear_refs), so every byte the computation touched counts. Goal: ratio <= 0.125.
 train-step: per-stage time of the real training loop (train.py on the tiny default, CPU: rollout, reward, the
     no-grad pass, update, sync) and tokens/s, averaged over the steps after the first (start-up excluded).
+logprob-time: forward + backward of stare.token_logprobs_and_entropy on random logits on CUDA: the Triton path, the
+    chunked PyTorch path and the naive formula, with peak extra memory and the memory-bandwidth floor (one read of
+    the logits forward, one read and one gradient write backward); the no-grad functions (entropy sensitivity, the
+    min-p proxy) too. --sweep also times other block sizes and warp counts of the kernels.
+update: train.py's no-grad pass (old_policy_pass) and update (update_gate, select_tokens, policy_update) on a
+    randomly initialised Qwen2.5 shape (Qwen2Config, nothing downloaded; "tiny" runs on CPU), FSDP2 with world size
+    1, `--rows` responses of realistic ragged lengths (prompts 100-400 tokens, responses log-normal around 900, at
+    most --max-response) with group-normalised binary-reward advantages; --method (gate forced on) and GRPO run
+    interleaved after one warm-up step each, median of --repeats. MFU = model FLOPs (2 per body weight per token,
+    the head on response tokens only, causal attention; x3 for the update; recomputation not counted) / time /
+    989 TFLOP/s (H100/H200 SXM dense bf16). The 7B shape needs more than one 80 GB GPU (float32 AdamW state).
 stare-overhead: time of stare_weights + clipped_surrogate + aggregate_loss vs clipped_surrogate + aggregate_loss
     alone, on the same tokens in the same run (interleaved, median of repeats). overhead_ratio = stare/grpo - 1.
     Goal: <= 0.25. The forward+backward numbers include the backward of the loss, which training always pays.
@@ -41,6 +54,7 @@ trl-compare: our training step against TRL's GRPOTrainer (trl==1.16.0, optional:
 import argparse
 import gc
 import json
+import math
 import random
 import statistics
 import time
@@ -113,6 +127,238 @@ def bench_logprob_memory(args):
     results.update({key: results[worst][key] for key in ("naive_peak_mib", "chunked_peak_mib", "ratio")})
     results["goal_ratio"] = 0.125
     return results
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# logprob-time
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def cuda_ms(fn, repeats=10):
+    """Median time of fn() in ms over `repeats` runs after one warm-up, with CUDA events."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_logprob_time(args):
+    """token_logprobs_and_entropy forward + backward (and the no-grad pass's functions) on CUDA: the Triton path,
+    stare.py's chunked path, and the naive formula; time, peak extra memory, and the bandwidth floor."""
+    from unittest import mock
+
+    import baselines
+    import kernels
+
+    device = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(args.tokens, args.vocab, generator=generator, device=device, dtype=dtype) * 4
+    tokens = torch.randint(0, args.vocab, (args.tokens,), generator=generator, device=device)
+    weights = torch.randn(2, args.tokens, generator=generator, device=device)
+
+    def forward_backward(fn):
+        def run():
+            x = logits.detach().requires_grad_()
+            logprobs, entropy = fn(x)
+            (weights[0] * logprobs + weights[1] * entropy).sum().backward()
+        return run
+
+    def chunked(fn):  # stare.py's PyTorch path on the same device
+        def run(*a):
+            with mock.patch.object(kernels, "supported", lambda logits_2d: False):
+                return fn(*a)
+        return run
+
+    variants = {"triton": lambda x: stare.token_logprobs_and_entropy(x, tokens),
+                "chunked": chunked(lambda x: stare.token_logprobs_and_entropy(x, tokens)),
+                "naive": lambda x: naive_logprobs_and_entropy(x, tokens)}
+    logits_bytes = logits.numel() * logits.element_size()
+    floor_ms = 3 * logits_bytes / args.bandwidth * 1e3  # read in forward, read + write the gradient in backward
+    result = {"tokens": args.tokens, "vocab": args.vocab, "dtype": args.dtype, "device": torch.cuda.get_device_name(),
+              "bandwidth_floor_ms": round(floor_ms, 2), "bandwidth_assumed_gb_s": args.bandwidth / 1e9}
+    for name, fn in variants.items():
+        run = forward_backward(fn)
+        result[name] = {"fwd_bwd_ms": round(cuda_ms(run, args.repeats), 2),
+                        "peak_extra_mib": round(peak_extra_bytes(run, device) / 2**20, 1)}
+    result["ratio_to_floor"] = round(result["triton"]["fwd_bwd_ms"] / floor_ms, 2)
+    result["memory_ratio_to_naive"] = round(result["triton"]["peak_extra_mib"] / result["naive"]["peak_extra_mib"], 4)
+    with torch.no_grad():
+        for name, fn in {"sensitivity": lambda: stare.entropy_sensitivity(logits, tokens),
+                         "minp_proxy": lambda: baselines.minp_proxy_logprobs(logits, tokens)}.items():
+            result[name + "_ms"] = {"triton": round(cuda_ms(fn, args.repeats), 2),
+                                    "chunked": round(cuda_ms(chunked(fn), 3), 2)}
+    if args.sweep:  # block size and warps of the kernels
+        sweep = {}
+        for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16)):
+            with mock.patch.object(kernels, "BLOCK", block), mock.patch.object(kernels, "NUM_WARPS", warps):
+                sweep[f"{block}x{warps}"] = round(cuda_ms(forward_backward(variants["triton"]), args.repeats), 2)
+        result["sweep_fwd_bwd_ms"] = sweep
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# update
+# ----------------------------------------------------------------------------------------------------------------------
+
+# Qwen2.5 shapes (the Math models share them); "tiny" is a CPU-sized model of the same architecture.
+QWEN25 = {
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=False),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152_064, tie_word_embeddings=False),
+}
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak (SXM datasheet)
+
+
+def random_qwen(size, device, attn_implementation="varlen"):
+    """A randomly initialised Qwen2.5-shaped causal LM in float32, built directly on `device` (no download)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import modeling  # noqa: F401  (registers the "varlen" attention)
+
+    config = Qwen2Config(max_position_embeddings=32_768, rope_theta=10_000.0, attn_implementation=attn_implementation,
+                         **QWEN25[size])
+    with torch.device(device):
+        return Qwen2ForCausalLM(config).to(torch.float32)
+
+
+def model_flops(config, rows, backward):
+    """Model FLOPs of one pass over packed rows [(prompt_len, response_len)]: 2 per weight per token in the body
+    (embedding lookup excluded), the head on response tokens only, causal attention (QK^T and PV over the lower
+    triangle); x3 with backward. Gradient-checkpointing recomputation is not counted (model FLOPs, not hardware)."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    body = layers * (hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * config.intermediate_size)
+    tokens = sum(p + r for p, r in rows)
+    responses = sum(r for _, r in rows)
+    attention = layers * sum(2 * q_dim * (p + r) ** 2 for p, r in rows)  # 4 * q_dim * L^2 / 2 per layer
+    forward = 2 * body * tokens + 2 * hidden * config.vocab_size * responses + attention
+    return forward * (3 if backward else 1)
+
+
+def realistic_lengths(num_rows, seed, max_response=3000):
+    """(prompt, response) token counts like a math RL batch at max_response = 3000: prompts 100-400, responses
+    log-normal around 900 tokens, some cut at max_response (all scaled with max_response)."""
+    rng, scale = random.Random(seed), max_response / 3000
+    return [(max(1, int(rng.randint(100, 400) * scale)),
+             max(1, min(max_response, int(rng.lognormvariate(6.8, 0.7) * scale)))) for _ in range(num_rows)]
+
+
+def synthetic_responses(lengths, vocab_size, seed, group_size=8):
+    """train.Response rows with random tokens and binary rewards, advantages normalised per group."""
+    import train
+
+    generator = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 2, (len(lengths),), generator=generator).float()
+    advantages = torch.cat([stare.group_advantages(rewards[i:i + group_size], len(rewards[i:i + group_size]))
+                            for i in range(0, len(lengths), group_size)])
+    return [train.Response(prompt=torch.randint(0, vocab_size, (p,), generator=generator).tolist(),
+                           tokens=torch.randint(0, vocab_size, (r,), generator=generator).tolist(),
+                           rollout_logprobs=[-1.0] * r, reward=float(rewards[i]), accuracy=float(rewards[i]),
+                           truncated=False, reflection=(0, r), policy_mask=torch.ones(r, dtype=torch.bool),
+                           advantage=float(advantages[i]))
+            for i, (p, r) in enumerate(lengths)]
+
+
+def bench_update(args):
+    """The no-grad pass and the update through train.py's own stages (old_policy_pass, update_gate, select_tokens,
+    policy_update) on a random-init Qwen2.5 shape, FSDP2 with world size 1; methods interleaved, median times."""
+    import config
+    import modeling
+    import train
+
+    rank, world, device = train.setup_distributed()
+    on_cuda = device.type == "cuda"
+    methods = list(dict.fromkeys([args.method, "grpo"]))
+
+    def cfg_for(method):
+        return config.load(overrides=[
+            "data.train_files=[unused.jsonl]", f"algorithm.method={method}", "algorithm.target_entropy=1e9",  # gate on
+            f"train.micro_token_budget={args.budget}", f"model.gradient_checkpointing={str(args.gc).lower()}",
+            f"model.attn_implementation={args.attention}"])
+
+    torch.manual_seed(0)
+    model = modeling.shard_model(random_qwen(args.size, device, args.attention), cfg_for(methods[0]), device, world)
+    cfg = cfg_for(methods[0])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay)
+    lengths = realistic_lengths(args.rows, args.seed, args.max_response)
+    responses = synthetic_responses(lengths, model.config.vocab_size, args.seed)
+
+    def synchronize():
+        if on_cuda:
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        synchronize()
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = fn()
+        synchronize()
+        peak = torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None
+        return time.perf_counter() - start, peak, out
+
+    def one_step(method, step):
+        cfg = cfg_for(method)
+        gate = stare.EntropyGate(cfg.algorithm.target_entropy, cfg.loss.stare_w, cfg.loss.stare_m)
+        no_grad = timed(lambda: train.old_policy_pass(model, responses, cfg, device))
+        train.update_gate(gate, responses, device)
+        select = timed(lambda: train.select_tokens(responses, cfg, gate, step, device))
+        update = timed(lambda: train.policy_update(model, optimizer, responses, cfg, gate, step, device))
+        return {"no_grad": no_grad, "select": select, "update": update}
+
+    for method in methods:  # warm-up: kernel compilation, the allocator, cuDNN/cuBLAS heuristics
+        one_step(method, 0)
+    runs = {method: [] for method in methods}
+    for repeat in range(args.repeats):  # interleaved, so that drift hits every method alike
+        for method in methods:
+            runs[method].append(one_step(method, repeat + 1))
+
+    device_name = torch.cuda.get_device_name() if on_cuda else "cpu"
+    peak = next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in device_name), None)
+    no_grad_flops, update_flops = model_flops(model.config, lengths, False), model_flops(model.config, lengths, True)
+    batches = modeling.micro_batches([p + r for p, r in lengths], args.budget)
+    real_tokens = sum(p + r for p, r in lengths)
+    padded_tokens = sum(len(b) * (max(lengths[i][0] for i in b) + max(lengths[i][1] for i in b)) for b in batches)
+    result = {"size": args.size, "device": device_name, "rows": args.rows, "budget": args.budget,
+              "gradient_checkpointing": args.gc, "attention": args.attention, "repeats": args.repeats,
+              "tokens": real_tokens, "response_tokens": sum(r for _, r in lengths), "micro_batches": len(batches),
+              "padding_share": 0.0,  # packed rows: the model runs on real tokens only
+              "padding_share_if_padded": round(1 - real_tokens / padded_tokens, 3),
+              "peak_flops": peak, "peak_note": "H100/H200 SXM dense bf16 tensor-core peak" if peak else None,
+              "model_tflop": {"no_grad": round(no_grad_flops / 1e12, 1), "update": round(update_flops / 1e12, 1)}}
+    for method, method_runs in runs.items():
+        summary = {}
+        for stage, flops in (("no_grad", no_grad_flops), ("select", None), ("update", update_flops)):
+            seconds = statistics.median(run[stage][0] for run in method_runs)
+            summary[stage] = {"s": round(seconds, 4)}
+            if flops and peak:
+                summary[stage]["mfu"] = round(flops / seconds / peak, 3)
+            if on_cuda:
+                summary[stage]["peak_gib"] = round(max(run[stage][1] for run in method_runs), 1)
+        metrics = [run["update"][2] for run in method_runs]
+        summary["finite_gradients"] = all(math.isfinite(m["train/grad_norm"]) and m["train/skipped_updates"] == 0
+                                          for m in metrics)
+        summary["grad_norm"] = metrics[-1]["train/grad_norm"]
+        result[method] = summary
+    if args.method != "grpo":
+        update = {m: statistics.median(run["update"][0] for run in runs[m]) for m in methods}
+        result[f"{args.method}_over_grpo_update"] = round(update[args.method] / update["grpo"] - 1, 4)
+    torch.distributed.destroy_process_group()
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -604,6 +850,24 @@ def main():
     train_step.add_argument("--tiny", default="runs/tiny", help="the tiny default's directory (built if missing)")
     train_step.add_argument("--steps", type=int, default=6)
     train_step.add_argument("--method", default="stare")
+    update = commands.add_parser("update", help="the no-grad pass and the update of train.py on a Qwen2.5 shape")
+    update.add_argument("--size", default="1.5b", choices=list(QWEN25))
+    update.add_argument("--method", default="stare", help="timed against grpo in the same run")
+    update.add_argument("--rows", type=int, default=32, help="responses in the step")
+    update.add_argument("--budget", type=int, default=16_384, help="train.micro_token_budget")
+    update.add_argument("--gc", action="store_true", help="gradient checkpointing")
+    update.add_argument("--attention", default="varlen", help="model.attn_implementation")
+    update.add_argument("--max-response", type=int, default=3000, help="longest response (lengths scale with it)")
+    update.add_argument("--repeats", type=int, default=3)
+    update.add_argument("--seed", type=int, default=0)
+    speed = commands.add_parser("logprob-time", help="time of the log-prob/entropy kernels (CUDA)")
+    speed.add_argument("--tokens", type=int, default=16_384)
+    speed.add_argument("--vocab", type=int, default=151_936)
+    speed.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    speed.add_argument("--repeats", type=int, default=10)
+    speed.add_argument("--bandwidth", type=float, default=3.0e12, help="device memory bytes/s for the floor "
+                       "(an H100 SXM copy measures ~3.0e12 counting reads and writes)")
+    speed.add_argument("--sweep", action="store_true", help="also time other block sizes and warp counts")
     overhead = commands.add_parser("stare-overhead", help="time of the STARE loss vs the GRPO loss")
     overhead.add_argument("--tokens", type=int, default=2**20)
     overhead.add_argument("--repeats", type=int, default=15)
@@ -620,9 +884,9 @@ def main():
     compare.add_argument("--trl-worker", choices=["hf", "vllm"], help=argparse.SUPPRESS)  # internal: one TRL run
     compare.add_argument("--result", help=argparse.SUPPRESS)  # internal: where the TRL run writes its records
     args = parser.parse_args()
-    run = {"logprob-memory": bench_logprob_memory, "stare-overhead": bench_stare_overhead,
-           "reward-throughput": bench_reward_throughput, "train-step": bench_train_step,
-           "trl-compare": bench_trl_compare}[args.command]
+    run = {"logprob-memory": bench_logprob_memory, "logprob-time": bench_logprob_time, "update": bench_update,
+           "stare-overhead": bench_stare_overhead, "reward-throughput": bench_reward_throughput,
+           "train-step": bench_train_step, "trl-compare": bench_trl_compare}[args.command]
     result = run(args)
     if result is not None:  # None: a trl-compare worker, which reports through its --result file
         print(json.dumps(result))

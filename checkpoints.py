@@ -13,6 +13,7 @@ import os
 import random
 import re
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -75,13 +76,28 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
         shards = {"model": model_state, "optimizer": optimizer_state}
     else:
         shards = {"model": get_model_state_dict(model)}
-    dcp.save(shards, checkpoint_id=partial / "sharded")
-    torch.save(rng_states(), partial / f"rng_rank{rank}.pt")
-    if rank == 0:
-        torch.save({**trainer_state, "world_size": world, "has_optimizer_state": has_optimizer_state},
-                   partial / "trainer.pt")
-        (partial / "config.yaml").write_text(config.to_yaml(cfg))
-    dist.barrier()  # every shard is on disk
+    failure = None
+    try:
+        dcp.save(shards, checkpoint_id=partial / "sharded")
+        torch.save(rng_states(), partial / f"rng_rank{rank}.pt")
+        if rank == 0:
+            torch.save({**trainer_state, "world_size": world, "has_optimizer_state": has_optimizer_state},
+                       partial / "trainer.pt")
+            (partial / "config.yaml").write_text(config.to_yaml(cfg))
+    except (OSError, RuntimeError) as error:  # a full disk shows as either (torch's zip writer: "unexpected pos")
+        failure = f"rank {rank}: {type(error).__name__}: {error}"
+    failures = [None] * world
+    dist.all_gather_object(failures, failure)  # every shard is on disk, or every rank learns which one is not
+    failures = [f for f in failures if f is not None]
+    if failures:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        dist.barrier()
+        free = shutil.disk_usage(root).free / 2**20
+        previous = list_checkpoints(out_dir)
+        raise RunError(f"error: saving the checkpoint of step {step} to {root} failed ({failures[0]}; {free:.0f} MiB "
+                       f"free there); its partial files were removed, and "
+                       f"{previous[-1] if previous else 'no earlier checkpoint'} and metrics.jsonl are as they were")
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
         os.replace(partial, final)  # the atomic step: from here on this checkpoint counts
@@ -123,38 +139,111 @@ def load_checkpoint(path, model, optimizer, rank):
 
 
 class RunError(Exception):
-    """A run that cannot start (a bad checkpoint, a clash with another run): one line for the user, nothing written."""
+    """A run that cannot start or go on (a bad checkpoint, a clash with another run, a failed save): one line for the
+    user, and nothing that the run wrote before is lost."""
 
 
-def resume_checkpoint(cfg, check_later=True):
-    """The checkpoint train.resume names (auto: out_dir's latest, None when there is none; never: None; else a path).
-    Raises RunError when it is incomplete, or (check_later) when out_dir holds checkpoints after the step this run
-    would start at: they belong to another trajectory, which pruning and `resume: auto` would mix with this one."""
-    out_dir = Path(cfg.train.out_dir)
-    if cfg.train.resume == "never":
-        checkpoint = None
-    elif cfg.train.resume == "auto":
-        found = list_checkpoints(out_dir)
-        checkpoint = found[-1] if found else None
-    else:
-        checkpoint = Path(cfg.train.resume)
-    if checkpoint is not None and not (checkpoint / "trainer.pt").exists():
-        raise RunError(f"error: train.resume={cfg.train.resume!r}: {checkpoint} is not a complete checkpoint "
-                       f"(no trainer.pt)")
-    start_step = torch.load(checkpoint / "trainer.pt", weights_only=False)["step"] if checkpoint else 0
-    later = [p.name for p in list_checkpoints(out_dir) if checkpoint_step(p) > start_step]
+def read_trainer_state(checkpoint):
+    """trainer.pt of a checkpoint; RunError naming the file when it is missing or cannot be read."""
+    path = Path(checkpoint) / "trainer.pt"
+    if not path.exists():
+        raise RunError(f"error: {checkpoint} is not a complete checkpoint (no trainer.pt)")
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as error:  # a truncated or corrupt file: EOFError, zip or unpickling errors
+        raise RunError(f"error: {path} cannot be read ({type(error).__name__}: {error})") from None
+
+
+def resume_checkpoint(cfg, check_later=True, rank=0):
+    """The checkpoint train.resume names (auto: out_dir's latest readable one, None when there is none; never: None;
+    else that path). With auto, an unreadable checkpoint is skipped with a warning for the one before it. Raises
+    RunError when a named checkpoint cannot be used, or (check_later) when out_dir holds checkpoints after the step
+    this run would start at: they belong to another trajectory, which pruning and `resume: auto` would mix with this
+    one."""
+    out_dir, resume = Path(cfg.train.out_dir), cfg.train.resume
+    checkpoint, start_step, unreadable = None, 0, []
+    if resume == "auto":
+        for candidate in reversed(list_checkpoints(out_dir)):
+            try:
+                start_step, checkpoint = read_trainer_state(candidate)["step"], candidate
+                break
+            except RunError as error:
+                unreadable.append(candidate)
+                if rank == 0:
+                    print(f"warning: {error}; falling back to the checkpoint before it", file=sys.stderr)
+    elif resume != "never":
+        checkpoint = Path(resume)
+        try:
+            start_step = read_trainer_state(checkpoint)["step"]
+        except RunError as error:
+            raise RunError(f"{error} (train.resume={resume!r})") from None
+    later = [p.name for p in list_checkpoints(out_dir) if checkpoint_step(p) > start_step and p not in unreadable]
     if check_later and later:
         raise RunError(f"error: {out_dir}/checkpoints holds checkpoints after step {start_step}, where this run "
-                       f"starts (train.resume={cfg.train.resume!r}): {', '.join(later)}; use another train.out_dir "
+                       f"starts (train.resume={resume!r}): {', '.join(later)}; use another train.out_dir "
                        f"or delete them")
     return checkpoint
 
 
+class RunLock:
+    """One run per out_dir: out_dir/run.lock holds the pid and host of the run that owns it. A lock left by a process
+    that no longer runs on this host (killed) is stale and taken over; one held on another host is not (a shared
+    file system: that run may be alive)."""
+
+    def __init__(self, out_dir):
+        self.path = Path(out_dir) / "run.lock"
+        self.held = False
+
+    def acquire(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = f"{os.getpid()} {socket.gethostname()}"
+        for _ in range(2):
+            try:
+                descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                pid, _, host = self.path.read_text().strip().partition(" ")
+                if host == socket.gethostname() and pid.isdigit() and not _process_alive(int(pid)):
+                    self.path.unlink(missing_ok=True)  # stale: its run was killed
+                    continue
+                raise RunError(f"error: train.out_dir {self.path.parent} is in use by the run with pid {pid} on host "
+                               f"{host} ({self.path}); wait for it to end or use another train.out_dir (delete the "
+                               f"lock only if that run is gone)") from None
+            with os.fdopen(descriptor, "w") as f:
+                f.write(me + "\n")
+            self.held = True
+            return
+        raise RunError(f"error: could not take the lock {self.path}")
+
+    def release(self):
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+def _process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 def keep_metrics(path, last_step):
-    """Rewrite metrics.jsonl with its records up to last_step (None: none, a fresh start), atomically; the records
-    after it belong to the interrupted attempt and will be recomputed, a half-written line is dropped."""
-    kept = []
-    for line in (path.read_text().splitlines() if last_step is not None and path.exists() else []):
+    """Rewrite metrics.jsonl with its records up to last_step, atomically; the records after it belong to the
+    interrupted attempt and will be recomputed, a half-written line is dropped. last_step None (a fresh start): an
+    existing non-empty metrics.jsonl is kept as metrics.jsonl.N, never deleted -> that path, or None."""
+    kept, path = [], Path(path)
+    if last_step is None:
+        backup = None
+        if path.exists() and path.read_text().strip():
+            backup = next(path.with_name(f"{path.name}.{i}") for i in range(1, 10**6)
+                          if not path.with_name(f"{path.name}.{i}").exists())
+            os.replace(path, backup)
+        path.write_text("")
+        return backup
+    for line in (path.read_text().splitlines() if path.exists() else []):
         try:
             if json.loads(line)["step"] <= last_step:
                 kept.append(line)
@@ -163,6 +252,7 @@ def keep_metrics(path, last_step):
     partial = path.with_name(path.name + ".tmp")
     partial.write_text("".join(line + "\n" for line in kept))
     os.replace(partial, path)
+    return None
 
 
 def config_differences(old_yaml, cfg):

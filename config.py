@@ -16,8 +16,11 @@ themselves: each knob is defined once, next to the code that uses it.
 import dataclasses
 import difflib
 import importlib.util
+import math
+import os
 import types
 import typing
+from pathlib import Path
 
 import yaml
 
@@ -37,7 +40,7 @@ class ModelConfig:
     param_dtype: str = "bfloat16"  # FSDP2 compute dtype of parameters: bfloat16 | float16 | float32
     reduce_dtype: str = "float32"  # FSDP2 gradient reduction dtype
     gradient_checkpointing: bool = False  # recompute activations in backward (long responses)
-    attn_implementation: str = "sdpa"  # transformers attention: sdpa | eager | flash_attention_2
+    attn_implementation: str = "varlen"  # varlen (modeling.py: packed rows) | sdpa | eager | flash_attention_2
 
 
 @dataclasses.dataclass
@@ -146,7 +149,7 @@ class Config:
 CHOICES = {  # fields with a fixed set of values
     "model.param_dtype": ("bfloat16", "float16", "float32"),
     "model.reduce_dtype": ("bfloat16", "float16", "float32"),
-    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
+    "model.attn_implementation": ("varlen", "sdpa", "eager", "flash_attention_2"),
     "data.overflow": data.OVERFLOW_MODES,
     "algorithm.method": baselines.METHODS,
     "algorithm.stare_scope": ("step", "micro"),
@@ -165,11 +168,13 @@ def load(path=None, overrides=()):
     if path is not None:
         try:
             with open(path) as f:
-                raw = yaml.safe_load(f) or {}
+                raw = yaml.safe_load(f)
         except OSError as error:
             raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
         except yaml.YAMLError as error:
             raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+        if raw is None:
+            raise ConfigError(f"config file {path} is empty (a run's settings are a mapping of sections)")
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
     for override in overrides:
@@ -235,9 +240,11 @@ def _coerce(value, hint, key):
         return float(value)
     if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string: accept the number
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"config key {key!r}: must be a finite number, got {value!r}")
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise ConfigError(f"config key {key!r}: expected {hint.__name__}, got {value!r} ({type(value).__name__})")
     return value
@@ -320,3 +327,82 @@ def to_dict(cfg):
 
 def to_yaml(cfg):
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, width=120)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Paths: checked before anything heavy starts (and never looked up on a hub: nothing is downloaded)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def describe_path(path):
+    """A path as an error message should show it: relative paths with the directory they are read from."""
+    path = Path(path)
+    return str(path) if path.is_absolute() else f"{path} (relative to the working directory {Path.cwd()})"
+
+
+def _named(key):
+    """How an error names a setting: a command-line option as it is, a config key quoted."""
+    return key if key.startswith("--") else f"config key {key!r}"
+
+
+def check_model_path(path, key="model.path"):
+    """A local Hugging Face model directory: config.json, a tokenizer and weights. Raises ConfigError naming what is
+    missing and where to get it."""
+    path, key = Path(path), _named(key)
+    where = describe_path(path)
+    get_it = (f"nothing is downloaded at run time: fetch it first, e.g. `huggingface-cli download <org>/{path.name} "
+              f"--local-dir {path}` (docs/usage.md, \"Models and data for GPU runs\")")
+    if not path.exists():
+        raise ConfigError(f"{key}: {where} does not exist; {get_it}")
+    if not path.is_dir():
+        raise ConfigError(f"{key}: {where} is a file, not a model directory")
+    if (path / "hf" / "config.json").exists():
+        raise ConfigError(f"{key}: {where} is a training run's directory; its model is {path / 'hf'}")
+    missing = [what for what, names in (("config.json", ("config.json",)),
+                                        ("a tokenizer (tokenizer.json)", ("tokenizer.json", "tokenizer_config.json")))
+               if not any((path / name).exists() for name in names)]
+    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        missing.append("weights (*.safetensors)")
+    if missing:
+        raise ConfigError(f"{key}: {where} is not a Hugging Face model directory "
+                          f"(missing: {', '.join(missing)}); {get_it}")
+
+
+def check_files(paths, key):
+    """Every path is a readable file."""
+    for i, path in enumerate(paths):
+        if not Path(path).is_file():
+            problem = "is a directory" if Path(path).is_dir() else "does not exist"
+            raise ConfigError(f"{_named(f'{key}[{i}]')}: {describe_path(path)} {problem}")
+        if not os.access(path, os.R_OK):
+            raise ConfigError(f"{_named(f'{key}[{i}]')}: {describe_path(path)} is not readable")
+
+
+def check_paths(cfg):
+    """The model, data and resume paths a run reads, and that train.out_dir can be written."""
+    check_model_path(cfg.model.path)
+    check_files(cfg.data.train_files, "data.train_files")
+    if cfg.eval.every:
+        check_files(cfg.eval.files, "eval.files")
+    if cfg.train.resume not in ("auto", "never") and not (Path(cfg.train.resume) / "trainer.pt").is_file():
+        raise ConfigError(f"config key 'train.resume': {describe_path(cfg.train.resume)} is not a complete "
+                          f"checkpoint (no trainer.pt)")
+    out_dir = Path(cfg.train.out_dir)
+    existing = next(p for p in [out_dir, *out_dir.parents] if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"config key 'train.out_dir': {describe_path(out_dir)} cannot be created or written "
+                          f"({existing} is not a writable directory)")
+
+
+def check_writable_file(path, key):
+    """That `path` can be written (its directory is created; an existing file is left as it is), before the work
+    whose result it will hold."""
+    path, existed = Path(path), Path(path).exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{_named(key)}: cannot write {describe_path(path)} ({error.strerror})") from None
+    if not existed:
+        path.unlink()

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import config
 import data
 import rewards
 import rollout
@@ -405,7 +406,16 @@ def main(argv):
     from transformers import AutoTokenizer
 
     args = parse_args(argv)
-    benchmarks = load_benchmarks(args.data, args.prompt_suffix, args.limit)  # errors before any engine start-up
+    try:  # every path and file, before any engine start-up
+        config.check_model_path(args.model, key="--model")
+        config.check_files(args.data, "--data")
+        for option, path in (("--out", args.out), ("--samples", args.samples)):
+            if path is not None:
+                config.check_writable_file(path, option)
+        benchmarks = load_benchmarks(args.data, args.prompt_suffix, args.limit)
+    except (config.ConfigError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     on_gpu = torch.cuda.is_available()
     if "RANK" in os.environ:  # torchrun: one engine per rank (rollout.build_engine uses external_launcher)
         if on_gpu:

@@ -80,7 +80,7 @@ def read_metrics(path):
     lines = path.read_text(encoding="utf-8").split("\n")
     while lines and not lines[-1].strip():
         lines.pop()
-    records = []
+    records, non_numeric = [], {}
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -93,7 +93,14 @@ def read_metrics(path):
             raise ValueError(f"{path}:{number}: invalid JSON ({error.msg})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{path}:{number}: expected a JSON object")
+        for key, value in record.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                non_numeric.setdefault(key, []).append((number, value))
         records.append(record)
+    for key, found in non_numeric.items():  # said, not silently dropped
+        number, value = found[0]
+        print(f"note: {path}: {key!r} is not a number on {len(found)} line(s) (line {number}: {value!r}); "
+              f"those values are not plotted", file=sys.stderr)
     return records
 
 
@@ -103,7 +110,12 @@ def target_entropy(config_path):
 
     if not Path(config_path).is_file():
         return None
-    config = yaml.safe_load(Path(config_path).read_text()) or {}
+    try:
+        config = yaml.safe_load(Path(config_path).read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"{config_path}: not valid YAML ({error})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("algorithm") or {}, dict):
+        raise ValueError(f"{config_path}: expected a mapping of sections with an 'algorithm' mapping")
     value = (config.get("algorithm") or {}).get("target_entropy")
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 

@@ -128,14 +128,21 @@ def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None)
     and mask later) -> (logprobs [..., T], entropy [..., T]), both float32.
 
     Computed `chunk_size` rows at a time (default: ~128 MiB of float32 per chunk) in forward and backward, so no
-    float32 copy of the whole [N, V] is ever made; the results equal the unchunked computation. Both outputs are
-    differentiable w.r.t. the logits (the entropy gradient is what an entropy bonus needs); under torch.no_grad()
-    nothing is saved. Pass contiguous logits: a strided view such as logits[:, :-1] is first copied whole (in its
-    own dtype) by the flattening reshape, and that copy is what backward keeps. A -inf logit is fine (0 log 0 = 0).
+    float32 copy of the whole [N, V] is ever made; the results equal the unchunked computation. On CUDA the same
+    function runs as one Triton pass per row over the logits (kernels.py; chunk_size is then unused), equal up to
+    float32 rounding. Both outputs are differentiable w.r.t. the logits (the entropy gradient is what an entropy
+    bonus needs); under torch.no_grad() nothing is saved. Pass contiguous logits: a strided view such as
+    logits[:, :-1] is first copied whole (in its own dtype) by the flattening reshape, and that copy is what
+    backward keeps. A -inf logit is fine (0 log 0 = 0).
     """
+    import kernels
+
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     logits_2d, tokens_1d = _flatten_logits(logits, tokens)
+    if kernels.supported(logits_2d):
+        logprobs, entropy = kernels.LogprobEntropy.apply(logits_2d, tokens_1d, float(temperature))
+        return logprobs.view(tokens.shape), entropy.view(tokens.shape)
     chunk_rows = _chunk_rows(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
     logprobs, entropy = _ChunkedLogprobEntropy.apply(logits_2d, tokens_1d, float(temperature), chunk_rows)
     return logprobs.view(tokens.shape), entropy.view(tokens.shape)
@@ -155,10 +162,16 @@ def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None)
 @torch.no_grad()
 def _entropy_geometry(logits, tokens, temperature, chunk_size):
     """Per row of pi = softmax(logits / T): log pi(token) (if tokens given), H, B = sum_a pi_a^2 (s_a - H), and
-    the smallest surprisal s_min = -log max_a pi_a. logits [..., T, V] -> four float32 tensors [N]."""
+    the smallest surprisal s_min = -log max_a pi_a. logits [..., T, V] -> four float32 tensors [N]. One Triton
+    pass per row on CUDA (kernels.py), row chunks elsewhere."""
+    import kernels
+
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     logits_2d, tokens_1d = _flatten_logits(logits, tokens)
+    if kernels.supported(logits_2d):
+        logprobs, entropy, _, cov_b, s_min = kernels.row_stats(logits_2d, tokens_1d, float(temperature), True)
+        return logprobs, entropy, cov_b, s_min
     chunk_rows = _chunk_rows(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
     num_rows, device = logits_2d.shape[0], logits_2d.device
     logprobs, entropy, cov_b, s_min = (torch.empty(num_rows, device=device) for _ in range(4))  # [N] float32 each
@@ -265,12 +278,13 @@ def _kth_largest_digit(bins, num_digits, k):
     return digit, above
 
 
-def select_top_k(values, candidates, k):
+def select_top_k(values, candidates, k, signed=False):
     """Among the candidates, exactly min(k, n) with the largest values; ties broken by position (Eqs. 7, 14, 16-18).
 
-    values [...] float, >= 0 (negative values count as 0, NaN as +inf), candidates [...] bool of the same shape (any
-    shape), k an int or a 0-dim integer tensor (it may live on the device) -> bool mask [...]. n = number of
-    candidates. The selection is deterministic: among equal values at the k-th place, the first in flattened order win.
+    values [...] float, >= 0 (negative values count as 0, NaN as +inf; signed=True: every float32 in its own order,
+    negatives included, -NaN lowest and NaN highest), candidates [...] bool of the same shape (any shape), k an int
+    or a 0-dim integer tensor (it may live on the device) -> bool mask [...]. n = number of candidates. The
+    selection is deterministic: among equal values at the k-th place, the first in flattened order win.
 
     No host-device sync and no sort: the k-th largest value is found by radix select. Non-negative float32 numbers
     order like their bit patterns read as integers, so one histogram of the top 16 bits finds the bucket of the
@@ -286,13 +300,15 @@ def select_top_k(values, candidates, k):
         k = torch.full((), int(k), dtype=torch.int32, device=candidates.device)  # made on the device: no copy
     k = k.to(torch.int32).clamp(min=0).clamp(max=flat_candidates.sum(dtype=torch.int32))  # 0-dim
 
-    # [N] order-preserving int keys: the bit pattern of a float >= 0; sign-bit patterns (negatives, -0.0) -> 0,
-    # NaN patterns -> +inf
-    key = values.reshape(-1).float().view(torch.int32).clamp(0, 0x7F800000)
+    bits = values.reshape(-1).float().view(torch.int32)  # [N]
+    if signed:  # [N] int64 keys in [0, 2^32) ordered as the floats: negatives' magnitude bits flipped, then offset
+        key, high_digits = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() + 2**31, 1 << 16
+    else:  # [N] the bit pattern of a float >= 0; sign-bit patterns (negatives, -0.0) -> 0, NaN patterns -> +inf
+        key, high_digits = bits.clamp(0, 0x7F800000), 1 << 15
     in_play = flat_candidates.int()  # [N] 1 for candidates
-    # pass 1: the top 16 bits (15 in use: the sign bit is 0); bin = bits + 1, non-candidates in bin 0
+    # pass 1: the top 16 bits (15 in use unless signed); bin = bits + 1, non-candidates in bin 0
     high_bins = ((key >> 16) + 1) * in_play
-    high, above_high = _kth_largest_digit(high_bins, 1 << 15, k)
+    high, above_high = _kth_largest_digit(high_bins, high_digits, k)
     # pass 2: the low 16 bits of the candidates in that bucket; lower buckets land in bin 0, higher ones past the end
     low_bins = (key - ((high << 16) - 1)).clamp_(0, (1 << 16) + 1) * in_play
     low, above_low = _kth_largest_digit(low_bins, 1 << 16, k - above_high)

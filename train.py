@@ -101,6 +101,7 @@ class Task:
     examples: list  # data.Example per prompt: ground truth and data source
     seed: int
     shuffle: bool
+    metrics: dict = dataclasses.field(default_factory=dict)  # data/...: prompts, truncated and skipped shares
 
     def prompt_at(self, position):
         """The prompt index at a position of the stream: epoch after epoch, each shuffled from (seed, epoch)."""
@@ -402,7 +403,7 @@ def train_step(run, state, step):
         old_policy_pass(run.model, responses, cfg, device)
     num_tokens, gate_metrics = update_gate(run.gate, responses, device)
     selection_metrics = select_tokens(responses, cfg, run.gate, step, device)
-    learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step uses
+    learning_rate = run.optimizer.param_groups[0]["lr"]  # the rate this step uses
     with timer("time/update"):
         update_metrics = policy_update(run.model, run.optimizer, responses, cfg, run.gate, step, device)
         run.scheduler.step()
@@ -430,22 +431,25 @@ def main(argv):
     if len(argv) < 2 or argv[0] != "--config":
         print("usage: train.py --config CONFIG.yaml [--export] [section.key=value ...]", file=sys.stderr)
         return 2
-    try:
+    try:  # everything that can be checked before a process group, an engine or a model exists
         cfg = config.load(argv[1], argv[2:])
+        config.check_paths(cfg)
     except config.ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     rank, world, device = setup_distributed()
+    lock = checkpoints.RunLock(cfg.train.out_dir)
     try:
-        run, state = start_run(cfg, rank, world, device, export_only)
+        run, state = start_run(cfg, rank, world, device, lock, export_only)
         if export_only:
             return export_checkpoint(run)
         return train(run, state)
-    except checkpoints.RunError as error:  # a problem found before anything was written or loaded
+    except checkpoints.RunError as error:  # one line; what the run wrote before is intact
         if rank == 0:
             print(error, file=sys.stderr)
         return 2
     finally:
+        lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -463,6 +467,8 @@ def train(run, state):
     try:
         for step in progress:
             metrics = train_step(run, state, step)
+            if step == first_step:  # what the data loading did, once per start
+                metrics.update(run.task.metrics)
             if run.benchmarks and (step % cfg.eval.every == 0 or step == cfg.train.total_steps):
                 metrics.update(evaluation(run))
             log.write(step, metrics, progress)
@@ -514,28 +520,30 @@ class TrainerState:
     probe: tuple | None = None  # (token ids, prompt length) of the weight-sync check
 
 
-def start_run(cfg, rank, world, device, export_only=False):
-    """Checks, data, engine, model, optimizer, gate, and the state to resume from -> (Run, TrainerState). Raises
-    checkpoints.RunError, before anything is written, when the run cannot start."""
+def start_run(cfg, rank, world, device, lock, export_only=False):
+    """Checks, the out_dir lock, data, engine, model, optimizer, gate and the state to resume from -> (Run,
+    TrainerState). Raises checkpoints.RunError when the run cannot start; config.yaml is written only once it has."""
     from transformers import AutoTokenizer
 
     try:
         config.check(cfg, world_size=world)
     except config.ConfigError as error:
         raise checkpoints.RunError(f"config error: {error}") from None
-    out_dir = Path(cfg.train.out_dir)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    checkpoint = checkpoints.resume_checkpoint(cfg, check_later=not export_only)
+    checkpoint = checkpoints.resume_checkpoint(cfg, check_later=not export_only, rank=rank)
     if cfg.loss.agg_mode == "seq-mean-token-sum-norm" and cfg.loss.loss_scale_factor is None:
         # Dr.GRPO's constant must not be the padded width of each micro-batch: use the response budget (Eq. 3)
         cfg.loss = dataclasses.replace(cfg.loss, loss_scale_factor=float(cfg.rollout.max_tokens))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     task, benchmarks, engine = None, {}, None
     if not export_only:
-        task, benchmarks = load_task(cfg, tokenizer)
-        if rank == 0:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "config.yaml").write_text(config.to_yaml(cfg))
-            print(config.to_yaml(cfg))
+        problem = None
+        if rank == 0:  # one lock per out_dir, taken by the first rank; every rank learns the outcome
+            try:
+                lock.acquire()
+            except checkpoints.RunError as error:
+                problem = str(error)
+        agree(problem)
+        task, benchmarks = load_task(cfg, tokenizer, rank)
         max_tokens = max(cfg.rollout.max_tokens, cfg.eval.max_tokens if benchmarks else 0)
         engine = rollout.build_engine(
             cfg.model.path, seed=cfg.train.seed + rank,  # per rank, or every rank samples alike (vLLM #15980)
@@ -552,33 +560,58 @@ def start_run(cfg, rank, world, device, export_only=False):
     gate = stare.EntropyGate(cfg.algorithm.target_entropy, cfg.loss.stare_w, cfg.loss.stare_m,
                              cfg.algorithm.gate_adaptive, cfg.algorithm.gate_alpha, cfg.algorithm.gate_w_max,
                              cfg.algorithm.gate_m_min)
-    run = Run(cfg, rank, world, device, out_dir, tokenizer, task, benchmarks, engine, model, optimizer, scheduler,
-              gate, checkpoint)
-    state = TrainerState()
-    if checkpoint is not None and not export_only:
-        state = resume(run, checkpoint)
-    if rank == 0 and not export_only:
-        checkpoints.keep_metrics(out_dir / "metrics.jsonl", state.step if checkpoint is not None else None)
+    run = Run(cfg, rank, world, device, Path(cfg.train.out_dir), tokenizer, task, benchmarks, engine, model,
+              optimizer, scheduler, gate, checkpoint)
+    if export_only:
+        return run, None
+    state = resume(run, checkpoint) if checkpoint is not None else TrainerState()
+    if rank == 0:  # the run has started: record what it runs with
+        (run.out_dir / "config.yaml").write_text(config.to_yaml(cfg))
+        print(config.to_yaml(cfg))
+        kept = checkpoints.keep_metrics(run.out_dir / "metrics.jsonl", state.step if checkpoint is not None else None)
+        if kept is not None:
+            print(f"warning: {run.out_dir} held metrics of an earlier run but no checkpoint to resume from; they are "
+                  f"kept as {kept}", file=sys.stderr)
     return run, state
 
 
-def load_task(cfg, tokenizer):
+def load_task(cfg, tokenizer, rank):
     """The training prompts, tokenised (tool-use runs list the code interpreter in the system block), and the
-    evaluation benchmarks."""
-    examples = [example for path in cfg.data.train_files
-                for example in data.load_examples(path, prompt_suffix=cfg.data.prompt_suffix)]
-    tools = [rollout.CODE_INTERPRETER_TOOL] if cfg.rollout.tools else None
-    prompt_ids, examples, _ = data.tokenize_prompts(examples, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overflow,
-                                                    tools=tools)
-    benchmarks = (evaluate.load_benchmarks(cfg.eval.files, prompt_suffix=cfg.data.prompt_suffix)
-                  if cfg.eval.files and cfg.eval.every else {})
-    return Task(prompt_ids, examples, cfg.train.seed, cfg.data.shuffle), benchmarks
+    evaluation benchmarks; truncated and skipped prompts reported. A data problem is a RunError naming the file."""
+    try:
+        examples = [example for path in cfg.data.train_files
+                    for example in data.load_examples(path, prompt_suffix=cfg.data.prompt_suffix)]
+        tools = [rollout.CODE_INTERPRETER_TOOL] if cfg.rollout.tools else None
+        prompt_ids, examples, stats = data.tokenize_prompts(examples, tokenizer, cfg.data.max_prompt_tokens,
+                                                            cfg.data.overflow, tools=tools)
+        benchmarks = (evaluate.load_benchmarks(cfg.eval.files, prompt_suffix=cfg.data.prompt_suffix)
+                      if cfg.eval.files and cfg.eval.every else {})
+    except ValueError as error:
+        raise checkpoints.RunError(f"data error: {error}") from None
+    total = stats["num_prompts"]
+    report = (f"{total} training prompts; {stats['num_truncated']} ({stats['num_truncated'] / total:.1%}) cut to "
+              f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} from the left, {stats['num_skipped']} "
+              f"({stats['num_skipped'] / total:.1%}) skipped (data.overflow={cfg.data.overflow})")
+    if not prompt_ids:
+        raise checkpoints.RunError(f"data error: no training prompt is left: {report}")
+    if rank == 0:
+        print(f"data: {report}", file=sys.stderr)
+    metrics = {"data/prompts": total, "data/truncated_frac": stats["num_truncated"] / total,
+               "data/skipped_frac": stats["num_skipped"] / total}
+    return Task(prompt_ids, examples, cfg.train.seed, cfg.data.shuffle, metrics), benchmarks
 
 
 def resume(run, checkpoint):
     """Model, optimizer, scheduler, gate and trainer state from a checkpoint; the engine gets the weights."""
     saved = checkpoints.load_checkpoint(checkpoint, run.model, run.optimizer, run.rank)
     run.scheduler.load_state_dict(saved.pop("scheduler"))
+    # the optimizer's saved settings give way to this run's config (a changed optim.lr takes effect, as recorded)
+    cfg = run.cfg
+    run.scheduler.base_lrs = [cfg.optim.lr] * len(run.optimizer.param_groups)
+    factor = learning_rate_lambda(cfg)(run.scheduler.last_epoch)
+    for group in run.optimizer.param_groups:
+        group.update(initial_lr=cfg.optim.lr, lr=cfg.optim.lr * factor, betas=tuple(cfg.optim.betas),
+                     weight_decay=cfg.optim.weight_decay)
     # the gate's state; its settings come from this run's config (w and m too, unless they adapt)
     carried = ("gate_on", "current_entropy") + (("w", "m") if run.gate.adaptive else ())
     run.gate.load_state_dict({**run.gate.state_dict(), **{key: saved["gate"][key] for key in carried}})
@@ -586,7 +619,8 @@ def resume(run, checkpoint):
     changed = checkpoints.config_differences((checkpoint / "config.yaml").read_text(), run.cfg)
     if run.rank == 0:
         print(f"resumed from {checkpoint} at step {saved['step']}"
-              + (f"; config keys changed since: {', '.join(changed)}" if changed else ""), file=sys.stderr)
+              + (f"; config keys changed since, this run's values apply: {', '.join(changed)}" if changed else ""),
+              file=sys.stderr)
     return TrainerState(**{f.name: saved[f.name] for f in dataclasses.fields(TrainerState)})
 
 
@@ -684,6 +718,13 @@ def all_reduce(values, device, op=dist.ReduceOp.SUM):
     if dist.is_initialized():
         dist.all_reduce(stacked, op=op)
     return dict(zip(keys, stacked.tolist()))
+
+
+def agree(problem):
+    """Raise RunError on every rank when any rank found a problem (a collective: every rank calls it)."""
+    problems = [p for p in all_gather(problem) if p is not None]
+    if problems:
+        raise checkpoints.RunError(problems[0])
 
 
 def all_gather(obj):

@@ -250,6 +250,19 @@ def test_kl_cov_penalises_only_the_top_covariance_tokens():
     assert metrics["touched_frac"].item() == pytest.approx(k / len(covariance))
 
 
+def test_kl_cov_ranks_near_tied_covariances_exactly(monkeypatch):
+    # a very negative covariance beside two positive ones 4e-6 apart: shifted by the minimum in float32 they merge
+    # into a tie that position breaks; ranked as they are, the larger (later) one is penalised, as topk does
+    covariance = torch.tensor([[-1000.0, 1e-3, 1e-3 + 4e-6, -5.0, 0.0, -1e-3]])
+    assert covariance[0, 1] - covariance[0, 0] == covariance[0, 2] - covariance[0, 0]  # the shift merges them
+    monkeypatch.setattr(baselines, "advantage_logprob_covariance", lambda logprobs, advantages, mask: covariance)
+    mask = torch.ones_like(covariance, dtype=torch.bool)
+    chosen = baselines.kl_cov_mask(torch.zeros_like(covariance), torch.zeros(1), mask, ratio=0.2)  # k = 1
+    assert chosen.nonzero().tolist() == [[0, int(torch.topk(covariance.flatten(), 1).indices)]] == [[0, 2]]
+    chosen = baselines.kl_cov_mask(torch.zeros_like(covariance), torch.zeros(1), mask, ratio=0.5)  # k = 3
+    assert chosen.nonzero().tolist() == [[0, 1], [0, 2], [0, 4]]
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # 80/20 high-entropy tokens and the entropy bonus
 # ----------------------------------------------------------------------------------------------------------------------

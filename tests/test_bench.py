@@ -2,6 +2,7 @@
 
 import argparse
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,16 @@ def test_trl_step_does_the_work_of_ours(tiny_dir, tmp_path):
     summary = bench.trl_summary({"steps": timer.steps}, wall=0.0)  # the report averages the steps after the first
     assert summary["completions_per_step"] == completions
     assert summary["response_tokens_per_step"] == timer.steps[1]["response_tokens"]
+
+
+def test_update_runs_train_stages_on_cpu():
+    # the tiny shape through train.py's stages in a fresh process (it starts its own process group)
+    completed = subprocess.run([sys.executable, "bench.py", "update", "--size", "tiny", "--rows", "6",
+                                "--max-response", "40", "--budget", "60", "--repeats", "1"],
+                               cwd=Path(bench.__file__).parent, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert result["padding_share"] == 0.0 and result["micro_batches"] >= 2
+    for method in ("stare", "grpo"):
+        assert result[method]["finite_gradients"] and result[method]["update"]["s"] > 0
+    assert "stare_over_grpo_update" in result

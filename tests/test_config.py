@@ -7,6 +7,8 @@ import pytest
 
 import config
 
+REPO = Path(__file__).resolve().parents[1]
+
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
 
@@ -76,6 +78,9 @@ def test_overrides_are_typed(tmp_path):
     ("optim.lr=fast", "'optim.lr': expected float, got 'fast'"),
     ("rollout.top_p=1.5", "'rollout.top_p': must be in (0, 1]"),
     ("totalsteps", "must look like section.key=value"),
+    ("optim.lr=.inf", "'optim.lr': must be a finite number, got inf"),
+    ("loss.clip_high=.nan", "'loss.clip_high': must be a finite number, got nan"),
+    ("algorithm.target_entropy=-1e999", "'algorithm.target_entropy': must be a finite number, got -inf"),
 ])
 def test_bad_overrides_name_the_key(override, message, tmp_path):
     path = tmp_path / "c.yaml"
@@ -103,6 +108,36 @@ def test_world_size_and_file_errors(tmp_path):
         config.load(tmp_path / "list.yaml")
     with pytest.raises(config.ConfigError, match="'data.train_files': needs at least one file"):
         config.load(None)
+    (tmp_path / "empty.yaml").write_text("# nothing but a comment\n")
+    with pytest.raises(config.ConfigError, match=f"config file {tmp_path / 'empty.yaml'} is empty"):
+        config.load(tmp_path / "empty.yaml")
+
+
+def test_paths_are_checked_with_where_they_are_read_from(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    base = [f"model.path={tiny_dir / 'model'}", f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
+            "eval.files=[]", f"train.out_dir={tmp_path / 'run'}"]
+    config.check_paths(config.load(REPO / "configs" / "tiny.yaml", base))  # all good
+
+    def problem(*overrides):
+        with pytest.raises(config.ConfigError) as error:
+            config.check_paths(config.load(REPO / "configs" / "tiny.yaml", base + list(overrides)))
+        return str(error.value)
+
+    message = problem("model.path=models/Qwen2.5-7B")  # relative: read from the working directory, not a hub
+    assert "'model.path'" in message and f"relative to the working directory {tmp_path}" in message
+    assert "does not exist" in message and "nothing is downloaded" in message and "--local-dir models/Qwen2.5-7B" in message
+    (tmp_path / "run_dir" / "hf").mkdir(parents=True)
+    (tmp_path / "run_dir" / "hf" / "config.json").write_text("{}")
+    assert "training run's directory; its model is" in problem("model.path=run_dir")
+    (tmp_path / "notes").mkdir()
+    message = problem("model.path=notes")
+    assert "not a Hugging Face model directory" in message and "config.json" in message and "weights" in message
+    assert "'data.train_files[1]'" in problem(f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'},x.jsonl]")
+    assert "'eval.files[0]'" in problem("eval.files=[missing.jsonl]")
+    assert "'train.resume'" in problem("train.resume=nowhere") and "no trainer.pt" in problem("train.resume=nowhere")
+    (tmp_path / "file").write_text("")
+    assert "'train.out_dir'" in problem("train.out_dir=file/run")
 
 
 @pytest.mark.parametrize("package", ["wandb", "tensorboard"])

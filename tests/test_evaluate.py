@@ -363,3 +363,23 @@ def test_distinct_correct_fraction_by_hand():
               [([7], 1.0), ([8], 1.0), ([9], 0.0)]]  # 2 of 2
     assert evaluate.distinct_correct_fraction(groups) == pytest.approx((2 / 3 + 1.0) / 2)
     assert evaluate.distinct_correct_fraction(groups[1:2]) is None
+
+
+def test_bad_paths_fail_before_any_engine_starts(tiny_dir, tmp_path, capsys, monkeypatch):
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine must not start")
+
+    monkeypatch.setattr(evaluate.rollout, "build_engine", no_engine)
+    good = ["--model", str(tiny_dir / "model"), "--data", str(tiny_dir / "data" / "sum_test.jsonl")]
+    (tmp_path / "file").write_text("")
+    cases = [(["--model", str(tmp_path / "nope"), "--data", good[3], "--out", str(tmp_path / "r.json")],
+              "--model: " + str(tmp_path / "nope") + " does not exist; nothing is downloaded"),
+             (good[:2] + ["--data", "missing.jsonl", "--out", str(tmp_path / "r.json")],
+              "--data[0]: missing.jsonl (relative to the working directory"),
+             (good + ["--out", str(tmp_path / "file" / "r.json")], "--out: cannot write"),
+             (good + ["--out", str(tmp_path / "r.json"), "--samples", str(tmp_path / "file" / "s.jsonl")],
+              "--samples: cannot write")]
+    for argv, message in cases:
+        assert evaluate.main(argv) == 2
+        assert message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the checks leave nothing behind

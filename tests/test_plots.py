@@ -126,3 +126,17 @@ def test_reading_errors_and_labels(tmp_path, monkeypatch):
     assert labels["accuracy"] == [str(a), str(b)]
     plots.plot_runs([a, b], tmp_path / "figs", labels=["STARE", "GRPO"])
     assert labels["accuracy"] == ["STARE", "GRPO"]
+
+
+def test_values_that_cannot_be_plotted_are_reported_with_their_file(tmp_path, capsys):
+    run = write_run(tmp_path / "run", [record(1), {**record(2), "train/entropy": "n/a"}], target=0.3)
+    records = plots.read_metrics(run / "metrics.jsonl")
+    assert len(records) == 2
+    note = capsys.readouterr().err
+    assert f"{run / 'metrics.jsonl'}: 'train/entropy' is not a number on 1 line(s) (line 2: 'n/a')" in note
+    (run / "config.yaml").write_text("algorithm: [target_entropy\n")
+    assert plots.main([str(run), "--out", str(tmp_path / "figs")]) == 1
+    assert f"{run / 'config.yaml'}: not valid YAML" in capsys.readouterr().err
+    (run / "config.yaml").write_text("- a list\n")
+    with pytest.raises(ValueError, match="config.yaml: expected a mapping"):
+        plots.target_entropy(run / "config.yaml")

@@ -325,6 +325,23 @@ def test_select_large_batch_with_a_crowded_top_bucket():
         assert torch.equal(selected, expected)
 
 
+def test_signed_select_top_k_orders_every_float_as_sort_does():
+    generator = torch.Generator().manual_seed(59)
+    near = torch.tensor(1e-3)
+    values = torch.cat([torch.randn(3000, generator=generator) * 10.0 ** torch.randint(-30, 30, (3000,),
+                                                                                       generator=generator),
+                        torch.tensor([-0.0, 0.0, -1e-40, 1e-40, float("-inf"), float("inf")]),
+                        near + 4e-6 * torch.arange(5)])  # near-ties that a float32 shift by -100 would merge
+    values = values[torch.randperm(len(values), generator=generator)]
+    candidates = torch.rand(len(values), generator=generator) < 0.9
+    for k in (1, 2, 57, int(candidates.sum()) - 1):
+        selected = stare.select_top_k(values, candidates, k, signed=True)
+        # -0.0 and 0.0 are one value for sort but two keys here: compare the values taken, not the positions
+        order = torch.sort(torch.where(candidates, values, float("-inf")), descending=True, stable=True).indices[:k]
+        assert selected.sum() == k and not (selected & ~candidates).any()
+        assert torch.equal(values[selected].sort().values, values[order].sort().values)
+
+
 def test_select_top_k_counts():
     values = torch.rand(5, 7, generator=torch.Generator().manual_seed(53))
     candidates = values > 0.3
@@ -742,13 +759,13 @@ def test_selection_never_syncs_host_and_device():
     logprobs = -torch.rand(64, 256, device=device) * 5
     advantages = torch.randn(64, device=device)
     mask = torch.rand(64, 256, device=device) < 0.9
+    gate_off = torch.tensor(False, device=device)  # made before sync-debug mode: a host-to-device copy syncs
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         stare.select_top_surprisal(-logprobs, mask & (advantages[:, None] > 0), 0.1)
         for variant in ("O1", "C2"):
             stare.stare_weights(logprobs, advantages, mask, variant=variant, top_ratio=0.1, gate_on=True)
-            stare.stare_weights(logprobs, advantages, mask, variant=variant, top_ratio=0.1,
-                                gate_on=torch.tensor(False, device=device))
+            stare.stare_weights(logprobs, advantages, mask, variant=variant, top_ratio=0.1, gate_on=gate_off)
     finally:
         torch.cuda.set_sync_debug_mode("default")

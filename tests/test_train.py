@@ -451,3 +451,35 @@ def test_stages_give_the_log_probs_and_the_update_of_an_independent_computation(
     for old, new, ref in zip(before, model.parameters(), reference.parameters()):
         # float32: a parameter minus its updated value keeps ~1e-7 of the parameter's size
         assert (old - new.detach() - ref.grad).abs().max() <= 1e-5 * ref.grad.abs().max() + 1e-6
+
+
+def test_bad_starts_fail_fast_in_one_line_and_leave_the_run_as_it_was(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("the earlier run's config\n")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": \n')
+    cases = [  # (overrides, what the one line must say)
+        ([f"data.train_files=[{broken}]"], f"{broken}:2: invalid JSON"),
+        (["data.overflow=skip", "data.max_prompt_tokens=2", "train.micro_token_budget=4096"],
+         "no training prompt is left: 16 training prompts; 0 (0.0%) cut"),
+        (["model.path=models/not-here"], "nothing is downloaded"),
+    ]
+    for overrides, message in cases:
+        start = time.time()
+        completed = run_train(tiny_dir, out, *overrides)
+        assert completed.returncode == 2 and message in completed.stderr, completed.stderr[-2000:]
+        assert "Traceback" not in completed.stderr and time.time() - start < 120
+        assert (out / "config.yaml").read_text() == "the earlier run's config\n"
+        assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n' and not (out / "run.lock").exists()
+
+
+def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    check_finished(run_train(tiny_dir, out, "train.total_steps=1", "train.save_every=1"), out, steps=1)
+    completed = run_train(tiny_dir, out, "optim.lr=1e-4")
+    metrics = check_finished(completed, out)
+    assert [m["train/lr"] for m in metrics] == [pytest.approx(3e-4), pytest.approx(1e-4)]
+    assert "this run's values apply: optim.lr" in completed.stderr
+    assert "lr: 0.0001" in (out / "config.yaml").read_text()

@@ -1,0 +1,111 @@
+"""checkpoints.py: nothing a run wrote is lost by a fault: the out_dir lock, metrics kept on a fresh start, an
+unreadable checkpoint skipped for the one before it, a failed save cleaned up with a clear reason."""
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import checkpoints
+import config
+
+
+def write_trainer_state(out_dir, step, corrupt=False):
+    path = out_dir / "checkpoints" / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    if corrupt:
+        (path / "trainer.pt").write_bytes(b"PK\x03\x04 truncated")
+    else:
+        torch.save({"step": step}, path / "trainer.pt")
+    return path
+
+
+def test_one_run_per_out_dir_and_a_stale_lock_is_taken_over(tmp_path):
+    first, second = checkpoints.RunLock(tmp_path / "run"), checkpoints.RunLock(tmp_path / "run")
+    first.acquire()
+    with pytest.raises(checkpoints.RunError, match=f"in use by the run with pid {os.getpid()} on host"):
+        second.acquire()
+    first.release()
+    second.acquire()  # free again
+    second.release()
+    # a lock left by a process that is gone (killed) does not block the next run
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / "run" / "run.lock").write_text(f"{gone.pid} {socket.gethostname()}\n")
+    first.acquire()
+    assert (tmp_path / "run" / "run.lock").read_text().split()[0] == str(os.getpid())
+    first.release()
+    # one held on another host may be alive: not taken over
+    (tmp_path / "run" / "run.lock").write_text("1 another-host\n")
+    with pytest.raises(checkpoints.RunError, match="another-host"):
+        first.acquire()
+
+
+def test_a_fresh_start_keeps_earlier_metrics_and_a_resume_drops_only_later_steps(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "x"')
+    assert checkpoints.keep_metrics(path, 3) is None
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    kept = checkpoints.keep_metrics(path, None)  # no checkpoint to resume from: start over, keeping the old file
+    assert kept == tmp_path / "metrics.jsonl.1" and len(kept.read_text().splitlines()) == 3
+    assert path.read_text() == ""
+    path.write_text('{"step": 1}\n')
+    assert checkpoints.keep_metrics(path, None) == tmp_path / "metrics.jsonl.2"  # never overwrites a backup
+    assert checkpoints.keep_metrics(path, None) is None  # an empty file needs no backup
+
+
+def test_an_unreadable_checkpoint_falls_back_to_the_one_before(tmp_path, capsys):
+    cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}"])
+    write_trainer_state(tmp_path, 2)
+    write_trainer_state(tmp_path, 4, corrupt=True)
+    assert checkpoints.resume_checkpoint(cfg).name == "step_00000002"
+    assert "step_00000004/trainer.pt cannot be read" in capsys.readouterr().err
+    named = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}",
+                                              f"train.resume={tmp_path / 'checkpoints' / 'step_00000004'}"])
+    with pytest.raises(checkpoints.RunError, match="cannot be read.*train.resume="):
+        checkpoints.resume_checkpoint(named)  # a checkpoint named explicitly is used or refused, never replaced
+    with pytest.raises(checkpoints.RunError, match="checkpoints after step 0.*step_00000002, step_00000004"):
+        checkpoints.resume_checkpoint(config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}",
+                                                                        "train.resume=never"]))
+
+
+@pytest.fixture
+def process_group():
+    """A gloo group of one in this process, for the functions that save with torch.distributed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_failed_save_says_why_removes_its_files_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch,
+                                                                                      process_group):
+    cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}", "train.keep_last=3"])
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    first = checkpoints.save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1}, cfg, 0, 1)
+    real_save = torch.save
+
+    def disk_full(obj, path, *args, **kwargs):
+        if str(path).endswith("trainer.pt"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(checkpoints.RunError) as error:
+        checkpoints.save_checkpoint(tmp_path, 2, model, optimizer, {"step": 2}, cfg, 0, 1)
+    message = str(error.value)
+    assert "step 2" in message and "No space left on device" in message and "MiB free" in message
+    assert str(first) in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001"]  # no partial files
+    assert checkpoints.read_trainer_state(first)["step"] == 1

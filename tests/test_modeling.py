@@ -1,0 +1,138 @@
+"""modeling.py: packed rows give every row exactly what the row gives alone (values and gradients), and micro-batches
+cover every row once within the token budget."""
+
+import random
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import modeling
+import stare
+
+
+def small_model(attn_implementation, seed=0):
+    """A random Qwen2 with grouped-query attention (4 query heads, 2 KV heads), in float64."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         tie_word_embeddings=False, attn_implementation=attn_implementation)
+    return Qwen2ForCausalLM(config).to(torch.float64)
+
+
+def random_rows(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return ([torch.randint(1, 97, (p,), generator=generator).tolist() for p, _ in lengths],
+            [torch.randint(1, 97, (r,), generator=generator).tolist() for _, r in lengths])
+
+
+def logprobs_and_entropy64(logits, tokens):
+    """The plain formula in the logits' own dtype (float64 here): stare.py's float32 would blur the comparison."""
+    log_pi = torch.log_softmax(logits, -1)  # [n, V]
+    return log_pi.gather(-1, tokens[:, None]).squeeze(-1), -(log_pi.exp() * log_pi).sum(-1)
+
+
+def per_row_reference(model, prompts, responses, weights_lp, weights_h):
+    """Each row alone, unpadded, through the eager attention: response logits, log-probs and entropies, and the
+    gradient of sum(weights_lp * logprob + weights_h * entropy) over all rows."""
+    model.zero_grad(set_to_none=True)
+    all_logits, logprobs, entropies, offset = [], [], [], 0
+    for prompt, response in zip(prompts, responses):
+        ids = torch.tensor([prompt + response])
+        logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:-1]  # [r, V]
+        logprob, entropy = logprobs_and_entropy64(logits, torch.tensor(response, dtype=torch.long))
+        n = len(response)
+        ((weights_lp[offset:offset + n] * logprob).sum() + (weights_h[offset:offset + n] * entropy).sum()).backward()
+        all_logits.append(logits.detach())
+        logprobs.append(logprob.detach())
+        entropies.append(entropy.detach())
+        offset += n
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return torch.cat(all_logits), torch.cat(logprobs), torch.cat(entropies), grads
+
+
+LENGTH_MIXES = {
+    "ragged": [(5, 9), (12, 3), (7, 20), (3, 1)],
+    "single": [(6, 11)],
+    "one_token_prompts_and_responses": [(1, 1), (1, 1), (1, 1)],
+    "long_next_to_short": [(150, 90), (1, 1), (2, 1), (40, 3)],
+    "empty_responses": [(4, 0), (6, 5), (3, 0), (2, 7)],
+}
+
+
+@pytest.mark.parametrize("attn_implementation", ["varlen", "sdpa"])
+@pytest.mark.parametrize("mix", list(LENGTH_MIXES))
+def test_packed_rows_match_each_row_alone(mix, attn_implementation):
+    prompts, responses = random_rows(LENGTH_MIXES[mix])
+    num_response = sum(len(r) for r in responses)
+    generator = torch.Generator().manual_seed(1)
+    weights_lp = torch.randn(num_response, generator=generator, dtype=torch.float64)
+    weights_h = torch.randn(num_response, generator=generator, dtype=torch.float64)
+    reference = small_model("eager")
+    want_logits, want_lp, want_h, want_grads = per_row_reference(reference, prompts, responses, weights_lp, weights_h)
+
+    model = small_model(attn_implementation)
+    packed = modeling.pack_rows(prompts, responses, torch.device("cpu"))
+    assert packed.num_tokens == sum(len(p) + len(r) for p, r in zip(prompts, responses))  # no padding token
+    assert packed.model_inputs["input_ids"].shape == (1, packed.num_tokens)
+    assert packed.response_ids.tolist() == [t for r in responses for t in r]
+    logits = modeling.response_logits(model, packed)
+    assert logits.shape == (num_response, 97)
+    logprobs, entropy = logprobs_and_entropy64(logits, packed.response_ids)
+    ((weights_lp * logprobs).sum() + (weights_h * entropy).sum()).backward()
+
+    # the reference's eager attention softmaxes in float32: agreement to ~1e-7, not to float64's last bits
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(logprobs, want_lp, rtol=0, atol=1e-6)
+    torch.testing.assert_close(entropy, want_h, rtol=0, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    stare_logprobs, stare_entropy = stare.token_logprobs_and_entropy(logits.detach(), packed.response_ids)
+    torch.testing.assert_close(stare_logprobs, want_lp.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stare_entropy, want_h.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_rows_do_not_see_each_other():
+    # changing one row's tokens leaves every other row's logits untouched, to the last bit
+    prompts, responses = random_rows([(5, 6), (7, 4), (3, 5)])
+    model = small_model("varlen").eval()
+    with torch.no_grad():
+        before = modeling.response_logits(model, modeling.pack_rows(prompts, responses, torch.device("cpu")))
+        prompts[1] = [t % 96 + 1 for t in prompts[1]]
+        after = modeling.response_logits(model, modeling.pack_rows(prompts, responses, torch.device("cpu")))
+    assert torch.equal(before[:6], after[:6]) and torch.equal(before[10:], after[10:])
+    assert not torch.equal(before[6:10], after[6:10])
+
+
+def test_to_rows_lays_out_flat_values_as_padded_rows():
+    prompts, responses = random_rows([(2, 3), (2, 0), (1, 1)])
+    packed = modeling.pack_rows(prompts, responses, torch.device("cpu"))
+    values = torch.arange(1.0, 5.0)  # [N = 4]
+    assert packed.mask.tolist() == [[True, True, True], [False, False, False], [True, False, False]]
+    assert packed.to_rows(values).tolist() == [[1, 2, 3], [0, 0, 0], [4, 0, 0]]
+    assert packed.to_rows(values[:, None].expand(4, 2)).shape == (3, 3, 2)
+
+
+def test_pack_rows_rejects_an_empty_prompt():
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        modeling.pack_rows([[1, 2], []], [[3], [4]], torch.device("cpu"))
+
+
+def test_a_plain_sequence_without_boundaries_is_causal_attention():
+    # what rollout.trainer_logprobs does: one unpadded sequence, no cu_seq_lens
+    ids = torch.tensor([random_rows([(9, 8)])[0][0] + random_rows([(9, 8)])[1][0]])
+    with torch.no_grad():
+        got = small_model("varlen")(input_ids=ids, use_cache=False).logits
+        want = small_model("eager")(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # eager softmaxes in float32
+
+
+@pytest.mark.parametrize("budget", [1, 30, 64, 10_000])
+def test_micro_batches_cover_every_row_once_within_the_budget(budget):
+    rng = random.Random(budget)
+    lengths = [rng.randint(1, 80) for _ in range(37)]
+    batches = modeling.micro_batches(lengths, budget)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+    for batch in batches:
+        assert len(batch) == 1 or sum(lengths[i] for i in batch) <= budget
+    assert modeling.micro_batches([], budget) == []
