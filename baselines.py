@@ -1,11 +1,10 @@
 """baselines.py: the token-level entropy controls STARE is compared with, behind one switch.
 
-    loss, metrics = baselines.policy_loss(method, batch, cfg)     # method in METHODS
+    loss, metrics = baselines.policy_loss(method, batch, cfg)     # method in METHODS, cfg a LossConfig
 
 runs any of: grpo, stare, stapo, lp_reg, clip_cov, kl_cov, high_entropy, entropy_bonus, on the same tensors. GRPO,
 DAPO (clip-higher, dual clip, token-mean) and Dr.GRPO (advantages without std, `seq-mean-token-sum-norm`) are
-settings of `LossConfig` and `stare.group_advantages`, not separate methods. Section numbers "§x" refer to
-`shared/reference/algorithms.md`.
+settings of `LossConfig` and `stare.group_advantages`, not separate methods. "Eq. N" refers to docs/method.md.
 
 `batch` is a dict of [B, T] tensors (advantages may be [B]):
     logprobs        log pi_theta of the sampled tokens, current policy, with grad
@@ -15,12 +14,11 @@ settings of `LossConfig` and `stare.group_advantages`, not separate methods. Sec
     entropy         next-token entropy (stapo, high_entropy: detached is fine; entropy_bonus: with grad)
     proxy_logprobs  Lp-Reg's min-p proxy log-prob of the sampled token (`minp_proxy_logprobs`, old policy)
 
-Each method first decides per token what to change (`token_selection`), then the loss applies it. Selections
-that rank or average over tokens (STARE's top-P%, STAPO's entropy quantile, Clip-Cov/KL-Cov's covariance, 80/20's
-top-20%) depend on which tokens they see. `policy_loss` called alone selects within the batch it is given, which is
-what the reference implementations do per micro-batch; the trainer can instead call `token_selection` once on the
-whole optimizer step and pass each micro-batch its slice (`selection=`), which makes the update independent of the
-micro-batch size. The denominator of the token-mean is `loss_mask(...)`'s count, summed over the step.
+Each method first decides per token what to change (`token_selection`), then the loss applies it. Selections that
+rank or average over tokens depend on which tokens they see: `policy_loss` alone selects within the batch it is
+given (the references' per-micro-batch behaviour); the trainer instead calls `token_selection` once on the whole
+optimizer step and passes each micro-batch its slice (`selection=`), so the update does not depend on the
+micro-batch size. The token-mean's denominator is `loss_mask(...)`'s count, summed over the step.
 
 Pure functions of tensors: no I/O, no torch.distributed, no global state. Randomness (Clip-Cov) comes from a
 torch.Generator passed in.
@@ -39,41 +37,41 @@ METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entro
 
 @dataclasses.dataclass
 class LossConfig:
-    """Hyperparameters of the policy loss. Each method's own knobs default to its paper's reference scripts (README
-    table). The clipped surrogate is shared by every method (a controlled comparison: only the token-level change
+    """Hyperparameters of the policy loss. Each method's own knobs default to its paper's reference scripts (Eqs.
+    12-19). The clipped surrogate is shared by every method (a controlled comparison: only the token-level change
     differs), with the STARE/DAPO settings; the references of Lp-Reg and Clip-Cov use no dual clip and other clip
     ranges (Lp-Reg clip_low=1.0, clip_high=9.0; Clip-Cov 1.0/1.0): set those here to reproduce them exactly."""
 
-    # --- shared: the clipped surrogate and its aggregation (§0, §6) ---
+    # --- shared: the clipped surrogate and its aggregation (Eqs. 2, 3) ---
     clip_low: float = 0.2  # ratio clip below 1 - clip_low
     clip_high: float = 0.28  # ratio clip above 1 + clip_high (DAPO's clip-higher)
     dual_clip: float | None = 10.0  # dual-clip bound c for A < 0 (STARE/DAPO scripts: 10); None = off
     agg_mode: str = "token-mean"  # one of stare.LOSS_AGG_MODES; Dr.GRPO: seq-mean-token-sum-norm
     loss_scale_factor: float | None = None  # Dr.GRPO's constant (e.g. the max response length); None = padded width
-    # --- STARE (§1): static w, m; an EntropyGate passed to the loss overrides them and decides gate_on ---
+    # --- STARE (Eqs. 7-9): static w, m; an EntropyGate passed to the loss overrides them and decides gate_on ---
     stare_variant: str = "O1"  # O1: amplify L+ only; C2: also damp L-
     stare_top_ratio: float = 0.1  # P: fraction of A > 0 (and A < 0) tokens with the highest surprisal
     stare_w: float = 1.1  # weight on L+
     stare_m: float = 0.9  # weight on L- (C2)
-    # --- STAPO (§3). No public code: tau_p and tau_h are from a secondary source (a DiDi tech article) ---
+    # --- STAPO (Eq. 12). No public code: tau_p and tau_h are from a secondary source (a DiDi tech article) ---
     stapo_prob_threshold: float = 0.01  # tau_p: spurious tokens have pi < tau_p ...
     stapo_entropy_quantile: float = 0.05  # ... and H below this quantile of the batch's valid-token entropies
-    # --- Lp-Reg (§2) ---
+    # --- Lp-Reg (Eqs. 13, 14) ---
     lp_reg_kappa: float = 0.02  # min-p proxy keeps tokens with p >= kappa * max p
     lp_reg_soft: bool = False  # filtered tokens get the row's minimum logit instead of -1e4 (minp_soft)
     lp_reg_neg_ratio: float = 0.01  # rho-: fraction of A < 0 tokens (lowest pi) regularised; 0.005 for 32B
     lp_reg_coef: float = 1.0  # beta on the k3 term (ppo_kl_coef)
-    # --- Clip-Cov / KL-Cov (§4); ratios are fractions, not the PRIME repo's percentages ---
+    # --- Clip-Cov / KL-Cov (Eqs. 15-17); ratios are fractions, not the PRIME repo's percentages ---
     clip_cov_ratio: float = 0.0002  # fraction of valid tokens detached
     clip_cov_lb: float = 1.0  # covariance window (lb, ub) for Clip-Cov candidates
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.002  # fraction of valid tokens with the highest covariance penalised (7B script)
     kl_cov_coef: float = 1.0  # beta on |log pi - log pi_old|
-    # --- 80/20 high-entropy tokens (§5) ---
+    # --- 80/20 high-entropy tokens (Eq. 18) ---
     high_entropy_ratio: float = 0.2  # rho: fraction of valid tokens (highest entropy) that keep their gradient
     high_entropy_convention: str = "paper"  # paper: ceil(rho N) kept, all valid tokens in the denominator;
     #                                          lp_reg_dev: max(1, int(rho N)) kept, only kept tokens in the denominator
-    # --- entropy bonus ---
+    # --- entropy bonus (Eq. 19) ---
     entropy_coef: float = 0.001  # beta in loss - beta * H
 
     def __post_init__(self):
@@ -103,10 +101,11 @@ class LossConfig:
 
 
 def _count_k(ratio, n, rule):
-    """k from a fraction of n (a 0-dim device tensor): 'ceil' = ceil(ratio n); 'floor1' = max(1, int(ratio n)), the
-    int() of the verl ports. Both give 0 when ratio = 0 (the references' max(1, .) would still pick one token), so
-    every method has a neutral setting. Both allow 1e-9 of floating-point slack: 0.29 * 100 = 28.999999999999996
-    gives 29 here and 28 with the reference's int(); the two differ only at such products."""
+    """k from a fraction of n (a 0-dim device tensor), the two counting rules of Eqs. 14, 16-18: 'ceil' =
+    ceil(ratio n); 'floor1' = max(1, int(ratio n)), the int() of the verl ports. Both give 0 when ratio = 0 (the
+    references' max(1, .) would still pick one token), so every method has a neutral setting. Both allow 1e-9 of
+    floating-point slack: 0.29 * 100 = 28.999999999999996 gives 29 here and 28 with the reference's int(); the two
+    differ only at such products."""
     if ratio == 0:
         return torch.zeros((), dtype=torch.int32, device=n.device)
     x = ratio * n.double()
@@ -128,7 +127,7 @@ def _masked_quantile(values, mask, q):
 
 
 def stapo_spurious_mask(logprobs, entropy, advantages, mask, prob_threshold=0.01, entropy_quantile=0.05):
-    """STAPO's spurious tokens (Liu et al. 2026, arXiv 2602.15620; §3): positive advantage, low probability and low
+    """STAPO's spurious tokens (Liu et al. 2026, arXiv 2602.15620; Eq. 12): positive advantage, low probability and low
     entropy: A > 0, pi < prob_threshold and H < the `entropy_quantile` quantile of the valid tokens' entropies.
 
     logprobs, entropy, mask [B, T]; advantages [B] or [B, T] -> (spurious bool [B, T], entropy threshold 0-dim).
@@ -147,7 +146,7 @@ def stapo_spurious_mask(logprobs, entropy, advantages, mask, prob_threshold=0.01
 
 @torch.no_grad()
 def minp_proxy_logprobs(logits, tokens, temperature=1.0, kappa=0.02, soft=False, chunk_size=None):
-    """Lp-Reg's proxy log-prob of the sampled token (Huang et al. 2025, arXiv 2510.03222; §2).
+    """Lp-Reg's proxy log-prob of the sampled token (Huang et al. 2025, arXiv 2510.03222; Eq. 13).
 
     logits [..., T, V] of the *old* policy (the same tensor that gives the old log-probs and entropies: no second
     forward pass), tokens [..., T] -> log pi_proxy(token) [..., T] float32, computed in row chunks like
@@ -177,7 +176,7 @@ def minp_proxy_logprobs(logits, tokens, temperature=1.0, kappa=0.02, soft=False,
 
 
 def lp_reg_mask(logprobs, proxy_logprobs, advantages, mask, neg_ratio=0.01):
-    """Lp-Reg's regularised tokens (§2 "Token selection"): among the valid A < 0 tokens, the k = max(1, int(rho n))
+    """Lp-Reg's regularised tokens (Eq. 14): among the valid A < 0 tokens, the k = max(1, int(rho n))
     with the lowest current log pi, kept only if log pi < log pi_proxy. As in the reference, nothing is selected
     unless k > 1 (a batch needs >= 2 / rho negative tokens). logprobs, proxy_logprobs, mask [B, T] -> bool [B, T]."""
     logprobs = logprobs.detach()
@@ -189,7 +188,7 @@ def lp_reg_mask(logprobs, proxy_logprobs, advantages, mask, neg_ratio=0.01):
 
 
 def advantage_logprob_covariance(logprobs, advantages, mask):
-    """Cov_t = (A_t - mean A)(log pi_t - mean log pi), both means over the valid tokens (Cui et al. 2025; §4).
+    """Cov_t = (A_t - mean A)(log pi_t - mean log pi), both means over the valid tokens (Cui et al. 2025; Eq. 15).
     logprobs, mask [B, T], advantages [B] or [B, T] -> [B, T] float32 (0 on invalid tokens). No grad."""
     valid = mask.bool()
     count = valid.sum().clamp(min=1)
@@ -201,7 +200,7 @@ def advantage_logprob_covariance(logprobs, advantages, mask):
 
 
 def clip_cov_mask(logprobs, old_logprobs, advantages, mask, ratio, lb, ub, clip_low, clip_high, generator=None):
-    """Clip-Cov's detached tokens (Cui et al. 2025, arXiv 2505.22617; §4): candidates are valid tokens not already
+    """Clip-Cov's detached tokens (Cui et al. 2025, arXiv 2505.22617; Eq. 16): candidates are valid tokens not already
     clipped by the surrogate with lb < Cov < ub; min(k, #candidates) of them, k = max(1, int(ratio N_valid)), are
     drawn uniformly at random with `generator` (required: a torch.Generator on the tensors' device, so runs are
     reproducible and no global RNG state is touched). -> bool [B, T]."""
@@ -223,7 +222,7 @@ def clip_cov_mask(logprobs, old_logprobs, advantages, mask, ratio, lb, ub, clip_
 
 
 def kl_cov_mask(logprobs, advantages, mask, ratio):
-    """KL-Cov's penalised tokens (Cui et al. 2025; §4): the k = max(1, int(ratio N_valid)) valid tokens with the
+    """KL-Cov's penalised tokens (Cui et al. 2025; Eq. 17): the k = max(1, int(ratio N_valid)) valid tokens with the
     largest Cov. -> bool [B, T]."""
     valid = mask.bool()
     if valid.numel() == 0:
@@ -234,7 +233,7 @@ def kl_cov_mask(logprobs, advantages, mask, ratio):
 
 
 def high_entropy_mask(entropy, mask, top_ratio=0.2, convention="paper"):
-    """The 80/20 rule (Wang et al. 2025, arXiv 2506.01939; §5): the valid tokens with the highest entropy keep
+    """The 80/20 rule (Wang et al. 2025, arXiv 2506.01939; Eq. 18): the valid tokens with the highest entropy keep
     their gradient. paper: k = ceil(rho N) (the top rho of the batch); lp_reg_dev: k = max(1, int(rho N)).
     Ties at the k-th entropy are broken by position (the paper's quantile would keep them all). -> bool [B, T]."""
     valid = mask.bool()
@@ -244,6 +243,7 @@ def high_entropy_mask(entropy, mask, top_ratio=0.2, convention="paper"):
 
 def token_selection(method, batch, cfg, gate=None, generator=None):
     """What `method` changes, per token, decided on `batch` -> (selection dict of [B, T] tensors, metrics dict).
+    The sets of Eqs. 7-8 (stare) and 12-18 (the baselines).
 
     Call it on a micro-batch (the references' behaviour) or once on the whole optimizer step, then slice the
     tensors per micro-batch for `policy_loss(..., selection=...)`. Uses batch["logprobs"] detached: in step scope
@@ -281,7 +281,7 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
 
 
 def loss_mask(method, mask, selection, cfg):
-    """The tokens in the loss's denominator: the valid ones, except STAPO (spurious tokens removed and the loss
+    """The tokens in the denominator of Eq. 3: the valid ones, except STAPO (spurious tokens removed and the loss
     renormalised over the rest) and 80/20 under the lp_reg_dev convention (only the kept tokens). The trainer sums
     this mask over the optimizer step to get `num_tokens`. mask [B, T] -> bool [B, T]."""
     valid = mask.bool()
@@ -294,13 +294,14 @@ def loss_mask(method, mask, selection, cfg):
 
 def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, num_tokens=None, num_sequences=None,
                 token_weights=None):
-    """The policy loss of `method` on `batch` -> (scalar loss to minimise, metrics of 0-dim tensors).
+    """The policy loss of `method` on `batch` -> (scalar loss to minimise, metrics of 0-dim tensors): the method's
+    token loss (Eq. 2 changed by Eqs. 9, 12-19), times token_weights (Eq. 11), aggregated by Eq. 3.
 
     selection: from `token_selection` (sliced to this batch); None = select within this batch.
     num_tokens / num_sequences: the optimizer step's counts of `loss_mask` tokens / non-empty sequences (see
     stare.aggregate_loss), so that micro-batch losses add up to the full-batch loss.
     token_weights: [B, T] constants multiplying every token's loss before aggregation (e.g. truncated importance
-    weights pi_old / pi_rollout; verl applies them to the surrogate, §0), or None.
+    weights pi_old / pi_rollout, Eq. 11), or None.
 
     Every method returns "touched_frac", the fraction of valid tokens whose loss term differs from GRPO's (STARE:
     reweighted; STAPO: silenced; Lp-Reg: regularised; Clip-Cov: detached; KL-Cov: penalised; 80/20: gradient
@@ -321,29 +322,29 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
     unclipped = -token_adv * torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))
 
     # ----------------------------------------------- ALGO LOGIC: one branch per method -------------------------------
-    if method in ("grpo", "stapo"):  # STAPO's change is in the mask: spurious tokens leave loss and denominator
+    if method in ("grpo", "stapo"):  # Eq. 12: STAPO's change is in the mask, spurious tokens leave loss and denominator
         token_loss = surrogate
         touched = selection["spurious"] if method == "stapo" else torch.zeros_like(valid)
-    elif method == "stare":
+    elif method == "stare":  # Eq. 9
         token_loss = surrogate * selection["weights"]
         touched = selection["weights"] != 1
-    elif method == "lp_reg":  # -A r + beta k3(log pi_proxy - log pi) on the selected tokens, no clip there
+    elif method == "lp_reg":  # Eq. 14: -A r + beta k3(log pi_proxy - log pi) on the selected tokens, no clip there
         # verl's low_var_kl: the log-ratio clamped to +-20, the k3 value to [-10, 10] (k3 >= 0, so only the top
         # bound acts: past pi_proxy / pi = 13.6 the regulariser is flat and its gradient 0)
         delta = torch.clamp(batch["proxy_logprobs"] - logprobs, -20.0, 20.0)
         k3 = torch.clamp(torch.exp(delta) - delta - 1, max=10.0)  # d/d log pi = 1 - pi_proxy / pi < 0 if pi < pi_proxy
         touched = selection["regularized"]
         token_loss = torch.where(touched, unclipped + cfg.lp_reg_coef * k3, surrogate)
-    elif method == "clip_cov":  # the selected tokens' loss (and gradient) is zeroed; they stay in the denominator
+    elif method == "clip_cov":  # Eq. 16: the selected tokens' loss (and gradient) is zeroed, kept in the denominator
         touched = selection["detached"]
         token_loss = surrogate * ~touched
-    elif method == "kl_cov":  # unclipped -A r everywhere, + beta |log pi - log pi_old| on the top-Cov tokens
+    elif method == "kl_cov":  # Eq. 17: unclipped -A r everywhere, + beta |log pi - log pi_old| on the top-Cov tokens
         touched = selection["penalized"]
         token_loss = unclipped + cfg.kl_cov_coef * (logprobs - old_logprobs).abs() * touched
-    elif method == "high_entropy":  # gradient only through the high-entropy tokens
+    elif method == "high_entropy":  # Eq. 18: gradient only through the high-entropy tokens
         touched = ~selection["kept"]
         token_loss = surrogate * selection["kept"]
-    else:  # entropy_bonus: -beta H per token, H with grad
+    else:  # entropy_bonus, Eq. 19: -beta H per token, H with grad
         token_loss = surrogate - cfg.entropy_coef * batch["entropy"]
         touched = torch.full_like(valid, cfg.entropy_coef != 0)
     # -----------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ Nothing is downloaded: give it the files you fetched yourself (for example with 
 JSON array of objects, or JSON lines under a .json name). Output: data.save_jsonl rows {"problem", "answer",
 "data_source"}; data.load_examples later appends STARE's instruction to each problem. Name the output after the
 benchmark (aime24.jsonl, math500.jsonl, ...): evaluate.py takes the benchmark name, and its default n, from the
-file stem. data_source is the reference's name for the set (algorithms.md §1.6).
+file stem. data_source is the reference's name for the set (docs/method.md, "The reference release").
 
 Field mapping (the first field present in a row wins; matching is exact, so "Problem" and "problem" are both listed)
 

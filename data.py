@@ -1,55 +1,27 @@
 """data.py: prompt sets. Load examples from JSONL or Parquet, write synthetic splits, tokenize prompts.
 
-Pure Python plus pyarrow: no vLLM, no torch, no torch.distributed. Section numbers "§x" refer to
-`shared/reference/algorithms.md`.
+    examples = data.load_examples("data/train.parquet")          # plain rows get STARE's instruction appended
+    prompt_ids, kept, stats = data.tokenize_prompts(examples, tokenizer, max_prompt_tokens=1024)
+    data.save_jsonl([{"problem": "Find x if 2x = 84.", "answer": 42}], "data/toy.jsonl")
 
-Files (chosen by extension, case-insensitive)
-  .jsonl    one JSON object per line; blank lines are skipped. Errors say `path:LINE` (1-based line of the file).
-  .parquet  read with pyarrow, one row per example. Errors say `path row ROW` (1-based).
-Any other extension, a missing file, or a file with no examples is a ValueError.
+Pure Python plus pyarrow: no vLLM, no torch, no torch.distributed. Files are chosen by extension: .jsonl (one JSON
+object per line, blank lines skipped) or .parquet (one row per example). Every problem is a ValueError that starts
+with where it is ("data/train.jsonl:3: ...", "data/train.parquet row 5: ..."): a missing file, an unknown
+extension, no examples, invalid JSON, a missing or empty field, a ground truth of the wrong type.
 
-Row formats (detected per row: a row with a "prompt" key is verl's, else a row with "problem" is plain)
-  verl   {"prompt": [{"role": "user", "content": "Find x. Put the answer in \\boxed{}."}],
-          "reward_model": {"ground_truth": "42"}, "data_source": "Short_CoT"}
-         The messages are used exactly as given (each must have non-empty string "role" and "content"; extra keys
-         are kept). verl data already carry their instruction, so NO suffix is added. Other keys (extra_info,
-         ability, reward_model.style, ...) are ignored.
+Row formats, detected per row:
+  verl   {"prompt": [{"role": "user", "content": "..."}], "reward_model": {"ground_truth": "42"}, "data_source": ...}
+         The messages are used exactly as given (verl data carry their own instruction, so NO suffix is added).
   plain  {"problem": "Find x if 2x = 84.", "answer": 42, "data_source": "toy"}
-         Becomes one user message: problem + "\\n" + prompt_suffix. With prompt_suffix None or "" the message is the
-         problem alone (no newline). The default suffix is STARE's (§1.6; recipe/STARE/datasets/dapo_17k_text_train.py
-         in the reference).
+         Becomes one user message: problem + "\\n" + prompt_suffix. The default suffix is STARE's instruction
+         (STARE_SUFFIX; docs/method.md, "The reference release"); None or "" gives the problem alone.
+Ground truths are strings, or numbers written as the verifier reads them (`_ground_truth`: 42.0 -> "42",
+2.5e-07 -> "0.00000025"). data_source: the row's own, else `default_data_source`, else the file's stem.
 
-Ground truth (verl's reward_model.ground_truth, plain's answer): a string (kept as is, must not be blank) or a number.
-  ints become str(int): 42 -> "42". Integral floats drop the ".0": 42.0 -> "42" (pandas turns int columns with gaps
-  into floats; "42.0" would only be a second spelling of the same answer). Other floats use the digits of
-  Python's shortest round-trip repr, written out positionally: 0.1 -> "0.1", 2.5e-07 -> "0.00000025" (math-verify
-  would read "2.5e-07" as 2.5*e - 7). NaN, inf, booleans and lists are errors.
-
-data_source: the row's own (a non-empty string; null counts as absent), else `default_data_source`, else the file's
-  stem ("data/train.jsonl" -> "train").
-
-Error messages (all ValueError, all start with where: the file, and the line or row)
-  data/train.jsonl: no such file
-  data/train.csv: unknown extension '.csv' (expected .jsonl or .parquet)
-  data/train.jsonl: no examples
-  data/train.jsonl:3: invalid JSON (Expecting value at column 12)
-  data/train.jsonl:3: row must be a JSON object, got list
-  data/train.jsonl:3: row has neither 'prompt' (verl format) nor 'problem' (plain format)
-  data/train.parquet row 5: missing field 'answer'
-  data/train.parquet row 5: missing field 'reward_model.ground_truth'
-  data/train.jsonl:3: field 'prompt' must be a non-empty list of {role, content} messages
-  data/train.jsonl:3: field 'prompt' message 2 has empty 'content'
-  data/train.jsonl:3: field 'answer' must be a string or a number, got bool
-
-Writing: `save_jsonl(rows, path)` writes plain-format dicts ({"problem", "answer", optional "data_source"}) as JSONL,
-  e.g. a synthetic task generator's splits. It checks each row as load_examples would and writes nothing on error.
-
-Tokenization: `tokenize_prompts` applies the tokenizer's chat template with the generation prompt. A prompt longer
-than max_prompt_tokens is handled by `overflow`:
-  "left_truncate"  keep the LAST max_prompt_tokens ids (verl's truncation="left", the STARE setting, §1.5). The
-                   generation prompt at the end survives; the head (system prompt, start of the question) is lost.
-  "skip"           drop the example (counted in stats["num_skipped"]).
-  "error"          raise ValueError naming the example's origin and its length.
+Tokenization applies the tokenizer's chat template with the generation prompt. A prompt longer than
+max_prompt_tokens is handled by `overflow`: "left_truncate" keeps the LAST max_prompt_tokens ids (verl's
+truncation="left", the STARE setting: the generation prompt at the end survives, the head of the question is
+lost), "skip" drops the example (counted in stats["num_skipped"]), "error" raises.
 """
 
 import dataclasses
@@ -185,7 +157,10 @@ def _verl_ground_truth(row, origin):
 
 
 def _ground_truth(value, field, origin):
-    """A ground truth as a string: strings as given, numbers as in the module docstring."""
+    """A ground truth as a string: strings as given (not blank); ints as str(int); integral floats without ".0"
+    (pandas turns int columns with gaps into floats, and "42.0" would only be a second spelling of 42); other floats
+    in the digits of Python's shortest round-trip repr, written out positionally (0.1 -> "0.1", 2.5e-07 ->
+    "0.00000025"). NaN, inf, booleans and lists are errors."""
     if isinstance(value, str):
         if not value.strip():
             raise ValueError(f"{origin}: field '{field}' is empty")
@@ -272,7 +247,7 @@ def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str 
     """Chat-template each example's messages (with the generation prompt) into token ids and enforce the length cap.
 
     Returns (prompt_ids, kept_examples, stats): prompt_ids[i] belongs to kept_examples[i], in input order.
-    overflow: "left_truncate" | "skip" | "error" (see the module docstring).
+    overflow: "left_truncate" (keep the last max_prompt_tokens ids) | "skip" | "error" (see the module docstring).
     stats: num_prompts (input count), num_truncated, num_skipped, and max_tokens / mean_tokens over the kept prompts
     after truncation (0 and 0.0 when none is kept).
     """

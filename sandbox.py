@@ -8,7 +8,7 @@ text the model sees in its tool turn comes back.
 
     echo 'import os; print(os.getppid())' | python sandbox.py    # try it: prints "0" under "namespaces"
 
-The reference releases no tool config or sandbox (reference/algorithms.md §1.7); this one is ours. Whatever the code
+The reference releases no tool config or sandbox (docs/method.md, last section); this one is ours. Whatever the code
 does, the trainer neither hangs nor crashes: run_code never raises, returns within timeout_s (plus up to 2 s when
 the clean-up has to be forced), and nothing a run started outlives it. An execution costs 0.15-0.3 s on a 2-core
 CPU machine: two interpreter start-ups. Neither mode is a virtual machine: the code talks to the host's kernel (no

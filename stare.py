@@ -4,28 +4,23 @@ STARE (Surprisal-guided Token-level Advantage Reweighting for policy Entropy sta
 GRPO policy's entropy from collapsing by reweighting a few tokens' advantages: among positive-advantage tokens it
 up-weights the most surprising ones (the set L+, weight w > 1); variant C2 also down-weights the most surprising
 negative-advantage tokens (L-, weight m < 1). A closed-loop gate switches the reweighting on only while the batch
-entropy is below a target. Section numbers "§x" refer to `shared/reference/algorithms.md`, which specifies every
-method from the reference code (hp-luo/STARE, a verl v0.7 fork).
+entropy is below a target. "Eq. N" refers to docs/method.md, which also lists where this code departs from the
+reference implementation (hp-luo/STARE) and why.
 
 Read top to bottom:
-  1. log-probs and entropy from logits, chunked over rows (never a float32 copy of the whole [N, V])
-  2. first-order entropy dynamics (§8): entropy sensitivity S of a token, the critical surprisal s0, quadrants
-  3. STARE proper (§1.1, §1.3): top-surprisal selection, the weights omega, the entropy gate
-  4. the GRPO objective (§0, §7): group advantages, the clipped surrogate, loss aggregation
-  5. diagnostics: per-quadrant predicted entropy change
+  1. log-probs and entropy from logits, chunked over rows (never a float32 copy of the whole [N, V])    Eq. 4
+  2. first-order entropy dynamics: entropy sensitivity S of a token, the critical surprisal s0          Eq. 5
+  3. STARE proper: top-surprisal selection, the weights omega, the entropy gate                       Eqs. 7, 8, 10
+  4. the GRPO objective: group advantages, the clipped surrogate, loss aggregation                     Eqs. 1-3
+  5. diagnostics: per-quadrant predicted entropy change                                                 Eq. 6
+
+    weights, stats = stare.stare_weights(old_logprobs, advantages, mask, "O1", top_ratio=0.1, w=1.1)
+    token_loss, clip_stats = stare.clipped_surrogate(logprobs, old_logprobs, advantages, 0.2, 0.28, 10.0, mask)
+    loss = stare.aggregate_loss(token_loss * weights, mask, "token-mean", num_tokens=step_token_count)
 
 Everything here is a pure function of tensors: no I/O, no torch.distributed, no config objects, no global state.
 The selection functions never synchronise host and device (no `.item()`, no data-dependent Python branches), so
 they cost a few kernels on a GPU. Shapes: B sequences, T response positions, V vocabulary, N = B*T flattened rows.
-
-Differences from the reference, on purpose:
-  * Selection scope: the reference selects L+/L- per micro-batch on each GPU; these functions select over whatever
-    tensor they are given, so the trainer can pass the whole optimizer-step batch (micro-batch invariant) or one
-    micro-batch (the reference's behaviour).
-  * k = ceil(P * n) is computed with a 1e-9 slack against floating-point noise (0.07 * 100 = 7.000000000000001);
-    the reference's int(x + 0.999999) has a 1e-6 slack. They differ only when P * n lies within 1e-6 above an integer.
-  * `seq-mean-token-sum-norm` divides by the number of sequences as well as the constant (Dr.GRPO's (1/G) sum_i
-    sum_t / L_max); verl divides by the constant only and then by the number of micro-batches, a learning-rate scale.
 """
 
 import math
@@ -127,7 +122,7 @@ def _flatten_logits(logits, tokens):
 
 
 def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None):
-    """log pi(token) and the full next-token entropy H of pi = softmax(logits / temperature).   (§0, §1.3)
+    """log pi(token) and the full next-token entropy H of pi = softmax(logits / temperature).   (Eq. 4)
 
     logits [..., T, V] (any float dtype; position t scores token t), tokens [..., T] valid ids (pad with any id
     and mask later) -> (logprobs [..., T], entropy [..., T]), both float32.
@@ -154,7 +149,7 @@ def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None)
 
 
 # ======================================================================================================================
-# 2. First-order entropy dynamics (§8)
+# 2. First-order entropy dynamics (Eq. 5)
 # ======================================================================================================================
 # A policy-gradient step on sampled token k with advantage A moves the (tempered) logits z by eta*A*(e_k - pi).
 # To first order the entropy changes by  dH = eta * A * S(pi, k)  with
@@ -195,7 +190,7 @@ def _entropy_geometry(logits, tokens, temperature, chunk_size):
 
 
 def entropy_sensitivity(logits, tokens, temperature=1.0, chunk_size=None):
-    """S: first-order entropy change per unit eta*A of a logit-space policy-gradient step on the sampled token. (§8)
+    """S: first-order entropy change per unit eta*A of a logit-space policy-gradient step on the sampled token. (Eq. 5)
 
     S = sum_a pi_a^2 (log pi_a + H) - pi_k (log pi_k + H),  pi = softmax(logits / temperature), k = token.
     logits [..., T, V], tokens [..., T] -> S [..., T] float32. No gradient.
@@ -210,7 +205,7 @@ def entropy_sensitivity(logits, tokens, temperature=1.0, chunk_size=None):
 
 
 def critical_surprisal(logits, temperature=1.0, chunk_size=None, iterations=60):
-    """s0: the surprisal at which S changes sign, i.e. the root of g(s) = e^{-s} (s - H) - B on [s_min, H].  (§8)
+    """s0: the surprisal at which S changes sign, i.e. the root of g(s) = e^{-s} (s - H) - B on [s_min, H].  (Eq. 5)
 
     logits [..., T, V] -> s0 [..., T] float32. A token k has S > 0 iff its surprisal -log pi_k > s0.
     g is increasing on [0, H + 1], negative at s_min (the mode) and equal to -B >= 0 at H, so bisection on
@@ -244,7 +239,7 @@ def _token_advantages(advantages, like):
 
 
 def quadrant_masks(advantages, surprisal, mask, threshold):
-    """The advantage-sign x surprisal partition of the valid tokens (§8 table): (pos_high, pos_low, neg_high, neg_low).
+    """The advantage-sign x surprisal partition of the valid tokens (Eq. 6): (pos_high, pos_low, neg_high, neg_low).
 
     advantages [B] or [B, T]; surprisal [B, T] (= -log pi); mask [B, T] (1 = valid token); threshold a scalar or a
     tensor broadcastable to [B, T] (e.g. the critical surprisal s0) -> four bool [B, T]. "high" means
@@ -258,7 +253,7 @@ def quadrant_masks(advantages, surprisal, mask, threshold):
 
 
 # ======================================================================================================================
-# 3. STARE: top-surprisal selection, token weights, the entropy gate (§1.1, §1.3)
+# 3. STARE: top-surprisal selection, token weights, the entropy gate (Eqs. 7, 8, 10)
 # ======================================================================================================================
 
 
@@ -284,7 +279,7 @@ def _kth_largest_digit(bins, num_digits, k):
 
 
 def select_top_k(values, candidates, k, signed=False):
-    """Among the candidates, exactly min(k, n) with the largest values; ties broken by position.
+    """Among the candidates, exactly min(k, n) with the largest values; ties broken by position (Eqs. 7, 14, 16-18).
 
     values [...] float, >= 0 (negative values count as 0, NaN as +inf; signed=True: every float32 in its own order,
     negatives included, -NaN lowest and NaN highest), candidates [...] bool of the same shape (any shape), k an int
@@ -326,7 +321,7 @@ def select_top_k(values, candidates, k, signed=False):
 
 
 def select_top_surprisal(surprisal, candidates, top_ratio):
-    """Among the candidate tokens, exactly k = ceil(top_ratio * n) with the highest surprisal.   (§1.1 step 4)
+    """Among the candidate tokens, exactly k = ceil(top_ratio * n) with the highest surprisal.   (Eq. 7)
 
     surprisal [...] float (= -log pi >= 0), candidates [...] bool (same shape, any shape: one micro-batch or a whole
     batch gathered across ranks) -> bool mask [...]. n = number of candidates; k >= 1 when n > 0 and top_ratio > 0;
@@ -344,7 +339,7 @@ def select_top_surprisal(surprisal, candidates, top_ratio):
 
 
 def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1, m=0.9, gate_on=True):
-    """omega, STARE's token weights (§1.1), and selection statistics.
+    """omega, STARE's token weights (Eq. 8), and selection statistics.
 
     logprobs [B, T] (of the sampled tokens; detached here, surprisal s = -logprob), advantages [B] or [B, T],
     mask [B, T] -> (weights [B, T] float32, stats dict of 0-dim tensors).
@@ -396,7 +391,7 @@ def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1
 
 
 class EntropyGate:
-    """The closed-loop entropy controller of STARE (§1.3; the reference's STAREController).
+    """The closed-loop entropy controller of STARE (Eq. 10; the reference's STAREController).
 
     Once per optimizer step, before the update, call `update(batch_entropy)` with the token-mean entropy of the
     step's batch under the pre-update policy. Then `gate_on` says whether to reweight this step (H < target,
@@ -448,12 +443,12 @@ class EntropyGate:
 
 
 # ======================================================================================================================
-# 4. The GRPO objective (§0, §7)
+# 4. The GRPO objective (Eqs. 1-3)
 # ======================================================================================================================
 
 
 def group_advantages(rewards, group_size, normalize_std=True, eps=1e-6):
-    """GRPO advantages (§0 "GRPO advantage", §7): A_i = (r_i - mean_g) / (std_g + eps) within each group.
+    """GRPO advantages (Eq. 1): A_i = (r_i - mean_g) / (std_g + eps) within each group.
 
     rewards [B] float, in contiguous groups of `group_size` responses to the same prompt -> advantages [B] float32.
     std is the unbiased (n - 1) standard deviation, as torch.std in verl. normalize_std=False gives Dr.GRPO's
@@ -474,7 +469,7 @@ def group_advantages(rewards, group_size, normalize_std=True, eps=1e-6):
 
 
 def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.28, dual_clip=None, mask=None):
-    """The per-token PPO/GRPO loss to minimise, with clip-higher and optional dual clip (§0 "vanilla / dual-clip").
+    """The per-token PPO/GRPO loss to minimise, with clip-higher and optional dual clip (Eq. 2).
 
     logprobs [B, T] (current policy, with grad), old_logprobs [B, T] (behaviour policy), advantages [B] or [B, T]
     -> (token_loss [B, T], stats of 0-dim tensors over `mask` [B, T] if given, else over all tokens).
@@ -486,8 +481,9 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=0.2, clip_hig
     dual_clip is given, and the trainer's config sets it.
 
     stats: clip_frac (the clipped term is active), clip_low_frac / clip_high_frac (ratio below / above the band where
-    that matters; not verl's pg_clipfrac_lower, which is our dual_clip_frac), dual_clip_frac, approx_kl (mean old - new log-prob, verl's ppo_kl) and approx_kl_k3
-    (mean e^d - 1 - d with d = new - old, Schulman's unbiased low-variance KL(old || new) estimate).
+    that matters; not verl's pg_clipfrac_lower, which is our dual_clip_frac), dual_clip_frac, approx_kl (mean old -
+    new log-prob, verl's ppo_kl) and approx_kl_k3 (mean e^d - 1 - d with d = new - old, Schulman's unbiased
+    low-variance KL(old || new) estimate).
     """
     if not (clip_low > 0 and clip_high > 0):
         raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low}, {clip_high}")
@@ -526,7 +522,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 
 
 def aggregate_loss(token_loss, mask, mode="token-mean", num_tokens=None, num_sequences=None, loss_scale_factor=None):
-    """Reduce per-token losses [B, T] over `mask` [B, T] to a scalar (§0 "agg_loss").
+    """Reduce per-token losses [B, T] over `mask` [B, T] to a scalar (Eq. 3).
 
       token-mean               sum_{i,t} m L / N_tok                          (DAPO; the default)
       seq-mean-token-mean      (1/N_seq) sum_i [ sum_t m L / sum_t m ]        (original GRPO)
@@ -565,14 +561,14 @@ def _divide_by_count(total, count):
 
 
 # ======================================================================================================================
-# 5. Diagnostics: which quadrant drives the entropy? (§8)
+# 5. Diagnostics: which quadrant drives the entropy? (Eq. 6)
 # ======================================================================================================================
 
 QUADRANTS = ("pos_high", "pos_low", "neg_high", "neg_low")
 
 
 def entropy_dynamics(advantages, sensitivity, mask, weights=None, num_tokens=None):
-    """Per-quadrant token fractions and predicted first-order entropy change of one token-mean update (§8).
+    """Per-quadrant token fractions and predicted first-order entropy change of one token-mean update (Eq. 6).
 
     advantages [B] or [B, T], sensitivity S [B, T] (from `entropy_sensitivity`), mask [B, T], optional STARE
     weights omega [B, T] -> dict of 0-dim float32 tensors:
@@ -580,11 +576,11 @@ def entropy_dynamics(advantages, sensitivity, mask, weights=None, num_tokens=Non
       "{q}/dH"    sum_{tokens in q} omega A S / N_tok
       "total/dH"  the sum over all valid tokens (A = 0 tokens contribute nothing)
     for q in pos_high, pos_low, neg_high, neg_low. "high" means surprisal at or above the critical surprisal s0,
-    which is the same as S >= 0 (§8), so no s0 needs computing. The sign of A*S is the sign of the quadrant's
-    entropy push: + for pos_high and neg_low, - for pos_low and neg_high. total/dH is the token
-    mean of omega*A*S: per unit eta, the mean first-order entropy change of the batch's contexts when each context's
-    (tempered) logits take the policy-gradient step eta*omega*A*(e_k - pi) (tabular-softmax approximation). Pass num_tokens = the step's global valid-token count so that micro-batch
-    values add up to the full-batch ones.
+    which is the same as S >= 0 (Eq. 5), so no s0 needs computing. The sign of A*S is the sign of the quadrant's
+    entropy push: + for pos_high and neg_low, - for pos_low and neg_high. total/dH is the token mean of omega*A*S:
+    per unit eta, the mean first-order entropy change of the batch's contexts when each context's (tempered) logits
+    take the policy-gradient step eta*omega*A*(e_k - pi) (tabular-softmax approximation). Pass num_tokens = the
+    step's global valid-token count so that micro-batch values add up to the full-batch ones.
     """
     token_adv = _token_advantages(advantages, sensitivity).float()  # [B, T]
     valid = mask.bool()

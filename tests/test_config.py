@@ -24,7 +24,7 @@ def test_every_shipped_config_loads_and_round_trips(path, tmp_path):
 
 def test_paper_config_values():
     cfg = config.load(Path(CONFIGS[0]).with_name("qwen2.5_math_7b_short_stare.yaml"))
-    # algorithms.md §1.5, spot checks of every section
+    # the reference run (docs/method.md, "The reference release"): spot checks of every section
     assert (cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.dual_clip) == (0.2, 0.28, 10.0)
     assert (cfg.loss.stare_variant, cfg.loss.stare_top_ratio, cfg.loss.stare_w, cfg.loss.stare_m) == ("O1", 0.1, 1.1, 0.9)
     assert (cfg.algorithm.target_entropy, cfg.algorithm.gen_batch_size, cfg.algorithm.max_num_gen_batches) == (0.3, 192, 10)

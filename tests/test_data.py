@@ -162,7 +162,7 @@ def test_custom_suffix_is_added_to_plain_but_never_to_verl(tmp_path):
 
 
 def test_stare_suffix_matches_the_reference():
-    # algorithms.md §1.6: the reference appends "\n" + this sentence to every DAPO-Math-17K problem.
+    # docs/method.md, "The reference release": the reference appends "\n" + this sentence to every DAPO-Math-17K problem.
     assert data.STARE_SUFFIX == r"Please reason step by step, and put your final answer within \boxed{}."
 
 

@@ -66,11 +66,6 @@ def test_generate_shapes_and_stop_reasons(engine, prompts, tiny_dir):
     # a budget too short to finish ends every response by length
     short = rollout.generate(engine, prompts, n=2, max_tokens=3, seeds=[0, 1, 2])
     assert set(short.finish_reasons) == {"length"} and set(short.lengths) == {3}
-    # padded tensors for the trainer
-    ids, logprobs, mask = out.padded(pad_id=0)
-    assert ids.shape == logprobs.shape == mask.shape == (12, max(out.lengths))
-    assert mask.sum(1).tolist() == out.lengths
-    assert logprobs[~mask].abs().sum() == 0
 
 
 def test_seeds_make_samples_reproducible_and_distinct(engine, prompts, monkeypatch):
@@ -157,7 +152,8 @@ def test_two_ranks_sample_differently_and_fsdp2_sync_streams(tiny_dir, tmp_path)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="sleep mode needs CUDA")
 def test_sleep_wake_sync_cycle_on_gpu(tiny_dir, prompts):
-    # The per-step order of engineering.md §1: sleep -> wake weights -> stream weights -> wake KV cache -> generate.
+    # The per-step order of sleep mode (rollout.release_memory): sleep -> wake weights -> stream weights -> wake KV
+    # cache -> generate.
     engine = rollout.build_engine(tiny_dir / "model", seed=0, max_model_len=128, dtype="float32",
                                   gpu_memory_utilization=0.2, enable_sleep_mode=True)
     model = load_model(tiny_dir).cuda()

@@ -141,12 +141,12 @@ def test_logprob_input_errors():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# entropy_sensitivity and critical_surprisal (§8)
+# entropy_sensitivity and critical_surprisal (docs/method.md, Eq. 5)
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def sensitivity_loop(probs, k):
-    """S for one distribution (a list of floats) and sampled index k, straight from the §8 formula."""
+    """S for one distribution (a list of floats) and sampled index k, straight from the formula of Eq. 5."""
     entropy = -sum(p * math.log(p) for p in probs if p > 0)
     first = sum(p * p * (math.log(p) + entropy) for p in probs if p > 0)
     return first - probs[k] * (math.log(probs[k]) + entropy)
@@ -194,7 +194,7 @@ def test_sensitivity_closed_form_cases():
     logits = torch.log(torch.tensor([[0.9, 0.1], [0.9, 0.1]]))
     sensitivity = stare.entropy_sensitivity(logits, torch.tensor([1, 0]))
     assert sensitivity[0] > 0 > sensitivity[1]
-    # The worked example of §8 (pi = [.70, .15, .08, .04, .02, .01]).
+    # The worked example of Eq. 5 (pi = [.70, .15, .08, .04, .02, .01]).
     probs = torch.tensor([0.70, 0.15, 0.08, 0.04, 0.02, 0.01], dtype=torch.float64)
     sensitivity = stare.entropy_sensitivity(probs.log().expand(3, 6), torch.tensor([0, 1, 5]))
     torch.testing.assert_close(sensitivity.double(), torch.tensor([-0.16822, 0.41082, 0.31081], dtype=torch.float64),
@@ -405,7 +405,7 @@ def test_quadrant_masks_match_loop():
 
 
 def stare_weights_loop(logprobs, advantages, mask, variant, top_ratio, w, m, gate_on):
-    """§1.1 written out: flatten, split the valid tokens by advantage sign, sort each by surprisal."""
+    """Eqs. 7-8 written out: flatten, split the valid tokens by advantage sign, sort each by surprisal."""
     weights = torch.ones(logprobs.shape)
     if not gate_on:
         return weights
@@ -725,7 +725,7 @@ def test_entropy_dynamics_matches_loop_and_quadrant_sum():
         assert stats[f"{q}/frac"].item() == pytest.approx(count / num_valid)
         assert stats[f"{q}/dH"].item() == pytest.approx(dh / num_valid, abs=1e-6)
     assert stats["total/dH"].item() == pytest.approx(sum(stats[f"{q}/dH"].item() for q in stare.QUADRANTS), abs=1e-6)
-    # The quadrant signs of §8: A*S > 0 exactly in pos_high and neg_low (pos_high's S = 0 boundary aside).
+    # The quadrant signs of Eq. 6: A*S > 0 exactly in pos_high and neg_low (pos_high's S = 0 boundary aside).
     assert stats["pos_high/dH"] >= 0 and stats["neg_low/dH"] >= 0
     assert stats["pos_low/dH"] <= 0 and stats["neg_high/dH"] <= 0
 

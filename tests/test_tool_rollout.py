@@ -323,13 +323,10 @@ def test_turn_seeds():
     assert rollout.turn_seed(3, 4, 1, 2) == rollout.turn_seed(3, 4, 1, 2)  # a pure function (no Python hash())
 
 
-def test_padded_tool_mask_and_metrics(recorded):
+def test_tool_mask_and_metrics(recorded):
     out = recorded[0]
-    ids, logprobs, mask = out.padded(pad_id=0)
-    tool = out.padded_tool_mask()
-    assert tool.shape == mask.shape and not (tool & ~mask).any()
-    assert tool.sum().item() == sum(map(sum, out.tool_mask))
-    assert logprobs[tool].abs().sum() == 0
+    assert [len(row) for row in out.tool_mask] == out.lengths == [len(row) for row in out.logprobs]
+    assert all(lp == 0.0 for row, tools in zip(out.logprobs, out.tool_mask) for lp, tool in zip(row, tools) if tool)
     metrics = rollout.tool_metrics(out)
     assert metrics["rollout/tool_calls_mean"] == sum(out.num_calls) / 16
     assert 0 < metrics["rollout/tool_token_frac"] < 1
