@@ -10,7 +10,7 @@ shows as the model settling on one of them (rollout/distinct_correct_frac falls)
   sweep/     STARE O1 over a grid of W x P and seeds; sweep.png: final entropy and diversity against W, and the
              critical strength W_c where the final entropy crosses halfway between GRPO's and the gate's target
   summary.json   final values (mean of the last --final-window steps), seed means and SEs, W_c measured and
-                 predicted to first order (docs/method.md, the critical strength: 1 - mean dH_grpo / mean dH_L+
+                 predicted to first order (docs/method.md, Eq. 20: 1 - mean dH_grpo / mean dH_L+
                  over GRPO's batches within 25% of the target entropy).
 Each run writes metrics.jsonl with train.py's metric names (plots.py draws them) and its config.yaml; a complete
 run is not rerun.

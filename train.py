@@ -10,14 +10,16 @@ metrics.jsonl (one object per step), checkpoints/ (checkpoints.py), hf/ (the fin
 command resumes exactly from the latest checkpoint; SIGTERM / SIGUSR1 / SIGINT finish the step, save and exit.
 
 One optimizer step (`train_step`), each stage a function below:
-  sample_groups    n responses per prompt from the local engine, scored by the verifier; dynamic sampling keeps the
-                   groups whose rewards differ, over all ranks, until the batch is full (Eq. 1)
-  group responses  group-normalised advantages, this rank's share of the groups (Eq. 1)
-  old_policy_pass  one no-grad forward: old log-probs, entropies, entropy sensitivities S (Eqs. 4-6)
+  sample_groups    n responses per prompt from the local engine, scored by the verifier (Eq. 21); dynamic sampling
+                   keeps the groups whose rewards differ, over all ranks, until the batch is full
+  group_responses  group-normalised advantages, this rank's share of the groups (Eq. 1)
+  old_policy_pass  one no-grad forward: old log-probs, entropies, entropy sensitivities S (Eqs. 4-5)
   update_gate      the batch's token-mean entropy over all ranks drives STARE's gate (Eq. 10)
-  select_tokens    every method's token selection, once over the whole step (all ranks): micro-batch invariant
-  policy_update    the clipped surrogate of the chosen method over token-budget micro-batches (Eqs. 2-3, 7-9, 12-)
-  sync_engine      the new weights into the engine (and a log-prob probe); then metrics, eval, checkpoint
+  select_tokens    every method's token selection (Eqs. 7, 12-18), once over the whole step (all ranks)
+  policy_update    the chosen method's loss over token-budget micro-batches (Eqs. 2-3, 8-9, 11-19)
+  sync_engine      the new weights into the engine (and a log-prob probe)
+  batch_metrics    the batch's statistics and the predicted entropy change by quadrant (Eq. 6)
+then evaluation, metrics.jsonl and checkpoints on schedule (`train`, in the plumbing section).
 Equation numbers refer to docs/method.md.
 
 Simplified relative to the reference (verl): no Ray, no reference model or KL term (STARE's runs use none), on-policy
