@@ -195,7 +195,8 @@ def train_run(spec, tiny_dir, out_dir):
                              cfg.algorithm.gate_adaptive, cfg.algorithm.gate_alpha, cfg.algorithm.gate_w_max,
                              cfg.algorithm.gate_m_min)
     sampler = torch.Generator().manual_seed(rollout.derive_seed(spec.seed, "repro", "responses"))
-    order = torch.Generator().manual_seed(rollout.derive_seed(spec.seed, "repro", "prompts"))  # the same for all methods
+    # the prompt order: the same for every method of a seed
+    order = torch.Generator().manual_seed(rollout.derive_seed(spec.seed, "repro", "prompts"))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(config.to_yaml(cfg))  # the objective's settings (plots.py reads the target)
