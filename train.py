@@ -13,7 +13,7 @@ One optimizer step (`train_step`), each stage a function below:
   sample_groups    n responses per prompt from the local engine, scored by the verifier (Eq. 21); dynamic sampling
                    keeps the groups whose rewards differ, over all ranks, until the batch is full
   group_responses  group-normalised advantages, this rank's share of the groups (Eq. 1)
-  old_policy_pass  one no-grad forward: old log-probs, entropies, entropy sensitivities S (Eqs. 4-5)
+  old_policy_pass  one no-grad forward: old log-probs, entropies, sensitivities S, Lp-Reg's proxy (Eqs. 4-5, 13)
   update_gate      the batch's token-mean entropy over all ranks drives STARE's gate (Eq. 10)
   select_tokens    every method's token selection (Eqs. 7, 12-18), once over the whole step (all ranks)
   policy_update    the chosen method's loss over token-budget micro-batches (Eqs. 2-3, 8-9, 11-19)
