@@ -11,9 +11,9 @@ text the model sees in its tool turn comes back.
 The reference releases no tool config or sandbox (docs/method.md, last section); this one is ours. Whatever the code
 does, the trainer neither hangs nor crashes: run_code never raises, returns within timeout_s (plus up to 2 s when
 the clean-up has to be forced), and nothing a run started outlives it. An execution costs 0.15-0.3 s on a 2-core
-CPU machine: two interpreter start-ups. Neither mode is a virtual machine: the code talks to the host's kernel (no
-seccomp filter), so a kernel exploit gets out; for code you would not run on the host yourself, run the sandboxes
-under gVisor or in a VM.
+CPU machine: two interpreter start-ups. Neither mode is a virtual machine: the code talks to the host's kernel (a
+seccomp filter takes its sockets away, nothing else), so a kernel exploit gets out; for code you would not run on
+the host yourself, run the sandboxes under gVisor or in a VM.
 
 What runs. Each execution is a fresh interpreter (`python -I -B sandbox.py --run`: isolated mode, so no PYTHON*
 variables, no user site, no script directory on sys.path) that compiles the code as main.py and runs it as
@@ -36,15 +36,16 @@ Isolation, in one of two modes; isolation="auto" probes once per (python, networ
       - remounts every filesystem read-only: a write outside fails with EROFS, whatever the file permissions;
       - mounts a fresh tmpfs of max_file_mb on /tmp, the working directory (bound on /dev/shm too; what the
         sandbox itself needs from the host's /tmp, if anything, is bound back read-only), and unless network=True
-        an empty read-only tmpfs on /run (daemon sockets: a network namespace does not cover Unix sockets on disk);
-        what the code writes never reaches a disk and vanishes with the namespace;
+        an empty read-only tmpfs on /run (daemons' sockets and state); what the code writes never reaches a disk
+        and vanishes with the namespace;
       - forks a reaper as PID 1, and the code as PID 2, which mounts a /proc that shows only the namespace (an
         empty one where the kernel refuses, e.g. inside Docker), forbids nested user namespaces, drops every
-        capability but CAP_DAC_READ_SEARCH, sets no_new_privs (setuid binaries then grant nothing) and the
-        limits, and execs the interpreter.
-    So the code has no network (no interface at all, not even loopback: connect() fails with ENETUNREACH), sees and
-    signals no process outside (its getppid() is 0, kill(-1) stays in its namespace, and C's process group is not
-    L's, so kill(0) cannot reach L), and sees no other run's files. When the code exits, C kills PID 1 and the
+        capability but CAP_DAC_READ_SEARCH, sets no_new_privs (setuid binaries then grant nothing), the limits
+        and the socket filter ("Sockets" below), and execs the interpreter.
+    So the code reaches no socket of the host (the network namespace, with no interface at all, not even loopback,
+    is a second wall behind the filter for IP and abstract Unix sockets), sees and signals no process outside (its
+    getppid() is 0, kill(-1) stays in its namespace, and C's process group is not L's, so kill(0) cannot reach L),
+    and sees no other run's files. When the code exits, C kills PID 1 and the
     kernel kills everything left in the namespace; C dies with L and PID 1 with C (PDEATHSIG, out of the code's
     reach). Identity: uid 0 inside the namespace, which outside is the trainer's user, or `nobody` (65534) when
     the trainer is root (root is exempt from RLIMIT_NPROC). The code can read what that user can read, and under a
@@ -52,14 +53,31 @@ Isolation, in one of two modes; isolation="auto" probes once per (python, networ
     secrets unreadable to the trainer, or run the trainer as an ordinary user.
   "process" (the fallback, e.g. under Docker's default seccomp profile, which forbids user namespaces). Best effort:
     the same interpreter, limits, environment and clean-up, a private directory (mkdtemp under tmp_root, removed
-    afterwards), and under a root trainer the code runs as `nobody` (then tmp_root and the interpreter must be
-    reachable by `nobody`: set `python`). NOT contained: writes wherever that user may write (world-writable places
-    such as /tmp, other runs' directories, whose names are random but not secret); the network, except that
-    creating a socket from Python raises PermissionError (an audit hook; ctypes or a subprocess gets around it);
-    signals to that user's processes (the code's parent is L, not the trainer, but code that searches /proc can
-    find a non-root trainer, and kill(-1) reaches all of that user's processes; code that kills L leaves what it
-    started after setsid() running). RLIMIT_NPROC counts every process of the user, so it is set to that user's
-    count at start plus max_processes (racy).
+    afterwards), no_new_privs, the same socket filter, so no network and no socket of the host ("Sockets" below),
+    and under a root trainer the code runs as `nobody` (then tmp_root and the interpreter must be reachable by
+    `nobody`: set `python`). NOT contained: writes wherever that user may write (world-writable places such as
+    /tmp, other runs' directories, whose names are random but not secret); signals to that user's processes (the
+    code's parent is L, not the trainer, but code that searches /proc can find a non-root trainer, and kill(-1)
+    reaches all of that user's processes; code that kills L leaves what it started after setsid() running); and
+    the processes of that user that the host lets it ptrace can be made to act for it, connecting included.
+    RLIMIT_NPROC counts every process of the user, so it is set to that user's count at start plus max_processes
+    (racy).
+
+Sockets (network=False, both modes). A seccomp filter, installed just before the interpreter starts and inherited by
+all the code starts: socket() fails with EPERM (PermissionError) for every address family; socketpair() works only
+for an AF_UNIX stream pair (asyncio's event loop and multiprocessing use one), which cannot be pointed elsewhere
+(connect() and sendto() on a connected stream socket fail); io_uring_setup() fails (io_uring's operations include
+socket and connect, which no filter sees). So the code reaches no socket of the host: no IP network and no Unix
+socket, abstract or on disk, wherever its file is. Why a filter: a network namespace covers IP and abstract Unix
+sockets but not sockets on disk, and a read-only mount does not stop connect() to one (the kernel checks only the
+socket file's write permission); a minimal mount view would have to show the interpreter, its packages and all its
+sys.path names, where sockets may lie, and would break on unusual installations; Landlock covers Unix sockets by
+path only in its newest ABI (LANDLOCK_ACCESS_FS_RESOLVE_UNIX), which most hosts' kernels lack. Seccomp filters work
+on every Linux since 3.5, under Docker's default profile too, and need no namespace, so "process" mode gets the same
+guarantee. The cost: nothing in the sandbox can serve on a socket either, so multiprocessing.Manager and the
+"forkserver" start method (the default from Python 3.14) fail with PermissionError; "fork" (the default before) and
+"spawn" work. The filter exists for 64-bit interpreters on x86_64, aarch64 and riscv64; elsewhere, or where the
+kernel refuses it, every network=False run fails with error "sandbox" (network=True needs no filter).
 
 Limits (SandboxConfig; defaults in parentheses), per execution unless stated:
   timeout_s (10)          wall clock; then the code is killed, with everything it started.
@@ -71,8 +89,8 @@ Limits (SandboxConfig; defaults in parentheses), per execution unless stated:
   max_file_mb (32)        RLIMIT_FSIZE (largest file), and in "namespaces" mode the size of its whole tmpfs.
   max_output_bytes (8192) the output kept: the first and the last half, with a marker between them.
   max_workers (8)         concurrent executions in run_batch.
-  network (False)         True: the host's network ("namespaces": no network namespace, /run left visible for DNS;
-                          "process": no audit hook).
+  network (False)         True: the host's network and its sockets, Unix ones on disk included, in both modes (no
+                          socket filter; "namespaces": no network namespace, /run left visible for DNS).
 
 Result.error is "" when the code exited 0, else one of "timeout", "cpu" (SIGXCPU), "memory" (an uncaught
 MemoryError), "syntax" (the code does not compile), "exception" (any other uncaught exception), "exit_code" (a
@@ -91,6 +109,7 @@ import resource
 import selectors
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -338,8 +357,17 @@ _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE = 1 << 10, 1 << 11, 
 _MS_RELATIME, _MS_STRICTATIME = 1 << 21, 1 << 24
 _MOUNT_OPTION_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noatime": _MS_NOATIME,
                        "nodiratime": _MS_NODIRATIME, "relatime": _MS_RELATIME}
-_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 24, 36, 38
+_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECCOMP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 24, 22, 36, 38
 _CAP_DAC_READ_SEARCH = 2
+# The seccomp filter of network=False (see "Sockets" in the module docstring). Per machine: the AUDIT_ARCH value the
+# kernel reports for its native 64-bit syscalls, and the numbers of socket and socketpair there. io_uring_setup is 425
+# on every architecture.
+_SECCOMP_SYSCALLS = {"x86_64": (0xC000003E, 41, 53), "aarch64": (0xC00000B7, 198, 199),
+                     "riscv64": (0xC00000F3, 198, 199)}
+_NR_IO_URING_SETUP = 425
+_X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: native arch value, other numbers
+_SECCOMP_MODE_FILTER, _SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO, _EPERM = 2, 0x7FFF0000, 0x00050000, 1
+_AF_UNIX, _SOCK_STREAM, _SOCK_NONBLOCK, _SOCK_CLOEXEC = 1, 1, 0o4000, 0o2000000
 
 
 def _libc(name, *args):
@@ -439,8 +467,9 @@ def _start_as_process(code, spec):
             os.setresgid(_NOBODY, _NOBODY, _NOBODY)
             os.setresuid(_NOBODY, _NOBODY, _NOBODY)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # if L dies (the code can clear this: best effort)
+        _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries grant nothing; lets an unprivileged user add a filter
         _set_limits(spec, nproc=_count_tasks(os.getuid()) + spec["max_processes"])
-        _exec_runner(spec, "process" if not spec["network"] else "plain")
+        _exec_runner(spec)
     return _child(code_process)
 
 
@@ -595,7 +624,7 @@ def _code_process(spec):
                     raise
     _prctl(_PR_SET_NO_NEW_PRIVS, 1)
     _set_limits(spec, nproc=spec["max_processes"] + 2)  # + the namespace owner and PID 1, same user
-    _exec_runner(spec, "plain")
+    _exec_runner(spec)
 
 
 def _set_limits(spec, nproc):
@@ -612,19 +641,63 @@ def _set_limits(spec, nproc):
         resource.setrlimit(which, (soft, hard))
 
 
-def _exec_runner(spec, hooks):
+def _exec_runner(spec):
+    """Close every other file descriptor, install the socket filter unless network=True, exec the runner."""
     os.closerange(3, 1 << 16)
+    if not spec["network"]:
+        _install_socket_filter()
     python = spec["python"]
-    os.execve(python, [python, "-I", "-B", _THIS_FILE, "--run", hooks], dict(os.environ))
+    os.execve(python, [python, "-I", "-B", _THIS_FILE, "--run"], dict(os.environ))
 
 
-def _run_user_code(hooks):
+def _socket_filter(machine):
+    """The seccomp BPF program of network=False for this machine (os.uname().machine), or None if there is none:
+    socket() and io_uring_setup() fail with EPERM, socketpair() only gets an AF_UNIX stream pair, every syscall of
+    a foreign ABI (x86's int 0x80, x32) fails with EPERM, everything else is allowed."""
+    if machine not in _SECCOMP_SYSCALLS or sys.maxsize < 2**32:  # a 32-bit interpreter would make foreign calls
+        return None
+    arch, nr_socket, nr_socketpair = _SECCOMP_SYSCALLS[machine]
+    load, jeq, jge, and_, ret = 0x20, 0x15, 0x35, 0x54, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE|K, BPF_ALU|AND|K, RET|K
+    # seccomp_data: nr at 0, arch at 4, args[i] at 16 + 8 i (the low 32 bits first: these machines are little-endian,
+    # and the kernel reads these int arguments from the low 32 bits only).
+    program = [(load, None, None, 4),
+               (jeq, 0, "deny", arch),
+               (load, None, None, 0),
+               *([(jge, "deny", 0, _X32_SYSCALL_BIT)] if machine == "x86_64" else []),
+               (jeq, "deny", 0, nr_socket),
+               (jeq, "deny", 0, _NR_IO_URING_SETUP),  # its operations include socket and connect, unfiltered
+               (jeq, 0, "allow", nr_socketpair),
+               (load, None, None, 16),  # socketpair's domain
+               (jeq, 0, "deny", _AF_UNIX),
+               (load, None, None, 24),  # its type, without the SOCK_NONBLOCK and SOCK_CLOEXEC flags
+               (and_, None, None, ~(_SOCK_NONBLOCK | _SOCK_CLOEXEC) & 0xFFFFFFFF),
+               (jeq, "allow", "deny", _SOCK_STREAM)]
+    targets = {"allow": len(program), "deny": len(program) + 1}
+    program += [(ret, None, None, _SECCOMP_RET_ALLOW), (ret, None, None, _SECCOMP_RET_ERRNO | _EPERM)]
+    jump = lambda i, t: 0 if t is None else t if isinstance(t, int) else targets[t] - i - 1  # noqa: E731
+    return b"".join(struct.pack("=HBBI", code, jump(i, jt), jump(i, jf), k)
+                    for i, (code, jt, jf, k) in enumerate(program))
+
+
+def _install_socket_filter():
+    """Install _socket_filter for this process and all it execs and starts (needs no_new_privs, set before)."""
+    machine = os.uname().machine
+    program = _socket_filter(machine)
+    if program is None:
+        raise RuntimeError(f"no seccomp filter for this machine ({machine}, {8 * struct.calcsize('P')}-bit "
+                           "interpreter), so network=False cannot be enforced (see sandbox.py)")
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    instructions = ctypes.create_string_buffer(program, len(program))
+    fprog = SockFprog(len(program) // 8, ctypes.addressof(instructions))
+    _libc("prctl", _PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(fprog), ctypes.c_ulong(0),
+          ctypes.c_ulong(0))
+
+
+def _run_user_code():
     """The runner, in the sandboxed interpreter: compile main.py, run it as __main__, report how it ended."""
-    if hooks == "process":  # best effort only: see "process" mode in the module docstring
-        def deny_sockets(event, _):
-            if event == "socket.__new__":
-                raise PermissionError("network access is disabled in this sandbox")
-        sys.addaudithook(deny_sockets)
     sys.stdout.reconfigure(line_buffering=True)  # prints reach the trainer even if the code is killed later
     with open("main.py", "rb") as f:
         source = f.read()
@@ -652,7 +725,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--launch"]:
         _launch(json.loads(sys.argv[2]))
     elif sys.argv[1:2] == ["--run"]:
-        _run_user_code(sys.argv[2])
+        _run_user_code()
     else:  # python sandbox.py [FILE | -]: run a file (or stdin) as the model's code would be, print the tool turn
         source = sys.stdin.read() if sys.argv[1:] in ([], ["-"]) else open(sys.argv[1]).read()
         print(f"[sandbox: {isolation()} isolation]", file=sys.stderr)
