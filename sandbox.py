@@ -8,96 +8,15 @@ text the model sees in its tool turn comes back.
 
     echo 'import os; print(os.getppid())' | python sandbox.py    # try it: prints "0" under "namespaces"
 
-The reference releases no tool config or sandbox (docs/method.md, last section); this one is ours. Whatever the code
-does, the trainer neither hangs nor crashes: run_code never raises, returns within timeout_s (plus up to 2 s when
-the clean-up has to be forced), and nothing a run started outlives it. An execution costs 0.15-0.3 s on a 2-core
-CPU machine: two interpreter start-ups. Neither mode is a virtual machine: the code talks to the host's kernel (a
-seccomp filter takes its sockets away, nothing else), so a kernel exploit gets out; for code you would not run on
-the host yourself, run the sandboxes under gVisor or in a VM.
-
-What runs. Each execution is a fresh interpreter (`python -I -B sandbox.py --run`: isolated mode, so no PYTHON*
-variables, no user site, no script directory on sys.path) that compiles the code as main.py and runs it as
-__main__, in a private working directory that is also HOME and TMPDIR. Tracebacks say "main.py", so the same code
-gives the same text on every machine. stdin is /dev/null; the environment is built from scratch (none of the
-trainer's variables, tokens included), with OMP/OpenBLAS/MKL at one thread. stdout and stderr share one pipe
-(interleaved as written, stdout line-buffered), which the trainer reads in 64 KB chunks, keeping only the first and
-the last max_output_bytes/2 bytes: 100 MB of prints cost the trainer a few KB and under a second.
-
-The process tree: trainer -> L, the launcher (`sandbox.py --launch`, in a session of its own) -> the code. L is a
-child subreaper: every orphaned descendant, setsid() or not, becomes its child, and when the code ends L kills and
-reaps all of them, then exits with the code's status. At the deadline the trainer sends L SIGTERM (L kills the code,
-then cleans up the same way) and SIGKILLs L's process group if L has not exited 2 s later. The trainer reaps L
-only after that kill, so L's pid, the group's id, cannot have been reused by then. If the trainer dies, L dies with
-it (PDEATHSIG) and the run with L (below; in "process" mode the private directory is then left behind).
-
-Isolation, in one of two modes; isolation="auto" probes once per (python, network) and takes "namespaces" if it works.
-  "namespaces" (Linux user namespaces: root, and ordinary users on most distributions). L forks C into new user,
-    mount, PID, IPC and (unless network=True) network namespaces, and writes C's uid/gid maps from outside. C
-      - remounts every filesystem read-only: a write outside fails with EROFS, whatever the file permissions;
-      - mounts a fresh tmpfs of max_file_mb on /tmp, the working directory (bound on /dev/shm too; what the
-        sandbox itself needs from the host's /tmp, if anything, is bound back read-only), and unless network=True
-        an empty read-only tmpfs on /run (daemons' sockets and state); what the code writes never reaches a disk
-        and vanishes with the namespace;
-      - forks a reaper as PID 1, and the code as PID 2, which mounts a /proc that shows only the namespace (an
-        empty one where the kernel refuses, e.g. inside Docker), forbids nested user namespaces, drops every
-        capability but CAP_DAC_READ_SEARCH, sets no_new_privs (setuid binaries then grant nothing), the limits
-        and the socket filter ("Sockets" below), and execs the interpreter.
-    So the code reaches no socket of the host (the network namespace, with no interface at all, not even loopback,
-    is a second wall behind the filter for IP and abstract Unix sockets), sees and signals no process outside (its
-    getppid() is 0, kill(-1) stays in its namespace, and C's process group is not L's, so kill(0) cannot reach L),
-    and sees no other run's files. When the code exits, C kills PID 1 and the
-    kernel kills everything left in the namespace; C dies with L and PID 1 with C (PDEATHSIG, out of the code's
-    reach). Identity: uid 0 inside the namespace, which outside is the trainer's user, or `nobody` (65534) when
-    the trainer is root (root is exempt from RLIMIT_NPROC). The code can read what that user can read, and under a
-    root trainer root's files too (CAP_DAC_READ_SEARCH, so that an interpreter under /root still starts): keep
-    secrets unreadable to the trainer, or run the trainer as an ordinary user.
-  "process" (the fallback, e.g. under Docker's default seccomp profile, which forbids user namespaces). Best effort:
-    the same interpreter, limits, environment and clean-up, a private directory (mkdtemp under tmp_root, removed
-    afterwards), no_new_privs, the same socket filter, so no network and no socket of the host ("Sockets" below),
-    and under a root trainer the code runs as `nobody` (then tmp_root and the interpreter must be reachable by
-    `nobody`: set `python`). NOT contained: writes wherever that user may write (world-writable places such as
-    /tmp, other runs' directories, whose names are random but not secret); signals to that user's processes (the
-    code's parent is L, not the trainer, but code that searches /proc can find a non-root trainer, and kill(-1)
-    reaches all of that user's processes; code that kills L leaves what it started after setsid() running); and
-    the processes of that user that the host lets it ptrace can be made to act for it, connecting included.
-    RLIMIT_NPROC counts every process of the user, so it is set to that user's count at start plus max_processes
-    (racy).
-
-Sockets (network=False, both modes). A seccomp filter, installed just before the interpreter starts and inherited by
-all the code starts: socket() fails with EPERM (PermissionError) for every address family; socketpair() works only
-for an AF_UNIX stream pair (asyncio's event loop and multiprocessing use one), which cannot be pointed elsewhere
-(connect() and sendto() on a connected stream socket fail); io_uring_setup() fails (io_uring's operations include
-socket and connect, which no filter sees). So the code reaches no socket of the host: no IP network and no Unix
-socket, abstract or on disk, wherever its file is. Why a filter: a network namespace covers IP and abstract Unix
-sockets but not sockets on disk, and a read-only mount does not stop connect() to one (the kernel checks only the
-socket file's write permission); a minimal mount view would have to show the interpreter, its packages and all its
-sys.path names, where sockets may lie, and would break on unusual installations; Landlock covers Unix sockets by
-path only in its newest ABI (LANDLOCK_ACCESS_FS_RESOLVE_UNIX), which most hosts' kernels lack. Seccomp filters work
-on every Linux since 3.5, under Docker's default profile too, and need no namespace, so "process" mode gets the same
-guarantee. The cost: nothing in the sandbox can serve on a socket either, so multiprocessing.Manager and the
-"forkserver" start method (the default from Python 3.14) fail with PermissionError; "fork" (the default before) and
-"spawn" work. The filter exists for 64-bit interpreters on x86_64, aarch64 and riscv64; elsewhere, or where the
-kernel refuses it, every network=False run fails with error "sandbox" (network=True needs no filter).
-
-Limits (SandboxConfig; defaults in parentheses), per execution unless stated:
-  timeout_s (10)          wall clock; then the code is killed, with everything it started.
-  cpu_s (10)              RLIMIT_CPU, per process: SIGXCPU at cpu_s, SIGKILL a second later.
-  memory_mb (1024)        RLIMIT_AS, per process: allocations beyond it raise MemoryError. An address-space limit,
-                          not a cgroup, so the worst case is max_processes * memory_mb per execution.
-  max_processes (8)       processes + threads of the code, itself included (RLIMIT_NPROC in its own user namespace;
-                          see "process" mode otherwise). A fork bomb gets EAGAIN, then the timeout.
-  max_file_mb (32)        RLIMIT_FSIZE (largest file), and in "namespaces" mode the size of its whole tmpfs.
-  max_output_bytes (8192) the output kept: the first and the last half, with a marker between them.
-  max_workers (8)         concurrent executions in run_batch.
-  network (False)         True: the host's network and its sockets, Unix ones on disk included, in both modes (no
-                          socket filter; "namespaces": no network namespace, /run left visible for DNS).
-
-Result.error is "" when the code exited 0, else one of "timeout", "cpu" (SIGXCPU), "memory" (an uncaught
-MemoryError), "syntax" (the code does not compile), "exception" (any other uncaught exception), "exit_code" (a
-non-zero exit status), "killed" (a signal: a segfault, the code killing itself) or "sandbox" (the sandbox itself
-failed: a bug or a machine problem, not the model's doing; the message says what). The runner reports "syntax",
-"exception" and "memory" with the reserved exit codes 211-213 (214: set-up failure); code calling sys.exit(211)
-is misread as a syntax error, which is harmless.
+Whatever the code does, the trainer neither hangs nor crashes: run_code never raises, returns within timeout_s (plus
+up to 2 s when the clean-up has to be forced), and nothing a run started outlives it. Each execution is a fresh
+isolated interpreter in a private working directory, with the limits of SandboxConfig. Isolation has two modes:
+"namespaces" (Linux user, mount, PID, IPC and network namespaces: a read-only view of the host, a private tmpfs,
+no process outside visible) and "process" (the best-effort fallback where user namespaces are forbidden). With
+network=False a seccomp filter takes every socket away in both modes, so the code reaches no socket of the host,
+IP or Unix, abstract or on disk. Neither mode is a virtual machine: for code you would not run on the host
+yourself, run the sandboxes under gVisor or in a VM. What each mode contains and what it does not, the process
+tree, the socket filter, every limit and every Result.error value: docs/sandbox.md.
 """
 
 import ctypes
