@@ -131,9 +131,9 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
     while len(kept) < cfg.train.train_batch_size:
         if cfg.algorithm.max_num_gen_batches and rounds >= cfg.algorithm.max_num_gen_batches:
             raise checkpoints.RunError(
-                f"error: dynamic sampling kept {len(kept)} of the {cfg.train.train_batch_size} groups needed after {rounds} "
-                f"rounds (algorithm.max_num_gen_batches); the task is too easy or too hard for the model: raise the "
-                f"limit or turn algorithm.dynamic_sampling off")
+                f"error: dynamic sampling kept {len(kept)} of the {cfg.train.train_batch_size} groups needed after "
+                f"{rounds} rounds (algorithm.max_num_gen_batches); the task is too easy or too hard for the model: "
+                f"raise the limit or turn algorithm.dynamic_sampling off")
         share = cfg.algorithm.gen_batch_size // world
         global_indices = [data_position + rank * share + i for i in range(share)]
         data_position += cfg.algorithm.gen_batch_size
@@ -411,8 +411,9 @@ def train_step(run, state, step):
         run.scheduler.step()
     state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if update_metrics["train/skipped_updates"] else 0
     if state.nonfinite_in_a_row > cfg.optim.max_nonfinite_steps:
-        raise checkpoints.RunError(f"error: step {step}: non-finite loss or gradient norm in {state.nonfinite_in_a_row} "
-                                   f"consecutive steps (optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
+        raise checkpoints.RunError(f"error: step {step}: non-finite loss or gradient norm in "
+                                   f"{state.nonfinite_in_a_row} consecutive steps "
+                                   f"(optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
     with timer("time/sync"):
         state.probe, sync_error = sync_engine(run.engine, run.model, cfg, responses, step, state.probe)
     elapsed = time.time() - start
