@@ -201,7 +201,10 @@ class RunLock:
             try:
                 descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
-                pid, _, host = self.path.read_text().strip().partition(" ")
+                try:
+                    pid, _, host = self.path.read_text().strip().partition(" ")
+                except FileNotFoundError:  # released between the two calls: try again
+                    continue
                 if host == socket.gethostname() and pid.isdigit() and not _process_alive(int(pid)):
                     self.path.unlink(missing_ok=True)  # stale: its run was killed
                     continue

@@ -220,14 +220,16 @@ def old_policy_pass(model, responses, cfg, device):
         logits = modeling.response_logits(model, packed)  # [N, V]
         logprobs, entropy = stare.token_logprobs_and_entropy(logits, packed.response_ids, temperature)  # [N]
         sensitivity = stare.entropy_sensitivity(logits, packed.response_ids, temperature)  # [N]
-        proxy = (baselines.minp_proxy_logprobs(logits, packed.response_ids, temperature, cfg.loss.lp_reg_kappa,
-                                               cfg.loss.lp_reg_soft)
-                 if cfg.algorithm.method == "lp_reg" else torch.zeros_like(logprobs))
         lengths = [len(r.tokens) for r in rows]
-        per_row = zip(*(values.cpu().split(lengths) for values in (logprobs, entropy, sensitivity, proxy)))
-        for i, (row_logprobs, row_entropy, row_sensitivity, row_proxy) in zip(indices, per_row):
+        per_row = zip(*(values.cpu().split(lengths) for values in (logprobs, entropy, sensitivity)))
+        for i, (row_logprobs, row_entropy, row_sensitivity) in zip(indices, per_row):
             responses[i].old_logprobs, responses[i].entropy = row_logprobs, row_entropy
-            responses[i].sensitivity, responses[i].proxy_logprobs = row_sensitivity, row_proxy
+            responses[i].sensitivity = row_sensitivity
+        if cfg.algorithm.method == "lp_reg":  # the proxy comes from the same old-policy logits (Eq. 13)
+            proxy = baselines.minp_proxy_logprobs(logits, packed.response_ids, temperature, cfg.loss.lp_reg_kappa,
+                                                  cfg.loss.lp_reg_soft)  # [N]
+            for i, row_proxy in zip(indices, proxy.cpu().split(lengths)):
+                responses[i].proxy_logprobs = row_proxy
 
 
 def update_gate(gate, responses, device):
@@ -250,9 +252,11 @@ def select_tokens(responses, cfg, gate, step, device):
         return {}  # grpo and the entropy bonus select nothing; micro scope selects inside each micro-batch
     shared = [(r.old_logprobs, r.entropy, r.proxy_logprobs, r.policy_mask, r.advantage) for r in responses]
     everyone = [row for rank_rows in all_gather(shared) for row in rank_rows]
-    logprobs, entropy, proxy, mask = (pad_rows([row[k] for row in everyone]) for k in range(4))  # [B, T] each
-    batch = {"logprobs": logprobs, "old_logprobs": logprobs, "entropy": entropy, "proxy_logprobs": proxy,
-             "mask": mask, "advantages": torch.tensor([row[4] for row in everyone])}
+    logprobs, entropy, mask = (pad_rows([row[k] for row in everyone]) for k in (0, 1, 3))  # [B, T] each
+    batch = {"logprobs": logprobs, "old_logprobs": logprobs, "entropy": entropy, "mask": mask,
+             "advantages": torch.tensor([row[4] for row in everyone])}
+    if method == "lp_reg":
+        batch["proxy_logprobs"] = pad_rows([row[2] for row in everyone])  # [B, T]
     generator = torch.Generator().manual_seed(rollout.derive_seed(cfg.train.seed, "selection", step))
     selection, metrics = baselines.token_selection(method, batch, cfg.loss, gate=gate, generator=generator)
     offset = (dist.get_rank() if dist.is_initialized() else 0) * len(responses)
@@ -321,9 +325,10 @@ def micro_batch_backward(model, rows, is_padding, mini_rows, denominators, cfg, 
 
     batch = {"logprobs": packed.to_rows(logprobs), "entropy": packed.to_rows(entropy),
              "old_logprobs": rows_of(r.old_logprobs for r in rows),
-             "proxy_logprobs": rows_of(r.proxy_logprobs for r in rows),
              "advantages": torch.tensor([r.advantage for r in rows], device=device),
              "mask": rows_of(r.policy_mask for r in rows) & (not is_padding)}
+    if rows[0].proxy_logprobs is not None:  # lp_reg
+        batch["proxy_logprobs"] = rows_of(r.proxy_logprobs for r in rows)
     token_weights = None
     if cfg.algorithm.importance_sampling:  # truncated IS: pi_old / pi_rollout, capped (Eq. 11)
         rollout_logprobs = rows_of(torch.tensor(r.rollout_logprobs, dtype=torch.float32) for r in rows)
