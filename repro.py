@@ -37,6 +37,7 @@ import torch
 import config
 import data
 import evaluate
+import modeling
 import rewards
 import rollout
 import stare
@@ -68,6 +69,9 @@ class RunSpec:
     target_entropy: float = 0.2
     lr: float | None = None  # None: configs/tiny.yaml's
     predict_ps: tuple = (0.1,)  # the P values whose first-order W* every step logs (repro/w_critical@P)
+    task: str = "sum"  # a key of TASKS
+    eval_every: int = 0  # held-out evaluation before step 1, every eval_every steps and after the last (0: none)
+    eval_n: int = 64  # samples per held-out prompt
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -75,12 +79,17 @@ class RunSpec:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def load_task(tiny_dir, tokenizer, max_prompt_tokens):
-    """The sum task's training prompts -> (prompt ids [P, Lp] long, ground truths, data sources).
+# task -> (model directory, training split, held-out split) under the tiny directory (tiny.py builds them)
+TASKS = {"sum": ("model", "sum_train", "sum_test"),
+         "countdown": ("countdown_model", "countdown_train", "countdown_test")}
 
-    The prompts differ only in the number N (10..29, always two digits), so they tokenise to the same length and
-    batch without padding; a prompt set where that fails is an error here rather than silently padded."""
-    path = Path(tiny_dir) / "data" / "sum_train.jsonl"
+
+def load_task(tiny_dir, tokenizer, max_prompt_tokens, split="sum_train"):
+    """One split of a task's prompts -> (prompt ids [P, Lp] long, ground truths, data sources).
+
+    The prompts of each task differ only in numbers of fixed width, so they tokenise to the same length and batch
+    without padding; a prompt set where that fails is an error here rather than silently padded."""
+    path = Path(tiny_dir) / "data" / f"{split}.jsonl"
     examples = data.load_examples(path, prompt_suffix=None)
     prompt_ids, examples, _ = data.tokenize_prompts(examples, tokenizer, max_prompt_tokens, "error")
     lengths = sorted({len(p) for p in prompt_ids})
@@ -90,10 +99,13 @@ def load_task(tiny_dir, tokenizer, max_prompt_tokens):
     return (torch.tensor(prompt_ids), [e.ground_truth for e in examples], [e.data_source for e in examples])
 
 
-def load_model(tiny_dir):
+def load_model(tiny_dir, task="sum", attn_implementation=modeling.ATTENTION):
+    """The task's tiny model in float32, with train.py's attention (the packed rows of old_policy_pass and
+    policy_update then cost no [L, L] mask)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(Path(tiny_dir) / "model", dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(Path(tiny_dir) / TASKS[task][0], dtype=torch.float32,
+                                                attn_implementation=attn_implementation)
 
 
 @torch.no_grad()
@@ -150,6 +162,35 @@ def sample_groups(model, tokenizer, prompts, truths, sources, cfg, generator):
     return [train.Group(rows[g * n].prompt, rows[g * n:(g + 1) * n]) for g in range(len(prompts))]
 
 
+@torch.no_grad()
+def heldout_metrics(model, tokenizer, prompts, truths, sources, cfg, n, generator, prompts_per_batch=16):
+    """n samples for each held-out prompt ([P, Lp]) at the rollout temperature, scored -> {"heldout/...": value}:
+    avg@n (mean accuracy), unbiased pass@k for k in evaluate.ks_for(n) (per prompt, then the mean over prompts),
+    the fraction of prompts solved by at least one sample, and the diversity of the correct answers
+    (evaluate.distinct_correct_fraction, None when nothing is correct)."""
+    model.eval()
+    correct_counts, groups = [], []
+    for start in range(0, len(prompts), prompts_per_batch):
+        batch = slice(start, start + prompts_per_batch)
+        tokens, mask, _ = sample(model, prompts[batch], n, cfg.rollout.max_tokens, tokenizer.eos_token_id,
+                                 tokenizer.pad_token_id, generator, cfg.rollout.temperature)
+        lengths = mask.sum(1).tolist()
+        responses = [tokens[r, :length].tolist() for r, length in enumerate(lengths)]
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        _, accuracies, _ = rewards.compute_rewards(texts, [t for t in truths[batch] for _ in range(n)],
+                                                   [s for s in sources[batch] for _ in range(n)], lengths, cfg.reward)
+        for p in range(len(texts) // n):
+            group = list(zip(responses[p * n:(p + 1) * n], accuracies[p * n:(p + 1) * n]))
+            groups.append(group)
+            correct_counts.append(int(sum(accuracy for _, accuracy in group)))
+    metrics = {f"heldout/avg@{n}": statistics.mean(c / n for c in correct_counts)}
+    for k in evaluate.ks_for(n):
+        metrics[f"heldout/pass@{k}"] = statistics.mean(evaluate.pass_at_k(n, c, k) for c in correct_counts)
+    metrics["heldout/solved_frac"] = statistics.mean(c > 0 for c in correct_counts)
+    metrics["heldout/distinct_correct_frac"] = evaluate.distinct_correct_fraction(groups)
+    return metrics
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # One run
 # ----------------------------------------------------------------------------------------------------------------------
@@ -179,16 +220,19 @@ def run_config(spec):
 
 
 def train_run(spec, tiny_dir, out_dir):
-    """Train one run of the miniature through train.py's stages; writes out_dir/config.yaml and
-    out_dir/metrics.jsonl (one line per step, as it goes) and returns the list of per-step metric dicts."""
+    """Train one run of the miniature through train.py's stages; writes out_dir/config.yaml, out_dir/metrics.jsonl
+    (one line per step, as it goes) and, with spec.eval_every, out_dir/heldout.jsonl (one line per held-out
+    evaluation, step 0 being the model before training); returns the list of per-step metric dicts."""
     from transformers import AutoTokenizer
 
     cfg = run_config(spec)
     cpu = torch.device("cpu")
-    tokenizer = AutoTokenizer.from_pretrained(Path(tiny_dir) / "model")
-    prompts, truths, sources = load_task(tiny_dir, tokenizer, cfg.data.max_prompt_tokens)
+    model_dir, train_split, heldout_split = TASKS[spec.task]
+    tokenizer = AutoTokenizer.from_pretrained(Path(tiny_dir) / model_dir)
+    prompts, truths, sources = load_task(tiny_dir, tokenizer, cfg.data.max_prompt_tokens, train_split)
+    heldout_task = load_task(tiny_dir, tokenizer, cfg.data.max_prompt_tokens, heldout_split)
     torch.manual_seed(spec.seed)
-    model = load_model(tiny_dir)
+    model = load_model(tiny_dir, spec.task, cfg.model.attn_implementation)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     gate = stare.EntropyGate(cfg.algorithm.target_entropy, cfg.loss.stare_w, cfg.loss.stare_m,
@@ -201,7 +245,18 @@ def train_run(spec, tiny_dir, out_dir):
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(config.to_yaml(cfg))  # the objective's settings (plots.py reads the target)
     (out_dir / "repro.json").write_text(json.dumps(spec_record(spec)))  # the run's own: batch, steps, swept P
+    heldout_log = out_dir / "heldout.jsonl"
+    heldout_log.unlink(missing_ok=True)
+
+    def evaluate_heldout(step):  # the same samples' seed for every method of a seed: paired comparisons
+        if spec.eval_every and (step % spec.eval_every == 0 or step == spec.steps):
+            generator = torch.Generator().manual_seed(rollout.derive_seed(spec.seed, "repro", "heldout", step))
+            record = {"step": step, **heldout_metrics(model, tokenizer, *heldout_task, cfg, spec.eval_n, generator)}
+            with open(heldout_log, "a") as log:
+                log.write(json.dumps(record) + "\n")
+
     records = []
+    evaluate_heldout(0)
     with open(out_dir / "metrics.jsonl", "w") as log:
         for step in range(1, spec.steps + 1):
             start = time.time()
@@ -231,6 +286,7 @@ def train_run(spec, tiny_dir, out_dir):
             records.append(metrics)
             log.write(json.dumps(metrics) + "\n")
             log.flush()
+            evaluate_heldout(step)
     return records
 
 
@@ -285,8 +341,11 @@ def run_all(jobs, workers):
     todo = []
     for spec, tiny_dir, out_dir in jobs:
         metrics, record = Path(out_dir) / "metrics.jsonl", Path(out_dir) / "repro.json"
+        heldout = Path(out_dir) / "heldout.jsonl"
         complete = (metrics.exists() and record.exists() and json.loads(record.read_text()) == spec_record(spec)
-                    and len(read_records(metrics)) >= spec.steps)
+                    and len(read_records(metrics)) >= spec.steps
+                    and (not spec.eval_every or (heldout.exists() and read_records(heldout)[-1:]
+                                                 and read_records(heldout)[-1]["step"] == spec.steps)))
         if not complete:
             todo.append((spec, tiny_dir, out_dir))
     if todo:
@@ -460,6 +519,175 @@ def plot_sweep(sweep, grpo, target_entropy, path):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# The payoff comparison: does held entropy pay back on held-out prompts?
+# ----------------------------------------------------------------------------------------------------------------------
+
+# name -> loss settings. "stare_predicted" gets its stare_w from the first-order analysis of the GRPO runs of the same
+# comparison (predicted_critical_w at its stare_top_ratio); "entropy_bonus" runs once per --entropy-coefs value.
+PAYOFF_RUNS = {
+    "grpo": dict(method="grpo"),
+    "stare_paper": COMPARE_RUNS["stare_paper"],
+    "stare_predicted": dict(method="stare", stare_variant="O1", stare_top_ratio=0.05),
+    "lp_reg": dict(method="lp_reg"),
+    "entropy_bonus": dict(method="entropy_bonus"),
+}
+
+
+def read_heldout(run_dir):
+    """A run's heldout.jsonl -> {step: metrics}."""
+    return {record["step"]: record for record in read_records(Path(run_dir) / "heldout.jsonl")}
+
+
+def paired_difference(values, baseline):
+    """Per-seed differences values[i] - baseline[i] -> mean, paired standard error (SD / sqrt(seeds)), bootstrap
+    standard error of the mean (evaluate.bootstrap_se), and how many seeds are above / below zero."""
+    diffs = [v - b for v, b in zip(values, baseline)]
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    return {"mean": statistics.mean(diffs), "paired_se": se, "bootstrap_se": evaluate.bootstrap_se(diffs),
+            "seeds_above": sum(d > 0 for d in diffs), "seeds_below": sum(d < 0 for d in diffs), "per_seed": diffs}
+
+
+def payoff_summary(runs, steps, ks, n):
+    """runs: {setting: [(metrics records, held-out records) per seed]} -> per setting: the training entropy (mean
+    over all steps, and over the last 20), the final held-out avg@n, pass@k and distinct-correct fraction (seed
+    means, SE, per seed), and each one's paired difference from GRPO."""
+    keys = [f"heldout/pass@{k}" for k in ks] + ["heldout/distinct_correct_frac", "heldout/solved_frac"]
+    per_setting = {}
+    for name, seeds in runs.items():
+        values = {"entropy_mean": [statistics.mean(r["train/entropy"] for r in records if "train/entropy" in r)
+                                   for records, _ in seeds],
+                  "entropy_final": [statistics.mean(r["train/entropy"] for r in records[-20:] if "train/entropy" in r)
+                                    for records, _ in seeds]}
+        for key in keys:
+            finals = [heldout[steps].get(key) for _, heldout in seeds]
+            values[key] = [float("nan") if v is None else v for v in finals]
+        per_setting[name] = values
+    summary = {}
+    for name, values in per_setting.items():
+        summary[name] = {}
+        for key, per_seed in values.items():
+            mean, se = mean_and_se(per_seed)
+            entry = {"mean": mean, "se": se, "per_seed": per_seed}
+            if name != "grpo":
+                entry["minus_grpo"] = paired_difference(per_seed, per_setting["grpo"][key])
+            summary[name][key] = entry
+    return summary
+
+
+def plot_payoff(runs, summary, ks, steps, target_entropy, path):
+    """Four panels, seed mean +- SE: training entropy per step; held-out pass@1 and pass@max(k) per evaluation;
+    held-out pass@k against k at the end of training (and before it, the same model for every setting)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    for name, seeds in runs.items():
+        curves = [smoothed([r.get("train/entropy") for r in records]) for records, _ in seeds]
+        columns = [[c[i] for c in curves] for i in range(min(map(len, curves)))]
+        means, ses = zip(*[mean_and_se(col) for col in columns])
+        line, = axes[0].plot(range(1, len(means) + 1), means, label=name, lw=1.3)
+        color = line.get_color()
+        for ax, key in ((axes[1], "heldout/pass@1"), (axes[2], f"heldout/pass@{ks[-1]}")):
+            eval_steps = sorted(seeds[0][1])
+            stats = [mean_and_se([heldout[s][key] for _, heldout in seeds]) for s in eval_steps]
+            ax.errorbar(eval_steps, [m for m, _ in stats], yerr=[0 if math.isnan(e) else e for _, e in stats],
+                        color=color, marker="o", ms=3, capsize=2, lw=1.2)
+        final = [summary[name][f"heldout/pass@{k}"] for k in ks]
+        axes[3].errorbar(ks, [f["mean"] for f in final], yerr=[0 if math.isnan(f["se"]) else f["se"] for f in final],
+                         color=color, marker="o", ms=3, capsize=2, lw=1.2, label=name)
+    before = [statistics.mean(heldout[0][f"heldout/pass@{k}"] for _, heldout in next(iter(runs.values())))
+              for k in ks]
+    axes[3].plot(ks, before, color="gray", ls="--", lw=1, label="before training")
+    axes[0].axhline(target_entropy, color="gray", ls="--", lw=1, label="gate target")
+    axes[0].set(title="token entropy (training batches)", xlabel="step")
+    axes[1].set(title="held-out pass@1 (avg@n)", xlabel="step")
+    axes[2].set(title=f"held-out pass@{ks[-1]}", xlabel="step")
+    axes[3].set(title=f"held-out pass@k after {steps} steps", xlabel="k", xscale="log")
+    axes[3].set_xticks(ks, [str(k) for k in ks])
+    axes[3].minorticks_off()
+    axes[0].legend(fontsize=8)
+    axes[3].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_payoff(args, out, workers):
+    """--part payoff: every PAYOFF_RUNS setting over --seeds on --task, with held-out evaluations; GRPO and the
+    settings that do not depend on it first, then STARE at the W that GRPO's batches predict. Writes
+    payoff/summary.json and payoff/payoff.png under out and returns the summary."""
+    common = dict(steps=args.steps, prompts_per_step=args.prompts_per_step, target_entropy=args.target_entropy,
+                  lr=args.lr, predict_ps=(PAYOFF_RUNS["stare_predicted"]["stare_top_ratio"],), task=args.task,
+                  eval_every=args.eval_every, eval_n=args.eval_n)
+    settings = {"grpo": PAYOFF_RUNS["grpo"], "stare_paper": PAYOFF_RUNS["stare_paper"],
+                "lp_reg": PAYOFF_RUNS["lp_reg"],
+                **{f"entropy_bonus_{c:g}": {**PAYOFF_RUNS["entropy_bonus"], "entropy_coef": c}
+                   for c in args.entropy_coefs}}
+    root = out / "payoff"
+
+    def jobs(names):
+        return [(RunSpec(name, settings[name], seed=seed, **common), args.tiny, root / f"{name}_seed{seed}")
+                for name in names for seed in args.seeds]
+
+    first = jobs(list(settings))
+    print(f"payoff on {args.task}: {len(first)} runs of {args.steps} steps, then STARE at the predicted W, "
+          f"{workers} at a time, under {root}", file=sys.stderr)
+    started = time.time()
+    results = run_all(first, workers)
+    top_ratio = PAYOFF_RUNS["stare_predicted"]["stare_top_ratio"]
+    grpo_records = [results[str(root / f"grpo_seed{seed}")] for seed in args.seeds]
+    w_c, dh_grpo, dh_lplus, batches = predicted_critical_w(grpo_records, args.target_entropy, top_ratio)
+    prediction = {"w": w_c, "top_ratio": top_ratio, "dH_grpo": dh_grpo, "dH_lplus": dh_lplus, "batches": batches}
+    if w_c is not None:
+        name = f"stare_predicted_w{w_c:.2f}"
+        settings[name] = {**PAYOFF_RUNS["stare_predicted"], "stare_w": round(w_c, 2)}
+        results.update(run_all(jobs([name]), workers))
+    else:
+        print(f"no first-order W at P = {top_ratio:g} ({batches} GRPO batches near the target, "
+              f"dH_grpo {dh_grpo:.2e}, dH_L+ {dh_lplus:.2e}): STARE at the predicted W is not run", file=sys.stderr)
+    runs = {name: [(results[str(root / f"{name}_seed{seed}")], read_heldout(root / f"{name}_seed{seed}"))
+                   for seed in args.seeds] for name in settings}
+    ks = evaluate.ks_for(args.eval_n)
+    summary = {"settings": {**vars(args), "tiny": str(args.tiny), "out": str(args.out)},
+               "prediction": prediction, "runs": payoff_summary(runs, args.steps, ks, args.eval_n)}
+    stare_name = next((name for name in settings if name.startswith("stare_predicted")), None)
+    if stare_name is not None:  # the entropy bonus whose mean entropy comes closest to STARE's
+        target = summary["runs"][stare_name]["entropy_mean"]["mean"]
+        bonuses = [name for name in settings if name.startswith("entropy_bonus")]
+        summary["entropy_matched_bonus"] = min(
+            bonuses, key=lambda name: abs(summary["runs"][name]["entropy_mean"]["mean"] - target), default=None)
+    summary["before_training"] = {key: mean_and_se([heldout[0][key] for _, heldout in runs["grpo"]])[0]
+                                  for key in runs["grpo"][0][1][0] if key != "step"}
+    summary["seconds_this_invocation"] = round(time.time() - started, 1)
+    (root / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot_payoff(runs, summary["runs"], ks, args.steps, args.target_entropy, root / "payoff.png")
+    print_payoff(summary, ks)
+    return summary
+
+
+def print_payoff(summary, ks):
+    shown = [k for k in ks if k in (1, 8, ks[-1])]
+    columns = ["entropy_mean"] + [f"heldout/pass@{k}" for k in shown] + ["heldout/distinct_correct_frac"]
+    print(f"{'setting':<28}" + "".join(f"{c.split('/')[-1]:>30}" for c in columns))
+    for name, stats in summary["runs"].items():
+        cells = []
+        for column in columns:
+            entry = stats[column]
+            cell = f"{entry['mean']:.3f}"
+            if "minus_grpo" in entry:
+                diff = entry["minus_grpo"]
+                cell += f" ({diff['mean']:+.3f} ± {diff['paired_se']:.3f})"
+            cells.append(cell)
+        matched = " *" if name == summary.get("entropy_matched_bonus") else ""
+        print(f"{name + matched:<28}" + "".join(f"{c:>30}" for c in cells))
+    print("(in brackets: the paired difference from GRPO over seeds ± its standard error; * the entropy bonus whose "
+          "mean entropy is closest to STARE's at the predicted W)")
+    print(f"{summary['seconds_this_invocation']:.0f} s (runs already complete were read back)")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -468,20 +696,36 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", default="runs/tiny", help="the tiny default's directory (built if missing)")
     parser.add_argument("--out", default="runs/repro")
-    parser.add_argument("--part", choices=("all", "compare", "sweep"), default="all")
+    parser.add_argument("--part", choices=("all", "compare", "sweep", "payoff"), default="all",
+                        help="all = compare + sweep; payoff: the held-out comparison (PAYOFF_RUNS), on its own")
+    parser.add_argument("--task", choices=list(TASKS), default=None,
+                        help="the task (default: sum, but countdown for --part payoff)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="held-out evaluation every this many steps and after the last (default 50; 0: none)")
+    parser.add_argument("--eval-n", type=int, default=64, help="samples per held-out prompt")
+    parser.add_argument("--entropy-coefs", nargs="+", type=float, default=[0.01, 0.03, 0.1],
+                        help="the entropy bonus's coefficients in --part payoff")
     parser.add_argument("--methods", nargs="+", default=list(COMPARE_RUNS), choices=list(COMPARE_RUNS),
                         help="the comparison's runs (see COMPARE_RUNS)")
     parser.add_argument("--ws", nargs="+", type=float, default=[1.1, 2.0, 4.0, 8.0],
                         help="the sweep's W values (STARE O1)")
     parser.add_argument("--ps", nargs="+", type=float, default=[0.05, 0.1, 0.2], help="the sweep's P values")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (payoff: 0 1 2 3 4)")
+    parser.add_argument("--steps", type=int, default=None, help="default: 150 (payoff: 300)")
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--target-entropy", type=float, default=0.2, help="STARE's gate target (the sweep's too)")
     parser.add_argument("--lr", type=float, default=None, help="default: configs/tiny.yaml's optim.lr")
     parser.add_argument("--final-window", type=int, default=20, help="steps averaged for the final values")
     parser.add_argument("--workers", type=int, default=None, help="runs in parallel (default: CPU cores)")
     args = parser.parse_args(argv)
+    payoff = args.part == "payoff"
+    defaults = {"seeds": [0, 1, 2, 3, 4] if payoff else [0, 1, 2], "steps": 300 if payoff else 150,
+                "task": "countdown" if payoff else "sum", "eval_every": 50}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.eval_every < 0 or args.eval_n < 1 or any(c < 0 for c in args.entropy_coefs):
+        parser.error("--eval-every must be >= 0, --eval-n >= 1 and --entropy-coefs >= 0")
     for name in ("steps", "prompts_per_step", "final_window"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -496,11 +740,17 @@ def main(argv):
     import tiny
 
     args = parse_args(argv)
-    tiny.build_tiny(args.tiny)  # reused when complete
+    tiny.build_tiny(args.tiny)  # each reused when complete
+    if args.task == "countdown":
+        tiny.build_tiny_countdown(args.tiny)
     out = Path(args.out)
     workers = args.workers or max(1, min(len(os.sched_getaffinity(0)), 8))
+    if args.part == "payoff":
+        run_payoff(args, out, workers)
+        return 0
     common = dict(steps=args.steps, prompts_per_step=args.prompts_per_step, target_entropy=args.target_entropy,
-                  lr=args.lr, predict_ps=tuple(sorted(set(args.ps) | {0.1, 0.2})))
+                  lr=args.lr, predict_ps=tuple(sorted(set(args.ps) | {0.1, 0.2})), task=args.task,
+                  eval_every=args.eval_every, eval_n=args.eval_n)
 
     def sweep_name(w, p):
         return f"stare_o1_w{w:g}_p{p:g}"

@@ -42,6 +42,7 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 SUM_TASK_SOURCE = "tiny_sum"  # data_source of tiny.py's "write N as a sum of two positive integers" task
+COUNTDOWN_TASK_SOURCE = "tiny_countdown"  # data_source of tiny.py's "reach T from three digits with + - *" task
 ANSWER_FORMATS = ("boxed", "any")
 
 # The gold and a boxed prediction are parsed with the same config, so two identical strings parse identically.
@@ -279,6 +280,45 @@ def verify_sum(response: str, ground_truth: str) -> tuple[bool, str]:
     return a > 0 and b > 0 and a + b == target, "ok"
 
 
+_COUNTDOWN_EXPRESSION = re.compile(r"[0-9]+(?:[-+*][0-9]+)*")
+_COUNTDOWN_TRUTH = re.compile(r"([0-9]+(?:,[0-9]+)*)=([0-9]+)")
+
+
+def countdown_value(expression: str) -> int:
+    """Value of a digits-and-operators expression such as "8*4-3" ([-+*] between plain numbers, no parentheses,
+    * before + and -), read term by term without eval. The caller has checked the form."""
+    value = 0
+    for sign, term in re.findall(r"([-+]?)([0-9*]+)", expression):
+        product = math.prod(int(factor) for factor in term.split("*"))
+        value += -product if sign == "-" else product
+    return value
+
+
+def verify_countdown(response: str, ground_truth: str) -> tuple[bool, str]:
+    """The tiny "countdown" task's verifier: does the last \\boxed{} combine exactly the given numbers, each once,
+    with + - * (no parentheses, usual precedence), into the target? ground_truth: "3,4,8=20" (the numbers, then
+    the target).
+
+    Whitespace in the box is ignored. Returns (correct, status): "no_answer" if there is no box, "parse_error" if
+    the box is not numbers joined by + - * (or the ground truth is malformed), else "ok". Never raises.
+    """
+    try:
+        answer = extract_boxed(response)
+        if answer is None:
+            return False, "no_answer"
+        expression = "".join(answer.split())
+        truth = _COUNTDOWN_TRUTH.fullmatch(ground_truth)
+        if _COUNTDOWN_EXPRESSION.fullmatch(expression) is None or truth is None:
+            return False, "parse_error"
+        numbers = sorted(int(n) for n in re.findall(r"[0-9]+", expression))
+        if len(expression) > 64:  # far longer than any use of three numbers: not worth multiplying out
+            return False, "ok"
+    except Exception:  # a non-str input
+        return False, "parse_error"
+    given = sorted(int(n) for n in truth.group(1).split(","))
+    return numbers == given and countdown_value(expression) == int(truth.group(2)), "ok"
+
+
 def format_ok(response: str) -> bool:
     """STARE's format check (docs/method.md, Eq. 21). The reference only logs it.
 
@@ -343,7 +383,8 @@ def compute_rewards(
     """Score a batch. Returns (rewards, accuracies, metrics). An accuracy is 0.0 or 1.0, and
     reward = accuracy + overlong penalty (if on) + cfg.format_weight * format_ok.
 
-    Routing: data_source "tiny_sum" -> verify_sum; any other -> verify_math(cfg.answer_format, cfg.timeout_s).
+    Routing: data_source "tiny_sum" -> verify_sum, "tiny_countdown" -> verify_countdown; any other ->
+    verify_math(cfg.answer_format, cfg.timeout_s).
     response_lengths are the responses' token counts (used only by the overlong penalty).
     metrics: batch means under "rollout/" (reward_mean, acc, {no_answer,parse_error,timeout,format_ok}_frac,
     overlong_penalty_mean), plus verify_seconds, the wall time of the whole call. All are 0.0 for an empty batch.
@@ -359,6 +400,8 @@ def compute_rewards(
         response = response if isinstance(response, str) else ""  # a missing response scores as no answer
         if source == SUM_TASK_SOURCE:
             correct, status = verify_sum(response, ground_truth)
+        elif source == COUNTDOWN_TASK_SOURCE:
+            correct, status = verify_countdown(response, ground_truth)
         else:
             correct, status = verify_math(response, ground_truth, cfg.answer_format, cfg.timeout_s)
         penalty = 0.0

@@ -292,6 +292,100 @@ def first_turn_calls(model, tokenizer, rows, prompt_ids, temperature=1.0, max_ne
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# The countdown variant: a search task, where the right combination for a prompt must be found by trying
+# ----------------------------------------------------------------------------------------------------------------------
+
+COUNTDOWN_SOURCE = "tiny_countdown"
+COUNTDOWN_TARGETS = range(10, 100)  # two digits: every prompt tokenises to the same length
+
+
+def countdown_solutions():
+    """{(digits sorted, target): sorted solution strings}: every way of writing three digits 1..9 in some order with
+    + - * between them (no parentheses, usual precedence) whose value lies in COUNTDOWN_TARGETS."""
+    import itertools
+
+    import rewards
+
+    solutions = {}
+    for digits in itertools.combinations_with_replacement(range(1, 10), 3):
+        for a, b, c in set(itertools.permutations(digits)):
+            for op1, op2 in itertools.product("+-*", repeat=2):
+                expression = f"{a}{op1}{b}{op2}{c}"
+                value = rewards.countdown_value(expression)
+                if value in COUNTDOWN_TARGETS:
+                    solutions.setdefault((digits, value), set()).add(expression)
+    return {key: sorted(found) for key, found in sorted(solutions.items())}
+
+
+def countdown_rows(keys):
+    return [{"problem": f"Make {target} from {' '.join(map(str, digits))}.",
+             "answer": f"{','.join(map(str, digits))}={target}", "data_source": COUNTDOWN_SOURCE}
+            for digits, target in keys]
+
+
+def make_countdown_splits(seed=0, num_test=64):
+    """Train/test splits of the countdown task, disjoint in their digit triples: a test prompt's three digits appear
+    in no training prompt, so solving it takes arithmetic that transfers, not a memorised answer."""
+    solutions = countdown_solutions()
+    by_digits = {}
+    for digits, target in solutions:
+        by_digits.setdefault(digits, []).append((digits, target))
+    triples = sorted(by_digits)
+    random.Random(seed).shuffle(triples)
+    test = []
+    while len(test) < num_test:
+        test += by_digits[triples.pop()]
+    test = sorted(test[:num_test])
+    train = [key for key in solutions if key not in set(test) and key[0] not in {d for d, _ in test}]
+    return {"countdown_train": countdown_rows(train), "countdown_test": countdown_rows(test)}, solutions
+
+
+def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False):
+    """Create (or reuse) the countdown variant next to the tiny default (built first if needed):
+    data/countdown_{train,test}.jsonl and countdown_model/, the tiny model after a warm-up on random correct
+    solutions of the training prompts. Returns the summary dict written to countdown.json."""
+    import shutil
+
+    out_dir = Path(out_dir)
+    summary_path = out_dir / "countdown.json"
+    if summary_path.exists() and not force:  # written last, so its presence means the variant is complete
+        return json.loads(summary_path.read_text())
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    build_tiny(out_dir, seed=seed)
+    start = time.time()
+    tokenizer = AutoTokenizer.from_pretrained(out_dir / "model")
+    model = AutoModelForCausalLM.from_pretrained(out_dir / "model", dtype=torch.float32)
+    splits, solutions = make_countdown_splits(seed=seed)
+    for name, rows in splits.items():
+        data.save_jsonl(rows, out_dir / "data" / f"{name}.jsonl")
+    rows, prompt_ids = load_split(out_dir / "data", "countdown_train", tokenizer)
+
+    def sequence(i, rng):
+        digits, target = rows[i]["answer"].split("=")
+        choice = rng.choice(solutions[tuple(map(int, digits.split(","))), int(target)])
+        return answer_sequence(tokenizer, prompt_ids[i], f"\\boxed{{{choice}}}")
+
+    final_loss = warmup(model, tokenizer, rows, prompt_ids, warmup_steps, seed=seed, sequence=sequence)
+    rates = {}
+    for name in splits:
+        split_rows, split_prompts = load_split(out_dir / "data", name, tokenizer)
+        rates[name], samples = sampled_success_rate(model, tokenizer, split_rows, split_prompts, seed=seed)
+    shutil.copytree(out_dir / "model", out_dir / "countdown_model", dirs_exist_ok=True)  # tokenizer files, config
+    model.save_pretrained(out_dir / "countdown_model")
+    counts = [len(solutions[key]) for key in solutions]
+    summary = {"model_dir": str(out_dir / "countdown_model"), "data_dir": str(out_dir / "data"),
+               "train_prompts": len(splits["countdown_train"]), "test_prompts": len(splits["countdown_test"]),
+               "solutions_per_prompt": {"min": min(counts), "median": sorted(counts)[len(counts) // 2],
+                                        "max": max(counts)},
+               "warmup_steps": warmup_steps, "warmup_final_loss": round(final_loss, 4),
+               **{f"{name}_success_rate_t1": round(rate, 3) for name, rate in rates.items()},
+               "test_samples": samples[:8], "seconds": round(time.time() - start, 1), "seed": seed}
+    summary_path.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # The command
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -383,10 +477,14 @@ def main():
     parser.add_argument("--warmup-steps", type=int, default=800)
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
     parser.add_argument("--tool", action="store_true", help="also build the tool-use variant (tool_model/, mul_*)")
+    parser.add_argument("--countdown", action="store_true",
+                        help="also build the countdown variant (countdown_model/, countdown_*)")
     args = parser.parse_args()
     print(json.dumps(build_tiny(args.out, args.seed, args.warmup_steps, args.force), indent=2))
     if args.tool:
         print(json.dumps(build_tiny_tool(args.out, args.seed, force=args.force), indent=2))
+    if args.countdown:
+        print(json.dumps(build_tiny_countdown(args.out, args.seed, force=args.force), indent=2))
 
 
 if __name__ == "__main__":
