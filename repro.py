@@ -1,19 +1,32 @@
-"""repro.py: the paper's entropy effect in miniature: GRPO vs STARE (and STAPO, Lp-Reg) on the tiny default, on CPU.
+"""repro.py: the paper's entropy effect in miniature: GRPO vs STARE (and STAPO, Lp-Reg, an entropy bonus) on the
+tiny default, on CPU, and whether held entropy pays back on held-out prompts.
 
-    python tiny.py --out runs/tiny && python repro.py --tiny runs/tiny --out runs/repro     # everything
+    python tiny.py --out runs/tiny && python repro.py --tiny runs/tiny --out runs/repro     # compare + sweep
     python repro.py --tiny runs/tiny --out runs/repro --part compare --methods grpo stare_o1 stapo
     python repro.py --tiny runs/tiny --out runs/repro --part sweep --ws 1.1 2 3 --ps 0.05 --seeds 0 1 2
+    python repro.py --tiny runs/tiny --out runs/repro --part payoff          # the countdown task, 5 seeds
 
-The task is the tiny default's "write N as a+b" (tiny.py): many right answers per prompt, so an entropy collapse
-shows as the model settling on one of them (rollout/distinct_correct_frac falls). Two parts, under --out:
+Two tasks (tiny.py), both with many right answers per prompt, so that an entropy collapse shows as the model settling
+on few of them (rollout/distinct_correct_frac falls):
+  sum        "write N as a+b": the compare and sweep parts' default
+  countdown  "make T from three digits with + - *": a search task whose held-out prompts use digit triples never
+             trained on; the payoff part's default
+Every run evaluates the task's held-out prompts before training, every --eval-every steps and after the last step:
+--eval-n samples per prompt, avg@n and unbiased pass@k (evaluate.py's estimator), the diversity of the correct
+answers; the same samples' seed for every setting of a seed, so that settings compare in pairs.
+
+Parts, under --out:
   compare/   the runs of COMPARE_RUNS with the same seeds, prompts and steps; compare.png (seed means +- SE)
   sweep/     STARE O1 over a grid of W x P and seeds; sweep.png: final entropy and diversity against W, and the
              critical strength W_c where the final entropy crosses halfway between GRPO's and the gate's target
   summary.json   final values (mean of the last --final-window steps), seed means and SEs, W_c measured and
                  predicted to first order (docs/method.md, Eq. 20: 1 - mean dH_grpo / mean dH_L+
                  over GRPO's batches within 25% of the target entropy).
-Each run writes metrics.jsonl with train.py's metric names (plots.py draws them) and its config.yaml; a complete
-run is not rerun.
+  payoff/    PAYOFF_RUNS over --seeds: GRPO, STARE at the paper's W/P, Lp-Reg, an entropy bonus per --entropy-coefs,
+             then STARE at the W that the GRPO runs' batches predict; payoff/summary.json (final held-out pass@k per
+             setting, and its paired difference from GRPO with standard errors), payoff/payoff.png.
+Each run writes metrics.jsonl with train.py's metric names (plots.py draws them), heldout.jsonl and its config.yaml;
+a complete run is not rerun.
 
 Training goes through train.py's stages (group_responses, old_policy_pass, update_gate, select_tokens,
 policy_update, batch_metrics) in one process; only sampling differs: a batched KV-cache loop over the same
@@ -169,7 +182,7 @@ def heldout_metrics(model, tokenizer, prompts, truths, sources, cfg, n, generato
     the fraction of prompts solved by at least one sample, and the diversity of the correct answers
     (evaluate.distinct_correct_fraction, None when nothing is correct)."""
     model.eval()
-    correct_counts, groups = [], []
+    groups = []
     for start in range(0, len(prompts), prompts_per_batch):
         batch = slice(start, start + prompts_per_batch)
         tokens, mask, _ = sample(model, prompts[batch], n, cfg.rollout.max_tokens, tokenizer.eos_token_id,
@@ -179,10 +192,14 @@ def heldout_metrics(model, tokenizer, prompts, truths, sources, cfg, n, generato
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
         _, accuracies, _ = rewards.compute_rewards(texts, [t for t in truths[batch] for _ in range(n)],
                                                    [s for s in sources[batch] for _ in range(n)], lengths, cfg.reward)
-        for p in range(len(texts) // n):
-            group = list(zip(responses[p * n:(p + 1) * n], accuracies[p * n:(p + 1) * n]))
-            groups.append(group)
-            correct_counts.append(int(sum(accuracy for _, accuracy in group)))
+        groups += [list(zip(responses[p * n:(p + 1) * n], accuracies[p * n:(p + 1) * n]))
+                   for p in range(len(texts) // n)]
+    return heldout_summary(groups, n)
+
+
+def heldout_summary(groups, n):
+    """groups: per prompt, its n (response tokens, accuracy) pairs -> the "heldout/" metrics of heldout_metrics."""
+    correct_counts = [int(sum(accuracy > 0 for _, accuracy in group)) for group in groups]
     metrics = {f"heldout/avg@{n}": statistics.mean(c / n for c in correct_counts)}
     for k in evaluate.ks_for(n):
         metrics[f"heldout/pass@{k}"] = statistics.mean(evaluate.pass_at_k(n, c, k) for c in correct_counts)
@@ -663,15 +680,17 @@ def run_payoff(args, out, workers):
     summary["seconds_this_invocation"] = round(time.time() - started, 1)
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     plot_payoff(runs, summary["runs"], ks, args.steps, args.target_entropy, root / "payoff.png")
-    print_payoff(summary, ks)
+    print_heldout(summary["runs"], ks, summary.get("entropy_matched_bonus"))
+    print(f"{summary['seconds_this_invocation']:.0f} s (runs already complete were read back)")
     return summary
 
 
-def print_payoff(summary, ks):
+def print_heldout(runs, ks, matched=None):
+    """runs: payoff_summary's result -> a table of entropy and final held-out pass@k with paired differences."""
     shown = [k for k in ks if k in (1, 8, ks[-1])]
     columns = ["entropy_mean"] + [f"heldout/pass@{k}" for k in shown] + ["heldout/distinct_correct_frac"]
     print(f"{'setting':<28}" + "".join(f"{c.split('/')[-1]:>30}" for c in columns))
-    for name, stats in summary["runs"].items():
+    for name, stats in runs.items():
         cells = []
         for column in columns:
             entry = stats[column]
@@ -680,11 +699,10 @@ def print_payoff(summary, ks):
                 diff = entry["minus_grpo"]
                 cell += f" ({diff['mean']:+.3f} ± {diff['paired_se']:.3f})"
             cells.append(cell)
-        matched = " *" if name == summary.get("entropy_matched_bonus") else ""
-        print(f"{name + matched:<28}" + "".join(f"{c:>30}" for c in cells))
-    print("(in brackets: the paired difference from GRPO over seeds ± its standard error; * the entropy bonus whose "
-          "mean entropy is closest to STARE's at the predicted W)")
-    print(f"{summary['seconds_this_invocation']:.0f} s (runs already complete were read back)")
+        mark = " *" if name == matched else ""
+        print(f"{name + mark:<28}" + "".join(f"{c:>30}" for c in cells))
+    print("(in brackets: the paired difference from GRPO over seeds ± its standard error"
+          + ("; * the entropy bonus whose mean entropy is closest to STARE's at the predicted W)" if matched else ")"))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -790,6 +808,14 @@ def main(argv):
     compare_groups = {name: seeds_of("compare", name) for name in compare_names}
     summary["compare"] = {name: summarize_group(runs, args.final_window) for name, runs in compare_groups.items()}
     plot_compare(compare_groups, args.target_entropy, out / "compare.png")
+    if args.eval_every:  # the comparison's held-out evaluations, paired with GRPO's
+        heldout_runs = {name: [(records, read_heldout(str(run_dirs["compare", name]).format(seed=seed)))
+                               for records, seed in zip(compare_groups[name], args.seeds)]
+                        for name in compare_names}
+        ks = evaluate.ks_for(args.eval_n)
+        summary["compare_heldout"] = payoff_summary(heldout_runs, args.steps, ks, args.eval_n)
+        plot_payoff(heldout_runs, summary["compare_heldout"], ks, args.steps, args.target_entropy,
+                    out / "compare_heldout.png")
     if args.part in ("all", "sweep"):
         grpo = summary["compare"]["grpo"]
         sweep = {"runs": {}, "critical": {}}
@@ -838,6 +864,9 @@ def print_summary(summary):
         print(f"P = {p}: critical W measured {measured} (final entropy crosses {found['entropy_level']:.3f}), "
               f"first-order {predicted} (dH_grpo {found['dH_grpo']:.2e}, dH_L+ {found['dH_lplus']:.2e}, "
               f"{found['batches']} batches)")
+    if "compare_heldout" in summary:
+        print("held-out prompts, after the last step:")
+        print_heldout(summary["compare_heldout"], evaluate.ks_for(summary["settings"]["eval_n"]))
     print(f"{summary['seconds_this_invocation']:.0f} s (runs already complete were read back)")
 
 

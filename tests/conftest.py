@@ -1,5 +1,6 @@
-"""Shared fixtures. The tiny default (tokenizer, model, tasks; ~90 s) is built once per test session, or reused from
-$STARE_TINY_DIR when that is set (tiny.build_tiny keeps a complete directory), to save the build between runs."""
+"""Shared fixtures. The tiny default (tokenizer, model, tasks; ~90 s) and its countdown variant are built once per test
+session, or reused from $STARE_TINY_DIR when that is set (tiny.py keeps a complete directory), to save the build
+between runs."""
 
 import os
 from pathlib import Path
@@ -14,3 +15,10 @@ def tiny_dir(tmp_path_factory):
     out_dir = os.environ.get("STARE_TINY_DIR") or tmp_path_factory.mktemp("tiny")
     tiny.build_tiny(out_dir)
     return Path(out_dir)
+
+
+@pytest.fixture(scope="session")
+def countdown_dir(tiny_dir):
+    """The tiny default with its countdown variant (tiny.build_tiny_countdown, ~60 s; reused when complete)."""
+    tiny.build_tiny_countdown(tiny_dir)
+    return tiny_dir

@@ -4,6 +4,7 @@ critical W against entropy_dynamics, and a short run end to end through train.py
 import copy
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -101,9 +102,9 @@ def test_crossing_and_predicted_critical_w_by_hand():
 
 
 def test_short_runs_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
-    """Three steps of GRPO and of STARE (gate always on) on the tiny default through main(): metrics, summary and
-    figures are written, the same seed gives GRPO and STARE the same first batch, the comparison's stare_o1 (a sweep
-    point) is not run twice, and a second call reruns nothing."""
+    """Three steps of GRPO and of STARE (gate always on) on the tiny default through main(): metrics, held-out
+    evaluations, summary and figures are written, the same seed gives GRPO and STARE the same first batch, the
+    comparison's stare_o1 (a sweep point) is not run twice, and a second call reruns nothing."""
     argv = ["--tiny", str(tiny_dir), "--out", str(tmp_path), "--methods", "grpo", "stare_o1", "--ws", "4", "--ps", "0.05",
             "--seeds", "0", "--steps", "3", "--prompts-per-step", "4", "--target-entropy", "10", "--workers", "1",
             "--final-window", "2"]
@@ -121,6 +122,12 @@ def test_short_runs_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
     assert summary["compare"]["stare_o1"] == summary["sweep"]["runs"]["P=0.05"]["W=4"]
     assert summary["settings"]["runs"] == 2 and "0.05" in summary["sweep"]["critical"]
     assert (tmp_path / "compare.png").stat().st_size > 0 and (tmp_path / "sweep.png").stat().st_size > 0
+    # the held-out sum prompts, evaluated before training and after the last step, the same samples before it
+    heldout = [repro.read_heldout(tmp_path / "compare" / "grpo_seed0"),
+               repro.read_heldout(tmp_path / "sweep" / "stare_o1_w4_p0.05_seed0")]
+    assert [sorted(h) for h in heldout] == [[0, 3], [0, 3]] and heldout[0][0] == heldout[1][0]
+    assert summary["compare_heldout"]["stare_o1"]["heldout/pass@64"]["per_seed"] == [heldout[1][3]["heldout/pass@64"]]
+    assert (tmp_path / "compare_heldout.png").stat().st_size > 0
     runs = [tmp_path / "compare" / "grpo_seed0" / "metrics.jsonl",
             tmp_path / "sweep" / "stare_o1_w4_p0.05_seed0" / "metrics.jsonl"]
     before = [path.stat().st_mtime_ns for path in runs]
@@ -128,3 +135,66 @@ def test_short_runs_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
     assert [path.stat().st_mtime_ns for path in runs] == before
     assert repro.main(argv[:-2] + ["--final-window", "2", "--target-entropy", "9"]) == 0  # other settings: rerun
     assert all(path.stat().st_mtime_ns != old for path, old in zip(runs, before))
+
+
+def test_heldout_summary_against_subset_enumeration():
+    """pass@k of each prompt = the fraction of its k-subsets of samples holding a correct one, counted by brute
+    force; avg@n, the solved fraction and the diversity of correct answers by hand."""
+    import itertools
+
+    n = 6
+    correct = [[1, 0, 0, 1, 0, 0], [0] * 6, [1] * 6, [0, 0, 0, 0, 0, 1]]
+    groups = [[((i % 2,), float(c)) for i, c in enumerate(row)] for row in correct]  # two distinct answers
+    metrics = repro.heldout_summary(groups, n)
+    for k in (1, 2, 4, 6):
+        by_hand = [statistics.mean(any(row[i] for i in subset) for subset in itertools.combinations(range(n), k))
+                   for row in correct]
+        assert metrics[f"heldout/pass@{k}"] == pytest.approx(statistics.mean(by_hand))
+    assert set(metrics) == {f"heldout/pass@{k}" for k in (1, 2, 4, 6)} | {
+        "heldout/avg@6", "heldout/solved_frac", "heldout/distinct_correct_frac"}
+    assert metrics["heldout/avg@6"] == pytest.approx(9 / 24)
+    assert metrics["heldout/solved_frac"] == 0.75
+    # correct answers of the solved prompts: (0,) and (1,) -> 2/2; (0,) and (1,) thrice each -> 2/6; (1,) -> 1/1
+    assert metrics["heldout/distinct_correct_frac"] == pytest.approx((2 / 2 + 2 / 6 + 1 / 1) / 3)
+
+
+def test_paired_difference_by_hand():
+    diff = repro.paired_difference([0.5, 0.7, 0.4], [0.3, 0.4, 0.5])
+    assert diff["per_seed"] == pytest.approx([0.2, 0.3, -0.1])
+    assert diff["mean"] == pytest.approx(0.4 / 3)
+    assert diff["paired_se"] == pytest.approx(statistics.stdev([0.2, 0.3, -0.1]) / math.sqrt(3))
+    assert (diff["seeds_above"], diff["seeds_below"]) == (2, 1)
+
+
+def test_payoff_quick_variant(countdown_dir, tmp_path, capsys):
+    """The payoff comparison in miniature (one seed, 4 steps, 8 samples per held-out prompt): every setting is
+    evaluated on the held-out prompts before training (the same model and samples for all), every 2 steps and at
+    the end; pass@k rises with k, and the summary pairs each setting with GRPO."""
+    argv = ["--tiny", str(countdown_dir), "--out", str(tmp_path), "--part", "payoff", "--seeds", "0", "--steps", "4",
+            "--eval-every", "2", "--eval-n", "8", "--entropy-coefs", "0.05", "--prompts-per-step", "4",
+            "--workers", "1"]
+    assert repro.main(argv) == 0
+    summary = json.loads((tmp_path / "payoff" / "summary.json").read_text())
+    settings = ["grpo", "stare_paper", "lp_reg", "entropy_bonus_0.05"]
+    if summary["prediction"]["w"] is not None:
+        settings.append(f"stare_predicted_w{summary['prediction']['w']:.2f}")
+    assert list(summary["runs"]) == settings
+    initial = None
+    for name in settings:
+        heldout = repro.read_heldout(tmp_path / "payoff" / f"{name}_seed0")
+        assert sorted(heldout) == [0, 2, 4]
+        before = {k: v for k, v in heldout[0].items()}
+        assert initial is None or before == initial  # paired: the same model and the same samples before training
+        initial = before
+        for record in heldout.values():
+            passes = [record[f"heldout/pass@{k}"] for k in (1, 2, 4, 8)]
+            assert passes == sorted(passes) and record["heldout/pass@1"] == pytest.approx(record["heldout/avg@8"])
+            assert record["heldout/pass@8"] == pytest.approx(record["heldout/solved_frac"])
+        final = summary["runs"][name]["heldout/pass@8"]
+        assert final["per_seed"] == [heldout[4]["heldout/pass@8"]]
+        assert ("minus_grpo" in final) == (name != "grpo")
+    lp_reg = summary["runs"]["lp_reg"]["heldout/pass@1"]
+    grpo = summary["runs"]["grpo"]["heldout/pass@1"]
+    assert lp_reg["minus_grpo"]["mean"] == pytest.approx(lp_reg["mean"] - grpo["mean"])
+    assert (tmp_path / "payoff" / "payoff.png").stat().st_size > 0
+    assert "paired difference from GRPO" in capsys.readouterr().out

@@ -3,6 +3,7 @@ forms (the overlong penalty), or from math-verify itself where rewards.py adds a
 code under test is never its own oracle."""
 
 import math
+import random
 import signal
 import threading
 import time
@@ -276,6 +277,35 @@ def test_verify_sum(response, gold, expected):
     assert rewards.verify_sum(response, gold) == expected
 
 
+@pytest.mark.parametrize("response, gold, expected", [
+    (r"\boxed{8*4-3}", "3,4,8=29", (True, "ok")),
+    (r"\boxed{ 3 - 4 + 8 }", "3,4,8=7", (True, "ok")),  # whitespace is ignored
+    (r"\boxed{3+4*8}", "3,4,8=35", (True, "ok")),  # * before +
+    (r"\boxed{3+4*8}", "3,4,8=56", (False, "ok")),  # not left to right
+    (r"\boxed{8*4}", "3,4,8=32", (False, "ok")),  # a number left out
+    (r"\boxed{8*4-3-3}", "3,4,8=26", (False, "ok")),  # a number used twice
+    (r"\boxed{8*4-9}", "3,4,8=23", (False, "ok")),  # a number not given
+    (r"\boxed{34+8}", "3,4,8=42", (False, "ok")),  # digits glued into another number
+    (r"\boxed{(8-4)*3}", "3,4,8=12", (False, "parse_error")),  # no parentheses
+    (r"\boxed{8/4+3}", "3,4,8=5", (False, "parse_error")),
+    (r"\boxed{-3+8*4}", "3,4,8=29", (False, "parse_error")),  # a leading sign
+    (r"\boxed{8*4-3=29}", "3,4,8=29", (False, "parse_error")),
+    ("8*4-3", "3,4,8=29", (False, "no_answer")),
+    (r"\boxed{8*4-3}", "29", (False, "parse_error")),  # a malformed ground truth
+    ("\\boxed{" + "9*" * 40 + "9}", "3,4,8=29", (False, "ok")),  # long: not multiplied out
+])
+def test_verify_countdown(response, gold, expected):
+    assert rewards.verify_countdown(response, gold) == expected
+
+
+def test_countdown_value_agrees_with_python_on_random_expressions():
+    rng = random.Random(0)
+    for _ in range(2000):
+        numbers = [str(rng.randint(0, 99)) for _ in range(rng.randint(1, 5))]
+        expression = numbers[0] + "".join(rng.choice("+-*") + n for n in numbers[1:])
+        assert rewards.countdown_value(expression) == eval(expression), expression  # an independent evaluator
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # overlong_penalty and format_ok
 # ----------------------------------------------------------------------------------------------------------------------
@@ -328,16 +358,17 @@ def test_compute_rewards_routing_composition_and_metrics():
         ("The answer is 7.", "7", "Short_CoT", 10, 0.0, 0.0, False),  # no box
         (r"<think>hm</think> so \boxed{\frac{3}{4}}", "0.75", "AIME24", 90, 1.0, 0.0, True),
         (r"\boxed{9^{9^{9^{9^{9}}}}}", "3", "Math500", 0, 0.0, 0.0, True),  # times out
+        (r"\boxed{2*3+1}", "1,2,3=7", "tiny_countdown", 0, 1.0, 0.0, True),
     ]
     responses, golds, sources, lengths, accs, penalties, formats = map(list, zip(*batch))
     scores, accuracies, metrics = rewards.compute_rewards(responses, golds, sources, lengths, cfg)
     assert accuracies == accs
     assert scores == pytest.approx([a + p + 0.5 * f for a, p, f in zip(accs, penalties, formats)])
-    assert scores == pytest.approx([1.5, 0.0, 0.5, 0.0, 1.5, 0.5])
+    assert scores == pytest.approx([1.5, 0.0, 0.5, 0.0, 1.5, 0.5, 1.5])
     expected_metrics = {
-        "rollout/reward_mean": 4.0 / 6, "rollout/acc": 3 / 6, "rollout/no_answer_frac": 1 / 6,
-        "rollout/parse_error_frac": 1 / 6, "rollout/timeout_frac": 1 / 6, "rollout/format_ok_frac": 5 / 6,
-        "rollout/overlong_penalty_mean": -1.5 / 6,
+        "rollout/reward_mean": 5.5 / 7, "rollout/acc": 4 / 7, "rollout/no_answer_frac": 1 / 7,
+        "rollout/parse_error_frac": 1 / 7, "rollout/timeout_frac": 1 / 7, "rollout/format_ok_frac": 6 / 7,
+        "rollout/overlong_penalty_mean": -1.5 / 7,
     }
     assert set(metrics) == set(expected_metrics) | {"rollout/verify_seconds"}
     for key, value in expected_metrics.items():

@@ -97,3 +97,28 @@ def test_tool_variant(tiny_dir):
     assert rollout.parse_tool_call(turns[0][0]) == ("print(347*29)", None)
     _, accuracies, _ = rewards.compute_rewards([turns[-1][0]], ["10063"], ["tiny_mul"], [0], rewards.RewardConfig())
     assert accuracies == [1.0]
+
+
+def test_countdown_variant(countdown_dir):
+    summary = tiny.build_tiny_countdown(countdown_dir)
+    assert tiny.build_tiny_countdown(countdown_dir) == summary  # reused
+    # well below saturation on both splits, so that RL has something to find (loose bounds, as above)
+    assert 0.03 <= summary["countdown_train_success_rate_t1"] <= 0.5
+    assert summary["countdown_test_success_rate_t1"] <= 0.5
+    splits = {split: data.load_examples(countdown_dir / "data" / f"countdown_{split}.jsonl", prompt_suffix=None)
+              for split in ("train", "test")}
+    digits = {split: {e.ground_truth.split("=")[0] for e in examples} for split, examples in splits.items()}
+    assert len(splits["test"]) == 64 and not digits["train"] & digits["test"]  # held out by digit triple
+    tokenizer = AutoTokenizer.from_pretrained(countdown_dir / "countdown_model")
+    for examples in splits.values():  # fixed-width prompts: the miniature batches them without padding
+        assert len({len(data.chat_template_ids(tokenizer, e.messages)) for e in examples}) == 1
+    # the solutions, against an independent enumeration (Python's eval over every order and operator pair)
+    solutions = tiny.countdown_solutions()
+    rng = random.Random(0)
+    for example in rng.sample(splits["train"], 30) + splits["test"]:
+        numbers, target = example.ground_truth.split("=")
+        a, b, c = numbers.split(",")
+        found = {f"{x}{o1}{y}{o2}{z}" for x, y, z in {(a, b, c), (a, c, b), (b, a, c), (b, c, a), (c, a, b), (c, b, a)}
+                 for o1 in "+-*" for o2 in "+-*" if eval(f"{x}{o1}{y}{o2}{z}") == int(target)}
+        assert set(solutions[tuple(map(int, (a, b, c))), int(target)]) == found
+        assert all(rewards.verify_countdown(f"\\boxed{{{s}}}", example.ground_truth) == (True, "ok") for s in found)
