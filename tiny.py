@@ -2,6 +2,7 @@
 
     python tiny.py --out runs/tiny          # reuses the directory when it is complete
     python tiny.py --out runs/tiny --tool   # + the tool-use variant (the default first if missing)
+    python tiny.py --out runs/tiny --countdown   # + the countdown variant (likewise)
 
 Nothing here downloads anything. It writes:
 
@@ -25,6 +26,17 @@ and, with --tool (build_tiny_tool), the tool-use variant next to it, leaving the
     runs/tiny/tool.json       what was built, with the first turns' call rates at temperature 1 (~70% make a valid
                               call; the copied digits are mostly wrong: copying a*b into the code is what RL can
                               then teach, the answer being the program's output)
+
+and, with --countdown (build_tiny_countdown), a search task next to it:
+
+    runs/tiny/data/countdown_{train,test}.jsonl   "Make T from a b c." for digits 1..9 and T in 10..99 reachable
+                              as a?b?c in some order with + - * (no parentheses); 1-8 solutions per prompt, checked by
+                              rewards.verify_countdown ("tiny_countdown"). The 64 test prompts use digit triples that
+                              no training prompt has.
+    runs/tiny/countdown_model/  the tiny model after 1,500 warm-up steps on random solutions of the training prompts:
+                              ~10% of samples solve a train or test prompt at temperature 1, and 64 samples solve
+                              ~94% of test prompts; what RL can add is finding the combination more often
+    runs/tiny/countdown.json  what was built, with those success rates
 
 Why the "sum" task: with a unique answer, entropy must fall as accuracy rises, so no method can show an exploration
 effect. With many correct answers, plain GRPO tends to collapse onto a few of them, while an entropy-stabilising
@@ -344,18 +356,12 @@ def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False):
     """Create (or reuse) the countdown variant next to the tiny default (built first if needed):
     data/countdown_{train,test}.jsonl and countdown_model/, the tiny model after a warm-up on random correct
     solutions of the training prompts. Returns the summary dict written to countdown.json."""
-    import shutil
-
     out_dir = Path(out_dir)
     summary_path = out_dir / "countdown.json"
     if summary_path.exists() and not force:  # written last, so its presence means the variant is complete
         return json.loads(summary_path.read_text())
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    build_tiny(out_dir, seed=seed)
+    tokenizer, model = load_default(out_dir, seed)
     start = time.time()
-    tokenizer = AutoTokenizer.from_pretrained(out_dir / "model")
-    model = AutoModelForCausalLM.from_pretrained(out_dir / "model", dtype=torch.float32)
     splits, solutions = make_countdown_splits(seed=seed)
     for name, rows in splits.items():
         data.save_jsonl(rows, out_dir / "data" / f"{name}.jsonl")
@@ -371,8 +377,7 @@ def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False):
     for name in splits:
         split_rows, split_prompts = load_split(out_dir / "data", name, tokenizer)
         rates[name], samples = sampled_success_rate(model, tokenizer, split_rows, split_prompts, seed=seed)
-    shutil.copytree(out_dir / "model", out_dir / "countdown_model", dirs_exist_ok=True)  # tokenizer files, config
-    model.save_pretrained(out_dir / "countdown_model")
+    save_variant(model, out_dir, "countdown_model")
     counts = [len(solutions[key]) for key in solutions]
     summary = {"model_dir": str(out_dir / "countdown_model"), "data_dir": str(out_dir / "data"),
                "train_prompts": len(splits["countdown_train"]), "test_prompts": len(splits["countdown_test"]),
@@ -429,24 +434,35 @@ def build_tiny(out_dir, seed=0, warmup_steps=800, force=False):
     return summary
 
 
+def load_default(out_dir, seed):
+    """The tiny default (built first if missing) as a variant's warm-up starts from it -> (tokenizer, model)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    build_tiny(out_dir, seed=seed)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir / "model")
+    return tokenizer, AutoModelForCausalLM.from_pretrained(out_dir / "model", dtype=torch.float32)
+
+
+def save_variant(model, out_dir, name):
+    """A variant's model saved as out_dir/name, with the default's tokenizer files and config beside it."""
+    import shutil
+
+    shutil.copytree(out_dir / "model", out_dir / name, dirs_exist_ok=True)
+    model.save_pretrained(out_dir / name)
+
+
 def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False):
     """Create (or reuse) the tool-use variant next to the tiny default (built first if needed): data/mul_{train,
     test}.jsonl and tool_model/, the tiny model after a warm-up on tool conversations. Returns the summary dict
     written to tool.json. The tiny default's own files are left as they are."""
-    import shutil
+    import rollout
 
     out_dir = Path(out_dir)
     summary_path = out_dir / "tool.json"
     if summary_path.exists() and not force:  # written last, so its presence means the variant is complete
         return json.loads(summary_path.read_text())
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import rollout
-
-    build_tiny(out_dir, seed=seed)
+    tokenizer, model = load_default(out_dir, seed)
     start = time.time()
-    tokenizer = AutoTokenizer.from_pretrained(out_dir / "model")
-    model = AutoModelForCausalLM.from_pretrained(out_dir / "model", dtype=torch.float32)
     for name, rows in make_tool_splits(seed=seed).items():
         data.save_jsonl(rows, out_dir / "data" / f"{name}.jsonl")
     rows, prompt_ids = load_split(out_dir / "data", "mul_train", tokenizer)
@@ -460,8 +476,7 @@ def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False):
                         sequence=sequence)
     test_rows, test_prompts = load_split(out_dir / "data", "mul_test", tokenizer)
     rates, turns = first_turn_calls(model, tokenizer, test_rows, test_prompts, seed=seed)
-    shutil.copytree(out_dir / "model", out_dir / "tool_model", dirs_exist_ok=True)  # tokenizer files and config
-    model.save_pretrained(out_dir / "tool_model")
+    save_variant(model, out_dir, "tool_model")
     summary = {"model_dir": str(out_dir / "tool_model"), "data_dir": str(out_dir / "data"),
                "warmup_steps": warmup_steps, "warmup_final_loss": round(final_loss, 4), "shapes": TOOL_SHAPES,
                **{f"first_turn_{k}_t1": round(v, 3) for k, v in rates.items()}, "first_turn_samples": turns[:4],
