@@ -540,11 +540,13 @@ def plot_sweep(sweep, grpo, target_entropy, path):
 # ----------------------------------------------------------------------------------------------------------------------
 
 # name -> loss settings. "stare_predicted" gets its stare_w from the first-order analysis of the GRPO runs of the same
-# comparison (predicted_critical_w at its stare_top_ratio); "entropy_bonus" runs once per --entropy-coefs value.
+# comparison (predicted_critical_w at its stare_top_ratio); "entropy_bonus" runs once per --entropy-coefs value, and
+# the summary names, for each STARE setting, the coefficient whose mean entropy came closest to its own.
 PAYOFF_RUNS = {
     "grpo": dict(method="grpo"),
     "stare_paper": COMPARE_RUNS["stare_paper"],
     "stare_predicted": dict(method="stare", stare_variant="O1", stare_top_ratio=0.05),
+    "stare_holding": COMPARE_RUNS["stare_o1"],  # the strength that held the sum task's entropy at the target
     "lp_reg": dict(method="lp_reg"),
     "entropy_bonus": dict(method="entropy_bonus"),
 }
@@ -557,11 +559,13 @@ def read_heldout(run_dir):
 
 def paired_difference(values, baseline):
     """Per-seed differences values[i] - baseline[i] -> mean, paired standard error (SD / sqrt(seeds)), bootstrap
-    standard error of the mean (evaluate.bootstrap_se), and how many seeds are above / below zero."""
+    standard error of the mean (evaluate.bootstrap_se), and how many seeds are above / below zero. A seed where
+    either value is NaN (e.g. no correct answer to measure the diversity of) is left out of the statistics."""
     diffs = [v - b for v, b in zip(values, baseline)]
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
-    return {"mean": statistics.mean(diffs), "paired_se": se, "bootstrap_se": evaluate.bootstrap_se(diffs),
-            "seeds_above": sum(d > 0 for d in diffs), "seeds_below": sum(d < 0 for d in diffs), "per_seed": diffs}
+    finite = [d for d in diffs if not math.isnan(d)]
+    mean, se = mean_and_se(finite)
+    return {"mean": mean, "paired_se": se, "bootstrap_se": evaluate.bootstrap_se(finite) if finite else math.nan,
+            "seeds_above": sum(d > 0 for d in finite), "seeds_below": sum(d < 0 for d in finite), "per_seed": diffs}
 
 
 def payoff_summary(runs, steps, ks, n):
@@ -571,9 +575,9 @@ def payoff_summary(runs, steps, ks, n):
     keys = [f"heldout/pass@{k}" for k in ks] + ["heldout/distinct_correct_frac", "heldout/solved_frac"]
     per_setting = {}
     for name, seeds in runs.items():
-        values = {"entropy_mean": [statistics.mean(r["train/entropy"] for r in records if "train/entropy" in r)
-                                   for records, _ in seeds],
-                  "entropy_final": [statistics.mean(r["train/entropy"] for r in records[-20:] if "train/entropy" in r)
+        values = {"entropy_mean": [mean_and_se([r.get("train/entropy", math.nan) for r in records])[0]
+                                   for records, _ in seeds],  # steps without an update (no varied group) skipped
+                  "entropy_final": [mean_and_se([r.get("train/entropy", math.nan) for r in records[-20:]])[0]
                                     for records, _ in seeds]}
         for key in keys:
             finals = [heldout[steps].get(key) for _, heldout in seeds]
@@ -639,7 +643,7 @@ def run_payoff(args, out, workers):
                   lr=args.lr, predict_ps=(PAYOFF_RUNS["stare_predicted"]["stare_top_ratio"],), task=args.task,
                   eval_every=args.eval_every, eval_n=args.eval_n)
     settings = {"grpo": PAYOFF_RUNS["grpo"], "stare_paper": PAYOFF_RUNS["stare_paper"],
-                "lp_reg": PAYOFF_RUNS["lp_reg"],
+                "stare_holding": PAYOFF_RUNS["stare_holding"], "lp_reg": PAYOFF_RUNS["lp_reg"],
                 **{f"entropy_bonus_{c:g}": {**PAYOFF_RUNS["entropy_bonus"], "entropy_coef": c}
                    for c in args.entropy_coefs}}
     root = out / "payoff"
@@ -669,23 +673,24 @@ def run_payoff(args, out, workers):
     ks = evaluate.ks_for(args.eval_n)
     summary = {"settings": {**vars(args), "tiny": str(args.tiny), "out": str(args.out)},
                "prediction": prediction, "runs": payoff_summary(runs, args.steps, ks, args.eval_n)}
-    stare_name = next((name for name in settings if name.startswith("stare_predicted")), None)
-    if stare_name is not None:  # the entropy bonus whose mean entropy comes closest to STARE's
-        target = summary["runs"][stare_name]["entropy_mean"]["mean"]
-        bonuses = [name for name in settings if name.startswith("entropy_bonus")]
-        summary["entropy_matched_bonus"] = min(
-            bonuses, key=lambda name: abs(summary["runs"][name]["entropy_mean"]["mean"] - target), default=None)
+    bonuses = [name for name in settings if name.startswith("entropy_bonus")]
+    summary["entropy_matched_bonus"] = {  # per STARE setting, the bonus whose mean entropy comes closest to it
+        name: min(bonuses, key=lambda bonus: abs(summary["runs"][bonus]["entropy_mean"]["mean"]
+                                                 - summary["runs"][name]["entropy_mean"]["mean"]), default=None)
+        for name in settings if name.startswith("stare")}
     summary["before_training"] = {key: mean_and_se([heldout[0][key] for _, heldout in runs["grpo"]])[0]
                                   for key in runs["grpo"][0][1][0] if key != "step"}
     summary["seconds_this_invocation"] = round(time.time() - started, 1)
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     plot_payoff(runs, summary["runs"], ks, args.steps, args.target_entropy, root / "payoff.png")
-    print_heldout(summary["runs"], ks, summary.get("entropy_matched_bonus"))
+    print_heldout(summary["runs"], ks)
+    for name, bonus in summary["entropy_matched_bonus"].items():
+        print(f"entropy-matched to {name}: {bonus}")
     print(f"{summary['seconds_this_invocation']:.0f} s (runs already complete were read back)")
     return summary
 
 
-def print_heldout(runs, ks, matched=None):
+def print_heldout(runs, ks):
     """runs: payoff_summary's result -> a table of entropy and final held-out pass@k with paired differences."""
     shown = [k for k in ks if k in (1, 8, ks[-1])]
     columns = ["entropy_mean"] + [f"heldout/pass@{k}" for k in shown] + ["heldout/distinct_correct_frac"]
@@ -699,10 +704,8 @@ def print_heldout(runs, ks, matched=None):
                 diff = entry["minus_grpo"]
                 cell += f" ({diff['mean']:+.3f} ± {diff['paired_se']:.3f})"
             cells.append(cell)
-        mark = " *" if name == matched else ""
-        print(f"{name + mark:<28}" + "".join(f"{c:>30}" for c in cells))
-    print("(in brackets: the paired difference from GRPO over seeds ± its standard error"
-          + ("; * the entropy bonus whose mean entropy is closest to STARE's at the predicted W)" if matched else ")"))
+        print(f"{name:<28}" + "".join(f"{c:>30}" for c in cells))
+    print("(in brackets: the paired difference from GRPO over seeds ± its standard error)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -721,7 +724,7 @@ def parse_args(argv):
     parser.add_argument("--eval-every", type=int, default=None,
                         help="held-out evaluation every this many steps and after the last (default 50; 0: none)")
     parser.add_argument("--eval-n", type=int, default=64, help="samples per held-out prompt")
-    parser.add_argument("--entropy-coefs", nargs="+", type=float, default=[0.01, 0.03, 0.1],
+    parser.add_argument("--entropy-coefs", nargs="+", type=float, default=[0.01, 0.02, 0.03, 0.1],
                         help="the entropy bonus's coefficients in --part payoff")
     parser.add_argument("--methods", nargs="+", default=list(COMPARE_RUNS), choices=list(COMPARE_RUNS),
                         help="the comparison's runs (see COMPARE_RUNS)")

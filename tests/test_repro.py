@@ -164,6 +164,8 @@ def test_paired_difference_by_hand():
     assert diff["mean"] == pytest.approx(0.4 / 3)
     assert diff["paired_se"] == pytest.approx(statistics.stdev([0.2, 0.3, -0.1]) / math.sqrt(3))
     assert (diff["seeds_above"], diff["seeds_below"]) == (2, 1)
+    with_nan = repro.paired_difference([0.5, math.nan, 0.7, 0.4], [0.3, 0.1, 0.4, 0.5])  # a seed with nothing to measure
+    assert with_nan["mean"] == pytest.approx(diff["mean"]) and with_nan["paired_se"] == pytest.approx(diff["paired_se"])
 
 
 def test_payoff_quick_variant(countdown_dir, tmp_path, capsys):
@@ -175,7 +177,7 @@ def test_payoff_quick_variant(countdown_dir, tmp_path, capsys):
             "--workers", "1"]
     assert repro.main(argv) == 0
     summary = json.loads((tmp_path / "payoff" / "summary.json").read_text())
-    settings = ["grpo", "stare_paper", "lp_reg", "entropy_bonus_0.05"]
+    settings = ["grpo", "stare_paper", "stare_holding", "lp_reg", "entropy_bonus_0.05"]
     if summary["prediction"]["w"] is not None:
         settings.append(f"stare_predicted_w{summary['prediction']['w']:.2f}")
     assert list(summary["runs"]) == settings
@@ -196,5 +198,7 @@ def test_payoff_quick_variant(countdown_dir, tmp_path, capsys):
     lp_reg = summary["runs"]["lp_reg"]["heldout/pass@1"]
     grpo = summary["runs"]["grpo"]["heldout/pass@1"]
     assert lp_reg["minus_grpo"]["mean"] == pytest.approx(lp_reg["mean"] - grpo["mean"])
+    assert set(summary["entropy_matched_bonus"]) == {name for name in settings if name.startswith("stare")}
+    assert set(summary["entropy_matched_bonus"].values()) == {"entropy_bonus_0.05"}
     assert (tmp_path / "payoff" / "payoff.png").stat().st_size > 0
     assert "paired difference from GRPO" in capsys.readouterr().out
