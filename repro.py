@@ -568,10 +568,11 @@ def paired_difference(values, baseline):
             "seeds_above": sum(d > 0 for d in finite), "seeds_below": sum(d < 0 for d in finite), "per_seed": diffs}
 
 
-def payoff_summary(runs, steps, ks, n):
-    """runs: {setting: [(metrics records, held-out records) per seed]} -> per setting: the training entropy (mean
-    over all steps, and over the last 20), the final held-out avg@n, pass@k and distinct-correct fraction (seed
-    means, SE, per seed), and each one's paired difference from GRPO."""
+def heldout_comparison(runs, steps, ks):
+    """runs: {setting: [(metrics records, held-out records by step) per seed]}, "grpo" among them -> per setting:
+    the training entropy (mean over all steps, and over the last 20), the held-out pass@k (k in ks), solved and
+    distinct-correct fractions after `steps` (seed means, SE, per seed), and each one's paired difference from
+    GRPO's."""
     keys = [f"heldout/pass@{k}" for k in ks] + ["heldout/distinct_correct_frac", "heldout/solved_frac"]
     per_setting = {}
     for name, seeds in runs.items():
@@ -622,7 +623,7 @@ def plot_payoff(runs, summary, ks, steps, target_entropy, path):
               for k in ks]
     axes[3].plot(ks, before, color="gray", ls="--", lw=1, label="before training")
     axes[0].axhline(target_entropy, color="gray", ls="--", lw=1, label="gate target")
-    axes[0].set(title="token entropy (training batches)", xlabel="step")
+    axes[0].set(title="token entropy (training batches), log scale", xlabel="step", yscale="log")
     axes[1].set(title="held-out pass@1 (avg@n)", xlabel="step")
     axes[2].set(title=f"held-out pass@{ks[-1]}", xlabel="step")
     axes[3].set(title=f"held-out pass@k after {steps} steps", xlabel="k", xscale="log")
@@ -672,7 +673,7 @@ def run_payoff(args, out, workers):
                    for seed in args.seeds] for name in settings}
     ks = evaluate.ks_for(args.eval_n)
     summary = {"settings": {**vars(args), "tiny": str(args.tiny), "out": str(args.out)},
-               "prediction": prediction, "runs": payoff_summary(runs, args.steps, ks, args.eval_n)}
+               "prediction": prediction, "runs": heldout_comparison(runs, args.steps, ks)}
     bonuses = [name for name in settings if name.startswith("entropy_bonus")]
     summary["entropy_matched_bonus"] = {  # per STARE setting, the bonus whose mean entropy comes closest to it
         name: min(bonuses, key=lambda bonus: abs(summary["runs"][bonus]["entropy_mean"]["mean"]
@@ -691,7 +692,7 @@ def run_payoff(args, out, workers):
 
 
 def print_heldout(runs, ks):
-    """runs: payoff_summary's result -> a table of entropy and final held-out pass@k with paired differences."""
+    """runs: heldout_comparison's result -> a table of entropy and final held-out pass@k with paired differences."""
     shown = [k for k in ks if k in (1, 8, ks[-1])]
     columns = ["entropy_mean"] + [f"heldout/pass@{k}" for k in shown] + ["heldout/distinct_correct_frac"]
     print(f"{'setting':<28}" + "".join(f"{c.split('/')[-1]:>30}" for c in columns))
@@ -816,7 +817,7 @@ def main(argv):
                                for records, seed in zip(compare_groups[name], args.seeds)]
                         for name in compare_names}
         ks = evaluate.ks_for(args.eval_n)
-        summary["compare_heldout"] = payoff_summary(heldout_runs, args.steps, ks, args.eval_n)
+        summary["compare_heldout"] = heldout_comparison(heldout_runs, args.steps, ks)
         plot_payoff(heldout_runs, summary["compare_heldout"], ks, args.steps, args.target_entropy,
                     out / "compare_heldout.png")
     if args.part in ("all", "sweep"):
