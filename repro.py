@@ -643,10 +643,12 @@ def run_payoff(args, out, workers):
     common = dict(steps=args.steps, prompts_per_step=args.prompts_per_step, target_entropy=args.target_entropy,
                   lr=args.lr, predict_ps=(PAYOFF_RUNS["stare_predicted"]["stare_top_ratio"],), task=args.task,
                   eval_every=args.eval_every, eval_n=args.eval_n)
-    settings = {"grpo": PAYOFF_RUNS["grpo"], "stare_paper": PAYOFF_RUNS["stare_paper"],
-                "stare_holding": PAYOFF_RUNS["stare_holding"], "lp_reg": PAYOFF_RUNS["lp_reg"],
-                **{f"entropy_bonus_{c:g}": {**PAYOFF_RUNS["entropy_bonus"], "entropy_coef": c}
-                   for c in args.entropy_coefs}}
+    chosen = {"grpo", *args.payoff_runs}  # GRPO always: the baseline of every pair, and the prediction's data
+    settings = {name: loss for name, loss in PAYOFF_RUNS.items()
+                if name in chosen and name not in ("stare_predicted", "entropy_bonus")}
+    if "entropy_bonus" in chosen:
+        settings.update({f"entropy_bonus_{c:g}": {**PAYOFF_RUNS["entropy_bonus"], "entropy_coef": c}
+                         for c in args.entropy_coefs})
     root = out / "payoff"
 
     def jobs(names):
@@ -654,19 +656,20 @@ def run_payoff(args, out, workers):
                 for name in names for seed in args.seeds]
 
     first = jobs(list(settings))
-    print(f"payoff on {args.task}: {len(first)} runs of {args.steps} steps, then STARE at the predicted W, "
-          f"{workers} at a time, under {root}", file=sys.stderr)
+    then = ", then STARE at the predicted W" if "stare_predicted" in chosen else ""
+    print(f"payoff on {args.task}: {len(first)} runs of {args.steps} steps{then}, {workers} at a time, under {root}",
+          file=sys.stderr)
     started = time.time()
     results = run_all(first, workers)
     top_ratio = PAYOFF_RUNS["stare_predicted"]["stare_top_ratio"]
     grpo_records = [results[str(root / f"grpo_seed{seed}")] for seed in args.seeds]
     w_c, dh_grpo, dh_lplus, batches = predicted_critical_w(grpo_records, args.target_entropy, top_ratio)
     prediction = {"w": w_c, "top_ratio": top_ratio, "dH_grpo": dh_grpo, "dH_lplus": dh_lplus, "batches": batches}
-    if w_c is not None:
+    if w_c is not None and "stare_predicted" in chosen:
         name = f"stare_predicted_w{w_c:.2f}"
         settings[name] = {**PAYOFF_RUNS["stare_predicted"], "stare_w": round(w_c, 2)}
         results.update(run_all(jobs([name]), workers))
-    else:
+    elif "stare_predicted" in chosen:
         print(f"no first-order W at P = {top_ratio:g} ({batches} GRPO batches near the target, "
               f"dH_grpo {dh_grpo:.2e}, dH_L+ {dh_lplus:.2e}): STARE at the predicted W is not run", file=sys.stderr)
     runs = {name: [(results[str(root / f"{name}_seed{seed}")], read_heldout(root / f"{name}_seed{seed}"))
@@ -727,6 +730,8 @@ def parse_args(argv):
     parser.add_argument("--eval-n", type=int, default=64, help="samples per held-out prompt")
     parser.add_argument("--entropy-coefs", nargs="+", type=float, default=[0.01, 0.02, 0.03, 0.1],
                         help="the entropy bonus's coefficients in --part payoff")
+    parser.add_argument("--payoff-runs", nargs="+", default=list(PAYOFF_RUNS), choices=list(PAYOFF_RUNS),
+                        help="the settings of --part payoff (see PAYOFF_RUNS; grpo always runs)")
     parser.add_argument("--methods", nargs="+", default=list(COMPARE_RUNS), choices=list(COMPARE_RUNS),
                         help="the comparison's runs (see COMPARE_RUNS)")
     parser.add_argument("--ws", nargs="+", type=float, default=[1.1, 2.0, 4.0, 8.0],

@@ -202,3 +202,9 @@ def test_payoff_quick_variant(countdown_dir, tmp_path, capsys):
     assert set(summary["entropy_matched_bonus"].values()) == {"entropy_bonus_0.05"}
     assert (tmp_path / "payoff" / "payoff.png").stat().st_size > 0
     assert "paired difference from GRPO" in capsys.readouterr().out
+    # a subset of the settings: GRPO comes along, and complete runs are read back, not rerun
+    metrics = tmp_path / "payoff" / "lp_reg_seed0" / "metrics.jsonl"
+    before = metrics.stat().st_mtime_ns
+    assert repro.main(argv + ["--payoff-runs", "lp_reg"]) == 0
+    summary = json.loads((tmp_path / "payoff" / "summary.json").read_text())
+    assert list(summary["runs"]) == ["grpo", "lp_reg"] and metrics.stat().st_mtime_ns == before
