@@ -359,10 +359,10 @@ def run_all(jobs, workers):
     for spec, tiny_dir, out_dir in jobs:
         metrics, record = Path(out_dir) / "metrics.jsonl", Path(out_dir) / "repro.json"
         heldout = Path(out_dir) / "heldout.jsonl"
+        evaluations = read_records(heldout) if heldout.exists() else []
         complete = (metrics.exists() and record.exists() and json.loads(record.read_text()) == spec_record(spec)
                     and len(read_records(metrics)) >= spec.steps
-                    and (not spec.eval_every or (heldout.exists() and read_records(heldout)[-1:]
-                                                 and read_records(heldout)[-1]["step"] == spec.steps)))
+                    and (not spec.eval_every or (evaluations and evaluations[-1]["step"] == spec.steps)))
         if not complete:
             todo.append((spec, tiny_dir, out_dir))
     if todo:
