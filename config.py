@@ -133,6 +133,17 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class HardwareConfig:
+    """What the run is planned for: `train.py --plan` checks every phase's memory against it (plan.py), and a GPU
+    run checks the same plan against its own device before it loads anything."""
+
+    nodes: int = 1
+    gpus_per_node: int = 1  # ranks per node: one per GPU
+    gpu_gib: float = 79.0  # memory per GPU as PyTorch reports it (H100 80GB: ~79 GiB; H200: ~139 GiB)
+    host_gib: float | None = None  # RAM per node; null = not checked
+
+
+@dataclasses.dataclass
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -144,6 +155,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)  # used with rollout.tools
+    hardware: HardwareConfig = dataclasses.field(default_factory=HardwareConfig)
 
 
 CHOICES = {  # fields with a fixed set of values
@@ -182,6 +194,16 @@ def load(path=None, overrides=()):
     cfg = _build(Config, raw, "")
     check(cfg)
     return cfg
+
+
+def apply_overrides(cfg, overrides):
+    """A new Config: `cfg` with `section.key=value` overrides applied, fully checked."""
+    raw = to_dict(cfg)
+    for override in overrides:
+        _apply_override(raw, override)
+    built = _build(Config, raw, "")
+    check(built)
+    return built
 
 
 def _apply_override(raw, override):
@@ -266,7 +288,8 @@ def check(cfg, world_size=None):
     positive = ["rollout.n", "rollout.max_tokens", "data.max_prompt_tokens", "train.train_batch_size",
                 "train.mini_batch_size", "train.micro_token_budget", "train.total_steps", "algorithm.gen_batch_size",
                 "rollout.temperature", "rollout.tensor_parallel_size", "train.keep_last", "rollout.max_num_seqs", "optim.lr",
-                "eval.temperature", "eval.max_tokens", "rollout.max_turns", "rollout.max_tool_response_tokens"]
+                "eval.temperature", "eval.max_tokens", "rollout.max_turns", "rollout.max_tool_response_tokens",
+                "hardware.nodes", "hardware.gpus_per_node", "hardware.gpu_gib"]
     non_negative = ["optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
                     "train.save_every", "train.log_every", "eval.every", "rollout.sync_check_every",
                     "algorithm.max_num_gen_batches", "algorithm.gate_alpha", "optim.max_nonfinite_steps"]
@@ -366,6 +389,14 @@ def check_model_path(path, key="model.path"):
     if missing:
         raise ConfigError(f"{key}: {where} is not a Hugging Face model directory "
                           f"(missing: {', '.join(missing)}); {get_it}")
+
+
+def check_model_config(path, key="model.path"):
+    """The config.json of a model directory (all that a memory plan reads) -> the directory. Raises ConfigError."""
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"{_named(key)}: {describe_path(path)} holds no config.json (a memory plan needs only "
+                          f"that file of the model)")
+    return path
 
 
 def check_files(paths, key):

@@ -31,7 +31,12 @@ the [b, R] zero-padded rows that the loss functions of stare.py and baselines.py
 the real tokens.
 """
 
+import contextlib
 import dataclasses
+import json
+import math
+import struct
+from pathlib import Path
 
 import torch
 from transformers import AttentionInterface
@@ -71,17 +76,147 @@ AttentionInterface.register(ATTENTION, _varlen_attention)
 
 
 def build_model(cfg, device, world_size):
-    """The HF model in float32, sharded with FSDP2 per decoder layer and then at the root (parameters cast to
-    model.param_dtype for compute, gradients reduced in model.reduce_dtype)."""
-    from transformers import AutoModelForCausalLM
+    """The HF model sharded with FSDP2 from the start, in float32 (parameters cast to model.param_dtype for compute,
+    gradients reduced in model.reduce_dtype). No rank ever holds the whole model: the model is built with its
+    parameters on the meta device, sharded per decoder layer and at the root, and each rank then reads only its own
+    rows of every weight from the checkpoint into its shard (`load_shards`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32,
-                                                 attn_implementation=cfg.model.attn_implementation).to(device)
-    return shard_model(model, cfg, device, world_size)
+    hf_config = AutoConfig.from_pretrained(cfg.model.path)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                 attn_implementation=cfg.model.attn_implementation)
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}  # rotary frequencies: not on disk
+    model = shard_model(model, cfg, device, world_size)
+    model.to_empty(device=device)  # allocates this rank's shards only
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+    load_shards(model, cfg.model.path)
+    return model
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Every parameter created inside lives on the meta device (no memory, and initialising it costs nothing);
+    buffers stay real, so the rotary frequencies that no checkpoint holds are computed as usual."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":  # an already-meta parameter may be a tied alias
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def load_shards(model, path):
+    """Fill every parameter's local FSDP2 shard (rows start:end of dim 0 on this rank, torch.chunk's split) and every
+    persistent buffer from the checkpoint at `path`, reading only those rows. Tied parameters are one tensor,
+    filled once. Raises ValueError naming the weights the checkpoint lacks."""
+    tensors = checkpoint_index(path)
+    names = dict(model.named_parameters())  # tied aliases appear once, under their first name
+    names.update((name, b) for name, b in model.named_buffers() if _persistent(model, name))
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        raise ValueError(f"{path}: the checkpoint has no weights for {', '.join(missing[:5])}"
+                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    with torch.no_grad():
+        for name, target in names.items():
+            if tuple(target.shape) != tensors[name].shape:
+                raise ValueError(f"{path}: {name} has shape {tensors[name].shape} in the checkpoint but "
+                                 f"{tuple(target.shape)} in the model of its config.json")
+            local = target.to_local() if hasattr(target, "to_local") else target
+            start, end = shard_rows(target)
+            tensors[name].copy_rows(local.view(end - start, -1) if local.dim() else local.view(1, 1), start, end)
+
+
+def shard_rows(tensor):
+    """(start, end): the rows of dim 0 this rank holds of a DTensor sharded on dim 0 (FSDP2's torch.chunk split:
+    ceil(rows / world) each, the last ranks fewer or none); all rows of a plain tensor."""
+    if not hasattr(tensor, "device_mesh") or tensor.dim() == 0:
+        return 0, (tensor.shape[0] if tensor.dim() else 1)
+    mesh, rows = tensor.device_mesh, tensor.shape[0]
+    chunk = -(-rows // mesh.size())
+    start = min(rows, mesh.get_local_rank() * chunk)
+    return start, min(rows, start + chunk)
+
+
+def _persistent(model, name):
+    module_name, _, buffer_name = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    return buffer_name not in module._non_persistent_buffers_set
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
+@dataclasses.dataclass
+class StoredTensor:
+    """One tensor of a checkpoint file, read a row range at a time without mapping or reading the rest."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple
+    offset: int  # byte offset of the tensor's data in a .safetensors file; None for a torch.load'ed tensor
+    tensor: torch.Tensor | None = None  # a .bin checkpoint's tensor (memory-mapped by torch.load)
+
+    def copy_rows(self, out, start, end, block_bytes=2**22):
+        """out[:] = rows start:end, read and converted (to out's dtype and device) a block of at most block_bytes at
+        a time, so the transient copy stays small whatever the tensor's size. out: [end - start, ...]."""
+        row_bytes = max(1, math.prod(self.shape[1:]) * self.dtype.itemsize)
+        step = max(1, block_bytes // row_bytes)
+        for first in range(start, end, step):
+            last = min(end, first + step)
+            out[first - start:last - start].copy_(self.rows(first, last).view(last - first, -1))
+
+    def rows(self, start, end):
+        """Rows start:end of dim 0 (a 0-dim tensor counts as one row) -> a new CPU tensor [end - start, ...]."""
+        if self.tensor is not None:
+            return self.tensor.reshape(-1, *self.shape[1:])[start:end].clone()
+        row_numel = math.prod(self.shape[1:])
+        out = torch.empty((end - start) * row_numel, dtype=self.dtype)
+        buffer = out.view(torch.uint8).numpy()
+        with open(self.file, "rb") as f:
+            f.seek(self.offset + start * row_numel * out.element_size())
+            if f.readinto(buffer) != len(buffer):
+                raise ValueError(f"{self.file}: truncated (a tensor's data runs past the end of the file)")
+        return out.view(end - start, *self.shape[1:])
+
+
+def checkpoint_index(path):
+    """name -> StoredTensor for every tensor of the HF checkpoint at `path` (*.safetensors: the header is read,
+    the data is not; pytorch_model*.bin: torch.load with mmap, so only the rows taken are read)."""
+    path, tensors = Path(path), {}
+    files = sorted(path.glob("*.safetensors"))
+    for file in files:
+        with open(file, "rb") as f:
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_size))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if entry["dtype"] not in SAFETENSORS_DTYPES:
+                raise ValueError(f"{file}: tensor {name} has dtype {entry['dtype']}, which this loader does not read")
+            tensors[name] = StoredTensor(file, SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]),
+                                         8 + header_size + entry["data_offsets"][0])
+    if not files:
+        for file in sorted(path.glob("pytorch_model*.bin")):
+            for name, tensor in torch.load(file, mmap=True, weights_only=True, map_location="cpu").items():
+                tensors[name] = StoredTensor(file, tensor.dtype, tuple(tensor.shape), None, tensor)
+    if not tensors:
+        raise ValueError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
+    return tensors
 
 
 def shard_model(model, cfg, device, world_size):
-    """Gradient checkpointing (if configured) and FSDP2 on an HF causal LM already on `device`."""
+    """Gradient checkpointing (if configured) and FSDP2 on an HF causal LM on `device` or on the meta device."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -7,7 +7,7 @@
 
     engine = rollout.build_engine(model_path, seed=base_seed + rank, max_model_len=...)    # after init_process_group
     batch = rollout.generate(engine, prompt_token_ids, n=8, temperature=1.0, max_tokens=3072, seeds=[...])
-    rollout.sync_weights(engine, rollout.full_parameters(fsdp_model))                      # after each optimizer step
+    rollout.sync_weights(engine, rollout.full_parameters(fsdp_model, rollout.engine_dtype(engine)))  # each step
     rollout.weight_sync_error(engine, fsdp_model, probe_ids, prompt_len)                   # < 1e-4 in fp32: in sync
     batch = rollout.generate_with_tools(engine, tokenizer, prompt_token_ids, n=8, max_tokens=3072, seeds=[...],
                                         max_turns=4, sandbox_config=sandbox.SandboxConfig())  # multi-turn tool use
@@ -455,24 +455,28 @@ def tool_metrics(out):
 
 
 def full_parameters(model, dtype=None):
-    """Yield (name, full tensor) for every entry of the model's state dict, one at a time.
+    """Yield (name, full tensor) for every entry of the model's state dict, one at a time, in `dtype` (None: as
+    stored; pass the engine's, `engine_dtype`, so a float32 trainer sends bfloat16 to a bfloat16 engine).
 
-    With FSDP2 each entry is a DTensor shard and `full_tensor()` all-gathers it: a collective, so every rank must
-    iterate (all ranks see the same keys in the same order). Plain tensors (unsharded models, FSDP2-ignored params,
-    TRL PR #6623) pass through. With tied embeddings vLLM skips `lm_head.weight` (the embedding's alias). Names are HF's own: FSDP2 adds no prefix; activation-checkpoint and torch.compile
+    With FSDP2 each entry is a DTensor shard: it is cast first, then `full_tensor()` all-gathers it, so the gather
+    moves and the engine receives the engine's bytes, never a float32 copy of the whole parameter. A collective:
+    every rank must iterate (all ranks see the same keys in the same order). Plain tensors (unsharded models,
+    FSDP2-ignored params, TRL PR #6623) pass through. With tied embeddings vLLM skips `lm_head.weight` (the
+    embedding's alias). Names are HF's own: FSDP2 adds no prefix; activation-checkpoint and torch.compile
     wrappers do, and are stripped.
     """
     for name, tensor in model.state_dict().items():
+        tensor = tensor.detach() if dtype is None else tensor.detach().to(dtype)  # a DTensor stays sharded
         if hasattr(tensor, "full_tensor"):
             if tensor.device.type == "cpu" and torch.cuda.is_available():
                 tensor = tensor.to("cuda")  # CPU-offloaded shards: NCCL all-gathers CUDA tensors only (TRL does so)
-            full = tensor.full_tensor()
-        else:
-            full = tensor
-        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        converted = full.detach() if dtype is None else full.detach().to(dtype)
-        del full  # with a dtype cast, do not keep the float32 copy alive while the engine loads the cast one
-        yield name, converted
+            tensor = tensor.full_tensor()
+        yield name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), tensor
+
+
+def engine_dtype(engine):
+    """The dtype the engine holds its weights in (rollout.dtype, or vLLM's choice for "auto")."""
+    return engine.llm_engine.model_config.dtype
 
 
 def sync_weights(engine, named_tensors):
@@ -552,20 +556,23 @@ def engine_logprobs(engine, token_ids, prompt_len):
 
 @torch.no_grad()
 def trainer_logprobs(model, token_ids, prompt_len):
-    """The training model's log-probs of token_ids[prompt_len:] (temperature 1). Call on every rank with FSDP2."""
+    """The training model's log-probs of token_ids[prompt_len:] (temperature 1). Call on every rank with FSDP2.
+    The LM head runs only at the positions compared ([R, V] logits in the compute dtype, R = len - prompt_len)."""
     import stare
 
     device = next(model.parameters()).device
     ids = torch.tensor([list(token_ids)], device=device)
-    logits = model(input_ids=ids, use_cache=False).logits[:, prompt_len - 1:-1]  # position t predicts token t + 1
-    logprobs, _ = stare.token_logprobs_and_entropy(logits.float(), ids[:, prompt_len:])
-    return logprobs[0].cpu()
+    keep = torch.arange(prompt_len - 1, len(token_ids) - 1, device=device)  # position t predicts token t + 1
+    logits = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits[0]  # [R, V]
+    logprobs, _ = stare.token_logprobs_and_entropy(logits, ids[0, prompt_len:])
+    return logprobs.cpu()
 
 
 def weight_sync_error(engine, model, token_ids, prompt_len):
     """max |engine log-prob - trainer log-prob| on a fixed probe sequence: ~1e-5 in float32 when the engine holds
     the trainer's weights, orders of magnitude more after a missed or partial sync."""
-    return (engine_logprobs(engine, token_ids, prompt_len) - trainer_logprobs(model, token_ids, prompt_len)).abs().max().item()
+    engine_side = engine_logprobs(engine, token_ids, prompt_len)
+    return (engine_side - trainer_logprobs(model, token_ids, prompt_len)).abs().max().item()
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -49,11 +49,13 @@ import config
 import data
 import evaluate
 import modeling
+import plan
 import rewards
 import rollout
 import stare
 
 
+PROBE_TOKENS = 512  # response tokens of the weight-sync probe: enough to see a missed sync, cheap at any length
 REWARD_FRACTIONS = ("rollout/no_answer_frac", "rollout/parse_error_frac", "rollout/timeout_frac",
                     "rollout/format_ok_frac")  # of every response sampled in a step
 
@@ -351,22 +353,32 @@ def micro_batch_backward(model, rows, is_padding, mini_rows, denominators, cfg, 
 
 def sync_engine(engine, model, cfg, responses, step, probe):
     """The new weights into the local engine; every sync_check_every steps, the engine's log-probs of a probe
-    sequence against the trainer's -> (the probe, the largest difference or None)."""
+    sequence against the trainer's -> (the probe, the largest difference or None). With sleep mode the trainer's
+    side of the probe runs before the engine's KV cache is back, so the two never hold memory at once."""
     if cfg.rollout.enable_sleep_mode:
         rollout.wake_weights(engine)  # weights first, then the KV cache (vLLM's sleep mode)
-    rollout.sync_weights(engine, rollout.full_parameters(model))
+    rollout.sync_weights(engine, rollout.full_parameters(model, rollout.engine_dtype(engine)))
+    checking = cfg.rollout.sync_check_every and step % cfg.rollout.sync_check_every == 0
+    if checking and probe is None:
+        probe = next((p for p in all_gather(probe_sequence(responses)) if p is not None), None)  # same on all ranks
+    if checking and probe is not None:
+        model.eval()
+        trainer_side = rollout.trainer_logprobs(model, probe[0], probe[1])
     if cfg.rollout.enable_sleep_mode:
         rollout.wake_kv_cache(engine)
-    if not cfg.rollout.sync_check_every or step % cfg.rollout.sync_check_every:
+    if not checking or probe is None:
         return probe, None
-    if probe is None:  # a finished, non-empty response: room in the context and at least one log-prob
-        usable = [r for r in responses if r.tokens and not r.truncated]
-        candidate = (usable[0].prompt + usable[0].tokens, len(usable[0].prompt)) if usable else None
-        probe = next((p for p in all_gather(candidate) if p is not None), None)  # the same on every rank: a collective
-    if probe is None:
-        return None, None
-    model.eval()
-    return probe, rollout.weight_sync_error(engine, model, probe[0], probe[1])
+    return probe, (rollout.engine_logprobs(engine, probe[0], probe[1]) - trainer_side).abs().max().item()
+
+
+def probe_sequence(responses):
+    """(token ids, prompt length) of the weight-sync probe: the first response with a token, cut to PROBE_TOKENS
+    (a truncated response fills the context, and the probe asks for one more token: it loses its last); or None."""
+    for r in responses:
+        tokens = r.tokens[:min(PROBE_TOKENS, len(r.tokens) - r.truncated)]
+        if tokens:
+            return r.prompt + tokens, len(r.prompt)
+    return None
 
 
 def batch_metrics(responses, num_tokens, device):
@@ -435,10 +447,13 @@ def train_step(run, state, step):
 
 def main(argv):
     export_only = "--export" in argv  # write an HF export of the checkpoint train.resume names, then stop
-    argv = [a for a in argv if a != "--export"]
+    planning = "--plan" in argv  # print the memory plan of the config on its hardware, then stop
+    argv = [a for a in argv if a not in ("--export", "--plan")]
     if len(argv) < 2 or argv[0] != "--config":
-        print("usage: train.py --config CONFIG.yaml [--export] [section.key=value ...]", file=sys.stderr)
+        print("usage: train.py --config CONFIG.yaml [--export | --plan] [section.key=value ...]", file=sys.stderr)
         return 2
+    if planning:
+        return plan.main(argv[1], argv[2:])
     try:  # everything that can be checked before a process group, an engine or a model exists
         cfg = config.load(argv[1], argv[2:])
         config.check_paths(cfg)
@@ -535,6 +550,9 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
         config.check(cfg, world_size=world)
     except config.ConfigError as error:
         raise checkpoints.RunError(f"config error: {error}") from None
+    if device.type == "cuda":  # the memory plan against this GPU, before anything is loaded
+        free, total = (b / 2**30 for b in torch.cuda.mem_get_info(device))
+        agree(plan.device_problem(cfg, plan.Architecture.from_config_json(cfg.model.path), world, total, free))
     checkpoint = checkpoints.resume_checkpoint(cfg, check_later=not export_only, rank=rank)
     if cfg.loss.agg_mode == "seq-mean-token-sum-norm" and cfg.loss.loss_scale_factor is None:
         # Dr.GRPO's constant must not be the padded width of each micro-batch: use the response budget (Eq. 3)
@@ -621,7 +639,8 @@ def resume(run, checkpoint):
     # the gate's state; its settings come from this run's config (w and m too, unless they adapt)
     carried = ("gate_on", "current_entropy") + (("w", "m") if run.gate.adaptive else ())
     run.gate.load_state_dict({**run.gate.state_dict(), **{key: saved["gate"][key] for key in carried}})
-    rollout.sync_weights(run.engine, rollout.full_parameters(run.model))  # the engine started from model.path
+    # the engine started from model.path
+    rollout.sync_weights(run.engine, rollout.full_parameters(run.model, rollout.engine_dtype(run.engine)))
     changed = checkpoints.config_differences((checkpoint / "config.yaml").read_text(), run.cfg)
     if run.rank == 0:
         print(f"resumed from {checkpoint} at step {saved['step']}"

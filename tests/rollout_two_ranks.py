@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data
@@ -41,7 +42,16 @@ def main(model_dir, result_path):
             parameter.add_(0.05 * torch.randn_like(parameter))
     probe = prompt + gathered[0][0]
     stale_error = rollout.weight_sync_error(engine, model, probe, len(prompt))  # collective forward on all ranks
-    rollout.sync_weights(engine, rollout.full_parameters(model))
+    # the sync gathers in the engine's dtype: each shard is cast before its all-gather, never gathered in float32
+    gathered_dtypes, full_tensor = set(), DTensor.full_tensor
+    DTensor.full_tensor = lambda self, *a, **k: gathered_dtypes.add(str(self.dtype)) or full_tensor(self, *a, **k)
+    try:
+        half = dict(rollout.full_parameters(model, torch.bfloat16))
+    finally:
+        DTensor.full_tensor = full_tensor
+    half_exact = all(torch.equal(half[name], full.to(torch.bfloat16))
+                     for name, full in rollout.full_parameters(model))
+    rollout.sync_weights(engine, rollout.full_parameters(model, rollout.engine_dtype(engine)))
     synced_error = rollout.weight_sync_error(engine, model, probe, len(prompt))
     errors = [None, None]
     dist.all_gather_object(errors, (stale_error, synced_error))
@@ -49,7 +59,8 @@ def main(model_dir, result_path):
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump({"rank_samples_differ": gathered[0] != gathered[1], "stale_error": min(e[0] for e in errors),
-                       "synced_error": [e[1] for e in errors]}, f)
+                       "synced_error": [e[1] for e in errors], "gathered_dtypes": sorted(gathered_dtypes),
+                       "half_exact": half_exact, "engine_dtype": str(rollout.engine_dtype(engine))}, f)
     dist.barrier()
     rollout.shutdown_engine(engine)  # this also tears down the default process group (see rollout.shutdown_engine)
     if dist.is_initialized():

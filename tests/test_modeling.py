@@ -1,11 +1,17 @@
-"""modeling.py: packed rows give every row exactly what the row gives alone (values and gradients), and micro-batches
-cover every row once within the token budget."""
+"""modeling.py: packed rows give every row exactly what the row gives alone (values and gradients), micro-batches
+cover every row once within the token budget, and the sharded start-up gives each rank exactly its rows of the
+checkpoint without ever holding the whole model."""
 
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import modeling
 import stare
@@ -136,3 +142,39 @@ def test_micro_batches_cover_every_row_once_within_the_budget(budget):
     for batch in batches:
         assert len(batch) == 1 or sum(lengths[i] for i in batch) <= budget
     assert modeling.micro_batches([], budget) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sharded start-up (modeling.build_model): two gloo ranks, each measured and checked by tests/startup_two_ranks.py
+# ----------------------------------------------------------------------------------------------------------------------
+
+STARTUP_SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
+                     num_key_value_heads=4, vocab_size=32_003, max_position_embeddings=512)  # ~0.1B; an odd
+#                     vocabulary, so the two ranks' shards of the embedding differ in size
+
+
+@pytest.mark.parametrize("architecture,tied", [("qwen2", False), ("qwen2", True), ("llama", True)])
+def test_sharded_start_up_reads_each_rank_its_rows_and_never_the_whole_model(architecture, tied, tmp_path):
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "llama": (LlamaConfig, LlamaForCausalLM)}[architecture]
+    torch.manual_seed(0)
+    model = model_class(config_class(tie_word_embeddings=tied, **STARTUP_SHAPE))
+    if architecture == "llama":  # stored in bfloat16, as most released checkpoints are
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "model")
+    del model
+    repo_root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo_root))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(Path(__file__).with_name("startup_two_ranks.py")), str(tmp_path / "model"), str(tmp_path)]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    vocab = STARTUP_SHAPE["vocab_size"]
+    assert [r["shard_rows"]["model.embed_tokens.weight"] for r in ranks] == [[0, 16_002], [16_002, vocab]]
+    for rank in ranks:
+        assert rank["mismatched"] == []  # every local shard equals the checkpoint's rows, in float32
+        assert rank["tied"] == tied
+        assert rank["logits_max_abs_diff"] < 1e-4  # the sharded model computes what the whole one does
+        # half the model is this rank's shard; the whole model would be 1.0 (1.06-1.08 before the sharded start-up)
+        assert rank["growth_over_fp32"] < 0.7, rank

@@ -125,6 +125,19 @@ def test_weight_sync_is_checkable(engine, prompts, tiny_dir):
     assert restored.token_ids == before.token_ids
 
 
+def test_the_trainer_side_of_the_probe_runs_the_head_only_where_it_compares(tiny_dir):
+    model = load_model(tiny_dir)
+    shapes = []
+    model.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.logits.shape)))
+    ids = torch.randint(5, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    logprobs = rollout.trainer_logprobs(model, ids, 30)
+    assert shapes == [(1, 10, model.config.vocab_size)]  # 10 positions, not 40
+    with torch.no_grad():  # the plain formula over the whole sequence
+        full = model(input_ids=torch.tensor([ids])).logits[0].double().log_softmax(-1)
+    expected = full[29:-1].gather(1, torch.tensor(ids[30:])[:, None])[:, 0]
+    assert torch.allclose(logprobs.double(), expected, atol=1e-5)
+
+
 def test_seed_validation(engine, prompts):
     with pytest.raises(ValueError, match="seeds"):
         rollout.generate(engine, prompts, n=2, seeds=[1])
@@ -148,6 +161,8 @@ def test_two_ranks_sample_differently_and_fsdp2_sync_streams(tiny_dir, tmp_path)
     assert result["rank_samples_differ"]
     assert result["stale_error"] > 1e-2
     assert max(result["synced_error"]) < 1e-4  # both ranks' engines hold the new (sharded) weights
+    assert result["engine_dtype"] == "torch.float32"  # dtype="float32": the sync sent float32
+    assert result["gathered_dtypes"] == ["torch.bfloat16"] and result["half_exact"]  # cast, then gathered
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="sleep mode needs CUDA")

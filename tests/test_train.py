@@ -393,6 +393,21 @@ def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
         assert (gradient[tool] == 0).all() and (gradient[tensors["mask"]] != 0).any(), method
 
 
+def test_the_sync_probe_is_the_prompt_and_at_most_512_response_tokens():
+    import train
+
+    def response(length, truncated=False):
+        return train.Response(prompt=[1, 2, 3], tokens=list(range(10, 10 + length)),
+                              rollout_logprobs=[0.0] * length, reward=0.0, accuracy=0.0, truncated=truncated,
+                              reflection=(0, 0), policy_mask=torch.ones(length, dtype=torch.bool))
+
+    assert train.PROBE_TOKENS == 512
+    assert train.probe_sequence([response(0), response(17_000)]) == ([1, 2, 3] + list(range(10, 522)), 3)
+    # a truncated response filled the context: the probe asks for one more token, so it drops the last
+    assert train.probe_sequence([response(5, truncated=True)]) == ([1, 2, 3, 10, 11, 12, 13], 3)
+    assert train.probe_sequence([response(1, truncated=True), response(0)]) is None
+
+
 def random_responses(generator, groups=3, n=4, vocab=300):
     """Groups of n responses with random prompts, tokens and 0/1 rewards (each group varied), as sample_groups makes."""
     import train

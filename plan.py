@@ -1,0 +1,313 @@
+"""plan.py: the memory plan of a run, computed from its config and the model's config.json alone (no weights,
+tokenizer, engine, process group or GPU).
+
+    python train.py --config configs/qwen7b_long.yaml --plan [section.key=value ...]
+
+prints, per GPU, the peak of each phase of a step (start-up, rollout, update, sync probe), the host memory per node,
+the engine's KV cache and how many full-length sequences it holds against the requests of one generation round,
+and last one JSON line. Exit 0 when the run fits the hardware its config names (the `hardware` section), 2 when
+not, with the change of one knob that would fit. A GPU run checks the same plan against its own device before it
+loads anything (train.py, `device_problem`).
+
+Every number is a formula of the architecture and the config; the formulas, their constants and how they were
+calibrated against measured peaks are in docs/benchmarks.md, "Memory plan". What only a GPU settles (CUDA-graph
+memory, the engine's non-torch memory) is a named constant here, measured by `bench.py gpu-smoke`.
+"""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CUDA_CONTEXT_GIB = 1.5  # per process, outside PyTorch's allocator: CUDA context, cuBLAS and NCCL workspaces
+ENGINE_NON_TORCH_GIB = 0.5  # vLLM's own non-torch memory, taken from its budget before the KV cache
+CUDA_GRAPH_GIB = 1.0  # vLLM's captured CUDA graphs (not with enforce_eager); kept while the engine sleeps
+HOST_PROCESS_GIB = 6.0  # host RAM of one rank: Python, PyTorch, CUDA libraries, vLLM
+HEADROOM = 0.05  # a phase fits when it leaves this share of the device free (allocator fragmentation)
+ENGINE_BATCH_TOKENS = 8192  # rollout.build_engine's max_num_batched_tokens floor (its profiling batch)
+
+
+@dataclasses.dataclass
+class Architecture:
+    """The sizes of a decoder-only transformer that memory depends on (biases and norms' few weights aside)."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    max_positions: int
+    dtype: str  # the checkpoint's (config.json's torch_dtype / dtype)
+
+    @classmethod
+    def from_config_json(cls, path):
+        """The architecture of config.json at `path` (a model directory); nothing else there is read."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        config = getattr(config, "text_config", None) or config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+        return cls(name=str(path), hidden=config.hidden_size, layers=config.num_hidden_layers,
+                   heads=config.num_attention_heads,
+                   kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                   head_dim=head_dim, intermediate=config.intermediate_size, vocab=config.vocab_size,
+                   tied=bool(config.tie_word_embeddings), max_positions=config.max_position_embeddings,
+                   dtype=dtype.removeprefix("torch."))
+
+    @property
+    def q_dim(self):
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self):
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_parameters(self):  # attention (q, k, v, o), the gated MLP, two norms
+        return 2 * self.hidden * (self.q_dim + self.kv_dim) + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    @property
+    def root_parameters(self):  # what FSDP2's root unit holds: embedding, final norm, an untied LM head
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def parameters(self):
+        return self.layers * self.layer_parameters + self.root_parameters
+
+    def layer_activation_bytes(self, compute_bytes):
+        """Bytes per token that one decoder layer keeps for its backward: the residual stream and the two norms'
+        outputs, q/k/v before and after rotary (k/v repeated for grouped-query attention), the attention output,
+        the MLP's gate, up, activation and product, and the norms' float32 statistics."""
+        return (compute_bytes * (5 * self.hidden + 4 * self.q_dim + 3 * self.kv_dim + 4 * self.intermediate)
+                + 8 * self.hidden)
+
+
+def engine_dtype(cfg, arch):
+    """The dtype vLLM holds weights and KV cache in: rollout.dtype, or for "auto" the checkpoint's, with float32
+    checkpoints run in bfloat16 (vLLM's choice on GPU and x86 CPU)."""
+    if cfg.rollout.dtype != "auto":
+        return cfg.rollout.dtype
+    return "bfloat16" if arch.dtype == "float32" else arch.dtype
+
+
+def max_model_len(cfg, evaluating=None):
+    """The engine's context: the longest prompt plus the longest response it samples (training or evaluation)."""
+    evaluating = bool(cfg.eval.every and cfg.eval.files) if evaluating is None else evaluating
+    return cfg.data.max_prompt_tokens + max(cfg.rollout.max_tokens, cfg.eval.max_tokens if evaluating else 0)
+
+
+def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
+    """The plan of `cfg` on `world_size` ranks (default: the hardware section's) of gpu_gib each (default: the
+    hardware section's), of which free_gib are free (default: all) -> dict of GiB (see the module docstring;
+    every key is described in docs/benchmarks.md, "Memory plan")."""
+    hw = cfg.hardware
+    world = world_size or hw.nodes * hw.gpus_per_node
+    gpu_gib = hw.gpu_gib if gpu_gib is None else gpu_gib
+    tp = cfg.rollout.tensor_parallel_size
+    on_gpu = cfg.rollout.kv_cache_gib is None
+    n, compute_bytes = arch.parameters, DTYPE_BYTES[cfg.model.param_dtype]
+    reduce_bytes, e_dtype = DTYPE_BYTES[cfg.model.reduce_dtype], engine_dtype(cfg, arch)
+    engine_bytes = DTYPE_BYTES[e_dtype]
+    context = max_model_len(cfg)
+
+    # the engine: weights, its profiling forward's activations, CUDA graphs, then the KV cache from what is left
+    engine_weights = n * engine_bytes / tp / GIB
+    batch_tokens = max(ENGINE_BATCH_TOKENS, context)
+    engine_activations = (batch_tokens * (arch.q_dim + 2 * arch.kv_dim + 2 * arch.intermediate + 2 * arch.hidden)
+                          * engine_bytes / tp + 2 * cfg.rollout.max_num_seqs * arch.vocab * 4) / GIB
+    graphs = 0.0 if (cfg.rollout.enforce_eager or not on_gpu) else CUDA_GRAPH_GIB
+    if on_gpu:  # vLLM takes gpu_memory_utilization of the device and gives the KV cache what its own use leaves
+        engine_total = cfg.rollout.gpu_memory_utilization * gpu_gib
+        kv_cache = engine_total - engine_weights - engine_activations - graphs - ENGINE_NON_TORCH_GIB
+    else:  # CPU: the KV cache is sized in GiB
+        kv_cache = cfg.rollout.kv_cache_gib
+        engine_total = engine_weights + engine_activations + kv_cache
+    engine_asleep = graphs + 0.25 if cfg.rollout.enable_sleep_mode else engine_total
+    kv_per_token = 2 * arch.layers * math.ceil(arch.kv_heads / tp) * arch.head_dim * engine_bytes  # one GPU
+    sequence_gib = context * kv_per_token / GIB
+    sequences = max(0, math.floor(kv_cache / sequence_gib)) if kv_cache > 0 else 0
+    engines = world // tp
+    requests = math.ceil(cfg.algorithm.gen_batch_size / engines) * cfg.rollout.n
+
+    # the trainer: float32 shards of parameters and AdamW's two moments, then the update of one micro-batch
+    master, adam = 4 * n / world / GIB, 8 * n / world / GIB
+    gathered = compute_bytes * (arch.root_parameters + 2 * arch.layer_parameters) / GIB  # root + layer, prefetch
+    row = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
+    tokens = max(cfg.train.micro_token_budget, row)  # a row longer than the budget goes alone
+    update = update_gib(arch, world, compute_bytes, reduce_bytes, cfg.model.gradient_checkpointing, tokens, tokens)
+    probe_tokens = cfg.data.max_prompt_tokens + 512  # train.PROBE_TOKENS
+    probe = (gathered + probe_tokens * arch.layer_activation_bytes(compute_bytes) / GIB
+             + 2 * 512 * arch.vocab * compute_bytes / GIB)
+    sync = arch.vocab * arch.hidden * engine_bytes / GIB  # the largest parameter, gathered in the engine's dtype
+
+    context_gib = CUDA_CONTEXT_GIB if on_gpu else 0.0
+    phases = {
+        "startup": {"engine": engine_total, "trainer": master, "context": context_gib},
+        "rollout": {"engine": engine_total, "trainer": master + adam, "context": context_gib},
+        "update": {"engine": engine_asleep, "trainer": update["state"], "batch": update["batch"],
+                   "context": context_gib},
+        # with sleep mode the engine's weights are back, its KV cache not yet (train.sync_engine)
+        "sync_probe": {"engine": engine_weights + engine_asleep if cfg.rollout.enable_sleep_mode else engine_total,
+                       "trainer": master + adam, "batch": max(sync, probe), "context": context_gib},
+    }
+    ranks_per_node = min(world, hw.gpus_per_node)
+    export = (4 + compute_bytes) * n / GIB  # rank 0 gathers the float32 model on the host, then casts it
+    host = ranks_per_node * HOST_PROCESS_GIB + export
+    result = {
+        "config": None, "model": arch.name, "parameters_b": round(n / 1e9, 3),
+        "world_size": world, "nodes": -(-world // hw.gpus_per_node), "gpus_per_node": ranks_per_node,
+        "gpu_gib": gpu_gib, "free_gib": gpu_gib if free_gib is None else free_gib, "host_gib": hw.host_gib,
+        "phases": {name: round(sum(parts.values()), 2) for name, parts in phases.items()},
+        "breakdown": {name: {k: round(v, 2) for k, v in parts.items()} for name, parts in phases.items()},
+        "engine": {"dtype": e_dtype, "weights_gib": round(engine_weights, 2),
+                   "activations_gib": round(engine_activations, 2), "cuda_graphs_gib": graphs,
+                   "tensor_parallel_size": tp, "engines": engines},
+        "kv_cache_gib": round(kv_cache, 2), "max_model_len": context,
+        "kv_sequence_gib": round(sequence_gib, 3), "kv_full_length_sequences": sequences,
+        "requests_per_round": requests, "micro_batch_tokens": tokens,
+        "host_gib_per_node": round(host, 1),
+    }
+    result["problems"] = problems(result, cfg, arch)
+    result["fits"] = not result["problems"]
+    return result
+
+
+def update_gib(arch, world, compute_bytes, reduce_bytes, checkpointing, tokens, response_tokens):
+    """The trainer's memory at the peak of an update, per rank, in GiB: {"state": float32 shards of the
+    parameters, their gradients and AdamW's two moments (16 bytes per parameter / world), "batch": the rest}.
+    The batch part: FSDP2's gathered root unit and two layers (the current and the prefetched one) in the compute
+    dtype, a layer's unsharded gradient before its reduce-scatter, and one micro-batch of `tokens` tokens
+    (`response_tokens` of them scored): each layer's input with gradient checkpointing plus one layer
+    recomputed, or every layer's activations without, and the logits at the response positions with their
+    gradient (never a float32 copy of them: stare.token_logprobs_and_entropy)."""
+    per_layer = arch.layer_activation_bytes(compute_bytes)
+    if checkpointing:
+        body = tokens * (arch.layers * arch.hidden * compute_bytes + per_layer)
+    else:
+        body = tokens * arch.layers * per_layer
+    head = 2 * response_tokens * arch.vocab * compute_bytes
+    gathered = compute_bytes * (arch.root_parameters + 2 * arch.layer_parameters)
+    grad_buffers = (compute_bytes + reduce_bytes) * arch.layer_parameters
+    return {"state": 16 * arch.parameters / world / GIB, "batch": (gathered + grad_buffers + body + head) / GIB}
+
+
+def problems(plan, cfg, arch):
+    """What stops the run from fitting its hardware, one line each (empty: it fits)."""
+    found, usable = [], plan["free_gib"] - plan["gpu_gib"] * HEADROOM
+    for name, gib in plan["phases"].items():
+        if gib > usable:
+            found.append(f"{name} needs {gib:.1f} GiB per GPU, more than {usable:.1f} of {plan['free_gib']:g} "
+                         f"(keeping {HEADROOM:.0%} of the GPU free)")
+    if plan["kv_full_length_sequences"] < 1:
+        found.append(f"the KV cache ({plan['kv_cache_gib']:.1f} GiB) holds no sequence of max_model_len "
+                     f"{plan['max_model_len']} ({plan['kv_sequence_gib']:.2f} GiB): vLLM refuses to start")
+    if plan["max_model_len"] > arch.max_positions:
+        found.append(f"max_model_len {plan['max_model_len']} (data.max_prompt_tokens + the longest response) "
+                     f"exceeds the model's context, max_position_embeddings = {arch.max_positions}")
+    if plan["host_gib"] is not None and plan["host_gib_per_node"] > plan["host_gib"]:
+        found.append(f"host memory {plan['host_gib_per_node']:.0f} GiB per node exceeds hardware.host_gib "
+                     f"({plan['host_gib']:g})")
+    if plan["world_size"] % cfg.rollout.tensor_parallel_size:
+        found.append(f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} does not divide the "
+                     f"{plan['world_size']} ranks")
+    return found
+
+
+def suggestions(cfg, arch):
+    """Changes of one knob (or the engine's memory with it) that make the plan fit, as override strings, best
+    first: the engine's share of the GPU, sleep mode, checkpointing, the micro-batch, more nodes."""
+    import config
+
+    def fits(overrides):
+        try:
+            return compute(config.apply_overrides(cfg, overrides), arch)["fits"]
+        except config.ConfigError:  # e.g. a micro-batch budget or node count the batch sizes do not allow
+            return False
+
+    utilizations = [f"rollout.gpu_memory_utilization={u / 100:.2f}" for u in range(95, 19, -1)]
+    candidates = [[]]
+    if not cfg.rollout.enable_sleep_mode:
+        candidates.append(["rollout.enable_sleep_mode=true"])
+    if not cfg.model.gradient_checkpointing:
+        candidates.append(["model.gradient_checkpointing=true"])
+    budget = cfg.train.micro_token_budget
+    while budget > 1024:
+        budget //= 2
+        candidates.append([f"train.micro_token_budget={budget}"])
+    candidates += [[f"hardware.nodes={cfg.hardware.nodes * k}"] for k in (2, 4)]
+    for candidate in candidates:
+        options = [candidate + [u] for u in utilizations] if cfg.rollout.kv_cache_gib is None else [candidate]
+        for overrides in options:  # the most KV cache that fits with this change
+            if overrides and fits(overrides):
+                return overrides
+    return []
+
+
+def report(plan, cfg_path, suggestion=()):
+    """The plan as text lines for a person, then the JSON line."""
+    phases, breakdown = plan["phases"], plan["breakdown"]
+    engine = plan["engine"]
+    lines = [f"memory plan of {cfg_path}: {plan['model']} ({plan['parameters_b']:.2f}B parameters) on "
+             f"{plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s) of {plan['gpu_gib']:g} GiB "
+             f"({plan['world_size']} ranks, {engine['engines']} engine(s) of tensor-parallel size "
+             f"{engine['tensor_parallel_size']})",
+             f"{'per GPU, GiB':<14}{'engine':>8}{'trainer':>9}{'batch':>8}{'context':>9}{'total':>8}"]
+    for name, total in phases.items():
+        parts = breakdown[name]
+        lines.append(f"  {name:<12}{parts['engine']:>8.1f}{parts['trainer']:>9.1f}{parts.get('batch', 0):>8.1f}"
+                     f"{parts['context']:>9.1f}{total:>8.1f}")
+    lines.append(f"engine ({engine['dtype']}): weights {engine['weights_gib']:.1f} GiB, activations "
+                 f"{engine['activations_gib']:.1f}, CUDA graphs {engine['cuda_graphs_gib']:.1f}; KV cache "
+                 f"{plan['kv_cache_gib']:.1f} GiB = {plan['kv_full_length_sequences']} sequences of "
+                 f"{plan['max_model_len']} tokens ({plan['kv_sequence_gib']:.2f} GiB each) for the "
+                 f"{plan['requests_per_round']} requests of one generation round")
+    lines.append(f"host: {plan['host_gib_per_node']:.0f} GiB on the first node ({plan['gpus_per_node']} ranks x "
+                 f"{HOST_PROCESS_GIB:g} + the final export's full model)"
+                 + (f" of {plan['host_gib']:g}" if plan["host_gib"] is not None else ""))
+    if plan["fits"]:
+        lines.append("fits")
+    else:
+        lines += [f"does not fit: {problem}" for problem in plan["problems"]]
+        lines.append("a change that fits: " + " ".join(suggestion) if suggestion else
+                     "no change of one knob fits: more GPUs per engine, shorter responses or a larger GPU")
+    summary = {key: plan[key] for key in ("fits", "gpu_gib", "world_size", "phases", "kv_cache_gib",
+                                          "kv_full_length_sequences", "requests_per_round", "host_gib_per_node",
+                                          "max_model_len", "parameters_b", "problems")}
+    summary["suggestion"] = list(suggestion)
+    lines.append(json.dumps(summary))
+    return lines
+
+
+def main(cfg_path, overrides):
+    """`train.py --config C --plan [overrides]` -> exit code (0 fits, 2 does not or cannot be planned)."""
+    import config
+
+    try:
+        cfg = config.load(cfg_path, overrides)
+        arch = Architecture.from_config_json(config.check_model_config(cfg.model.path))
+        config.check(cfg, world_size=cfg.hardware.nodes * cfg.hardware.gpus_per_node)
+    except config.ConfigError as error:
+        print(f"config error: {error}")
+        return 2
+    plan = compute(cfg, arch)
+    plan["config"] = cfg_path
+    print("\n".join(report(plan, cfg_path, () if plan["fits"] else suggestions(cfg, arch))))
+    return 0 if plan["fits"] else 2
+
+
+def device_problem(cfg, arch, world_size, total_gib, free_gib):
+    """On a GPU, before anything loads: the plan on this device (the engine takes its share of the total, every
+    phase must fit in what is free) -> one line, or None if it fits."""
+    plan = compute(cfg, arch, world_size=world_size, gpu_gib=total_gib, free_gib=free_gib)
+    device_problems = [p for p in plan["problems"] if "host memory" not in p]
+    if not device_problems:
+        return None
+    return (f"error: the memory plan does not fit this GPU ({free_gib:.1f} GiB free): {device_problems[0]}; "
+            f"`python train.py --config ... --plan` shows every phase and a change that fits")
