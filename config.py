@@ -62,7 +62,7 @@ class RolloutConfig:
     dtype: str = "auto"  # vLLM weights dtype; auto = vLLM's choice (a float32 checkpoint runs in bfloat16)
     gpu_memory_utilization: float = 0.3  # GPU: fraction of the GPU for vLLM (weights + KV cache); leave room for FSDP
     kv_cache_gib: float | None = None  # CPU: the KV cache size in GiB (required there); GPU: null
-    tensor_parallel_size: int = 1  # vLLM tensor parallelism per engine; 1 until the trainer shares prompts per group
+    tensor_parallel_size: int = 1  # GPUs per vLLM engine: consecutive ranks share one
     max_num_seqs: int = 256  # concurrent sequences per engine
     enable_sleep_mode: bool = False  # GPU: release the KV cache and weights while training
     enforce_eager: bool = False  # no CUDA graphs / compilation (faster start-up, slower sampling)
@@ -305,8 +305,10 @@ def check(cfg, world_size=None):
         ("eval.n", cfg.eval.n is None or cfg.eval.n >= 1, "must be >= 1 or null"),
         ("rollout.top_k", cfg.rollout.top_k >= -1, "must be >= -1 (0 or -1 = off)"),
         ("rollout.n", cfg.rollout.n >= 2, "must be >= 2: a group of one response has no baseline"),
-        ("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size == 1,
-         "must be 1: one engine per rank (tensor-parallel engine groups are not supported yet)"),
+        ("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size == 1 or not cfg.rollout.tools,
+         "must be 1 with rollout.tools (the ranks of one engine would each run the tool calls)"),
+        ("rollout.tensor_parallel_size", cfg.hardware.gpus_per_node % cfg.rollout.tensor_parallel_size == 0,
+         f"must divide hardware.gpus_per_node ({cfg.hardware.gpus_per_node}): an engine stays on one node"),
         ("train.mini_batch_size", cfg.train.train_batch_size % cfg.train.mini_batch_size == 0,
          f"must divide train.train_batch_size ({cfg.train.train_batch_size})"),
         ("algorithm.gen_batch_size", cfg.algorithm.gen_batch_size >= cfg.train.train_batch_size,
@@ -332,6 +334,8 @@ def check(cfg, world_size=None):
              f"must be divisible by the number of ranks ({world_size})"),
             ("algorithm.gen_batch_size", cfg.algorithm.gen_batch_size % world_size == 0,
              f"must be divisible by the number of ranks ({world_size})"),
+            ("rollout.tensor_parallel_size", world_size % cfg.rollout.tensor_parallel_size == 0,
+             f"must divide the number of ranks ({world_size}): consecutive ranks share an engine"),
         ]
     for key, ok, message in rules:
         if not ok:

@@ -262,16 +262,17 @@ def _overall(per_benchmark):
 
 
 def evaluate(engine, tokenizer, benchmarks, n=None, temperature=1.0, top_p=0.7, max_tokens=3072, reward_cfg=None,
-             seed=0, max_prompt_tokens=1024, overflow="left_truncate", return_samples=False, use_tqdm=False):
+             seed=0, max_prompt_tokens=1024, overflow="left_truncate", return_samples=False, use_tqdm=False,
+             tensor_parallel_size=1):
     """Sample and score every benchmark on an already built engine; -> result dict (docs/usage.md, "Evaluation
     metrics": the keys of --out's JSON).
 
     benchmarks: {name: [data.Example]} (e.g. from load_benchmarks). n: an int for all, a {name: n} dict (missing
     names take default_n), or None (default_n for all). reward_cfg: rewards.RewardConfig (None: the default, acc
     only). The engine's max_model_len must be >= max_prompt_tokens + max_tokens.
-    Under an initialised torch.distributed group every rank must call this with the same arguments: each rank
-    samples prompts rank, rank + world, ... of each benchmark, the per-prompt records are all-gathered, and every
-    rank returns the same full result. return_samples: also gather the responses, as result["samples"] (a list of
+    Under an initialised torch.distributed group every rank must call this with the same arguments: each engine
+    (the tensor_parallel_size consecutive ranks that share one) samples prompts e, e + engines, ... of each
+    benchmark, the per-prompt records are all-gathered, and every rank returns the same full result. return_samples: also gather the responses, as result["samples"] (a list of
     dicts in benchmark, prompt, sample order).
     """
     if not benchmarks:
@@ -294,7 +295,7 @@ def evaluate(engine, tokenizer, benchmarks, n=None, temperature=1.0, top_p=0.7, 
         if ns[name] < 1:
             raise ValueError(f"benchmark {name!r}: n must be >= 1, got {ns[name]}")
         kss[name] = ks_for(ns[name])
-        mine = list(range(rank, len(kept), world))
+        mine = list(range(rank // tensor_parallel_size, len(kept), world // tensor_parallel_size))
         if not mine:  # more ranks than prompts: this rank only joins the gather
             continue
         out = rollout.generate(engine, [prompt_ids[i] for i in mine], n=ns[name], temperature=temperature,
@@ -311,7 +312,7 @@ def evaluate(engine, tokenizer, benchmarks, n=None, temperature=1.0, top_p=0.7, 
     if distributed:
         gathered = [None] * world
         dist.all_gather_object(gathered, records)
-        records = [r for rank_records in gathered for r in rank_records]
+        records = [r for rank_records in gathered[::tensor_parallel_size] for r in rank_records]  # one per engine
     order = {name: position for position, name in enumerate(benchmarks)}
     records.sort(key=lambda r: (order[r["benchmark"]], r["index"]))
     per_benchmark = {name: _aggregate([r for r in records if r["benchmark"] == name], ns[name], kss[name],

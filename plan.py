@@ -222,7 +222,7 @@ def problems(plan, cfg, arch):
 
 def suggestions(cfg, arch):
     """Changes of one knob (or the engine's memory with it) that make the plan fit, as override strings, best
-    first: the engine's share of the GPU, sleep mode, checkpointing, the micro-batch, more nodes."""
+    first: the engine's share of the GPU, sleep mode, checkpointing, the micro-batch, GPUs per engine, nodes."""
     import config
 
     def fits(overrides):
@@ -241,6 +241,9 @@ def suggestions(cfg, arch):
     while budget > 1024:
         budget //= 2
         candidates.append([f"train.micro_token_budget={budget}"])
+    tp = cfg.rollout.tensor_parallel_size
+    candidates += [[f"rollout.tensor_parallel_size={tp * k}"] for k in (2, 4, 8)
+                   if cfg.hardware.gpus_per_node % (tp * k) == 0 and not cfg.rollout.tools]
     candidates += [[f"hardware.nodes={cfg.hardware.nodes * k}"] for k in (2, 4)]
     for candidate in candidates:
         options = [candidate + [u] for u in utilizations] if cfg.rollout.kv_cache_gib is None else [candidate]
@@ -276,7 +279,7 @@ def report(plan, cfg_path, suggestion=()):
     else:
         lines += [f"does not fit: {problem}" for problem in plan["problems"]]
         lines.append("a change that fits: " + " ".join(suggestion) if suggestion else
-                     "no change of one knob fits: more GPUs per engine, shorter responses or a larger GPU")
+                     "no change of one knob fits: try shorter responses or a larger GPU")
     summary = {key: plan[key] for key in ("fits", "gpu_gib", "world_size", "phases", "kv_cache_gib",
                                           "kv_full_length_sequences", "requests_per_round", "host_gib_per_node",
                                           "max_model_len", "parameters_b", "problems")}

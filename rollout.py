@@ -47,8 +47,12 @@ def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utili
     over ranks: every rank builds its engine at the same point, after the process group and before the optimizer
     state (the engine sizes its KV cache from the memory still free).
 
-    model_path: a local HF checkpoint directory (nothing is downloaded). seed: base seed + rank; with one seed for
-    all ranks every rank would sample the same responses (vLLM #15980, verl #974). Building the engine reseeds this
+    tensor_parallel_size: under torchrun, each run of that many consecutive ranks (rank // tp) forms one engine
+    that holds 1/tp of the weights and KV cache on each of its ranks (vLLM builds the groups from the world of
+    external_launcher). Its ranks must make identical requests in the same order, with the same seed: they run
+    one computation and each gets the whole result.
+    model_path: a local HF checkpoint directory (nothing is downloaded). seed: base seed + rank // tp; with one
+    seed for all engines every engine would sample the same responses (vLLM #15980, verl #974). Building the engine reseeds this
     process's Python, NumPy and torch RNGs with that seed (vllm/utils/torch_utils.py set_random_seed, called by the
     workers): set the trainer's own RNG state after `build_engine`, never before.
     dtype: "auto" is vLLM's choice, which runs a float32 checkpoint in bfloat16 on GPU and x86 CPU; pass
@@ -61,10 +65,6 @@ def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utili
     from vllm import LLM
 
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if distributed and tensor_parallel_size > 1:
-        # the ranks of one TP group must share a seed (base + rank // tp) and identical prompts; the colocated
-        # trainer does not group its ranks that way yet
-        raise NotImplementedError("tensor_parallel_size > 1 under torchrun is not supported yet: use 1 engine/rank")
     on_gpu = torch.cuda.is_available()
     kv_cache_gib = CPU_KV_CACHE_GIB if kv_cache_gib is None and not on_gpu else kv_cache_gib
     enforce_eager = not on_gpu if enforce_eager is None else enforce_eager

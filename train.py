@@ -136,12 +136,13 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
                 f"error: dynamic sampling kept {len(kept)} of the {cfg.train.train_batch_size} groups needed after "
                 f"{rounds} rounds (algorithm.max_num_gen_batches); the task is too easy or too hard for the model: "
                 f"raise the limit or turn algorithm.dynamic_sampling off")
-        share = cfg.algorithm.gen_batch_size // world
-        global_indices = [data_position + rank * share + i for i in range(share)]
+        tp = cfg.rollout.tensor_parallel_size  # the ranks of one engine sample the same prompts together
+        global_indices = round_prompts(data_position, cfg.algorithm.gen_batch_size, rank, world, tp)
         data_position += cfg.algorithm.gen_batch_size
         groups, round_sums = generate_round(engine, tokenizer, task, cfg, global_indices)
-        add_sums(local_sums, round_sums)
-        for group in (g for rank_groups in all_gather(groups) for g in rank_groups):  # the same list on every rank
+        leader = rank % tp == 0  # one rank per engine speaks for its samples
+        add_sums(local_sums, {k: v if leader or k.startswith("time/") else 0 for k, v in round_sums.items()})
+        for group in (g for rank_groups in all_gather(groups)[::tp] for g in rank_groups):  # the same on all ranks
             sampled.append(group)
             kept += [group] if group.varied or not cfg.algorithm.dynamic_sampling else []
         rounds += 1
@@ -162,6 +163,14 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
                         "rollout/tool_token_frac": totals["tool_tokens"] / max(totals["tokens"], 1),
                         "rollout/max_turns_frac": totals["max_turns"] / responses})
     return kept[:cfg.train.train_batch_size], data_position, metrics
+
+
+def round_prompts(data_position, gen_batch_size, rank, world, tensor_parallel_size):
+    """The positions in the prompt stream that this rank's engine samples in one generation round: the round's
+    gen_batch_size prompts split evenly over the world / tensor_parallel_size engines (ranks rank // tp)."""
+    engines = world // tensor_parallel_size
+    share = gen_batch_size // engines
+    return [data_position + (rank // tensor_parallel_size) * share + i for i in range(share)]
 
 
 def generate_round(engine, tokenizer, task, cfg, global_indices):
@@ -570,7 +579,9 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
         task, benchmarks = load_task(cfg, tokenizer, rank)
         max_tokens = max(cfg.rollout.max_tokens, cfg.eval.max_tokens if benchmarks else 0)
         engine = rollout.build_engine(
-            cfg.model.path, seed=cfg.train.seed + rank,  # per rank, or every rank samples alike (vLLM #15980)
+            # one seed per engine, or every engine samples alike (vLLM #15980); the ranks of one engine share it
+            cfg.model.path, seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size,
+            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
             max_model_len=cfg.data.max_prompt_tokens + max_tokens, dtype=cfg.rollout.dtype,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, kv_cache_gib=cfg.rollout.kv_cache_gib,
             max_num_seqs=cfg.rollout.max_num_seqs, enable_sleep_mode=cfg.rollout.enable_sleep_mode,
@@ -657,6 +668,7 @@ def evaluation(run):
     """evaluate.py's sampler and verifier on the engine's current weights -> eval/... metrics."""
     cfg, start = run.cfg, time.time()
     result = evaluate.evaluate(run.engine, run.tokenizer, run.benchmarks, n=cfg.eval.n,
+                               tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                                temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, max_tokens=cfg.eval.max_tokens,
                                reward_cfg=cfg.reward, seed=cfg.train.seed, max_prompt_tokens=cfg.data.max_prompt_tokens,
                                overflow=cfg.data.overflow)

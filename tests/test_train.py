@@ -88,6 +88,33 @@ def test_two_ranks_match_one_and_export_loads(tiny_dir, tmp_path):
     assert len(changed) > len(exported.state_dict()) // 2  # training moved (almost) every weight
 
 
+def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, tmp_path):
+    # rollout.tensor_parallel_size=2 on 2 ranks: one engine, half of the weights and KV cache on each rank; the
+    # ranks sample the same prompts with the same seeds, so the step equals the one-rank step
+    one = check_finished(run_train(tiny_dir, tmp_path / "one", "algorithm.gen_batch_size=16"), tmp_path / "one")
+    tp = check_finished(run_train(tiny_dir, tmp_path / "tp", "algorithm.gen_batch_size=16",
+                                  "rollout.tensor_parallel_size=2", "hardware.gpus_per_node=2",
+                                  "rollout.sync_check_every=1", nproc=2), tmp_path / "tp")
+    for key in ("rollout/acc", "rollout/acc_before_filter", "rollout/gen_rounds", "train/entropy", "train/loss",
+                "train/grad_norm", "stare/pos_selected_frac"):
+        assert tp[0][key] == pytest.approx(one[0][key], rel=1e-4, abs=1e-6), key
+    for record in tp:
+        assert record["rollout/sync_probe_error"] < 1e-4  # both halves of the engine hold the new weights
+    positions = [torch.load(checkpoints.list_checkpoints(tmp_path / run)[-1] / "trainer.pt",
+                            weights_only=False)["data_position"] for run in ("one", "tp")]
+    assert positions[0] == positions[1]  # each round's prompts were sampled once, not once per rank
+
+
+def test_round_prompts_give_each_engine_its_share_once():
+    import train
+
+    for world, tp in ((1, 1), (4, 1), (4, 2), (8, 4), (8, 8)):
+        shares = [train.round_prompts(32, 64, rank, world, tp) for rank in range(world)]
+        for rank in range(world):
+            assert shares[rank] == shares[rank - rank % tp]  # the ranks of one engine ask the same
+        assert sorted(i for share in shares[::tp] for i in share) == list(range(32, 96))
+
+
 def test_update_does_not_depend_on_micro_batch_size(tiny_dir, tmp_path):
     big = check_finished(run_train(tiny_dir, tmp_path / "big", "train.total_steps=1"), tmp_path / "big", steps=1)
     small = check_finished(run_train(tiny_dir, tmp_path / "small", "train.total_steps=1",
