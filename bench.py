@@ -7,6 +7,7 @@
     python bench.py reward-throughput [--responses 2000]
     python bench.py train-step       [--tiny runs/tiny] [--steps 6] [--method stare]
     python bench.py trl-compare      [--tiny runs/tiny] [--steps 6] [--prompts 16] [--threads N]
+    python bench.py startup-memory   [--ranks 2] [--tied]        (a random ~0.25B Qwen2, gloo ranks on CPU)
 
 What each subcommand counts, its options' meaning and the measured numbers: docs/benchmarks.md.
 """
@@ -15,6 +16,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import random
 import statistics
 import time
@@ -800,6 +802,40 @@ def bench_trl_compare(args):
     return result
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# startup-memory
+# ----------------------------------------------------------------------------------------------------------------------
+
+STARTUP_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
+                     num_key_value_heads=4, vocab_size=32_000, max_position_embeddings=2048)  # ~0.25B
+
+
+def bench_startup_memory(args):
+    """modeling.build_model on --ranks gloo ranks from a random ~0.25B Qwen2 written to a temporary directory:
+    each rank's peak resident-memory growth during the build over the fp32 model's size (tests/startup_two_ranks.py
+    measures and checks every shard against the checkpoint)."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=args.tied, **STARTUP_SHAPE)).save_pretrained(tmp + "/model")
+        gc.collect()
+        repo = Path(__file__).resolve().parent
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                   str(args.ranks), str(repo / "tests" / "startup_two_ranks.py"), tmp + "/model", tmp]
+        subprocess.run(command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.ranks)]
+    return {"ranks": args.ranks, "tied": args.tied, "fp32_model_gib": round(ranks[0]["fp32_bytes"] / 2**30, 3),
+            "growth_over_fp32": [round(r["growth_over_fp32"], 3) for r in ranks],
+            "shards_equal_checkpoint": all(not r["mismatched"] for r in ranks),
+            "logits_max_abs_diff": max(r["logits_max_abs_diff"] for r in ranks)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -843,10 +879,14 @@ def main():
                          "when other jobs share the cores (see the module docstring)")
     compare.add_argument("--trl-worker", choices=["hf", "vllm"], help=argparse.SUPPRESS)  # internal: one TRL run
     compare.add_argument("--result", help=argparse.SUPPRESS)  # internal: where the TRL run writes its records
+    startup = commands.add_parser("startup-memory", help="peak memory per rank of the sharded start-up (CPU)")
+    startup.add_argument("--ranks", type=int, default=2)
+    startup.add_argument("--tied", action="store_true", help="tied input and output embeddings")
     args = parser.parse_args()
     run = {"logprob-memory": bench_logprob_memory, "logprob-time": bench_logprob_time, "update": bench_update,
            "stare-overhead": bench_stare_overhead, "reward-throughput": bench_reward_throughput,
-           "train-step": bench_train_step, "trl-compare": bench_trl_compare}[args.command]
+           "train-step": bench_train_step, "trl-compare": bench_trl_compare,
+           "startup-memory": bench_startup_memory}[args.command]
     result = run(args)
     if result is not None:  # None: a trl-compare worker, which reports through its --result file
         print(json.dumps(result))

@@ -1,11 +1,15 @@
-"""modeling.py: the policy model as the trainer uses it: built and sharded with FSDP2, and run on padding-free
-micro-batches of (prompt, response) rows with the LM head only at response positions.
+"""modeling.py: the policy model as the trainer uses it: sharded with FSDP2 from the start, and run on
+padding-free micro-batches of (prompt, response) rows with the LM head only at response positions.
 
     model = modeling.build_model(cfg, device, world_size)
     for indices in modeling.micro_batches(lengths, token_budget):          # lengths: prompt + response tokens per row
         packed = modeling.pack_rows([prompts[i] for i in indices], [responses[i] for i in indices], device)
         logits = modeling.response_logits(model, packed)                    # [N, V], N = response tokens of the batch
         logprobs_bt = packed.to_rows(stare.token_logprobs_and_entropy(logits, packed.response_ids)[0])   # [b, R]
+
+Start-up (`build_model`): the model is built with its parameters on the meta device, sharded per decoder layer
+and at the root, and each rank reads only its own rows of every weight from the safetensors files (a byte range
+per block, no memory map) into its float32 shard: no rank ever holds the whole model, on the GPU or the host.
 
 Packing: the rows of a micro-batch are concatenated into one [1, L] sequence (L = the sum of their lengths, no
 padding token anywhere), RoPE position ids restart at 0 at each row, and attention is confined to each row by the
