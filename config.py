@@ -65,8 +65,12 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # GPUs per vLLM engine: consecutive ranks share one
     max_num_seqs: int = 256  # concurrent sequences per engine
     enable_sleep_mode: bool = False  # GPU: release the KV cache and weights while training
+    sleep_level: int = 2  # 2: drop the weights (the sync rewrites them); 1: keep a host copy (vLLM #29341)
     enforce_eager: bool = False  # no CUDA graphs / compilation (faster start-up, slower sampling)
-    sync_check_every: int = 10  # steps between checks of the weight-sync probe; 0 = never
+    model_runner: str = "v1"  # vLLM's GPU model runner: v1 (the CPU runner's sibling) | v2 (0.32's GPU default)
+    sync_check_every: int = 10  # steps between checks of the weight-sync probe (and the first step); 0 = never
+    max_sync_probe_error: float = 2.0  # stop when the probe's max |engine - trainer| log-prob exceeds this
+    max_logprob_mismatch: float = 0.25  # stop when a step's mean |rollout - trainer| log-prob exceeds this
     tools: bool = False  # multi-turn code-interpreter rollouts (rollout.generate_with_tools; sandbox section)
     max_turns: int = 4  # tools: model turns per response; max_tokens bounds model + tool tokens together
     max_tool_response_tokens: int = 512  # tools: tokens of one tool output shown to the model (head and tail)
@@ -102,6 +106,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
     max_nonfinite_steps: int = 3  # consecutive skipped steps (non-finite loss or grad norm) before the run stops
+    loss_scale_init: float = 65536.0  # float16 compute only: dynamic loss scaling's first scale
+    loss_scale_window: int = 1000  # float16: optimizer steps without overflow before the scale doubles
 
 
 @dataclasses.dataclass
@@ -118,6 +124,7 @@ class TrainConfig:
     log_every: int = 1  # steps between console lines (metrics.jsonl gets every step)
     wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`)
     wandb_project: str = "stare"  # the W&B project; the run is named after out_dir
+    nccl_timeout_minutes: int = 60  # collectives wait this long for a slow rank (long rollouts, first compile)
     tensorboard: bool = False  # also log to TensorBoard under out_dir/tensorboard (needs `pip install tensorboard`)
 
 
@@ -162,6 +169,8 @@ CHOICES = {  # fields with a fixed set of values
     "model.param_dtype": ("bfloat16", "float16", "float32"),
     "model.reduce_dtype": ("bfloat16", "float16", "float32"),
     "model.attn_implementation": ("varlen", "sdpa", "eager", "flash_attention_2"),
+    "rollout.sleep_level": (1, 2),
+    "rollout.model_runner": ("v1", "v2"),
     "data.overflow": data.OVERFLOW_MODES,
     "algorithm.method": baselines.METHODS,
     "algorithm.stare_scope": ("step", "micro"),
@@ -289,7 +298,9 @@ def check(cfg, world_size=None):
                 "train.mini_batch_size", "train.micro_token_budget", "train.total_steps", "algorithm.gen_batch_size",
                 "rollout.temperature", "rollout.tensor_parallel_size", "train.keep_last", "rollout.max_num_seqs", "optim.lr",
                 "eval.temperature", "eval.max_tokens", "rollout.max_turns", "rollout.max_tool_response_tokens",
-                "hardware.nodes", "hardware.gpus_per_node", "hardware.gpu_gib"]
+                "hardware.nodes", "hardware.gpus_per_node", "hardware.gpu_gib", "rollout.max_sync_probe_error",
+                "rollout.max_logprob_mismatch", "optim.loss_scale_init", "optim.loss_scale_window",
+                "train.nccl_timeout_minutes"]
     non_negative = ["optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
                     "train.save_every", "train.log_every", "eval.every", "rollout.sync_check_every",
                     "algorithm.max_num_gen_batches", "algorithm.gate_alpha", "optim.max_nonfinite_steps"]

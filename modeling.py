@@ -19,8 +19,8 @@ an index tensor), so the model returns [1, N, V] directly.
 
 Attention ("varlen", registered with transformers' AttentionInterface and the default of model.attn_implementation):
   * CUDA, bf16/fp16: PyTorch's `torch.nn.attention.varlen.varlen_attn` (FlashAttention over cu_seq_lens, causal):
-    no mask tensor, no query that attends to nothing, no work across rows. KV heads are repeated for GQA because
-    the varlen wrapper of older PyTorch releases takes equal head counts only.
+    no mask tensor, no query that attends to nothing, no work across rows. Grouped-query attention is native
+    (`enable_gqa`); KV heads are repeated only for an older varlen wrapper that takes equal head counts.
   * otherwise (CPU, float32, PyTorch without varlen_attn): one causal SDPA call per row, exact by construction.
     transformers' own sdpa path would detect packing from the position ids and build an [L, L] block mask; the
     per-row loop needs no mask and costs nothing on the tiny CPU model.
@@ -37,6 +37,7 @@ the real tokens.
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import struct
@@ -50,30 +51,39 @@ try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # PyTorch < 2.11
     varlen_attn = None
+VARLEN_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 ATTENTION = "varlen"
 
 
 def _varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                       cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
-    """transformers attention function. query [1, H, L, D], key/value [1, H_kv, L, D] -> ([1, L, H, D], None)."""
+    """transformers attention function. query [1, H, L, D], key/value [1, H_kv, L, D] -> ([1, L, H, D], None).
+    Grouped-query attention runs natively (enable_gqa): the H_kv key/value heads are never repeated H / H_kv
+    times in memory."""
     if cu_seq_lens_q is None:  # one unpadded sequence: plain causal SDPA
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
     if sliding_window is not None or dropout:
         raise NotImplementedError("packed attention supports neither sliding windows nor attention dropout")
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # [1, H, L, D]
-    if query.is_cuda and varlen_attn is not None and query.dtype in (torch.bfloat16, torch.float16):
-        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, H, D]
+    gqa = key.shape[1] != query.shape[1]
+    if use_flash_varlen(query):
+        if gqa and not VARLEN_GQA:  # an older varlen wrapper takes equal head counts only
+            groups = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, H, D], [L, H_kv, D]
         out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling,
-                          window_size=(-1, 0))  # [L, H, D], causal within each row
-        return out[None], None
+                          window_size=(-1, 0), **({"enable_gqa": True} if gqa and VARLEN_GQA else {}))
+        return out[None], None  # [1, L, H, D], causal within each row
     bounds = cu_seq_lens_q.tolist()
     rows = [torch.nn.functional.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
-                                                             is_causal=True, scale=scaling)
+                                                             is_causal=True, scale=scaling, enable_gqa=gqa)
             for s, e in zip(bounds[:-1], bounds[1:])]  # each [1, H, len, D]
     return torch.cat(rows, dim=2).transpose(1, 2), None
+
+
+def use_flash_varlen(query):
+    """PyTorch's FlashAttention varlen kernel: CUDA, half precision, a PyTorch that has it."""
+    return query.is_cuda and varlen_attn is not None and query.dtype in (torch.bfloat16, torch.float16)
 
 
 AttentionInterface.register(ATTENTION, _varlen_attention)

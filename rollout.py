@@ -39,7 +39,7 @@ CPU_KV_CACHE_GIB = 1.0  # the KV cache on CPU when none is given: vLLM would oth
 
 def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utilization=0.3, kv_cache_gib=None,
                  tensor_parallel_size=1, max_num_seqs=256, max_num_batched_tokens=8192, enable_sleep_mode=False,
-                 enforce_eager=None, block_size=None):
+                 enforce_eager=None, block_size=None, model_runner="v1"):
     """The local vLLM engine of this rank.
 
     With torchrun, `distributed_executor_backend="external_launcher"` runs the engine inside the training process
@@ -52,8 +52,8 @@ def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utili
     external_launcher). Its ranks must make identical requests in the same order, with the same seed: they run
     one computation and each gets the whole result.
     model_path: a local HF checkpoint directory (nothing is downloaded). seed: base seed + rank // tp; with one
-    seed for all engines every engine would sample the same responses (vLLM #15980, verl #974). Building the engine reseeds this
-    process's Python, NumPy and torch RNGs with that seed (vllm/utils/torch_utils.py set_random_seed, called by the
+    seed for all engines every engine would sample the same responses (vLLM #15980, verl #974). Building
+    the engine reseeds this process's Python, NumPy and torch RNGs with that seed (vllm/utils/torch_utils.py set_random_seed, called by the
     workers): set the trainer's own RNG state after `build_engine`, never before.
     dtype: "auto" is vLLM's choice, which runs a float32 checkpoint in bfloat16 on GPU and x86 CPU; pass
     "float32" for bit-level agreement with a float32 trainer.
@@ -61,11 +61,25 @@ def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utili
     machine's RAM) None means CPU_KV_CACHE_GIB. On GPU leave it None and size gpu_memory_utilization so the
     training state still fits. enforce_eager: None = on CPU only (start-up in seconds; no CUDA graphs there).
     block_size: KV cache block (and prefix-cache) granularity in tokens; None = vLLM's (128 on CPU, 16 on GPU).
+    model_runner: "v1" or "v2". vLLM 0.32 runs its experimental Model Runner V2 on GPU by default; "v1" asks for
+    the V1 runner, the sibling of the CPU runner that the tests exercise (seeded sampling, processed log-probs,
+    prompt log-probs and the layerwise reload all run that code). `engine_runner(engine)` says which one runs.
     """
     from vllm import LLM
 
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    on_gpu = torch.cuda.is_available()
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if model_runner == "v2" else "0"  # read by VllmConfig
+    return LLM(**engine_kwargs(model_path, seed, max_model_len, dtype, gpu_memory_utilization, kv_cache_gib,
+                               tensor_parallel_size, max_num_seqs, max_num_batched_tokens, enable_sleep_mode,
+                               enforce_eager, block_size, on_gpu=torch.cuda.is_available(),
+                               distributed=distributed))
+
+
+def engine_kwargs(model_path, seed, max_model_len, dtype, gpu_memory_utilization, kv_cache_gib,
+                  tensor_parallel_size, max_num_seqs, max_num_batched_tokens, enable_sleep_mode, enforce_eager,
+                  block_size, on_gpu, distributed):
+    """The keyword arguments of vLLM's `LLM` (its EngineArgs) for a GPU or a CPU engine (see build_engine): a
+    plain dict, so that the GPU arguments can be checked on a machine without one."""
     kv_cache_gib = CPU_KV_CACHE_GIB if kv_cache_gib is None and not on_gpu else kv_cache_gib
     enforce_eager = not on_gpu if enforce_eager is None else enforce_eager
     kwargs = dict(
@@ -92,7 +106,12 @@ def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utili
     if distributed:
         # torchrun's RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* are what vLLM reads; each rank gets its own engine
         kwargs["distributed_executor_backend"] = "external_launcher"
-    return LLM(**kwargs)
+    return kwargs
+
+
+def engine_runner(engine):
+    """"v1" or "v2": the model runner the engine actually runs."""
+    return "v2" if engine.llm_engine.vllm_config.use_v2_model_runner else "v1"
 
 
 @dataclasses.dataclass
@@ -512,13 +531,15 @@ def shutdown_engine(engine):
     gc.collect()
 
 
-def release_memory(engine):
-    """GPU sleep mode: free the KV cache and weights while training (level 2: the next sync rewrites every weight).
+def release_memory(engine, level=2):
+    """GPU sleep mode: free the KV cache and the weights while training. Level 2 drops the weights (the next sync
+    rewrites every one of them); level 1 keeps a copy in host memory (N bytes of weights per rank), the fallback
+    where level 2 and the in-place reload gave garbage (vLLM #29341, NeMo-RL #2631).
 
     Per step: release_memory, train, wake_weights, sync_weights, wake_kv_cache, generate. Waking the weights first
     and the KV cache last means old weights, new weights and the cache never hold memory at once (vLLM RFC #15254).
     Never reload weights from disk after a sync: it silently restores the base model (TRL #5312)."""
-    engine.sleep(level=2)
+    engine.sleep(level=level)
 
 
 def wake_weights(engine):

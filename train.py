@@ -30,6 +30,7 @@ old log-probs even with several mini-batches; no balance_batch reordering.
 
 import contextlib
 import dataclasses
+import datetime
 import functools
 import math
 import os
@@ -276,9 +277,10 @@ def select_tokens(responses, cfg, gate, step, device):
     return {k: float(v) for k, v in metrics.items()}
 
 
-def policy_update(model, optimizer, responses, cfg, gate, step, device):
+def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=None):
     """One optimizer step per mini-batch: the method's loss over token-budget micro-batches, gradient clipping,
-    AdamW; a non-finite loss or gradient norm on any rank skips the step. -> metric sums (device tensors read once)."""
+    AdamW; a non-finite loss or gradient norm on any rank skips the step. With a LossScaler (float16 compute) the
+    loss is scaled before backward and the gradients unscaled before clipping. -> metrics (device sums read once)."""
     model.train()
     num_mini = cfg.train.train_batch_size // cfg.train.mini_batch_size
     mini_size = len(responses) // num_mini
@@ -290,18 +292,24 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device):
         micro_batch_count += len(batches)
         denominators = loss_denominators(mini_rows, cfg, device)
         mini_sums = {}
+        loss_scale = scaler.scale if scaler is not None else 1.0
         for indices in batches:
             micro_batch_backward(model, [mini_rows[i] for i in indices] or mini_rows[:1], not indices, len(mini_rows),
-                                 denominators, cfg, gate, step, device, mini_sums)
+                                 denominators, cfg, gate, step, device, mini_sums, loss_scale)
         add_sums(device_sums, mini_sums)
+        if scaler is not None:
+            scaler.unscale(model)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         grad_norms.append(grad_norm)
         finite = torch.isfinite(grad_norm) & torch.isfinite(mini_sums["loss"])
-        if all_reduce({"finite": finite}, device, op=dist.ReduceOp.MIN)["finite"]:  # this step's one host read
+        finite = all_reduce({"finite": finite}, device, op=dist.ReduceOp.MIN)["finite"] > 0  # the one host read
+        if finite:
             optimizer.step()
         else:
             skipped += 1
+        if scaler is not None:
+            scaler.update(finite)
         optimizer.zero_grad(set_to_none=True)
     totals = all_reduce(device_sums, device)
     grad_norms = torch.stack(grad_norms).double()  # the same on every rank
@@ -309,6 +317,7 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device):
     return {"train/loss": totals.pop("loss") / num_mini / (1 if step_scope else world_size()),
             "train/grad_norm": float(grad_norms.mean()), "train/grad_norm_max": float(grad_norms.max()),
             "train/micro_batches": micro_batch_count, "train/skipped_updates": skipped,
+            **({"train/loss_scale": loss_scale} if scaler is not None else {}),
             **{key: value / max(totals["stats_weight"], 1) for key, value in totals.items() if key != "stats_weight"}}
 
 
@@ -325,7 +334,8 @@ def loss_denominators(rows, cfg, device):
     return all_reduce({"num_tokens": tokens, "num_sequences": sequences}, device)
 
 
-def micro_batch_backward(model, rows, is_padding, mini_rows, denominators, cfg, gate, step, device, device_sums):
+def micro_batch_backward(model, rows, is_padding, mini_rows, denominators, cfg, gate, step, device, device_sums,
+                         loss_scale=1.0):
     """Forward and backward of one micro-batch's share of the loss; its loss and statistics added to device_sums."""
     packed = modeling.pack_rows([r.prompt for r in rows], [r.tokens for r in rows], device)
     logits = modeling.response_logits(model, packed)  # [N, V]
@@ -353,21 +363,22 @@ def micro_batch_backward(model, rows, is_padding, mini_rows, denominators, cfg, 
     # step scope: the loss is already this batch's share of the global mean and FSDP averages gradients over ranks,
     # hence x world; micro scope: each micro-batch's mean weighted by its share of the rows (0 for a padding batch)
     scale = world_size() if denominators else (0 if is_padding else len(rows) / mini_rows)
-    (loss * scale).backward()
+    (loss * (scale * loss_scale)).backward()  # loss_scale: float16's dynamic scaling (LossScaler)
     weight = batch["mask"].sum()  # the statistics are token means over the step
     add_sums(device_sums, {"loss": loss.detach() * (1 if denominators else scale), "stats_weight": weight,
                            **{f"train/{k}" if "/" not in k else k: torch.where(weight > 0, v.detach() * weight, 0.0)
                               for k, v in loss_metrics.items()}})
 
 
-def sync_engine(engine, model, cfg, responses, step, probe):
-    """The new weights into the local engine; every sync_check_every steps, the engine's log-probs of a probe
-    sequence against the trainer's -> (the probe, the largest difference or None). With sleep mode the trainer's
-    side of the probe runs before the engine's KV cache is back, so the two never hold memory at once."""
+def sync_engine(engine, model, cfg, responses, step, probe, first=False):
+    """The new weights into the local engine; at the run's first step and every sync_check_every steps, the
+    engine's log-probs of a probe sequence against the trainer's -> (the probe, the largest difference over all
+    ranks, or None). With sleep mode the trainer's side of the probe runs before the engine's KV cache is back, so
+    the two never hold memory at once."""
     if cfg.rollout.enable_sleep_mode:
         rollout.wake_weights(engine)  # weights first, then the KV cache (vLLM's sleep mode)
     rollout.sync_weights(engine, rollout.full_parameters(model, rollout.engine_dtype(engine)))
-    checking = cfg.rollout.sync_check_every and step % cfg.rollout.sync_check_every == 0
+    checking = cfg.rollout.sync_check_every and (first or step % cfg.rollout.sync_check_every == 0)
     if checking and probe is None:
         probe = next((p for p in all_gather(probe_sequence(responses)) if p is not None), None)  # same on all ranks
     if checking and probe is not None:
@@ -377,7 +388,9 @@ def sync_engine(engine, model, cfg, responses, step, probe):
         rollout.wake_kv_cache(engine)
     if not checking or probe is None:
         return probe, None
-    return probe, (rollout.engine_logprobs(engine, probe[0], probe[1]) - trainer_side).abs().max().item()
+    error = (rollout.engine_logprobs(engine, probe[0], probe[1]) - trainer_side).abs().max()
+    device = next(model.parameters()).device
+    return probe, all_reduce({"error": error}, device, op=dist.ReduceOp.MAX)["error"]
 
 
 def probe_sequence(responses):
@@ -387,6 +400,20 @@ def probe_sequence(responses):
         tokens = r.tokens[:min(PROBE_TOKENS, len(r.tokens) - r.truncated)]
         if tokens:
             return r.prompt + tokens, len(r.prompt)
+    return None
+
+
+def sync_guard(metrics, cfg, step):
+    """One line when the engine and the trainer disagree beyond their bounds (a failed or partial weight sync
+    samples from other weights than the ones trained), else None. The bounds and their noise floor:
+    docs/usage.md, "The weight-sync guard"."""
+    for key, name in (("rollout/sync_probe_error", "max_sync_probe_error"),
+                      ("rollout/logprob_mismatch_mean", "max_logprob_mismatch")):
+        bound = getattr(cfg.rollout, name)
+        if key in metrics and not metrics[key] <= bound:
+            return (f"error: step {step}: {key} = {metrics[key]:.3g} exceeds rollout.{name} = {bound:g}: the "
+                    f"engine is not sampling from the trained weights (a failed weight sync); stopped before this "
+                    f"step's checkpoint (metrics.jsonl has the step). Try rollout.sleep_level=1 on GPU")
     return None
 
 
@@ -424,7 +451,7 @@ def train_step(run, state, step):
     groups, state.data_position, rollout_metrics = sample_groups(run.engine, run.tokenizer, run.task, cfg,
                                                                  state.data_position, rank, world, device)
     if cfg.rollout.enable_sleep_mode:
-        rollout.release_memory(run.engine)  # free the KV cache and weights for the update (GPU)
+        rollout.release_memory(run.engine, cfg.rollout.sleep_level)  # free the engine for the update (GPU)
     responses = group_responses(groups, cfg, rank, world)
     timer = Timer()
     with timer("time/old_logprobs"):
@@ -433,15 +460,19 @@ def train_step(run, state, step):
     selection_metrics = select_tokens(responses, cfg, run.gate, step, device)
     learning_rate = run.optimizer.param_groups[0]["lr"]  # the rate this step uses
     with timer("time/update"):
-        update_metrics = policy_update(run.model, run.optimizer, responses, cfg, run.gate, step, device)
+        update_metrics = policy_update(run.model, run.optimizer, responses, cfg, run.gate, step, device,
+                                       state.scaler)
         run.scheduler.step()
-    state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if update_metrics["train/skipped_updates"] else 0
+    backing_off = state.scaler is not None and state.scaler.scale > 1  # fp16: an overflow halved the scale
+    skipped = update_metrics["train/skipped_updates"] and not backing_off
+    state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
     if state.nonfinite_in_a_row > cfg.optim.max_nonfinite_steps:
         raise checkpoints.RunError(f"error: step {step}: non-finite loss or gradient norm in "
                                    f"{state.nonfinite_in_a_row} consecutive steps "
                                    f"(optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
     with timer("time/sync"):
-        state.probe, sync_error = sync_engine(run.engine, run.model, cfg, responses, step, state.probe)
+        state.probe, sync_error = sync_engine(run.engine, run.model, cfg, responses, step, state.probe,
+                                              first=step == run.first_step)
     elapsed = time.time() - start
     return {**rollout_metrics, **batch_metrics(responses, num_tokens, device), **gate_metrics, **selection_metrics,
             **update_metrics, "train/lr": learning_rate, **timer.times, "time/step": elapsed,
@@ -469,7 +500,7 @@ def main(argv):
     except config.ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    rank, world, device = setup_distributed()
+    rank, world, device = setup_distributed(cfg.train.nccl_timeout_minutes)
     lock = checkpoints.RunLock(cfg.train.out_dir)
     try:
         run, state = start_run(cfg, rank, world, device, lock, export_only)
@@ -502,6 +533,9 @@ def train(run, state):
             if run.benchmarks and (step % cfg.eval.every == 0 or step == cfg.train.total_steps):
                 metrics.update(evaluation(run))
             log.write(step, metrics, progress)
+            problem = sync_guard(metrics, cfg, step)
+            if problem:  # before this step's checkpoint: the last one holds weights the engine sampled well
+                raise checkpoints.RunError(problem)
             state.step = step
             stopping = all_reduce({"stop": float(stop.requested)}, run.device)["stop"] > 0  # a signal to any rank
             if stopping or step == cfg.train.total_steps or (cfg.train.save_every and step % cfg.train.save_every == 0):
@@ -538,6 +572,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     gate: stare.EntropyGate
     checkpoint: Path | None
+    first_step: int = 1  # the first step this process runs (the weight-sync probe always checks it)
 
 
 @dataclasses.dataclass
@@ -548,6 +583,7 @@ class TrainerState:
     data_position: int = 0  # prompts consumed so far (global): the index into the seeded prompt stream
     nonfinite_in_a_row: int = 0  # consecutive steps whose update was skipped
     probe: tuple | None = None  # (token ids, prompt length) of the weight-sync check
+    scaler: "LossScaler | None" = None  # float16 compute: the dynamic loss scale
 
 
 def start_run(cfg, rank, world, device, lock, export_only=False):
@@ -585,7 +621,12 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
             max_model_len=cfg.data.max_prompt_tokens + max_tokens, dtype=cfg.rollout.dtype,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, kv_cache_gib=cfg.rollout.kv_cache_gib,
             max_num_seqs=cfg.rollout.max_num_seqs, enable_sleep_mode=cfg.rollout.enable_sleep_mode,
-            enforce_eager=cfg.rollout.enforce_eager)
+            enforce_eager=cfg.rollout.enforce_eager, model_runner=cfg.rollout.model_runner)
+        runner = rollout.engine_runner(engine)
+        task.metrics["rollout/model_runner_v2"] = float(runner == "v2")  # recorded with every step
+        if runner != cfg.rollout.model_runner and rank == 0:
+            print(f"warning: vLLM runs model runner {runner}, not rollout.model_runner={cfg.rollout.model_runner}",
+                  file=sys.stderr)
     torch.manual_seed(cfg.train.seed)  # after the engine, whose start reseeds every global RNG (rollout.py)
     random.seed(cfg.train.seed)
     model = modeling.build_model(cfg, device, world)
@@ -600,6 +641,9 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
     if export_only:
         return run, None
     state = resume(run, checkpoint) if checkpoint is not None else TrainerState()
+    if cfg.model.param_dtype == "float16" and state.scaler is None:
+        state.scaler = LossScaler(cfg.optim.loss_scale_init, cfg.optim.loss_scale_window)
+    run.first_step = state.step + 1
     if rank == 0:  # the run has started: record what it runs with
         (run.out_dir / "config.yaml").write_text(config.to_yaml(cfg))
         print(config.to_yaml(cfg))
@@ -657,7 +701,9 @@ def resume(run, checkpoint):
         print(f"resumed from {checkpoint} at step {saved['step']}"
               + (f"; config keys changed since, this run's values apply: {', '.join(changed)}" if changed else ""),
               file=sys.stderr)
-    return TrainerState(**{f.name: saved[f.name] for f in dataclasses.fields(TrainerState)})
+    state = TrainerState(**{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved})
+    state.scaler = LossScaler(**state.scaler) if isinstance(state.scaler, dict) else state.scaler
+    return state
 
 
 def trainer_state(run, state):
@@ -688,8 +734,9 @@ def export_checkpoint(run):
     return 0
 
 
-def setup_distributed():
-    """A process group in every case (a single process gets a group of one), so one code path serves both."""
+def setup_distributed(timeout_minutes=60):
+    """A process group in every case (a single process gets a group of one), so one code path serves both.
+    Collectives wait timeout_minutes for the slowest rank (a long rollout tail, math-verify, the first compile)."""
     if "RANK" not in os.environ:  # plain `python train.py`: a local group of one
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -698,9 +745,32 @@ def setup_distributed():
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+@dataclasses.dataclass
+class LossScaler:
+    """Dynamic loss scaling for float16 compute (model.param_dtype: float16). The gradients of a token-mean loss
+    over ~1M tokens are ~1e-6 per token, under float16's normal range: the loss is multiplied by `scale` before
+    backward, the (float32, sharded) gradients are divided by it before clipping, a step whose gradients are not
+    finite is skipped and halves the scale, and `window` finite steps in a row double it."""
+
+    scale: float = 65536.0
+    window: int = 1000
+    good_steps: int = 0
+
+    def unscale(self, model):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], 1.0 / self.scale)
+
+    def update(self, finite):
+        self.good_steps = self.good_steps + 1 if finite else 0
+        if not finite:
+            self.scale = max(self.scale / 2, 1.0)
+        elif self.good_steps >= self.window:
+            self.scale, self.good_steps = self.scale * 2, 0
 
 
 def learning_rate_lambda(cfg):

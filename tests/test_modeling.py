@@ -178,3 +178,62 @@ def test_sharded_start_up_reads_each_rank_its_rows_and_never_the_whole_model(arc
         assert rank["logits_max_abs_diff"] < 1e-4  # the sharded model computes what the whole one does
         # half the model is this rank's shard; the whole model would be 1.0 (1.06-1.08 before the sharded start-up)
         assert rank["growth_over_fp32"] < 0.7, rank
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Grouped-query attention on packed rows: native (enable_gqa), never the key/value heads repeated in memory
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def packed_qkv(lengths=(5, 1, 9), heads=4, kv_heads=2, dim=16, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    query = torch.randn(1, heads, total, dim, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(1, kv_heads, total, dim, generator=generator, dtype=torch.float64) for _ in range(2))
+    cu_seq_lens = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    return query, key, value, cu_seq_lens, max(lengths)
+
+
+def repeated_reference(query, key, value, cu_seq_lens, scale):
+    """Each row alone, its key/value heads repeated to the query heads: plain causal attention. -> [1, L, H, D]"""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    bounds = cu_seq_lens.tolist()
+    rows = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        scores = query[0, :, s:e] @ key[0, :, s:e].transpose(-1, -2) * scale  # [H, n, n]
+        causal = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+        rows.append(scores.masked_fill(~causal, float("-inf")).softmax(-1) @ value[0, :, s:e])  # [H, n, D]
+    return torch.cat(rows, dim=1).transpose(0, 1)[None]
+
+
+def test_packed_grouped_query_attention_equals_repeated_heads():
+    query, key, value, cu, longest = packed_qkv()
+    out, _ = modeling._varlen_attention(None, query, key, value, None, scaling=0.25, cu_seq_lens_q=cu,
+                                        cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    assert torch.allclose(out, repeated_reference(query, key, value, cu, 0.25), atol=1e-12)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_flash_varlen_call_gets_unrepeated_heads_and_the_right_arguments(native, monkeypatch):
+    # the CUDA kernel, replaced by a stub that checks its arguments and computes the same attention on CPU
+    query, key, value, cu, longest = packed_qkv()
+    calls = []
+
+    def stub(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        calls.append(dict(q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dtype=cu_seq_q.dtype,
+                          same_cu=cu_seq_q is cu_seq_k, max=(max_q, max_k), window=window_size, gqa=enable_gqa))
+        out = repeated_reference(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                 cu_seq_q, scale)
+        return out[0]  # [L, H, D]
+
+    monkeypatch.setattr(modeling, "use_flash_varlen", lambda q: True)
+    monkeypatch.setattr(modeling, "varlen_attn", stub)
+    monkeypatch.setattr(modeling, "VARLEN_GQA", native)
+    out, _ = modeling._varlen_attention(None, query, key, value, None, scaling=0.25, cu_seq_lens_q=cu,
+                                        cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    total = int(cu[-1])
+    kv_heads = 2 if native else 4  # native: the two KV heads as they are; else repeated for the older wrapper
+    assert calls == [dict(q=(total, 4, 16), k=(total, kv_heads, 16), v=(total, kv_heads, 16), dtype=torch.int32,
+                          same_cu=True, max=(9, 9), window=(-1, 0), gqa=native)]
+    assert torch.allclose(out, repeated_reference(query, key, value, cu, 0.25), atol=1e-12)

@@ -181,3 +181,30 @@ def test_sleep_wake_sync_cycle_on_gpu(tiny_dir, prompts):
     rollout.sync_weights(engine, rollout.full_parameters(model))
     rollout.wake_kv_cache(engine)
     assert rollout.weight_sync_error(engine, model, probe, len(prompts[0])) < 1e-4
+
+
+def test_the_gpu_engine_arguments_are_vllms_and_build_a_v1_config_on_cpu(tiny_dir, monkeypatch):
+    # what build_engine passes to vLLM on a GPU, checked without one: every keyword is an EngineArgs field, and
+    # vLLM builds its whole engine config from them (sleep mode aside: this platform refuses it) with the V1
+    # runner that rollout.model_runner asks for
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs = rollout.engine_kwargs(tiny_dir / "model", seed=3, max_model_len=256, dtype="bfloat16",
+                                   gpu_memory_utilization=0.75, kv_cache_gib=None, tensor_parallel_size=2,
+                                   max_num_seqs=256, max_num_batched_tokens=8192, enable_sleep_mode=True,
+                                   enforce_eager=False, block_size=None, on_gpu=True, distributed=True)
+    assert set(kwargs) <= {f.name for f in dataclasses.fields(EngineArgs)}
+    assert kwargs["distributed_executor_backend"] == "external_launcher" and "kv_cache_memory_bytes" not in kwargs
+    assert "enable_chunked_prefill" not in kwargs  # the CPU-only workaround stays off on GPU
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # what build_engine sets for model_runner="v1"
+    single = dict(kwargs, enable_sleep_mode=False, tensor_parallel_size=1)
+    del single["distributed_executor_backend"]
+    engine_config = EngineArgs(**single).create_engine_config()
+    assert not engine_config.use_v2_model_runner
+    assert engine_config.cache_config.gpu_memory_utilization == 0.75
+    assert engine_config.model_config.logprobs_mode == "processed_logprobs"
+    assert engine_config.cache_config.enable_prefix_caching
+    assert engine_config.scheduler_config.max_num_batched_tokens == 8192
+    assert engine_config.model_config.seed == 3 and engine_config.model_config.dtype == torch.bfloat16

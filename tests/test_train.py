@@ -525,3 +525,86 @@ def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path):
     assert [m["train/lr"] for m in metrics] == [pytest.approx(3e-4), pytest.approx(1e-4)]
     assert "this run's values apply: optim.lr" in completed.stderr
     assert "lr: 0.0001" in (out / "config.yaml").read_text()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The GPU-only paths, checked as far as CPU allows: the sync guard, float16 loss scaling, the collective timeout
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_the_sync_probe_runs_at_step_one_and_a_broken_bound_stops_the_run_in_one_line(tiny_dir, tmp_path):
+    # tiny.yaml checks every 5th step: step 1 is checked all the same (the first sync of the process)
+    first, second = check_finished(run_train(tiny_dir, tmp_path / "ok"), tmp_path / "ok")  # steps 1 and 2
+    assert first["rollout/sync_probe_error"] < 1e-4 and "rollout/sync_probe_error" not in second
+    assert first["rollout/model_runner_v2"] == 0.0  # the V1 runner, as rollout.model_runner asks
+
+    out = tmp_path / "guarded"
+    completed = run_train(tiny_dir, out, "rollout.max_logprob_mismatch=1e-12")
+    assert completed.returncode == 2, completed.stderr[-2000:]
+    assert "Traceback" not in completed.stderr
+    line = next(line for line in completed.stderr.splitlines() if line.startswith("error:"))
+    assert line.startswith("error: step 1: rollout/logprob_mismatch_mean = ")
+    assert "exceeds rollout.max_logprob_mismatch = 1e-12" in line
+    logged = read_metrics(out)
+    assert [m["step"] for m in logged if m["step"] > 0] == [1]  # the step that tripped the guard is on record
+    assert "max_logprob_mismatch: 1.0e-12" in (out / "config.yaml").read_text()
+    assert checkpoints.list_checkpoints(out) == []  # nothing saved from weights the engine may not hold
+
+
+def test_float16_loss_scaling_keeps_the_gradients_that_float16_loses(tiny_dir, tmp_path):
+    # gradients of ~1e-7 per entry, as a token mean over ~10^7 tokens gives: float16 compute flushes all of them
+    # to zero; scaled by 2^16 before backward and unscaled after, the update matches the float32 one
+    completed = subprocess.run([sys.executable, "tests/fp16_update.py", str(tiny_dir / "model"),
+                                str(tmp_path / "fp16.json")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads((tmp_path / "fp16.json").read_text())
+    assert result["reference_max_abs"] < 1e-5
+    assert result["plain"]["underflowed"] == result["entries"] and result["plain"]["relative_error"] == 1.0
+    assert result["scaled"]["underflowed"] < 0.01 * result["entries"]
+    assert result["scaled"]["relative_error"] < 0.05  # float16 compute against float32
+    assert result["scaled_loss_scale"] == 2.0**16 and result["scale_after"] == 2.0**16
+    assert result["good_steps_after"] == 1
+    # a scale that overflows float16: the step is skipped, the parameters stay, the scale halves
+    assert result["overflow_skipped"] == 1 and not result["overflow_changed"]
+    assert result["overflow_scale_after"] == 2.0**59
+
+
+def test_the_loss_scale_grows_after_a_window_of_finite_steps_and_halves_on_overflow():
+    import train
+
+    scaler = train.LossScaler(scale=8.0, window=2)
+    history = []
+    for finite in (True, True, True, False, False, True):
+        scaler.update(finite)
+        history.append((scaler.scale, scaler.good_steps))
+    assert history == [(8.0, 1), (16.0, 0), (16.0, 1), (8.0, 0), (4.0, 0), (4.0, 1)]
+    floor = train.LossScaler(scale=1.0, window=2)
+    floor.update(False)
+    assert floor.scale == 1.0
+
+
+def test_the_collective_timeout_reaches_init_process_group(tiny_dir, monkeypatch):
+    import datetime
+
+    import train
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(backend, **kwargs):
+        seen.update(backend=backend, **kwargs)
+        raise Stop
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)  # setup_distributed sets them for a single process
+    monkeypatch.setattr(train.dist, "init_process_group", fake_init)
+    monkeypatch.chdir(REPO)
+    argv = ["--config", "configs/tiny.yaml", f"model.path={tiny_dir / 'model'}",
+            f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]",
+            "train.nccl_timeout_minutes=7"]
+    with pytest.raises(Stop):
+        train.main(argv)
+    assert seen == {"backend": "gloo", "timeout": datetime.timedelta(minutes=7)}
+    assert train.config.TrainConfig().nccl_timeout_minutes == 60
