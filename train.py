@@ -595,9 +595,11 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
         config.check(cfg, world_size=world)
     except config.ConfigError as error:
         raise checkpoints.RunError(f"config error: {error}") from None
-    if device.type == "cuda":  # the memory plan against this GPU, before anything is loaded
-        free, total = (b / 2**30 for b in torch.cuda.mem_get_info(device))
-        agree(plan.device_problem(cfg, plan.Architecture.from_config_json(cfg.model.path), world, total, free))
+    if device.type == "cuda":  # driver, packages and the memory plan against this GPU, before anything loads
+        errors, warnings = plan.preflight(cfg, world, device)
+        for line in warnings + errors if rank == 0 else []:
+            print(line, file=sys.stderr)
+        agree(f"error: the GPU preflight found {len(errors)} problem(s), listed above" if errors else None)
     checkpoint = checkpoints.resume_checkpoint(cfg, check_later=not export_only, rank=rank)
     if cfg.loss.agg_mode == "seq-mean-token-sum-norm" and cfg.loss.loss_scale_factor is None:
         # Dr.GRPO's constant must not be the padded width of each micro-batch: use the response budget (Eq. 3)

