@@ -37,6 +37,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+import config
 import data
 import rewards
 
@@ -174,8 +175,10 @@ def main(argv):
     parser.add_argument("--out", required=True, help="output .jsonl (name it after the benchmark, e.g. aime24.jsonl)")
     args = parser.parse_args(argv)
     try:
+        config.check_files(args.inputs, "inputs")
+        config.check_writable_file(args.out, "--out")
         count = convert(args.benchmark, args.inputs, args.out)
-    except ValueError as error:
+    except (ValueError, config.ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"wrote {count} {args.benchmark} problems to {args.out}")

@@ -59,6 +59,7 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
     import shutil
 
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     root = Path(out_dir) / "checkpoints"
@@ -84,8 +85,10 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
             torch.save({**trainer_state, "world_size": world, "has_optimizer_state": has_optimizer_state},
                        partial / "trainer.pt")
             (partial / "config.yaml").write_text(config.to_yaml(cfg))
-    except (OSError, RuntimeError) as error:  # a full disk shows as either (torch's zip writer: "unexpected pos")
-        failure = f"rank {rank}: {type(error).__name__}: {error}"
+    # a full disk shows as any of these (torch's zip writer: "unexpected pos"; DCP wraps its writers' errors in a
+    # CheckpointException, which derives from BaseException)
+    except (OSError, RuntimeError, CheckpointException) as error:
+        failure = f"rank {rank}: {type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
     failures = [None] * world
     dist.all_gather_object(failures, failure)  # every shard is on disk, or every rank learns which one is not
     failures = [f for f in failures if f is not None]
@@ -94,9 +97,10 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
             shutil.rmtree(partial, ignore_errors=True)
         dist.barrier()
         free = shutil.disk_usage(root).free / 2**20
+        full = " (the file system is full)" if free < 64 else ""
         previous = list_checkpoints(out_dir)
         raise RunError(f"error: saving the checkpoint of step {step} to {root} failed ({failures[0]}; {free:.0f} MiB "
-                       f"free there); its partial files were removed, and "
+                       f"free there{full}); its partial files were removed, and "
                        f"{previous[-1] if previous else 'no earlier checkpoint'} and metrics.jsonl are as they were")
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
@@ -154,6 +158,29 @@ def read_trainer_state(checkpoint):
         raise RunError(f"error: {path} cannot be read ({type(error).__name__}: {error})") from None
 
 
+def check_files(checkpoint):
+    """RunError naming the first file of a checkpoint that is missing or shorter than its index says (a save cut
+    short, a truncated copy): DCP's metadata lists every tensor's file, offset and length, so this reads no data."""
+    import torch.distributed.checkpoint as dcp
+
+    sharded = Path(checkpoint) / "sharded"
+    try:
+        metadata = dcp.FileSystemReader(str(sharded)).read_metadata()
+    except Exception as error:  # missing or corrupt .metadata: pickling, EOF or OS errors
+        raise RunError(f"error: {sharded}/.metadata cannot be read ({type(error).__name__}: {error})") from None
+    needed = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = sharded / name
+        if not path.is_file():
+            raise RunError(f"error: {path} is missing (the checkpoint's index lists it)")
+        if path.stat().st_size < size:
+            raise RunError(f"error: {path} is truncated ({path.stat().st_size} bytes, its index needs {size})")
+    if not list(Path(checkpoint).glob("rng_rank*.pt")):
+        raise RunError(f"error: {checkpoint} has no rng_rank*.pt")
+
+
 def resume_checkpoint(cfg, check_later=True, rank=0):
     """The checkpoint train.resume names (auto: out_dir's latest readable one, None when there is none; never: None;
     else that path). With auto, an unreadable checkpoint is skipped with a warning for the one before it. Raises
@@ -165,16 +192,20 @@ def resume_checkpoint(cfg, check_later=True, rank=0):
     if resume == "auto":
         for candidate in reversed(list_checkpoints(out_dir)):
             try:
-                start_step, checkpoint = read_trainer_state(candidate)["step"], candidate
-                break
+                step = read_trainer_state(candidate)["step"]
+                check_files(candidate)
             except RunError as error:
                 unreadable.append(candidate)
                 if rank == 0:
                     print(f"warning: {error}; falling back to the checkpoint before it", file=sys.stderr)
+                continue
+            start_step, checkpoint = step, candidate
+            break
     elif resume != "never":
         checkpoint = Path(resume)
         try:
             start_step = read_trainer_state(checkpoint)["step"]
+            check_files(checkpoint)
         except RunError as error:
             raise RunError(f"{error} (train.resume={resume!r})") from None
     later = [p.name for p in list_checkpoints(out_dir) if checkpoint_step(p) > start_step and p not in unreadable]

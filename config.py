@@ -414,6 +414,20 @@ def check_model_config(path, key="model.path"):
     return path
 
 
+def check_context(model_path, max_model_len, keys):
+    """That prompts and responses fit the model's context (config.json's max_position_embeddings): vLLM refuses a
+    longer max_model_len only once its engine is half built. keys: what sets max_model_len, for the message."""
+    import json
+
+    try:
+        positions = json.loads((Path(model_path) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return  # check_model_path reports an unreadable config.json
+    if positions is not None and max_model_len > positions:
+        raise ConfigError(f"{keys} = {max_model_len} tokens exceeds the model's context "
+                          f"(max_position_embeddings = {positions} in {Path(model_path) / 'config.json'})")
+
+
 def check_files(paths, key):
     """Every path is a readable file."""
     for i, path in enumerate(paths):
@@ -427,6 +441,9 @@ def check_files(paths, key):
 def check_paths(cfg):
     """The model, data and resume paths a run reads, and that train.out_dir can be written."""
     check_model_path(cfg.model.path)
+    longest = max(cfg.rollout.max_tokens, cfg.eval.max_tokens if cfg.eval.every and cfg.eval.files else 0)
+    check_context(cfg.model.path, cfg.data.max_prompt_tokens + longest,
+                  "data.max_prompt_tokens + rollout.max_tokens (or eval.max_tokens)")
     check_files(cfg.data.train_files, "data.train_files")
     if cfg.eval.every:
         check_files(cfg.eval.files, "eval.files")

@@ -403,12 +403,32 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+def check_arguments(args):
+    """The numbers' ranges, in one line naming the option (config.ConfigError)."""
+    rules = [("--n", args.n is None or args.n >= 1, "must be >= 1"),
+             ("--temperature", args.temperature > 0, "must be > 0"),
+             ("--top-p", 0 < args.top_p <= 1, "must be in (0, 1]"),
+             ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
+             ("--max-prompt-tokens", args.max_prompt_tokens >= 1, "must be >= 1"),
+             ("--limit", args.limit >= 0, "must be >= 0 (0 = all)"),
+             ("--kv-cache-gib", args.kv_cache_gib is None or args.kv_cache_gib > 0, "must be > 0"),
+             ("--gpu-memory-utilization", 0 < args.gpu_memory_utilization <= 1, "must be in (0, 1]"),
+             ("--max-num-seqs", args.max_num_seqs >= 1, "must be >= 1")]
+    for option, ok, message in rules:
+        if not ok:
+            value = getattr(args, option.removeprefix("--").replace("-", "_"))
+            raise config.ConfigError(f"{option} {message}, got {value!r}")
+
+
 def main(argv):
     from transformers import AutoTokenizer
 
     args = parse_args(argv)
-    try:  # every path and file, before any engine start-up
+    try:  # every value, path and file, before any engine start-up
+        check_arguments(args)
         config.check_model_path(args.model, key="--model")
+        config.check_context(args.model, args.max_prompt_tokens + args.max_tokens,
+                             "--max-prompt-tokens + --max-tokens")
         config.check_files(args.data, "--data")
         for option, path in (("--out", args.out), ("--samples", args.samples)):
             if path is not None:

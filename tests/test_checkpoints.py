@@ -17,8 +17,13 @@ import config
 
 
 def write_trainer_state(out_dir, step, corrupt=False):
+    """A complete checkpoint directory of a small model (DCP shards, one RNG file, trainer.pt)."""
+    import torch.distributed.checkpoint as dcp
+
     path = out_dir / "checkpoints" / f"step_{step:08d}"
     path.mkdir(parents=True)
+    dcp.save({"model": {"weight": torch.arange(4096.0), "bias": torch.ones(3)}}, checkpoint_id=path / "sharded")
+    torch.save({}, path / "rng_rank0.pt")
     if corrupt:
         (path / "trainer.pt").write_bytes(b"PK\x03\x04 truncated")
     else:
@@ -75,6 +80,23 @@ def test_an_unreadable_checkpoint_falls_back_to_the_one_before(tmp_path, capsys)
                                                                         "train.resume=never"]))
 
 
+def test_a_truncated_or_missing_shard_is_found_before_anything_loads(tmp_path, capsys):
+    cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}"])
+    write_trainer_state(tmp_path, 2)
+    latest = write_trainer_state(tmp_path, 4)
+    shard = next((latest / "sharded").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])  # a copy cut short
+    assert checkpoints.resume_checkpoint(cfg).name == "step_00000002"  # auto: the one before it
+    warning = capsys.readouterr().err
+    assert f"{shard} is truncated" in warning and "falling back to the checkpoint before it" in warning
+    named = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}", f"train.resume={latest}"])
+    with pytest.raises(checkpoints.RunError, match="is truncated.*train.resume="):
+        checkpoints.resume_checkpoint(named)
+    shard.unlink()
+    with pytest.raises(checkpoints.RunError, match=f"{shard} is missing"):
+        checkpoints.check_files(latest)
+
+
 @pytest.fixture
 def process_group():
     """A gloo group of one in this process, for the functions that save with torch.distributed."""
@@ -109,3 +131,34 @@ def test_a_failed_save_says_why_removes_its_files_and_keeps_the_previous_checkpo
     assert str(first) in message
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001"]  # no partial files
     assert checkpoints.read_trainer_state(first)["step"] == 1
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs (root only: skipped where mounting is not permitted)."""
+    mount_point = tmp_path / "small_disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_full_disk_during_a_save_loses_nothing(small_disk, process_group):
+    # the real thing: DCP's writer fails on a full tmpfs (a CheckpointException, which derives from BaseException)
+    cfg = config.load("configs/tiny.yaml", [f"train.out_dir={small_disk}", "train.keep_last=3"])
+    model = torch.nn.Linear(300, 300)  # 0.36 MB of weights: with AdamW's state a checkpoint is ~1.1 MB
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 300)).sum().backward()
+    optimizer.step()
+    first = checkpoints.save_checkpoint(small_disk, 1, model, optimizer, {"step": 1}, cfg, 0, 1)
+    with pytest.raises(checkpoints.RunError) as error:
+        checkpoints.save_checkpoint(small_disk, 2, model, optimizer, {"step": 2}, cfg, 0, 1)
+    message = str(error.value)
+    assert message.startswith(f"error: saving the checkpoint of step 2 to {small_disk / 'checkpoints'} failed")
+    assert "(the file system is full)" in message and str(first) in message and "\n" not in message
+    assert sorted(p.name for p in (small_disk / "checkpoints").iterdir()) == ["step_00000001"]  # no .tmp left
+    checkpoints.check_files(first)
+    assert checkpoints.resume_checkpoint(cfg).name == "step_00000001"  # a rerun continues from it

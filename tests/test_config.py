@@ -135,6 +135,9 @@ def test_paths_are_checked_with_where_they_are_read_from(tiny_dir, tmp_path, mon
     assert "not a Hugging Face model directory" in message and "config.json" in message and "weights" in message
     assert "'data.train_files[1]'" in problem(f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'},x.jsonl]")
     assert "'eval.files[0]'" in problem("eval.files=[missing.jsonl]")
+    assert problem("rollout.max_tokens=500") == (  # 64 + 500 > the tiny model's 512 positions
+        "data.max_prompt_tokens + rollout.max_tokens (or eval.max_tokens) = 564 tokens exceeds the model's context "
+        f"(max_position_embeddings = 512 in {tiny_dir / 'model' / 'config.json'})")
     assert "'train.resume'" in problem("train.resume=nowhere") and "no trainer.pt" in problem("train.resume=nowhere")
     (tmp_path / "file").write_text("")
     assert "'train.out_dir'" in problem("train.out_dir=file/run")

@@ -240,6 +240,17 @@ def test_converter_errors_name_file_line_and_field(tmp_path, capsys):
     assert benchmarks.main(["aime24", str(bad), "--out", str(out)]) == 1
     assert "bad.jsonl:2: missing field" in capsys.readouterr().err
     assert not out.exists()
+    good = write_jsonl(tmp_path / "good.jsonl", [{"problem": "P", "answer": "1"}])
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o500)
+    (tmp_path / "a_file").write_text("")
+    for target in (tmp_path / "a_file" / "out.jsonl", read_only / "out.jsonl"):
+        if target.parent == read_only and os.geteuid() == 0:
+            continue  # root writes anywhere: the not-a-directory case stands in for it
+        assert benchmarks.main(["math500", str(good), "--out", str(target)]) == 1
+        assert f"--out: cannot write {target}" in capsys.readouterr().err
+    assert benchmarks.main(["math500", str(tmp_path / "none.jsonl"), "--out", str(out)]) == 1
+    assert "none.jsonl does not exist" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -365,20 +376,26 @@ def test_distinct_correct_fraction_by_hand():
     assert evaluate.distinct_correct_fraction(groups[1:2]) is None
 
 
-def test_bad_paths_fail_before_any_engine_starts(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_bad_paths_and_values_fail_before_any_engine_starts(tiny_dir, tmp_path, capsys, monkeypatch):
     def no_engine(*args, **kwargs):
         raise AssertionError("the engine must not start")
 
     monkeypatch.setattr(evaluate.rollout, "build_engine", no_engine)
-    good = ["--model", str(tiny_dir / "model"), "--data", str(tiny_dir / "data" / "sum_test.jsonl")]
+    good = ["--model", str(tiny_dir / "model"), "--data", str(tiny_dir / "data" / "sum_test.jsonl"),
+            "--max-prompt-tokens", "64", "--max-tokens", "16"]
     (tmp_path / "file").write_text("")
     cases = [(["--model", str(tmp_path / "nope"), "--data", good[3], "--out", str(tmp_path / "r.json")],
               "--model: " + str(tmp_path / "nope") + " does not exist; nothing is downloaded"),
-             (good[:2] + ["--data", "missing.jsonl", "--out", str(tmp_path / "r.json")],
+             (good[:2] + ["--data", "missing.jsonl"] + good[4:] + ["--out", str(tmp_path / "r.json")],
               "--data[0]: missing.jsonl (relative to the working directory"),
              (good + ["--out", str(tmp_path / "file" / "r.json")], "--out: cannot write"),
              (good + ["--out", str(tmp_path / "r.json"), "--samples", str(tmp_path / "file" / "s.jsonl")],
-              "--samples: cannot write")]
+              "--samples: cannot write"),
+             (good + ["--out", str(tmp_path / "r.json"), "--n", "0"], "--n must be >= 1, got 0"),
+             (good + ["--out", str(tmp_path / "r.json"), "--temperature", "-1"], "--temperature must be > 0, got -1.0"),
+             (good + ["--out", str(tmp_path / "r.json"), "--max-tokens", "600"],
+              "--max-prompt-tokens + --max-tokens = 664 tokens exceeds the model's context "
+              "(max_position_embeddings = 512")]
     for argv, message in cases:
         assert evaluate.main(argv) == 2
         assert message in capsys.readouterr().err
