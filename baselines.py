@@ -251,18 +251,24 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
     """
     _check_method(method)
     logprobs, advantages, mask = batch["logprobs"].detach(), batch["advantages"], batch["mask"]
+    # candidate counts: when a method touches nothing, they say why (no token of the right sign, too few for k)
+    signed = stare._unsqueeze_sequence_advantages(advantages, logprobs)
+    positive, negative = (mask.bool() & (signed > 0)).sum(), (mask.bool() & (signed < 0)).sum()
     if method == "stare":
         w, m, gate_on = (gate.w, gate.m, gate.gate_on) if gate is not None else (cfg.stare_w, cfg.stare_m, True)
         weights, stats = stare.stare_weights(logprobs, advantages, mask, cfg.stare_variant, cfg.stare_top_ratio,
                                              w, m, gate_on)
-        return {"weights": weights}, {f"stare/{key}": value for key, value in stats.items()}
+        return {"weights": weights}, {**{f"stare/{key}": value for key, value in stats.items()},
+                                      "stare/positive_tokens": positive, "stare/negative_tokens": negative}
     if method == "stapo":
         spurious, threshold = stapo_spurious_mask(logprobs, batch["entropy"], advantages, mask,
                                                   cfg.stapo_prob_threshold, cfg.stapo_entropy_quantile)
-        return {"spurious": spurious}, {"stapo/entropy_threshold": threshold}
+        return {"spurious": spurious}, {"stapo/entropy_threshold": threshold, "stapo/candidates": positive}
     if method == "lp_reg":
-        return {"regularized": lp_reg_mask(logprobs, batch["proxy_logprobs"], advantages, mask,
-                                           cfg.lp_reg_neg_ratio)}, {}
+        k = _count_k(cfg.lp_reg_neg_ratio, negative, "floor1")  # Eq. 14; nothing unless k > 1
+        regularized = lp_reg_mask(logprobs, batch["proxy_logprobs"], advantages, mask, cfg.lp_reg_neg_ratio)
+        return {"regularized": regularized}, {"lp_reg/candidates": negative, "lp_reg/k": torch.where(k > 1, k, 0),
+                                              "lp_reg/selected": regularized.sum()}
     if method == "clip_cov":
         return {"detached": clip_cov_mask(logprobs, batch["old_logprobs"], advantages, mask, cfg.clip_cov_ratio,
                                           cfg.clip_cov_lb, cfg.clip_cov_ub, cfg.clip_low, cfg.clip_high,

@@ -423,6 +423,7 @@ def batch_metrics(responses, num_tokens, device):
     mismatch = [(torch.tensor(r.rollout_logprobs) - r.old_logprobs).abs()[r.policy_mask] for r in responses]
     sums = all_reduce({"responses": len(responses), "correct": sum(r.accuracy for r in responses),
                        "reward": sum(r.reward for r in responses), "length": sum(len(r.tokens) for r in responses),
+                       "zero_advantage": sum(r.advantage == 0 for r in responses),
                        "truncated": sum(r.truncated for r in responses),
                        "mismatch": sum(float(m.sum()) for m in mismatch),
                        "reflection_words": sum(r.reflection[0] for r in responses),
@@ -437,6 +438,7 @@ def batch_metrics(responses, num_tokens, device):
     return {"rollout/acc": sums["correct"] / count, "rollout/reward_mean": sums["reward"] / count,
             "rollout/response_length_mean": sums["length"] / count, "rollout/response_length_max": maxima["length"],
             "rollout/truncated_frac": sums["truncated"] / count,
+            "train/zero_advantage_frac": sums["zero_advantage"] / count,  # all 1: no learning signal at all
             "rollout/logprob_mismatch_mean": sums["mismatch"] / max(num_tokens, 1),
             "rollout/logprob_mismatch_max": maxima["mismatch"],
             "rollout/reflection_per_1k_words": 1000 * sums["reflection_words"] / max(sums["words"], 1),
@@ -444,21 +446,25 @@ def batch_metrics(responses, num_tokens, device):
             **{f"stare/dynamics/{k}": v for k, v in all_reduce(dynamics, device).items()}}
 
 
-def train_step(run, state, step):
-    """One optimizer step: the algorithm, stage by stage -> its metrics by name."""
+def train_step(run, state, step, stage=lambda name: None):
+    """One optimizer step: the algorithm, stage by stage -> its metrics by name. stage(name) is called as each
+    long stage begins (the progress line shows it)."""
     cfg, device, rank, world = run.cfg, run.device, run.rank, run.world
     start = time.time()
+    stage("rollout")
     groups, state.data_position, rollout_metrics = sample_groups(run.engine, run.tokenizer, run.task, cfg,
                                                                  state.data_position, rank, world, device)
     if cfg.rollout.enable_sleep_mode:
         rollout.release_memory(run.engine, cfg.rollout.sleep_level)  # free the engine for the update (GPU)
     responses = group_responses(groups, cfg, rank, world)
     timer = Timer()
+    stage("old log-probs")
     with timer("time/old_logprobs"):
         old_policy_pass(run.model, responses, cfg, device)
     num_tokens, gate_metrics = update_gate(run.gate, responses, device)
     selection_metrics = select_tokens(responses, cfg, run.gate, step, device)
     learning_rate = run.optimizer.param_groups[0]["lr"]  # the rate this step uses
+    stage("update")
     with timer("time/update"):
         update_metrics = policy_update(run.model, run.optimizer, responses, cfg, run.gate, step, device,
                                        state.scaler)
@@ -470,6 +476,7 @@ def train_step(run, state, step):
         raise checkpoints.RunError(f"error: step {step}: non-finite loss or gradient norm in "
                                    f"{state.nonfinite_in_a_row} consecutive steps "
                                    f"(optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
+    stage("weight sync")
     with timer("time/sync"):
         state.probe, sync_error = sync_engine(run.engine, run.model, cfg, responses, step, state.probe,
                                               first=step == run.first_step)
@@ -529,7 +536,8 @@ def train(run, state):
         log.write(0, evaluation(run), progress)  # the starting point of every eval curve
     try:
         for step in progress:
-            metrics = {**train_step(run, state, step), **run.task.metrics}  # data/*: what the prompt loading did
+            metrics = {**train_step(run, state, step, stage=lambda name: progress.set_postfix_str(
+                f"step {step}: {name}", refresh=True)), **run.task.metrics}  # data/*: what loading the prompts did
             if run.benchmarks and (step % cfg.eval.every == 0 or step == cfg.train.total_steps):
                 metrics.update(evaluation(run))
             log.write(step, metrics, progress)
@@ -616,6 +624,7 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
         agree(problem)
         task, benchmarks = load_task(cfg, tokenizer, rank)
         max_tokens = max(cfg.rollout.max_tokens, cfg.eval.max_tokens if benchmarks else 0)
+        say(rank, "building the vLLM engine (on a GPU the first start compiles and captures CUDA graphs)")
         engine = rollout.build_engine(
             # one seed per engine, or every engine samples alike (vLLM #15980); the ranks of one engine share it
             cfg.model.path, seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size,
@@ -631,6 +640,7 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
                   file=sys.stderr)
     torch.manual_seed(cfg.train.seed)  # after the engine, whose start reseeds every global RNG (rollout.py)
     random.seed(cfg.train.seed)
+    say(rank, f"building the policy model from {cfg.model.path} (each rank reads its shards)")
     model = modeling.build_model(cfg, device, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
@@ -654,6 +664,12 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
             print(f"warning: {run.out_dir} held metrics of an earlier run but no checkpoint to resume from; they are "
                   f"kept as {kept}", file=sys.stderr)
     return run, state
+
+
+def say(rank, message):
+    """A start-up line on rank 0 (the stages before the first step can take minutes)."""
+    if rank == 0:
+        print(f"start: {message}", file=sys.stderr, flush=True)
 
 
 def load_task(cfg, tokenizer, rank):

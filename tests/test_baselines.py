@@ -449,3 +449,24 @@ def test_token_weights_multiply_each_token_loss():
     assert weighted.item() == pytest.approx(token_mean_loop(batch, per_token), rel=1e-5)
     assert torch.equal(baselines.policy_loss("grpo", batch, cfg, token_weights=torch.ones(6, 9))[0],
                        baselines.policy_loss("grpo", batch, cfg)[0])
+
+
+def test_selection_metrics_say_why_a_method_touched_nothing():
+    # Lp-Reg regularises among the negative-advantage tokens only when k = int(rho n) > 1: with every reward
+    # equal there is no candidate, and with few negative tokens k is 0; the counts show both
+    generator = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(4, 50, generator=generator) * 5  # [B, T]
+    mask = torch.ones(4, 50, dtype=torch.bool)
+    cfg = baselines.LossConfig()
+    batch = {"logprobs": logprobs, "old_logprobs": logprobs, "entropy": torch.rand(4, 50, generator=generator),
+             "mask": mask, "proxy_logprobs": logprobs + 1.0}
+    _, flat = baselines.token_selection("lp_reg", {**batch, "advantages": torch.zeros(4)}, cfg)
+    assert (int(flat["lp_reg/candidates"]), int(flat["lp_reg/k"]), int(flat["lp_reg/selected"])) == (0, 0, 0)
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])  # 100 negative tokens: int(0.01 * 100) = 1, not > 1
+    _, few = baselines.token_selection("lp_reg", {**batch, "advantages": advantages}, cfg)
+    assert (int(few["lp_reg/candidates"]), int(few["lp_reg/k"]), int(few["lp_reg/selected"])) == (100, 0, 0)
+    wide = baselines.LossConfig(lp_reg_neg_ratio=0.05)  # k = 5: the 5 least likely negative tokens
+    _, some = baselines.token_selection("lp_reg", {**batch, "advantages": advantages}, wide)
+    assert (int(some["lp_reg/k"]), int(some["lp_reg/selected"])) == (5, 5)
+    _, stare_metrics = baselines.token_selection("stare", {**batch, "advantages": advantages}, cfg)
+    assert int(stare_metrics["stare/positive_tokens"]) == int(stare_metrics["stare/negative_tokens"]) == 100
