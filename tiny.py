@@ -3,6 +3,7 @@
     python tiny.py --out runs/tiny          # reuses the directory when it is complete
     python tiny.py --out runs/tiny --tool   # + the tool-use variant (the default first if missing)
     python tiny.py --out runs/tiny --countdown   # + the countdown variant (likewise)
+    python tiny.py --out runs/tiny --data-only   # the tasks' data files only: no model is built or trained
 
 Nothing here downloads anything. It writes:
 
@@ -485,6 +486,16 @@ def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False):
     return summary
 
 
+def write_data(out_dir, seed=0):
+    """The tasks' prompt files only (out_dir/data/*.jsonl: sum, add, mul, countdown), in seconds and without
+    building or training a model: the data to try another model on (docs/usage.md, "A small real model")."""
+    splits = {**make_splits(seed=seed), **make_tool_splits(seed=seed), **make_countdown_splits(seed=seed)[0]}
+    (Path(out_dir) / "data").mkdir(parents=True, exist_ok=True)
+    for name, rows in splits.items():
+        data.save_jsonl(rows, Path(out_dir) / "data" / f"{name}.jsonl")
+    return {name: len(rows) for name, rows in splits.items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/tiny", help="directory to create (reused if complete)")
@@ -494,7 +505,11 @@ def main():
     parser.add_argument("--tool", action="store_true", help="also build the tool-use variant (tool_model/, mul_*)")
     parser.add_argument("--countdown", action="store_true",
                         help="also build the countdown variant (countdown_model/, countdown_*)")
+    parser.add_argument("--data-only", action="store_true", help="write the tasks' data files only (no model)")
     args = parser.parse_args()
+    if args.data_only:
+        print(json.dumps(write_data(args.out, args.seed), indent=2))
+        return
     print(json.dumps(build_tiny(args.out, args.seed, args.warmup_steps, args.force), indent=2))
     if args.tool:
         print(json.dumps(build_tiny_tool(args.out, args.seed, force=args.force), indent=2))

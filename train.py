@@ -371,14 +371,14 @@ def micro_batch_backward(model, rows, is_padding, mini_rows, denominators, cfg, 
 
 
 def sync_engine(engine, model, cfg, responses, step, probe, first=False):
-    """The new weights into the local engine; at the run's first step and every sync_check_every steps, the
+    """The new weights into the local engine; at step 1 (or when `first`) and every sync_check_every steps, the
     engine's log-probs of a probe sequence against the trainer's -> (the probe, the largest difference over all
     ranks, or None). With sleep mode the trainer's side of the probe runs before the engine's KV cache is back, so
     the two never hold memory at once."""
     if cfg.rollout.enable_sleep_mode:
         rollout.wake_weights(engine)  # weights first, then the KV cache (vLLM's sleep mode)
     rollout.sync_weights(engine, rollout.full_parameters(model, rollout.engine_dtype(engine)))
-    checking = cfg.rollout.sync_check_every and (first or step % cfg.rollout.sync_check_every == 0)
+    checking = cfg.rollout.sync_check_every and (first or step == 1 or step % cfg.rollout.sync_check_every == 0)
     if checking and probe is None:
         probe = next((p for p in all_gather(probe_sequence(responses)) if p is not None), None)  # same on all ranks
     if checking and probe is not None:
@@ -478,8 +478,7 @@ def train_step(run, state, step, stage=lambda name: None):
                                    f"(optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
     stage("weight sync")
     with timer("time/sync"):
-        state.probe, sync_error = sync_engine(run.engine, run.model, cfg, responses, step, state.probe,
-                                              first=step == run.first_step)
+        state.probe, sync_error = sync_engine(run.engine, run.model, cfg, responses, step, state.probe)
     elapsed = time.time() - start
     return {**rollout_metrics, **batch_metrics(responses, num_tokens, device), **gate_metrics, **selection_metrics,
             **update_metrics, "train/lr": learning_rate, **timer.times, "time/step": elapsed,
@@ -580,7 +579,6 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     gate: stare.EntropyGate
     checkpoint: Path | None
-    first_step: int = 1  # the first step this process runs (the weight-sync probe always checks it)
 
 
 @dataclasses.dataclass
@@ -655,7 +653,6 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
     state = resume(run, checkpoint) if checkpoint is not None else TrainerState()
     if cfg.model.param_dtype == "float16" and state.scaler is None:
         state.scaler = LossScaler(cfg.optim.loss_scale_init, cfg.optim.loss_scale_window)
-    run.first_step = state.step + 1
     if rank == 0:  # the run has started: record what it runs with
         (run.out_dir / "config.yaml").write_text(config.to_yaml(cfg))
         print(config.to_yaml(cfg))

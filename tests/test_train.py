@@ -533,7 +533,7 @@ def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path):
 
 
 def test_the_sync_probe_runs_at_step_one_and_a_broken_bound_stops_the_run_in_one_line(tiny_dir, tmp_path):
-    # tiny.yaml checks every 5th step: step 1 is checked all the same (the first sync of the process)
+    # tiny.yaml checks every 5th step: step 1 is checked all the same (the first sync of the run)
     first, second = check_finished(run_train(tiny_dir, tmp_path / "ok"), tmp_path / "ok")  # steps 1 and 2
     assert first["rollout/sync_probe_error"] < 1e-4 and "rollout/sync_probe_error" not in second
     assert first["rollout/model_runner_v2"] == 0.0  # the V1 runner, as rollout.model_runner asks
