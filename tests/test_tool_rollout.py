@@ -206,7 +206,8 @@ def test_max_turns_ends_conversations_whose_last_turn_calls(recorded, engine, to
                                                                                                         config))
     short = rollout.generate_with_tools(engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3],
                                         max_turns=MAX_TURNS - 1, sandbox_config=SANDBOX)
-    assert "max_turns" in short.finish_reasons
+    # (which conversations call twice depends on the warmed-up model, hence on the CPU it was built on)
+    assert ("max_turns" in short.finish_reasons) == any(calls >= MAX_TURNS - 1 for calls in out.num_calls)
     assert ran == sandbox_calls[0]  # the first turn's calls only
     for i in range(16):
         tool_runs = [r for r in runs(out.tool_mask[i]) if r[0]]
@@ -223,6 +224,7 @@ def test_max_turns_ends_conversations_whose_last_turn_calls(recorded, engine, to
                                       max_turns=1, sandbox_config=SANDBOX)
     assert not any(map(any, one.tool_mask)) and sum(one.num_calls) == 0
     assert [r == "max_turns" for r in one.finish_reasons] == [t > 1 for t in out.num_turns]
+    assert "max_turns" in one.finish_reasons  # most first turns call: the single-turn run ends them
 
 
 def prefilled(prompts, examples, tokenizer, quote):
