@@ -16,6 +16,7 @@ themselves: each knob is defined once, next to the code that uses it.
 import dataclasses
 import difflib
 import importlib.util
+import json
 import math
 import os
 import types
@@ -396,6 +397,14 @@ def check_model_path(path, key="model.path"):
         raise ConfigError(f"{key}: {where} is a file, not a model directory")
     if (path / "hf" / "config.json").exists():
         raise ConfigError(f"{key}: {where} is a training run's directory; its model is {path / 'hf'}")
+    try:
+        quantization = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        quantization = {}
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "gguf":
+        raise ConfigError(f"{key}: {where}/config.json still names the GGUF quantization it was converted from, "
+                          f"which vLLM refuses; convert it with `python -m tools.convert_gguf` (docs/usage.md, "
+                          f"\"A small real model, offline\")")
     missing = [what for what, names in (("config.json", ("config.json",)),
                                         ("a tokenizer (tokenizer.json)", ("tokenizer.json", "tokenizer_config.json")))
                if not any((path / name).exists() for name in names)]
@@ -417,8 +426,6 @@ def check_model_config(path, key="model.path"):
 def check_context(model_path, max_model_len, keys):
     """That prompts and responses fit the model's context (config.json's max_position_embeddings): vLLM refuses a
     longer max_model_len only once its engine is half built. keys: what sets max_model_len, for the message."""
-    import json
-
     try:
         positions = json.loads((Path(model_path) / "config.json").read_text()).get("max_position_embeddings")
     except (OSError, ValueError):
