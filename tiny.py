@@ -53,6 +53,7 @@ STARE suffix (load with prompt_suffix=None): on a CPU every prompt token costs t
 
 import argparse
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -507,6 +508,11 @@ def main():
                         help="also build the countdown variant (countdown_model/, countdown_*)")
     parser.add_argument("--data-only", action="store_true", help="write the tasks' data files only (no model)")
     args = parser.parse_args()
+    if args.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    existing = next(p for p in [Path(args.out), *Path(args.out).parents] if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        parser.error(f"--out {args.out}: cannot create or write it ({existing} is not a writable directory)")
     if args.data_only:
         print(json.dumps(write_data(args.out, args.seed), indent=2))
         return

@@ -28,6 +28,11 @@ ARCHITECTURES = {  # the model directory name each shipped config uses -> its co
     "Qwen2.5-7B-Instruct": dict(QWEN2, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                                 max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False),
+    # SmolLM2-135M-Instruct as tools/convert_gguf.py writes it (the directory configs/smollm2_add.yaml names)
+    "smollm2": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", torch_dtype="float32",
+                    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
 }
 
 

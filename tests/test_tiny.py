@@ -122,3 +122,26 @@ def test_countdown_variant(countdown_dir):
                  for o1 in "+-*" for o2 in "+-*" if eval(f"{x}{o1}{y}{o2}{z}") == int(target)}
         assert set(solutions[tuple(map(int, (a, b, c))), int(target)]) == found
         assert all(rewards.verify_countdown(f"\\boxed{{{s}}}", example.ground_truth) == (True, "ok") for s in found)
+
+
+def test_data_only_writes_the_tasks_without_a_model(tiny_dir, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    completed = subprocess.run([sys.executable, "tiny.py", "--out", str(tmp_path / "d"), "--data-only"], cwd=repo,
+                               capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert not (tmp_path / "d" / "model").exists()
+    written = sorted(p.name for p in (tmp_path / "d" / "data").iterdir())
+    assert written == ["add_test.jsonl", "add_train.jsonl", "countdown_test.jsonl", "countdown_train.jsonl",
+                       "mul_test.jsonl", "mul_train.jsonl", "sum_test.jsonl", "sum_train.jsonl"]
+    for name in ("add_train.jsonl", "sum_test.jsonl"):  # the very files the full build writes
+        assert (tmp_path / "d" / "data" / name).read_bytes() == (tiny_dir / "data" / name).read_bytes()
+    (tmp_path / "a_file").write_text("")
+    for argv, message in ((["--out", str(tmp_path / "a_file" / "x")], "is not a writable directory"),
+                          (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1")):
+        bad = subprocess.run([sys.executable, "tiny.py", *argv], cwd=repo, capture_output=True, text=True,
+                             timeout=120)
+        assert bad.returncode == 2 and message in bad.stderr
