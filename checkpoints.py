@@ -88,7 +88,9 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
     # a full disk shows as any of these (torch's zip writer: "unexpected pos"; DCP wraps its writers' errors in a
     # CheckpointException, which derives from BaseException)
     except (OSError, RuntimeError, CheckpointException) as error:
-        failure = f"rank {rank}: {type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
+        cause = next(iter(getattr(error, "failures", {}).values()), error)  # DCP's: {rank: the writer's error}
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        failure = f"rank {rank}: {type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:300]}"
     failures = [None] * world
     dist.all_gather_object(failures, failure)  # every shard is on disk, or every rank learns which one is not
     failures = [f for f in failures if f is not None]
