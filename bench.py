@@ -15,7 +15,6 @@ What each subcommand counts, its options' meaning and the measured numbers: docs
 
 import argparse
 import gc
-import importlib.metadata
 import json
 import math
 import os
@@ -934,7 +933,7 @@ def engine_cycles(model_dir, device, cycles=3, runner="v1", sleep_level=2, sleep
             train.old_policy_pass(model, responses, cfg, device)
             mismatch = torch.cat([(torch.tensor(r.rollout_logprobs) - r.old_logprobs).abs() for r in responses])
             record["logprob_mismatch_mean"] = float(mismatch.mean())
-            num_tokens, _ = train.update_gate(gate, responses, device)
+            train.update_gate(gate, responses, device)
             metrics = train.policy_update(model, optimizer, responses, cfg, gate, cycle + 1, device)
             record.update(grad_norm=metrics["train/grad_norm"], skipped=metrics["train/skipped_updates"],
                           free_gib_update=free_gib())
@@ -974,15 +973,8 @@ def bench_gpu_smoke(args):
     import train
 
     repo = Path(__file__).resolve().parent
-    major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
-    installed = {}
-    for name in ("torch", "torchaudio", *plan.pinned_versions()):
-        try:
-            installed[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    errors, warnings = plan.environment_problems(torch._C._cuda_getDriverVersion(), major * 1000 + minor * 10,
-                                                 installed, plan.pinned_versions())
+    installed = plan.installed_versions()
+    errors, warnings = plan.machine_problems(installed)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
               "installed": installed, "preflight": errors + warnings}
     try:

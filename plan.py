@@ -81,6 +81,11 @@ class Architecture:
     def parameters(self):
         return self.layers * self.layer_parameters + self.root_parameters
 
+    def gathered_bytes(self, compute_bytes):
+        """What FSDP2 holds unsharded in a forward or backward: the root unit and two layers (the current and the
+        prefetched one), in the compute dtype."""
+        return compute_bytes * (self.root_parameters + 2 * self.layer_parameters)
+
     def layer_activation_bytes(self, compute_bytes):
         """Bytes per token that one decoder layer keeps for its backward: the residual stream and the two norms'
         outputs, q/k/v before and after rotary (k/v repeated for grouped-query attention), the attention output,
@@ -138,7 +143,7 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
 
     # the trainer: float32 shards of parameters and AdamW's two moments, then the update of one micro-batch
     master, adam = 4 * n / world / GIB, 8 * n / world / GIB
-    gathered = compute_bytes * (arch.root_parameters + 2 * arch.layer_parameters) / GIB  # root + layer, prefetch
+    gathered = arch.gathered_bytes(compute_bytes) / GIB
     row = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
     tokens = max(cfg.train.micro_token_budget, row)  # a row longer than the budget goes alone
     update = update_gib(arch, world, compute_bytes, reduce_bytes, cfg.model.gradient_checkpointing, tokens, tokens)
@@ -182,8 +187,7 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
 def update_gib(arch, world, compute_bytes, reduce_bytes, checkpointing, tokens, response_tokens):
     """The trainer's memory at the peak of an update, per rank, in GiB: {"state": float32 shards of the
     parameters, their gradients and AdamW's two moments (16 bytes per parameter / world), "batch": the rest}.
-    The batch part: FSDP2's gathered root unit and two layers (the current and the prefetched one) in the compute
-    dtype, a layer's unsharded gradient before its reduce-scatter, and one micro-batch of `tokens` tokens
+    The batch part: FSDP2's gathered units (Architecture.gathered_bytes), a layer's unsharded gradient before its reduce-scatter, and one micro-batch of `tokens` tokens
     (`response_tokens` of them scored): each layer's input with gradient checkpointing plus one layer
     recomputed, or every layer's activations without, and the logits at the response positions with their
     gradient (never a float32 copy of them: stare.token_logprobs_and_entropy)."""
@@ -193,7 +197,7 @@ def update_gib(arch, world, compute_bytes, reduce_bytes, checkpointing, tokens, 
     else:
         body = tokens * arch.layers * per_layer
     head = 2 * response_tokens * arch.vocab * compute_bytes
-    gathered = compute_bytes * (arch.root_parameters + 2 * arch.layer_parameters)
+    gathered = arch.gathered_bytes(compute_bytes)
     grad_buffers = (compute_bytes + reduce_bytes) * arch.layer_parameters
     return {"state": 16 * arch.parameters / world / GIB, "batch": (gathered + grad_buffers + body + head) / GIB}
 
@@ -366,12 +370,9 @@ def environment_problems(driver_cuda, build_cuda, installed, pins):
     return errors, warnings
 
 
-def preflight(cfg, world_size, device):
-    """On a GPU, before anything loads: the driver against PyTorch's CUDA build, the packages against their pins,
-    and the memory plan against this device -> (errors, warnings), one line each."""
+def installed_versions():
+    """{package: version} of torch, torchaudio and every pinned package that is installed."""
     import importlib.metadata
-
-    import torch
 
     installed = {}
     for name in ("torch", "torchaudio", *pinned_versions()):
@@ -379,9 +380,24 @@ def preflight(cfg, world_size, device):
             installed[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
+    return installed
+
+
+def machine_problems(installed):
+    """environment_problems of this CUDA machine: its driver, PyTorch's CUDA build, `installed` against the pins."""
+    import torch
+
     major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
-    errors, warnings = environment_problems(torch._C._cuda_getDriverVersion(), major * 1000 + minor * 10,
-                                            installed, pinned_versions())
+    return environment_problems(torch._C._cuda_getDriverVersion(), major * 1000 + minor * 10, installed,
+                                pinned_versions())
+
+
+def preflight(cfg, world_size, device):
+    """On a GPU, before anything loads: the driver against PyTorch's CUDA build, the packages against their pins,
+    and the memory plan against this device -> (errors, warnings), one line each."""
+    import torch
+
+    errors, warnings = machine_problems(installed_versions())
     free, total = (b / GIB for b in torch.cuda.mem_get_info(device))
     memory = device_problem(cfg, Architecture.from_config_json(cfg.model.path), world_size, total, free)
     return errors + ([memory] if memory else []), warnings

@@ -406,7 +406,7 @@ def probe_sequence(responses):
 def sync_guard(metrics, cfg, step):
     """One line when the engine and the trainer disagree beyond their bounds (a failed or partial weight sync
     samples from other weights than the ones trained), else None. The bounds and their noise floor:
-    docs/usage.md, "The weight-sync guard"."""
+    docs/usage.md, "GPU runs: the checks"."""
     for key, name in (("rollout/sync_probe_error", "max_sync_probe_error"),
                       ("rollout/logprob_mismatch_mean", "max_logprob_mismatch")):
         bound = getattr(cfg.rollout, name)
