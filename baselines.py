@@ -138,7 +138,7 @@ def stapo_spurious_mask(logprobs, entropy, advantages, mask, prob_threshold=0.01
     valid = mask.bool()
     entropy = entropy.detach().float()
     threshold = _masked_quantile(entropy, valid, entropy_quantile)
-    advantages = stare._unsqueeze_sequence_advantages(advantages, logprobs)
+    advantages = stare.broadcastable_advantages(advantages, logprobs)
     log_threshold = math.log(prob_threshold) if prob_threshold > 0 else -math.inf  # tau_p = 0: STAPO off
     spurious = valid & (advantages > 0) & (logprobs.detach().float() < log_threshold) & (entropy < threshold)
     return spurious, threshold
@@ -161,13 +161,13 @@ def minp_proxy_logprobs(logits, tokens, temperature=1.0, kappa=0.02, soft=False,
 
     if not (temperature > 0 and 0 < kappa <= 1):
         raise ValueError(f"need temperature > 0 and 0 < kappa <= 1, got {temperature=}, {kappa=}")
-    logits_2d, tokens_1d = stare._flatten_logits(logits, tokens)
+    logits_2d, tokens_1d = stare.flatten_logits(logits, tokens)
     if kernels.supported(logits_2d):  # CUDA: two Triton passes per row instead of the chunk loop below
         return kernels.minp_proxy(logits_2d, tokens_1d, temperature, kappa, soft).view(tokens.shape)
-    chunk_rows = stare._chunk_rows(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
+    chunk_rows = stare.rows_per_chunk(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
     proxy = torch.empty(logits_2d.shape[0], device=logits_2d.device)  # [N] float32
     log_kappa_tempered = math.log(kappa) / temperature  # p_a >= kappa max p  <=>  x_a - max x >= log(kappa) / T
-    for start, end, x in stare._tempered_chunks(logits_2d, temperature, chunk_rows):  # x = logits / T, [n, V]
+    for start, end, x in stare.tempered_chunks(logits_2d, temperature, chunk_rows):  # x = logits / T, [n, V]
         row_max = x.amax(-1, keepdim=True)
         filtered_value = x.amin(-1, keepdim=True) if soft else torch.full_like(row_max, -1e4 / temperature)
         kept = torch.where(x - row_max >= log_kappa_tempered, x, filtered_value)  # [n, V]
@@ -180,7 +180,7 @@ def lp_reg_mask(logprobs, proxy_logprobs, advantages, mask, neg_ratio=0.01):
     with the lowest current log pi, kept only if log pi < log pi_proxy. As in the reference, nothing is selected
     unless k > 1 (a batch needs >= 2 / rho negative tokens). logprobs, proxy_logprobs, mask [B, T] -> bool [B, T]."""
     logprobs = logprobs.detach()
-    negative = mask.bool() & (stare._unsqueeze_sequence_advantages(advantages, logprobs) < 0)
+    negative = mask.bool() & (stare.broadcastable_advantages(advantages, logprobs) < 0)
     k = _count_k(neg_ratio, negative.sum(), "floor1")
     k = torch.where(k > 1, k, torch.zeros_like(k))
     lowest = stare.select_top_k(-logprobs, negative, k)  # lowest probability = highest surprisal
@@ -193,7 +193,7 @@ def advantage_logprob_covariance(logprobs, advantages, mask):
     valid = mask.bool()
     count = valid.sum().clamp(min=1)
     logprobs = logprobs.detach().float()
-    advantages = stare._token_advantages(advantages, logprobs).float()
+    advantages = stare.token_advantages(advantages, logprobs).float()
     centred_adv = advantages - (advantages * valid).sum() / count
     centred_logprobs = logprobs - (logprobs * valid).sum() / count
     return centred_adv * centred_logprobs * valid
@@ -210,7 +210,7 @@ def clip_cov_mask(logprobs, old_logprobs, advantages, mask, ratio, lb, ub, clip_
     if generator is None:
         raise ValueError("clip_cov_mask needs a torch.Generator (pass generator=...): it draws random tokens")
     logprobs = logprobs.detach()
-    advantages = stare._token_advantages(advantages, logprobs)
+    advantages = stare.token_advantages(advantages, logprobs)
     ratio_pi = torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))
     already_clipped = -advantages * torch.clamp(ratio_pi, 1 - clip_low, 1 + clip_high) > -advantages * ratio_pi
     covariance = advantage_logprob_covariance(logprobs, advantages, mask)
@@ -252,7 +252,7 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
     _check_method(method)
     logprobs, advantages, mask = batch["logprobs"].detach(), batch["advantages"], batch["mask"]
     # candidate counts: when a method touches nothing, they say why (no token of the right sign, too few for k)
-    signed = stare._unsqueeze_sequence_advantages(advantages, logprobs)
+    signed = stare.broadcastable_advantages(advantages, logprobs)
     positive, negative = (mask.bool() & (signed > 0)).sum(), (mask.bool() & (signed < 0)).sum()
     if method == "stare":
         w, m, gate_on = (gate.w, gate.m, gate.gate_on) if gate is not None else (cfg.stare_w, cfg.stare_m, True)
@@ -321,7 +321,7 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
         selection, metrics = token_selection(method, batch, cfg, gate=gate, generator=generator)
     logprobs, old_logprobs, mask = batch["logprobs"], batch["old_logprobs"], batch["mask"]
     valid = mask.bool()
-    token_adv = stare._token_advantages(batch["advantages"], logprobs).to(logprobs.dtype)  # [B, T]
+    token_adv = stare.token_advantages(batch["advantages"], logprobs).to(logprobs.dtype)  # [B, T]
     surrogate, surrogate_stats = stare.clipped_surrogate(logprobs, old_logprobs, batch["advantages"], cfg.clip_low,
                                                          cfg.clip_high, cfg.dual_clip, mask=mask)
     # -A r without clipping: Lp-Reg's regularised tokens and KL-Cov's base loss

@@ -69,7 +69,7 @@ def bench_logprob_memory(args):
     device = torch.device(args.device)
     generator = torch.Generator(device=device).manual_seed(0)
     results = {"tokens": args.tokens, "vocab": args.vocab, "device": str(device),
-               "chunk_rows": stare._chunk_rows(args.tokens, args.vocab, None)}
+               "chunk_rows": stare.rows_per_chunk(args.tokens, args.vocab, None)}
     for dtype in (torch.float32, torch.bfloat16):
         logits = torch.randn(args.tokens, args.vocab, generator=generator, device=device, dtype=dtype) * 4
         tokens = torch.randint(0, args.vocab, (args.tokens,), generator=generator, device=device)

@@ -13,6 +13,7 @@ Read top to bottom:
   3. STARE proper: top-surprisal selection, the weights omega, the entropy gate                       Eqs. 7, 8, 10
   4. the GRPO objective: group advantages, the clipped surrogate, loss aggregation                     Eqs. 1-3
   5. diagnostics: per-quadrant predicted entropy change                                                 Eq. 6
+  6. shared helpers (row chunks, advantage broadcasting, exact top-k by radix select), also used by baselines.py
 
     weights, stats = stare.stare_weights(old_logprobs, advantages, mask, "O1", top_ratio=0.1, w=1.1)
     token_loss, clip_stats = stare.clipped_surrogate(logprobs, old_logprobs, advantages, 0.2, 0.28, 10.0, mask)
@@ -39,29 +40,6 @@ DEFAULT_CHUNK_BYTES = 128 * 2**20
 # ======================================================================================================================
 
 
-def _chunk_rows(num_rows, vocab_size, chunk_size):
-    """Rows per chunk: `chunk_size` if given, else as many as fit in DEFAULT_CHUNK_BYTES of float32."""
-    if chunk_size is None:
-        chunk_size = DEFAULT_CHUNK_BYTES // (4 * max(vocab_size, 1))
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return max(1, min(int(chunk_size), num_rows))
-
-
-def _tempered_chunks(logits_2d, temperature, chunk_rows):
-    """Yield (start, end, x) with x = logits_2d[start:end] / temperature in float32, one row chunk at a time.
-
-    logits_2d: [N, V] any float dtype -> x: [n, V] float32 (a view of the input when it is float32 and T = 1,
-    so callers must not modify x in place).
-    """
-    for start in range(0, logits_2d.shape[0], chunk_rows):
-        end = min(start + chunk_rows, logits_2d.shape[0])
-        x = logits_2d[start:end].to(torch.float32)  # [n, V]
-        if temperature != 1.0:
-            x = x / temperature
-        yield start, end, x
-
-
 class _ChunkedLogprobEntropy(torch.autograd.Function):
     """log pi(token) and H(pi) for pi = softmax(logits / T), row-chunked in forward *and* backward.
 
@@ -77,7 +55,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits_2d.device)  # [N]
         entropy = torch.empty(num_rows, dtype=torch.float32, device=logits_2d.device)  # [N]
         lse_all = torch.empty(num_rows, dtype=torch.float32, device=logits_2d.device)  # [N]
-        for start, end, x in _tempered_chunks(logits_2d, temperature, chunk_rows):
+        for start, end, x in tempered_chunks(logits_2d, temperature, chunk_rows):
             lse = torch.logsumexp(x, dim=-1)  # [n]
             log_pi = (x - lse[:, None]).clamp_(min=_FLOAT32_MIN)  # [n, V]
             logprobs[start:end] = log_pi.gather(-1, tokens_1d[start:end, None]).squeeze(-1)
@@ -95,7 +73,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         # grad_logprobs, grad_entropy: [N] or None (an output that was not used)
         logits_2d, tokens_1d, lse_all, entropy = ctx.saved_tensors
         grad_logits = torch.empty_like(logits_2d)  # [N, V]
-        for start, end, x in _tempered_chunks(logits_2d, ctx.temperature, ctx.chunk_rows):
+        for start, end, x in tempered_chunks(logits_2d, ctx.temperature, ctx.chunk_rows):
             log_pi = (x - lse_all[start:end, None]).clamp_(min=_FLOAT32_MIN)  # [n, V]
             pi = log_pi.exp()  # [n, V]
             # d log pi_k / dx = e_k - pi;  dH/dx = -pi * (log pi + H)   (x = logits / T)
@@ -108,17 +86,6 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                 coef.scatter_add_(-1, tokens_1d[start:end, None], grad_logprobs[start:end, None].float())
             grad_logits[start:end] = (coef / ctx.temperature).to(grad_logits.dtype)
         return grad_logits, None, None, None
-
-
-def _flatten_logits(logits, tokens):
-    """Check shapes and flatten: logits [..., T, V] -> [N, V], tokens [..., T] -> [N] int64."""
-    if not torch.is_floating_point(logits):
-        raise TypeError(f"logits must be a float tensor, got {logits.dtype}")
-    if tokens is not None and tuple(logits.shape[:-1]) != tuple(tokens.shape):
-        raise ValueError(f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} plus a vocab dim")
-    logits_2d = logits.reshape(-1, logits.shape[-1])  # a view when contiguous
-    tokens_1d = None if tokens is None else tokens.reshape(-1).to(torch.long)
-    return logits_2d, tokens_1d
 
 
 def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None):
@@ -139,11 +106,11 @@ def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None)
 
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    logits_2d, tokens_1d = _flatten_logits(logits, tokens)
+    logits_2d, tokens_1d = flatten_logits(logits, tokens)
     if kernels.supported(logits_2d):
         logprobs, entropy = kernels.LogprobEntropy.apply(logits_2d, tokens_1d, float(temperature))
         return logprobs.view(tokens.shape), entropy.view(tokens.shape)
-    chunk_rows = _chunk_rows(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
+    chunk_rows = rows_per_chunk(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
     logprobs, entropy = _ChunkedLogprobEntropy.apply(logits_2d, tokens_1d, float(temperature), chunk_rows)
     return logprobs.view(tokens.shape), entropy.view(tokens.shape)
 
@@ -168,14 +135,14 @@ def _entropy_geometry(logits, tokens, temperature, chunk_size):
 
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    logits_2d, tokens_1d = _flatten_logits(logits, tokens)
+    logits_2d, tokens_1d = flatten_logits(logits, tokens)
     if kernels.supported(logits_2d):
         logprobs, entropy, _, cov_b, s_min = kernels.row_stats(logits_2d, tokens_1d, float(temperature), True)
         return logprobs, entropy, cov_b, s_min
-    chunk_rows = _chunk_rows(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
+    chunk_rows = rows_per_chunk(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
     num_rows, device = logits_2d.shape[0], logits_2d.device
     logprobs, entropy, cov_b, s_min = (torch.empty(num_rows, device=device) for _ in range(4))  # [N] float32 each
-    for start, end, x in _tempered_chunks(logits_2d, temperature, chunk_rows):
+    for start, end, x in tempered_chunks(logits_2d, temperature, chunk_rows):
         lse = torch.logsumexp(x, dim=-1)  # [n]
         log_pi = (x - lse[:, None]).clamp_(min=_FLOAT32_MIN)  # [n, V]
         if tokens_1d is not None:
@@ -223,21 +190,6 @@ def critical_surprisal(logits, temperature=1.0, chunk_size=None, iterations=60):
     return (0.5 * (lo + hi)).to(torch.float32).view(logits.shape[:-1])
 
 
-def _unsqueeze_sequence_advantages(advantages, like):
-    """Sequence advantages [B] -> [B, 1], so they broadcast against tokens `like` [B, T]; [B, T] pass through.
-    (Comparisons on [B, 1] cost B operations instead of B*T.)"""
-    if advantages.dim() == like.dim() - 1:
-        advantages = advantages.unsqueeze(-1)  # [B, 1]
-    if advantages.dim() != like.dim() or any(a not in (1, t) for a, t in zip(advantages.shape, like.shape)):
-        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] or [B, T] for tokens {tuple(like.shape)}")
-    return advantages
-
-
-def _token_advantages(advantages, like):
-    """Advantages [B] or [B, T] broadcast to the token shape of `like` [B, T] (a view, no copy)."""
-    return torch.broadcast_to(_unsqueeze_sequence_advantages(advantages, like), like.shape)
-
-
 def quadrant_masks(advantages, surprisal, mask, threshold):
     """The advantage-sign x surprisal partition of the valid tokens (Eq. 6): (pos_high, pos_low, neg_high, neg_low).
 
@@ -245,7 +197,7 @@ def quadrant_masks(advantages, surprisal, mask, threshold):
     tensor broadcastable to [B, T] (e.g. the critical surprisal s0) -> four bool [B, T]. "high" means
     surprisal >= threshold. Tokens with A = 0 are in no quadrant.
     """
-    token_adv = _token_advantages(advantages, surprisal)  # [B, T]
+    token_adv = token_advantages(advantages, surprisal)  # [B, T]
     valid = mask.bool()
     high = surprisal >= threshold
     pos, neg = valid & (token_adv > 0), valid & (token_adv < 0)
@@ -260,64 +212,6 @@ def quadrant_masks(advantages, surprisal, mask, threshold):
 def _validate_ratio(top_ratio):
     if not 0.0 <= top_ratio <= 1.0:  # also rejects NaN
         raise ValueError(f"top_ratio must be in [0, 1], got {top_ratio}")
-
-
-def _kth_largest_digit(bins, num_digits, k):
-    """One radix-select pass. bins [N] int32: digit + 1 for elements in play, 0 (or > num_digits) for the rest.
-
-    Returns 0-dim tensors (digit, above): the digit of the k-th largest in-play element, and how many in-play
-    elements have a larger digit. One histogram and a cumulative count; no host sync.
-    """
-    counts = torch.zeros(num_digits + 2, dtype=torch.int32, device=bins.device)  # [D + 2]
-    counts.index_add_(0, bins, torch.ones(1, dtype=torch.int32, device=bins.device).expand(bins.numel()))
-    at_or_above = counts[1:num_digits + 1].flip(0).cumsum(0).flip(0)  # [D]: in-play elements with digit >= d
-    digit = (at_or_above >= k).sum() - 1  # the largest digit with >= k elements at or above it
-    padded = torch.cat([at_or_above, at_or_above.new_zeros(1)])  # [D + 1]
-    # gather, not padded[digit + 1]: indexing with a 0-dim tensor calls .item(), a host sync on CUDA
-    above = padded.gather(0, (digit + 1).view(1)).squeeze(0)
-    return digit, above
-
-
-def select_top_k(values, candidates, k, signed=False):
-    """Among the candidates, exactly min(k, n) with the largest values; ties broken by position (Eqs. 7, 14, 16-18).
-
-    values [...] float, >= 0 (negative values count as 0, NaN as +inf; signed=True: every float32 in its own order,
-    negatives included, -NaN lowest and NaN highest), candidates [...] bool of the same shape (any shape), k an int
-    or a 0-dim integer tensor (it may live on the device) -> bool mask [...]. n = number of candidates. The
-    selection is deterministic: among equal values at the k-th place, the first in flattened order win.
-
-    No host-device sync and no sort: the k-th largest value is found by radix select. Non-negative float32 numbers
-    order like their bit patterns read as integers, so one histogram of the top 16 bits finds the bucket of the
-    k-th value, and one histogram of the low 16 bits inside that bucket finds the value itself: O(N) work in about
-    fifteen int32 kernels.
-    """
-    if values.shape != candidates.shape:
-        raise ValueError(f"values {tuple(values.shape)} and candidates {tuple(candidates.shape)} differ")
-    if candidates.numel() == 0:
-        return torch.zeros(candidates.shape, dtype=torch.bool, device=candidates.device)
-    flat_candidates = candidates.reshape(-1)  # [N] bool
-    if not isinstance(k, torch.Tensor):
-        k = torch.full((), int(k), dtype=torch.int32, device=candidates.device)  # made on the device: no copy
-    k = k.to(torch.int32).clamp(min=0).clamp(max=flat_candidates.sum(dtype=torch.int32))  # 0-dim
-
-    bits = values.reshape(-1).float().view(torch.int32)  # [N]
-    if signed:  # [N] int64 keys in [0, 2^32) ordered as the floats: negatives' magnitude bits flipped, then offset
-        key, high_digits = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() + 2**31, 1 << 16
-    else:  # [N] the bit pattern of a float >= 0; sign-bit patterns (negatives, -0.0) -> 0, NaN patterns -> +inf
-        key, high_digits = bits.clamp(0, 0x7F800000), 1 << 15
-    in_play = flat_candidates.int()  # [N] 1 for candidates
-    # pass 1: the top 16 bits (15 in use unless signed); bin = bits + 1, non-candidates in bin 0
-    high_bins = ((key >> 16) + 1) * in_play
-    high, above_high = _kth_largest_digit(high_bins, high_digits, k)
-    # pass 2: the low 16 bits of the candidates in that bucket; lower buckets land in bin 0, higher ones past the end
-    low_bins = (key - ((high << 16) - 1)).clamp_(0, (1 << 16) + 1) * in_play
-    low, above_low = _kth_largest_digit(low_bins, 1 << 16, k - above_high)
-    kth_key = (high << 16) | low  # 0-dim: the bit pattern of the k-th largest value
-
-    selected = (key > kth_key) & flat_candidates  # [N]: above_high + above_low elements (none if k = 0)
-    ties = (key == kth_key) & flat_candidates  # [N]: take the first ones, in order, to reach exactly k
-    selected |= ties & (ties.cumsum(0, dtype=torch.int32) <= k - above_high - above_low)
-    return selected.view(candidates.shape)
 
 
 def select_top_surprisal(surprisal, candidates, top_ratio):
@@ -355,7 +249,7 @@ def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1
     if variant not in ("O1", "C2"):
         raise ValueError(f"unknown STARE variant {variant!r}: expected 'O1' or 'C2'")
     surprisal = -logprobs.detach().float()  # [B, T]
-    advantages = _unsqueeze_sequence_advantages(advantages, surprisal)  # [B, 1] or [B, T]
+    advantages = broadcastable_advantages(advantages, surprisal)  # [B, 1] or [B, T]
     valid = mask.bool()  # [B, T]
     pos_candidates = valid & (advantages > 0)  # [B, T]
     neg_candidates = valid & (advantages < 0)
@@ -489,7 +383,7 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=0.2, clip_hig
         raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low}, {clip_high}")
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    token_adv = _token_advantages(advantages, logprobs).to(logprobs.dtype)  # [B, T]
+    token_adv = token_advantages(advantages, logprobs).to(logprobs.dtype)  # [B, T]
     log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)  # [B, T]
     ratio = torch.exp(log_ratio)
     loss_unclipped = -token_adv * ratio
@@ -553,13 +447,6 @@ def aggregate_loss(token_loss, mask, mode="token-mean", num_tokens=None, num_seq
     return _divide_by_count(seq_loss.sum(), (tokens_per_seq > 0).sum() if num_sequences is None else num_sequences)
 
 
-def _divide_by_count(total, count):
-    """total / max(count, 1) in float32; count is a Python number or a tensor (never copied host -> device)."""
-    if isinstance(count, torch.Tensor):
-        return total / count.to(torch.float32).clamp(min=1)
-    return total / max(float(count), 1.0)
-
-
 # ======================================================================================================================
 # 5. Diagnostics: which quadrant drives the entropy? (Eq. 6)
 # ======================================================================================================================
@@ -582,7 +469,7 @@ def entropy_dynamics(advantages, sensitivity, mask, weights=None, num_tokens=Non
     take the policy-gradient step eta*omega*A*(e_k - pi) (tabular-softmax approximation). Pass num_tokens = the
     step's global valid-token count so that micro-batch values add up to the full-batch ones.
     """
-    token_adv = _token_advantages(advantages, sensitivity).float()  # [B, T]
+    token_adv = token_advantages(advantages, sensitivity).float()  # [B, T]
     valid = mask.bool()
     contribution = token_adv * sensitivity.float()  # [B, T]
     if weights is not None:
@@ -596,3 +483,122 @@ def entropy_dynamics(advantages, sensitivity, mask, weights=None, num_tokens=Non
         stats[f"{name}/dH"] = _divide_by_count((contribution * in_quadrant).sum(), count)
     stats["total/dH"] = _divide_by_count(contribution.sum(), count)
     return stats
+
+
+# ======================================================================================================================
+# 6. Shared helpers: row chunks, advantage broadcasting, exact top-k (baselines.py uses them too)
+# ======================================================================================================================
+
+
+def rows_per_chunk(num_rows, vocab_size, chunk_size):
+    """Rows per chunk: `chunk_size` if given, else as many as fit in DEFAULT_CHUNK_BYTES of float32."""
+    if chunk_size is None:
+        chunk_size = DEFAULT_CHUNK_BYTES // (4 * max(vocab_size, 1))
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return max(1, min(int(chunk_size), num_rows))
+
+
+def tempered_chunks(logits_2d, temperature, chunk_rows):
+    """Yield (start, end, x) with x = logits_2d[start:end] / temperature in float32, one row chunk at a time.
+
+    logits_2d: [N, V] any float dtype -> x: [n, V] float32 (a view of the input when it is float32 and T = 1,
+    so callers must not modify x in place).
+    """
+    for start in range(0, logits_2d.shape[0], chunk_rows):
+        end = min(start + chunk_rows, logits_2d.shape[0])
+        x = logits_2d[start:end].to(torch.float32)  # [n, V]
+        if temperature != 1.0:
+            x = x / temperature
+        yield start, end, x
+
+
+def flatten_logits(logits, tokens):
+    """Check shapes and flatten: logits [..., T, V] -> [N, V], tokens [..., T] -> [N] int64."""
+    if not torch.is_floating_point(logits):
+        raise TypeError(f"logits must be a float tensor, got {logits.dtype}")
+    if tokens is not None and tuple(logits.shape[:-1]) != tuple(tokens.shape):
+        raise ValueError(f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} plus a vocab dim")
+    logits_2d = logits.reshape(-1, logits.shape[-1])  # a view when contiguous
+    tokens_1d = None if tokens is None else tokens.reshape(-1).to(torch.long)
+    return logits_2d, tokens_1d
+
+
+def broadcastable_advantages(advantages, like):
+    """Sequence advantages [B] -> [B, 1], so they broadcast against tokens `like` [B, T]; [B, T] pass through.
+    (Comparisons on [B, 1] cost B operations instead of B*T.)"""
+    if advantages.dim() == like.dim() - 1:
+        advantages = advantages.unsqueeze(-1)  # [B, 1]
+    if advantages.dim() != like.dim() or any(a not in (1, t) for a, t in zip(advantages.shape, like.shape)):
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] or [B, T] for tokens {tuple(like.shape)}")
+    return advantages
+
+
+def token_advantages(advantages, like):
+    """Advantages [B] or [B, T] broadcast to the token shape of `like` [B, T] (a view, no copy)."""
+    return torch.broadcast_to(broadcastable_advantages(advantages, like), like.shape)
+
+
+def select_top_k(values, candidates, k, signed=False):
+    """Among the candidates, exactly min(k, n) with the largest values; ties broken by position (Eqs. 7, 14, 16-18).
+
+    values [...] float, >= 0 (negative values count as 0, NaN as +inf; signed=True: every float32 in its own order,
+    negatives included, -NaN lowest and NaN highest), candidates [...] bool of the same shape (any shape), k an int
+    or a 0-dim integer tensor (it may live on the device) -> bool mask [...]. n = number of candidates. The
+    selection is deterministic: among equal values at the k-th place, the first in flattened order win.
+
+    No host-device sync and no sort: the k-th largest value is found by radix select. Non-negative float32 numbers
+    order like their bit patterns read as integers, so one histogram of the top 16 bits finds the bucket of the
+    k-th value, and one histogram of the low 16 bits inside that bucket finds the value itself: O(N) work in about
+    fifteen int32 kernels.
+    """
+    if values.shape != candidates.shape:
+        raise ValueError(f"values {tuple(values.shape)} and candidates {tuple(candidates.shape)} differ")
+    if candidates.numel() == 0:
+        return torch.zeros(candidates.shape, dtype=torch.bool, device=candidates.device)
+    flat_candidates = candidates.reshape(-1)  # [N] bool
+    if not isinstance(k, torch.Tensor):
+        k = torch.full((), int(k), dtype=torch.int32, device=candidates.device)  # made on the device: no copy
+    k = k.to(torch.int32).clamp(min=0).clamp(max=flat_candidates.sum(dtype=torch.int32))  # 0-dim
+
+    bits = values.reshape(-1).float().view(torch.int32)  # [N]
+    if signed:  # [N] int64 keys in [0, 2^32) ordered as the floats: negatives' magnitude bits flipped, then offset
+        key, high_digits = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() + 2**31, 1 << 16
+    else:  # [N] the bit pattern of a float >= 0; sign-bit patterns (negatives, -0.0) -> 0, NaN patterns -> +inf
+        key, high_digits = bits.clamp(0, 0x7F800000), 1 << 15
+    in_play = flat_candidates.int()  # [N] 1 for candidates
+    # pass 1: the top 16 bits (15 in use unless signed); bin = bits + 1, non-candidates in bin 0
+    high_bins = ((key >> 16) + 1) * in_play
+    high, above_high = _kth_largest_digit(high_bins, high_digits, k)
+    # pass 2: the low 16 bits of the candidates in that bucket; lower buckets land in bin 0, higher ones past the end
+    low_bins = (key - ((high << 16) - 1)).clamp_(0, (1 << 16) + 1) * in_play
+    low, above_low = _kth_largest_digit(low_bins, 1 << 16, k - above_high)
+    kth_key = (high << 16) | low  # 0-dim: the bit pattern of the k-th largest value
+
+    selected = (key > kth_key) & flat_candidates  # [N]: above_high + above_low elements (none if k = 0)
+    ties = (key == kth_key) & flat_candidates  # [N]: take the first ones, in order, to reach exactly k
+    selected |= ties & (ties.cumsum(0, dtype=torch.int32) <= k - above_high - above_low)
+    return selected.view(candidates.shape)
+
+
+def _kth_largest_digit(bins, num_digits, k):
+    """One radix-select pass. bins [N] int32: digit + 1 for elements in play, 0 (or > num_digits) for the rest.
+
+    Returns 0-dim tensors (digit, above): the digit of the k-th largest in-play element, and how many in-play
+    elements have a larger digit. One histogram and a cumulative count; no host sync.
+    """
+    counts = torch.zeros(num_digits + 2, dtype=torch.int32, device=bins.device)  # [D + 2]
+    counts.index_add_(0, bins, torch.ones(1, dtype=torch.int32, device=bins.device).expand(bins.numel()))
+    at_or_above = counts[1:num_digits + 1].flip(0).cumsum(0).flip(0)  # [D]: in-play elements with digit >= d
+    digit = (at_or_above >= k).sum() - 1  # the largest digit with >= k elements at or above it
+    padded = torch.cat([at_or_above, at_or_above.new_zeros(1)])  # [D + 1]
+    # gather, not padded[digit + 1]: indexing with a 0-dim tensor calls .item(), a host sync on CUDA
+    above = padded.gather(0, (digit + 1).view(1)).squeeze(0)
+    return digit, above
+
+
+def _divide_by_count(total, count):
+    """total / max(count, 1) in float32; count is a Python number or a tensor (never copied host -> device)."""
+    if isinstance(count, torch.Tensor):
+        return total / count.to(torch.float32).clamp(min=1)
+    return total / max(float(count), 1.0)
