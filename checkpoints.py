@@ -8,12 +8,9 @@ never leaves a half checkpoint that looks complete; the newest step_* directory 
 out_dir must be on a shared file system (every rank writes its own shard).
 """
 
-import json
 import os
 import random
 import re
-import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -22,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import config
+from runs import RunError
 
 CHECKPOINT_NAME = re.compile(r"step_(\d+)")
 
@@ -144,11 +142,6 @@ def load_checkpoint(path, model, optimizer, rank):
     return trainer_state
 
 
-class RunError(Exception):
-    """A run that cannot start or go on (a bad checkpoint, a clash with another run, a failed save): one line for the
-    user, and nothing that the run wrote before is lost."""
-
-
 def read_trainer_state(checkpoint):
     """trainer.pt of a checkpoint; RunError naming the file when it is missing or cannot be read."""
     path = Path(checkpoint) / "trainer.pt"
@@ -218,94 +211,6 @@ def resume_checkpoint(cfg, check_later=True, rank=0):
     return checkpoint
 
 
-class RunLock:
-    """One run per out_dir: out_dir/run.lock holds the pid and host of the run that owns it. A lock left by a process
-    that no longer runs on this host (killed) is stale and taken over; one held on another host is not (a shared
-    file system: that run may be alive)."""
-
-    def __init__(self, out_dir):
-        self.path = Path(out_dir) / "run.lock"
-        self.held = False
-
-    def acquire(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        me = f"{os.getpid()} {socket.gethostname()}"
-        for _ in range(2):
-            try:
-                descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                try:
-                    pid, _, host = self.path.read_text().strip().partition(" ")
-                except FileNotFoundError:  # released between the two calls: try again
-                    continue
-                if host == socket.gethostname() and pid.isdigit() and not _process_alive(int(pid)):
-                    self.path.unlink(missing_ok=True)  # stale: its run was killed
-                    continue
-                raise RunError(f"error: train.out_dir {self.path.parent} is in use by the run with pid {pid} on host "
-                               f"{host} ({self.path}); wait for it to end or use another train.out_dir (delete the "
-                               f"lock only if that run is gone)") from None
-            with os.fdopen(descriptor, "w") as f:
-                f.write(me + "\n")
-            self.held = True
-            return
-        raise RunError(f"error: could not take the lock {self.path}")
-
-    def release(self):
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
-
-
-def _process_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
-def keep_metrics(path, last_step):
-    """Rewrite metrics.jsonl with its records up to last_step, atomically; the records after it belong to the
-    interrupted attempt and will be recomputed, a half-written line is dropped. last_step None (a fresh start): an
-    existing non-empty metrics.jsonl is kept as metrics.jsonl.N, never deleted -> that path, or None."""
-    kept, path = [], Path(path)
-    if last_step is None:
-        backup = None
-        if path.exists() and path.read_text().strip():
-            backup = next(path.with_name(f"{path.name}.{i}") for i in range(1, 10**6)
-                          if not path.with_name(f"{path.name}.{i}").exists())
-            os.replace(path, backup)
-        path.write_text("")
-        return backup
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        try:
-            if json.loads(line)["step"] <= last_step:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text("".join(line + "\n" for line in kept))
-    os.replace(partial, path)
-    return None
-
-
-def config_differences(old_yaml, cfg):
-    """Keys whose value differs between a checkpoint's config and this run's (a resumed run should match)."""
-    import yaml
-
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                yield from flat(v, prefix + k + ".")
-            else:
-                yield prefix + k, v
-
-    old, new = dict(flat(yaml.safe_load(old_yaml))), dict(flat(config.to_dict(cfg)))
-    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-
-
 def export_hf(model, cfg, tokenizer, path, rank):
     """The full model as a Hugging Face checkpoint (safetensors + config + tokenizer), written by rank 0."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -320,83 +225,3 @@ def export_hf(model, cfg, tokenizer, path, rank):
         fresh.to(getattr(torch, cfg.model.param_dtype)).save_pretrained(path)  # the dtype the model trained in
         tokenizer.save_pretrained(path)
     dist.barrier()
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# The metrics log and the stop signals
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-class MetricsLog:
-    """metrics.jsonl (one object per step, rank 0), a console line every log_every steps, and wandb / TensorBoard
-    when the config turns them on (optional imports; config.check makes sure they are installed)."""
-
-    CONSOLE_KEYS = ("rollout/acc_before_filter", "rollout/acc", "eval/overall/avg@n", "train/entropy", "train/loss",
-                    "stare/gate_on", "train/grad_norm", "time/step")
-
-    def __init__(self, out_dir, cfg, rank, first_step=1):
-        self.rank, self.log_every = rank, cfg.train.log_every
-        self.file = open(Path(out_dir) / "metrics.jsonl", "a") if rank == 0 else None
-        self.wandb_run = self.tensorboard = None
-        if rank == 0 and cfg.train.wandb:  # one W&B run per out_dir, continued on resume (repeated steps keep their
-            import wandb                   # first values there: W&B ignores steps it has seen)
-            id_file = Path(out_dir) / "wandb_run_id"
-            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
-            id_file.write_text(run_id)
-            self.wandb_run = wandb.init(project=cfg.train.wandb_project, name=Path(out_dir).name, id=run_id,
-                                        resume="allow", dir=str(out_dir), config=config.to_dict(cfg))
-        if rank == 0 and cfg.train.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            # purge_step: events of the steps a resume recomputes are dropped from the old event files
-            self.tensorboard = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=first_step)
-
-    def write(self, step, metrics, progress):
-        if self.rank != 0:
-            return
-        record = {"step": step, **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.wandb_run is not None:
-            self.wandb_run.log(metrics, step=step)
-        if self.tensorboard is not None:
-            for key, value in metrics.items():
-                self.tensorboard.add_scalar(key, value, step)
-            self.tensorboard.flush()
-        progress.set_postfix(acc=metrics.get("rollout/acc_before_filter"), entropy=metrics.get("train/entropy"),
-                             gate=metrics.get("stare/gate_on"), refresh=False)
-        if step % self.log_every == 0:
-            progress.write(f"step {step}: " + " ".join(f"{k}={metrics[k]:.4g}" for k in self.CONSOLE_KEYS
-                                                         if k in metrics))
-
-    def close(self):
-        if self.file is not None:
-            self.file.close()
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-
-
-class StopSignals:
-    """SIGTERM, SIGUSR1 (e.g. SLURM's --signal=USR1@300) and SIGINT ask the run to finish its step, save and exit.
-    A second Ctrl-C stops at once; a repeated SIGTERM does not (a scheduler may signal every process and torchrun
-    forward the same signal again). Under torchrun pass --shutdown-timeout longer than a step plus a save: torchrun
-    SIGKILLs its workers 30 s after forwarding a signal."""
-
-    def __init__(self):
-        self.received = []
-        for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(signum, self._request)
-
-    def _request(self, signum, frame):
-        self.received.append(signum)
-        if signum == signal.SIGINT:
-            signal.signal(signum, signal.SIG_DFL)
-
-    @property
-    def requested(self):
-        return bool(self.received)
-
-    @property
-    def signal_number(self):  # the first signal received; SIGTERM when another rank's signal stopped this one
-        return self.received[0] if self.received else signal.SIGTERM

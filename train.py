@@ -53,6 +53,7 @@ import modeling
 import plan
 import rewards
 import rollout
+import runs
 import stare
 
 
@@ -133,7 +134,7 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
     kept, sampled, local_sums, rounds = [], [], {}, 0  # sampled: every group of the step, all ranks
     while len(kept) < cfg.train.train_batch_size:
         if cfg.algorithm.max_num_gen_batches and rounds >= cfg.algorithm.max_num_gen_batches:
-            raise checkpoints.RunError(
+            raise runs.RunError(
                 f"error: dynamic sampling kept {len(kept)} of the {cfg.train.train_batch_size} groups needed after "
                 f"{rounds} rounds (algorithm.max_num_gen_batches); the task is too easy or too hard for the model: "
                 f"raise the limit or turn algorithm.dynamic_sampling off")
@@ -473,7 +474,7 @@ def train_step(run, state, step, stage=lambda name: None):
     skipped = update_metrics["train/skipped_updates"] and not backing_off
     state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
     if state.nonfinite_in_a_row > cfg.optim.max_nonfinite_steps:
-        raise checkpoints.RunError(f"error: step {step}: non-finite loss or gradient norm in "
+        raise runs.RunError(f"error: step {step}: non-finite loss or gradient norm in "
                                    f"{state.nonfinite_in_a_row} consecutive steps "
                                    f"(optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
     stage("weight sync")
@@ -507,13 +508,13 @@ def main(argv):
         print(f"config error: {error}", file=sys.stderr)
         return 2
     rank, world, device = setup_distributed(cfg.train.nccl_timeout_minutes)
-    lock = checkpoints.RunLock(cfg.train.out_dir)
+    lock = runs.RunLock(cfg.train.out_dir)
     try:
         run, state = start_run(cfg, rank, world, device, lock, export_only)
         if export_only:
             return export_checkpoint(run)
         return train(run, state)
-    except checkpoints.RunError as error:  # one line; what the run wrote before is intact
+    except runs.RunError as error:  # one line; what the run wrote before is intact
         if rank == 0:
             print(error, file=sys.stderr)
         return 2
@@ -527,8 +528,8 @@ def train(run, state):
     """The steps from the one after state.step to train.total_steps; metrics, evaluation and checkpoints on
     schedule -> the exit code (128 + signal when a signal stopped the run early)."""
     cfg, first_step = run.cfg, state.step + 1
-    log = checkpoints.MetricsLog(run.out_dir, cfg, run.rank, first_step=first_step)
-    stop = checkpoints.StopSignals()
+    log = runs.MetricsLog(run.out_dir, cfg, run.rank, first_step=first_step)
+    stop = runs.StopSignals()
     progress = tqdm(range(first_step, cfg.train.total_steps + 1), desc="train", disable=run.rank != 0,
                     initial=state.step, total=cfg.train.total_steps)
     if run.benchmarks and cfg.eval.before_train and state.step == 0:
@@ -542,7 +543,7 @@ def train(run, state):
             log.write(step, metrics, progress)
             problem = sync_guard(metrics, cfg, step)
             if problem:  # before this step's checkpoint: the last one holds weights the engine sampled well
-                raise checkpoints.RunError(problem)
+                raise runs.RunError(problem)
             state.step = step
             stopping = all_reduce({"stop": float(stop.requested)}, run.device)["stop"] > 0  # a signal to any rank
             if stopping or step == cfg.train.total_steps or (cfg.train.save_every and step % cfg.train.save_every == 0):
@@ -594,13 +595,13 @@ class TrainerState:
 
 def start_run(cfg, rank, world, device, lock, export_only=False):
     """Checks, the out_dir lock, data, engine, model, optimizer, gate and the state to resume from -> (Run,
-    TrainerState). Raises checkpoints.RunError when the run cannot start; config.yaml is written only once it has."""
+    TrainerState). Raises runs.RunError when the run cannot start; config.yaml is written only once it has."""
     from transformers import AutoTokenizer
 
     try:
         config.check(cfg, world_size=world)
     except config.ConfigError as error:
-        raise checkpoints.RunError(f"config error: {error}") from None
+        raise runs.RunError(f"config error: {error}") from None
     if device.type == "cuda":  # driver, packages and the memory plan against this GPU, before anything loads
         errors, warnings = plan.preflight(cfg, world, device)
         for line in warnings + errors if rank == 0 else []:
@@ -617,7 +618,7 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
         if rank == 0:  # one lock per out_dir, taken by the first rank; every rank learns the outcome
             try:
                 lock.acquire()
-            except checkpoints.RunError as error:
+            except runs.RunError as error:
                 problem = str(error)
         agree(problem)
         task, benchmarks = load_task(cfg, tokenizer, rank)
@@ -656,7 +657,7 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
     if rank == 0:  # the run has started: record what it runs with
         (run.out_dir / "config.yaml").write_text(config.to_yaml(cfg))
         print(config.to_yaml(cfg))
-        kept = checkpoints.keep_metrics(run.out_dir / "metrics.jsonl", state.step if checkpoint is not None else None)
+        kept = runs.keep_metrics(run.out_dir / "metrics.jsonl", state.step if checkpoint is not None else None)
         if kept is not None:
             print(f"warning: {run.out_dir} held metrics of an earlier run but no checkpoint to resume from; they are "
                   f"kept as {kept}", file=sys.stderr)
@@ -681,13 +682,13 @@ def load_task(cfg, tokenizer, rank):
         benchmarks = (evaluate.load_benchmarks(cfg.eval.files, prompt_suffix=cfg.data.prompt_suffix)
                       if cfg.eval.files and cfg.eval.every else {})
     except ValueError as error:
-        raise checkpoints.RunError(f"data error: {error}") from None
+        raise runs.RunError(f"data error: {error}") from None
     total = stats["num_prompts"]
     report = (f"{total} training prompts; {stats['num_truncated']} ({stats['num_truncated'] / total:.1%}) cut to "
               f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} from the left, {stats['num_skipped']} "
               f"({stats['num_skipped'] / total:.1%}) skipped (data.overflow={cfg.data.overflow})")
     if not prompt_ids:
-        raise checkpoints.RunError(f"data error: no training prompt is left: {report}")
+        raise runs.RunError(f"data error: no training prompt is left: {report}")
     if rank == 0:
         print(f"data: {report}", file=sys.stderr)
     metrics = {"data/prompts": total, "data/truncated_frac": stats["num_truncated"] / total,
@@ -701,7 +702,7 @@ def resume(run, checkpoint):
         saved = checkpoints.load_checkpoint(checkpoint, run.model, run.optimizer, run.rank)
     except Exception as error:  # corrupt bytes that checkpoints.check_files cannot see from the sizes
         first_line = (str(error).strip().splitlines() or [""])[0][:300]
-        raise checkpoints.RunError(f"error: {checkpoint} cannot be loaded ({type(error).__name__}: {first_line}); "
+        raise runs.RunError(f"error: {checkpoint} cannot be loaded ({type(error).__name__}: {first_line}); "
                                    f"name an earlier one with train.resume=PATH") from None
     run.scheduler.load_state_dict(saved.pop("scheduler"))
     # the optimizer's saved settings give way to this run's config (a changed optim.lr takes effect, as recorded)
@@ -716,7 +717,7 @@ def resume(run, checkpoint):
     run.gate.load_state_dict({**run.gate.state_dict(), **{key: saved["gate"][key] for key in carried}})
     # the engine started from model.path
     rollout.sync_weights(run.engine, rollout.full_parameters(run.model, rollout.engine_dtype(run.engine)))
-    changed = checkpoints.config_differences((checkpoint / "config.yaml").read_text(), run.cfg)
+    changed = runs.config_differences((checkpoint / "config.yaml").read_text(), run.cfg)
     if run.rank == 0:
         print(f"resumed from {checkpoint} at step {saved['step']}"
               + (f"; config keys changed since, this run's values apply: {', '.join(changed)}" if changed else ""),
@@ -744,7 +745,7 @@ def evaluation(run):
 def export_checkpoint(run):
     """`train.py --config C --export`: the checkpoint train.resume names as an HF model in out_dir/hf_step_N."""
     if run.checkpoint is None:
-        raise checkpoints.RunError(f"--export: no checkpoint under {run.out_dir}/checkpoints "
+        raise runs.RunError(f"--export: no checkpoint under {run.out_dir}/checkpoints "
                                    f"(train.resume={run.cfg.train.resume!r})")
     step = checkpoints.load_checkpoint(run.checkpoint, run.model, None, run.rank)["step"]  # the weights only
     path = run.out_dir / f"hf_step_{step}"
@@ -851,7 +852,7 @@ def agree(problem):
     """Raise RunError on every rank when any rank found a problem (a collective: every rank calls it)."""
     problems = [p for p in all_gather(problem) if p is not None]
     if problems:
-        raise checkpoints.RunError(problems[0])
+        raise runs.RunError(problems[0])
 
 
 def all_gather(obj):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import checkpoints
 import config
+import runs
 
 
 def write_trainer_state(out_dir, step, corrupt=False):
@@ -32,9 +33,9 @@ def write_trainer_state(out_dir, step, corrupt=False):
 
 
 def test_one_run_per_out_dir_and_a_stale_lock_is_taken_over(tmp_path):
-    first, second = checkpoints.RunLock(tmp_path / "run"), checkpoints.RunLock(tmp_path / "run")
+    first, second = runs.RunLock(tmp_path / "run"), runs.RunLock(tmp_path / "run")
     first.acquire()
-    with pytest.raises(checkpoints.RunError, match=f"in use by the run with pid {os.getpid()} on host"):
+    with pytest.raises(runs.RunError, match=f"in use by the run with pid {os.getpid()} on host"):
         second.acquire()
     first.release()
     second.acquire()  # free again
@@ -48,21 +49,21 @@ def test_one_run_per_out_dir_and_a_stale_lock_is_taken_over(tmp_path):
     first.release()
     # one held on another host may be alive: not taken over
     (tmp_path / "run" / "run.lock").write_text("1 another-host\n")
-    with pytest.raises(checkpoints.RunError, match="another-host"):
+    with pytest.raises(runs.RunError, match="another-host"):
         first.acquire()
 
 
 def test_a_fresh_start_keeps_earlier_metrics_and_a_resume_drops_only_later_steps(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "x"')
-    assert checkpoints.keep_metrics(path, 3) is None
+    assert runs.keep_metrics(path, 3) is None
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
-    kept = checkpoints.keep_metrics(path, None)  # no checkpoint to resume from: start over, keeping the old file
+    kept = runs.keep_metrics(path, None)  # no checkpoint to resume from: start over, keeping the old file
     assert kept == tmp_path / "metrics.jsonl.1" and len(kept.read_text().splitlines()) == 3
     assert path.read_text() == ""
     path.write_text('{"step": 1}\n')
-    assert checkpoints.keep_metrics(path, None) == tmp_path / "metrics.jsonl.2"  # never overwrites a backup
-    assert checkpoints.keep_metrics(path, None) is None  # an empty file needs no backup
+    assert runs.keep_metrics(path, None) == tmp_path / "metrics.jsonl.2"  # never overwrites a backup
+    assert runs.keep_metrics(path, None) is None  # an empty file needs no backup
 
 
 def test_an_unreadable_checkpoint_falls_back_to_the_one_before(tmp_path, capsys):
@@ -73,9 +74,9 @@ def test_an_unreadable_checkpoint_falls_back_to_the_one_before(tmp_path, capsys)
     assert "step_00000004/trainer.pt cannot be read" in capsys.readouterr().err
     named = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}",
                                               f"train.resume={tmp_path / 'checkpoints' / 'step_00000004'}"])
-    with pytest.raises(checkpoints.RunError, match="cannot be read.*train.resume="):
+    with pytest.raises(runs.RunError, match="cannot be read.*train.resume="):
         checkpoints.resume_checkpoint(named)  # a checkpoint named explicitly is used or refused, never replaced
-    with pytest.raises(checkpoints.RunError, match="checkpoints after step 0.*step_00000002, step_00000004"):
+    with pytest.raises(runs.RunError, match="checkpoints after step 0.*step_00000002, step_00000004"):
         checkpoints.resume_checkpoint(config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}",
                                                                         "train.resume=never"]))
 
@@ -90,10 +91,10 @@ def test_a_truncated_or_missing_shard_is_found_before_anything_loads(tmp_path, c
     warning = capsys.readouterr().err
     assert f"{shard} is truncated" in warning and "falling back to the checkpoint before it" in warning
     named = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}", f"train.resume={latest}"])
-    with pytest.raises(checkpoints.RunError, match="is truncated.*train.resume="):
+    with pytest.raises(runs.RunError, match="is truncated.*train.resume="):
         checkpoints.resume_checkpoint(named)
     shard.unlink()
-    with pytest.raises(checkpoints.RunError, match=f"{shard} is missing"):
+    with pytest.raises(runs.RunError, match=f"{shard} is missing"):
         checkpoints.check_files(latest)
 
 
@@ -124,7 +125,7 @@ def test_a_failed_save_says_why_removes_its_files_and_keeps_the_previous_checkpo
         return real_save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", disk_full)
-    with pytest.raises(checkpoints.RunError) as error:
+    with pytest.raises(runs.RunError) as error:
         checkpoints.save_checkpoint(tmp_path, 2, model, optimizer, {"step": 2}, cfg, 0, 1)
     message = str(error.value)
     assert "step 2" in message and "No space left on device" in message and "MiB free" in message
@@ -154,7 +155,7 @@ def test_a_full_disk_during_a_save_loses_nothing(small_disk, process_group):
     model(torch.ones(1, 300)).sum().backward()
     optimizer.step()
     first = checkpoints.save_checkpoint(small_disk, 1, model, optimizer, {"step": 1}, cfg, 0, 1)
-    with pytest.raises(checkpoints.RunError) as error:
+    with pytest.raises(runs.RunError) as error:
         checkpoints.save_checkpoint(small_disk, 2, model, optimizer, {"step": 2}, cfg, 0, 1)
     message = str(error.value)
     assert message.startswith(f"error: saving the checkpoint of step 2 to {small_disk / 'checkpoints'} failed")

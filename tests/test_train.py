@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import baselines
 import checkpoints
+import runs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -296,14 +297,14 @@ def test_metrics_log_writes_jsonl_and_mirrors_to_wandb(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", stub)
     cfg = config.load("configs/tiny.yaml")
     cfg.train = dataclasses.replace(cfg.train, wandb=True, log_every=100)
-    log = checkpoints.MetricsLog(tmp_path, cfg, rank=0)
+    log = runs.MetricsLog(tmp_path, cfg, rank=0)
     log.write(3, {"rollout/acc": 0.123456789, "train/tokens": 7}, tqdm(disable=True))
     log.close()
     assert read_metrics(tmp_path) == [{"step": 3, "rollout/acc": 0.123457, "train/tokens": 7}]
     assert calls[0][0] == "init" and calls[0][1]["config"]["loss"]["stare_w"] == cfg.loss.stare_w
     assert calls[0][1]["id"] == (tmp_path / "wandb_run_id").read_text() == "abc123"  # a resumed run continues it
     assert calls[1:] == [("log", 3, {"rollout/acc": 0.123456789, "train/tokens": 7}), ("finish",)]
-    assert checkpoints.MetricsLog(tmp_path, cfg, rank=1).file is None  # only rank 0 writes
+    assert runs.MetricsLog(tmp_path, cfg, rank=1).file is None  # only rank 0 writes
 
 
 def checkpoint_weights(checkpoint):
