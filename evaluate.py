@@ -7,7 +7,7 @@
     python evaluate.py --model runs/tiny/model --data runs/tiny/data/sum_test.jsonl --prompt-suffix "" \\
         --max-tokens 16 --max-prompt-tokens 64 --dtype float32 --out /tmp/tiny_eval.json                # CPU demo
 
-Benchmark files are what data.load_examples reads (`python benchmarks.py` converts the public downloads); each file
+Benchmark files are what data.load_examples reads (`python -m tools.benchmarks` converts the public downloads); each file
 is one benchmark, named by its stem ("data/aime24.jsonl" -> "aime24"). Sampling is rollout.generate and scoring
 rewards.compute_rewards: exactly the code that trains, so "correct" means here what it meant for the reward. Under
 torchrun each rank takes every world_size-th prompt of each benchmark and rank 0 prints and writes. In a training

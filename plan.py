@@ -11,7 +11,7 @@ loads anything (train.py, `device_problem`).
 
 Every number is a formula of the architecture and the config; the formulas, their constants and how they were
 calibrated against measured peaks are in docs/benchmarks.md, "Memory plan". What only a GPU settles (CUDA-graph
-memory, the engine's non-torch memory) is a named constant here, measured by `bench.py gpu-smoke`.
+memory, the engine's non-torch memory) is a named constant here, measured by `tools/bench.py gpu-smoke`.
 """
 
 import dataclasses

@@ -6,7 +6,7 @@ Pure Python: no vLLM, no torch, no torch.distributed, no file I/O.
     scores, accs, metrics = rewards.compute_rewards(responses, ground_truths, data_sources, response_lengths, cfg)
     rewards.verify_math(r"... so the answer is \\boxed{\\frac{3}{4}}", "0.75")      # (True, "ok")
     rewards.verify_sum(r"\\boxed{3+4}", "7")                                        # (True, "ok")
-    python bench.py reward-throughput                     # responses per second on this machine
+    python -m tools.bench reward-throughput                     # responses per second on this machine
 
 The reward of a response (docs/method.md, Eq. 21): reward = acc + overlong_penalty + format_weight * format_ok.
 acc ∈ {0, 1} comes from the data source's verifier: "tiny_sum" uses verify_sum, every other source verify_math (the

@@ -832,7 +832,7 @@ def pad_rows(values):
     return out
 
 
-# The stages also run in one process without a process group (tests, repro.py, bench.py): then "all ranks" is this one.
+# The stages also run in one process without a process group (tests, tools/repro.py, tools/bench.py): then "all ranks" is this one.
 
 
 def world_size():

@@ -1,4 +1,4 @@
-"""Worker of test_modeling.py's sharded start-up test (and of `bench.py startup-memory`), run by torchrun:
+"""Worker of test_modeling.py's sharded start-up test (and of `tools/bench.py startup-memory`), run by torchrun:
 modeling.build_model on a checkpoint, measured and checked on every rank.
 
     torchrun --standalone --nproc_per_node 2 tests/startup_two_ranks.py MODEL_DIR OUT_DIR

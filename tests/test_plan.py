@@ -79,15 +79,15 @@ def test_a_small_model_by_hand(tmp_path):
     assert problems[0].endswith("GiB per GPU, more than 2.9 of 3 (keeping 5% of the GPU free)")
 
 
-# Peak memory of `bench.py update` on one H100 (torch.cuda.max_memory_allocated over the update), world size 1,
-# bf16 compute, float32 master weights and reduction: docs/benchmarks.md, "bench.py update".
+# Peak memory of `tools/bench.py update` on one H100 (torch.cuda.max_memory_allocated over the update), world size 1,
+# bf16 compute, float32 master weights and reduction: docs/benchmarks.md, "tools/bench.py update".
 MEASURED_H100 = [("1.5b", True, 32_768, 45), ("1.5b", True, 16_384, 37), ("1.5b", False, 8_192, 52),
                  ("1.5b", True, 65_536, 57), ("1.5b", False, 12_288, 67), ("0.5b", False, 16_384, 41)]
 
 
 @pytest.mark.parametrize("size,checkpointing,budget,measured_gib", MEASURED_H100)
 def test_the_update_peak_reproduces_the_h100_measurements(size, checkpointing, budget, measured_gib):
-    import bench
+    from tools import bench
 
     shape = bench.QWEN25[size]
     arch = plan.Architecture(size, shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"],

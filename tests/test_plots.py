@@ -1,4 +1,4 @@
-"""plots.py on hand-written metrics.jsonl files with train.py's keys: which figures appear, what the entropy panel
+"""tools/plots.py on hand-written metrics.jsonl files with train.py's keys: which figures appear, what the entropy panel
 draws (curve, gate-on markers, target region), missing keys, several runs, a run still writing its last line."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import matplotlib.image
 import pytest
 
-import plots
+from tools import plots
 
 QUADRANTS = ("pos_high", "pos_low", "neg_high", "neg_low")
 

@@ -1,4 +1,4 @@
-"""repro.py: its sampler against independent computations (a full forward per row, the softmax), the first-order
+"""tools/repro.py: its sampler against independent computations (a full forward per row, the softmax), the first-order
 critical W against entropy_dynamics, and a short run end to end through train.py's stages."""
 
 import copy
@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 
-import repro
+from tools import repro
 import stare
 import tiny
 

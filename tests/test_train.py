@@ -231,8 +231,8 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
     assert all(torch.equal(got[name], want[name]) for name in want)
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000004"]  # keep_last=1
 
-    # plots.py on these two real runs (training curves, evaluations), overlaid
-    import plots
+    # tools/plots.py on these two real runs (training curves, evaluations), overlaid
+    from tools import plots
 
     written = plots.plot_runs([tmp_path / "full", out], tmp_path / "figures", labels=["uninterrupted", "resumed"])
     assert sorted(p.name for p in written) == ["accuracy.png", "dynamics.png", "entropy.png", "eval.png",

@@ -1,10 +1,10 @@
-"""repro.py: the paper's entropy effect in miniature: GRPO vs STARE (and STAPO, Lp-Reg, an entropy bonus) on the
+"""tools/repro.py: the paper's entropy effect in miniature: GRPO vs STARE (and STAPO, Lp-Reg, an entropy bonus) on the
 tiny default, on CPU, and whether held entropy pays back on held-out prompts.
 
-    python tiny.py --out runs/tiny && python repro.py --tiny runs/tiny --out runs/repro     # compare + sweep
-    python repro.py --tiny runs/tiny --out runs/repro --part compare --methods grpo stare_o1 stapo
-    python repro.py --tiny runs/tiny --out runs/repro --part sweep --ws 1.1 2 3 --ps 0.05 --seeds 0 1 2
-    python repro.py --tiny runs/tiny --out runs/repro --part payoff          # the countdown task, 5 seeds
+    python tiny.py --out runs/tiny && python -m tools.repro --tiny runs/tiny --out runs/repro     # compare + sweep
+    python -m tools.repro --tiny runs/tiny --out runs/repro --part compare --methods grpo stare_o1 stapo
+    python -m tools.repro --tiny runs/tiny --out runs/repro --part sweep --ws 1.1 2 3 --ps 0.05 --seeds 0 1 2
+    python -m tools.repro --tiny runs/tiny --out runs/repro --part payoff          # the countdown task, 5 seeds
 
 Two tasks (tiny.py), both with many right answers per prompt, so that an entropy collapse shows as the model settling
 on few of them (rollout/distinct_correct_frac falls):
@@ -25,7 +25,7 @@ Parts, under --out:
   payoff/    PAYOFF_RUNS over --seeds: GRPO, STARE at the paper's W/P, Lp-Reg, an entropy bonus per --entropy-coefs,
              then STARE at the W that the GRPO runs' batches predict; payoff/summary.json (final held-out pass@k per
              setting, and its paired difference from GRPO with standard errors), payoff/payoff.png.
-Each run writes metrics.jsonl with train.py's metric names (plots.py draws them), heldout.jsonl and its config.yaml;
+Each run writes metrics.jsonl with train.py's metric names (tools/plots.py draws them), heldout.jsonl and its config.yaml;
 a complete run is not rerun.
 
 Training goes through train.py's stages (group_responses, old_policy_pass, update_gate, select_tokens,
@@ -56,7 +56,7 @@ import rollout
 import stare
 import train
 
-TINY_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
+TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 # The comparison's runs: name -> loss settings (method + LossConfig fields); STARE's gate target is --target-entropy.
 # "stare_o1"/"stare_c2" use the strength the sweep finds above the threshold; "stare_paper" is the paper's W = 1.1.
@@ -107,7 +107,7 @@ def load_task(tiny_dir, tokenizer, max_prompt_tokens, split="sum_train"):
     prompt_ids, examples, _ = data.tokenize_prompts(examples, tokenizer, max_prompt_tokens, "error")
     lengths = sorted({len(p) for p in prompt_ids})
     if len(lengths) != 1:
-        raise ValueError(f"{path}: repro.py batches prompts without padding and needs equal prompt lengths, "
+        raise ValueError(f"{path}: tools/repro.py batches prompts without padding and needs equal prompt lengths, "
                          f"got lengths {lengths}")
     return (torch.tensor(prompt_ids), [e.ground_truth for e in examples], [e.data_source for e in examples])
 
@@ -260,7 +260,7 @@ def train_run(spec, tiny_dir, out_dir):
     order = torch.Generator().manual_seed(rollout.derive_seed(spec.seed, "repro", "prompts"))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(config.to_yaml(cfg))  # the objective's settings (plots.py reads the target)
+    (out_dir / "config.yaml").write_text(config.to_yaml(cfg))  # the objective's settings (tools/plots.py reads the target)
     (out_dir / "repro.json").write_text(json.dumps(spec_record(spec)))  # the run's own: batch, steps, swept P
     heldout_log = out_dir / "heldout.jsonl"
     heldout_log.unlink(missing_ok=True)
@@ -289,7 +289,7 @@ def train_run(spec, tiny_dir, out_dir):
                            [[(r.tokens, r.accuracy) for r in group.responses] for group in groups]),
                        "rollout/response_length_mean": statistics.mean(len(r.tokens) for r in sampled),
                        "train/kept_groups": len(kept)}
-            if kept:  # else no update, as train.py would resample (repro.py does not)
+            if kept:  # else no update, as train.py would resample (tools/repro.py does not)
                 responses = train.group_responses(kept, cfg, rank=0, world=1)  # train.py's stages, in its order
                 train.old_policy_pass(model, responses, cfg, cpu)
                 num_tokens, gate_metrics = train.update_gate(gate, responses, cpu)
@@ -351,7 +351,7 @@ def _run_in_worker(job):
 
 def run_all(jobs, workers):
     """Run every (spec, tiny_dir, out_dir) job that out_dir does not already hold complete, with the same RunSpec
-    (so an interrupted `repro.py` reruns only the unfinished runs, each from its first step; changed settings rerun
+    (so an interrupted `tools/repro.py` reruns only the unfinished runs, each from its first step; changed settings rerun
     everything they touch), `workers` at a time; returns {out_dir: the first spec.steps records}."""
     from tqdm import tqdm
 

@@ -1,7 +1,7 @@
-"""plots.py: figures from one or more runs' metrics.jsonl, runs overlaid, one PNG per topic.
+"""tools/plots.py: figures from one or more runs' metrics.jsonl, runs overlaid, one PNG per topic.
 
-    python plots.py runs/tiny-stare --out figs/
-    python plots.py runs/stare runs/grpo --labels STARE GRPO --out figs/     # two runs in every panel
+    python -m tools.plots runs/tiny-stare --out figs/
+    python -m tools.plots runs/stare runs/grpo --labels STARE GRPO --out figs/     # two runs in every panel
 
 A run is a train.out_dir (metrics.jsonl and, for the entropy target, config.yaml next to it) or a metrics.jsonl
 path. Each figure is written only if at least one run has one of its keys, and each panel only if some run has

@@ -1,8 +1,8 @@
-"""benchmarks.py: convert downloaded public math benchmarks into the project's prompt format (data.py plain JSONL).
+"""tools/benchmarks.py: convert downloaded public math benchmarks into the project's prompt format (data.py plain JSONL).
 
-    python benchmarks.py aime24 ~/Downloads/aime_2024/train-00000-of-00001.parquet --out data/aime24.jsonl
-    python benchmarks.py aime25 aime2025-I.jsonl aime2025-II.jsonl --out data/aime25.jsonl   # files concatenated
-    python benchmarks.py math500 test.jsonl --out data/math500.jsonl
+    python -m tools.benchmarks aime24 ~/Downloads/aime_2024/train-00000-of-00001.parquet --out data/aime24.jsonl
+    python -m tools.benchmarks aime25 aime2025-I.jsonl aime2025-II.jsonl --out data/aime25.jsonl   # files concatenated
+    python -m tools.benchmarks math500 test.jsonl --out data/math500.jsonl
     python evaluate.py --model MODEL --data data/aime24.jsonl data/aime25.jsonl data/math500.jsonl --out eval.json
 
 Nothing is downloaded: give it the files you fetched yourself (for example with `huggingface-cli download

@@ -1,14 +1,14 @@
-"""bench.py: benchmarks of the training code (the update path, log-probs, the STARE loss, rewards, the whole step).
+"""tools/bench.py: benchmarks of the training code (the update path, log-probs, the STARE loss, rewards, the whole step).
 
-    python bench.py logprob-memory   [--tokens 4096] [--vocab 151936] [--device cpu|cuda]
-    python bench.py logprob-time     [--tokens 16384] [--vocab 151936] [--dtype bfloat16] [--sweep]     (CUDA)
-    python bench.py stare-overhead   [--tokens 1048576] [--repeats 15] [--device cpu|cuda]
-    python bench.py update           [--size tiny|0.5b|1.5b|7b] [--method stare] [--rows 32] [--budget 16384] [--gc]
-    python bench.py reward-throughput [--responses 2000]
-    python bench.py train-step       [--tiny runs/tiny] [--steps 6] [--method stare]
-    python bench.py trl-compare      [--tiny runs/tiny] [--steps 6] [--prompts 16] [--threads N]
-    python bench.py startup-memory   [--ranks 2] [--tied]        (a random ~0.25B Qwen2, gloo ranks on CPU)
-    python bench.py gpu-smoke        [--out runs/gpu_smoke.json] [--runner v1] [--sleep-level 2]      (CUDA)
+    python -m tools.bench logprob-memory   [--tokens 4096] [--vocab 151936] [--device cpu|cuda]
+    python -m tools.bench logprob-time     [--tokens 16384] [--vocab 151936] [--dtype bfloat16] [--sweep]     (CUDA)
+    python -m tools.bench stare-overhead   [--tokens 1048576] [--repeats 15] [--device cpu|cuda]
+    python -m tools.bench update           [--size tiny|0.5b|1.5b|7b] [--method stare] [--rows 32] [--budget 16384] [--gc]
+    python -m tools.bench reward-throughput [--responses 2000]
+    python -m tools.bench train-step       [--tiny runs/tiny] [--steps 6] [--method stare]
+    python -m tools.bench trl-compare      [--tiny runs/tiny] [--steps 6] [--prompts 16] [--threads N]
+    python -m tools.bench startup-memory   [--ranks 2] [--tied]        (a random ~0.25B Qwen2, gloo ranks on CPU)
+    python -m tools.bench gpu-smoke        [--out runs/gpu_smoke.json] [--runner v1] [--sleep-level 2]      (CUDA)
 
 What each subcommand counts, its options' meaning and the measured numbers: docs/benchmarks.md.
 """
@@ -21,10 +21,13 @@ import os
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 import stare
+
+REPO = Path(__file__).resolve().parents[1]  # the repository root: configs/, tests/, train.py
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -464,7 +467,6 @@ STAGE_KEYS = ["time/rollout", "time/reward", "time/old_logprobs", "time/update",
 
 def tiny_overrides(tiny_dir):
     """configs/tiny.yaml pointed at the tiny default in tiny_dir, without evaluation (the benchmarks time steps)."""
-    from pathlib import Path
 
     tiny_dir = Path(tiny_dir).resolve()  # train.py runs in this file's directory
     return [f"model.path={tiny_dir / 'model'}", f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
@@ -477,13 +479,12 @@ def run_train_py(tiny_dir, steps, overrides=()):
     import subprocess
     import sys
     import tempfile
-    from pathlib import Path
 
     with tempfile.TemporaryDirectory() as out_dir:
         command = [sys.executable, "train.py", "--config", "configs/tiny.yaml", *tiny_overrides(tiny_dir),
                    f"train.out_dir={out_dir}", f"train.total_steps={steps}", *overrides]
         start = time.perf_counter()
-        completed = subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True)
+        completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
         wall = time.perf_counter() - start
         if completed.returncode != 0:
             raise RuntimeError(completed.stderr[-3000:])
@@ -528,9 +529,8 @@ def compare_overrides(prompts):
 def compare_config(tiny_dir, prompts):
     """The resolved (and checked) config train.py runs with in trl-compare; TRL's settings are read from it too."""
     import config
-    from pathlib import Path
 
-    return config.load(Path(__file__).parent / "configs" / "tiny.yaml",
+    return config.load(REPO / "configs" / "tiny.yaml",
                        tiny_overrides(tiny_dir) + compare_overrides(prompts))
 
 
@@ -656,7 +656,6 @@ def trl_trainer(cfg, out_dir, steps, use_vllm, timer=None):
 def trl_worker(args):
     """One TRL run in this (fresh) process; writes its step records, or the error that stopped it, to args.result."""
     import tempfile
-    from pathlib import Path
 
     result = {}
     try:
@@ -684,15 +683,14 @@ def run_trl(tiny_dir, steps, prompts, variant):
     import subprocess
     import sys
     import tempfile
-    from pathlib import Path
 
     with tempfile.TemporaryDirectory() as scratch:
         result_path = Path(scratch) / "result.json"
-        command = [sys.executable, __file__, "trl-compare", f"--tiny={tiny_dir}", f"--steps={steps}",
+        command = [sys.executable, "-m", "tools.bench", "trl-compare", f"--tiny={tiny_dir}", f"--steps={steps}",
                    f"--prompts={prompts}", f"--trl-worker={variant}", f"--result={result_path}"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # everything is local
         start = time.perf_counter()
-        completed = subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, env=env)
+        completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - start
         result = json.loads(result_path.read_text()) if result_path.exists() else {}
     if completed.returncode != 0 and "error" not in result:  # died without a Python exception (a signal, vLLM)
@@ -818,7 +816,6 @@ def bench_startup_memory(args):
     import subprocess
     import sys
     import tempfile
-    from pathlib import Path
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -826,7 +823,7 @@ def bench_startup_memory(args):
         torch.manual_seed(0)
         Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=args.tied, **STARTUP_SHAPE)).save_pretrained(tmp + "/model")
         gc.collect()
-        repo = Path(__file__).resolve().parent
+        repo = REPO
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                    str(args.ranks), str(repo / "tests" / "startup_two_ranks.py"), tmp + "/model", tmp]
         subprocess.run(command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -963,7 +960,6 @@ def bench_gpu_smoke(args):
     import subprocess
     import sys
     import tempfile
-    from pathlib import Path
 
     if not torch.cuda.is_available():
         print("gpu-smoke needs CUDA: run it on a GPU machine (docs/benchmarks.md, \"A new GPU machine\")",
@@ -972,7 +968,7 @@ def bench_gpu_smoke(args):
     import plan
     import train
 
-    repo = Path(__file__).resolve().parent
+    repo = REPO
     installed = plan.installed_versions()
     errors, warnings = plan.machine_problems(installed)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -992,7 +988,7 @@ def bench_gpu_smoke(args):
                             "tests/test_stare.py::test_selection_never_syncs_host_and_device",
                             "tests/test_modeling.py"], cwd=repo, capture_output=True, text=True)
     result["gpu_tests"] = {"returncode": tests.returncode, "summary": (tests.stdout.strip().splitlines() or [""])[-1]}
-    update = subprocess.run([sys.executable, "bench.py", "update", "--size", "1.5b", "--gc", "--budget", "32768",
+    update = subprocess.run([sys.executable, "-m", "tools.bench", "update", "--size", "1.5b", "--gc", "--budget", "32768",
                              "--repeats", "2"], cwd=repo, capture_output=True, text=True)
     try:
         result["update"] = json.loads(update.stdout.strip().splitlines()[-1])
