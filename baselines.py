@@ -2,9 +2,10 @@
 
     loss, metrics = baselines.policy_loss(method, batch, cfg)     # method in METHODS, cfg a LossConfig
 
-runs any of: grpo, stare, stapo, lp_reg, clip_cov, kl_cov, high_entropy, entropy_bonus, on the same tensors. GRPO,
-DAPO (clip-higher, dual clip, token-mean) and Dr.GRPO (advantages without std, `seq-mean-token-sum-norm`) are
-settings of `LossConfig` and `stare.group_advantages`, not separate methods. "Eq. N" refers to docs/method.md.
+runs any of: grpo, stare, stapo, lp_reg, clip_cov, kl_cov, high_entropy, entropy_bonus, steer, w_reinforce, on the
+same tensors. GRPO, DAPO (clip-higher, dual clip, token-mean) and Dr.GRPO (advantages without std,
+`seq-mean-token-sum-norm`) are settings of `LossConfig` and `stare.group_advantages`, not separate methods. "Eq. N"
+refers to docs/method.md.
 
 `batch` is a dict of [B, T] tensors (advantages may be [B]):
     logprobs        log pi_theta of the sampled tokens, current policy, with grad
@@ -13,6 +14,7 @@ settings of `LossConfig` and `stare.group_advantages`, not separate methods. "Eq
     mask            1 = a response token that counts
     entropy         next-token entropy (stapo, high_entropy: detached is fine; entropy_bonus: with grad)
     proxy_logprobs  Lp-Reg's min-p proxy log-prob of the sampled token (`minp_proxy_logprobs`, old policy)
+    sensitivity     STEER (steer_estimate="sensitivity"): stare.entropy_sensitivity under pi_old, detached
 
 Each method first decides per token what to change (`token_selection`), then the loss applies it. Selections that
 rank or average over tokens depend on which tokens they see: `policy_loss` alone selects within the batch it is
@@ -32,13 +34,16 @@ import torch
 
 import stare
 
-METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "entropy_bonus")
+METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "entropy_bonus", "steer",
+           "w_reinforce")
+# the per-token inputs of pi_old a method needs beyond logprobs, old_logprobs, advantages, mask and entropy
+EXTRA_INPUTS = {"lp_reg": ("proxy_logprobs",), "steer": ("sensitivity",)}
 
 
 @dataclasses.dataclass
 class LossConfig:
     """Hyperparameters of the policy loss. Each method's own knobs default to its paper's reference scripts (Eqs.
-    12-19). The clipped surrogate is shared by every method (a controlled comparison: only the token-level change
+    12-19, 22-24). The clipped surrogate is shared by every method (a controlled comparison: only the token-level change
     differs), with the STARE/DAPO settings; the references of Lp-Reg and Clip-Cov use no dual clip and other clip
     ranges (Lp-Reg clip_low=1.0, clip_high=9.0; Clip-Cov 1.0/1.0): set those here to reproduce them exactly."""
 
@@ -73,6 +78,12 @@ class LossConfig:
     #                                          lp_reg_dev: max(1, int(rho N)) kept, only kept tokens in the denominator
     # --- entropy bonus (Eq. 19) ---
     entropy_coef: float = 0.001  # beta in loss - beta * H
+    # --- STEER (Eqs. 22, 23) and W-REINFORCE (Eq. 24); defaults from their reference scripts ---
+    steer_weight_min: float = 0.8  # lambda_min, the smallest token weight (token_weight_min; 1 = GRPO)
+    steer_weight_max: float = 1.2  # lambda_max, the largest weight: linear mapping only (run_linear.sh: 1.2)
+    steer_linear: bool = False  # False: lambda = exp(-k |Omega|) (run_exp.sh, the paper's); True: linear map
+    steer_estimate: str = "steer"  # steer: the reference's |A r (1 - pi)(log pi + H)|; sensitivity: |A r S|
+    w_reinforce_lambda: float = 0.1  # lambda on the loss of positive-advantage tokens (1 = GRPO)
 
     def __post_init__(self):
         checks = {
@@ -89,6 +100,9 @@ class LossConfig:
             "kl_cov_ratio": 0 <= self.kl_cov_ratio <= 1,
             "high_entropy_ratio": 0 <= self.high_entropy_ratio <= 1,
             "high_entropy_convention": self.high_entropy_convention in ("paper", "lp_reg_dev"),
+            "steer_weight_min": 0 < self.steer_weight_min <= min(1.0, self.steer_weight_max),
+            "steer_estimate": self.steer_estimate in ("steer", "sensitivity"),
+            "w_reinforce_lambda": self.w_reinforce_lambda >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -241,9 +255,60 @@ def high_entropy_mask(entropy, mask, top_ratio=0.2, convention="paper"):
     return stare.select_top_k(entropy.detach(), valid, _count_k(top_ratio, valid.sum(), rule))
 
 
+def steer_entropy_change(logprobs, old_logprobs, advantages, entropy, mask, sensitivity=None):
+    """STEER's per-token estimate |Omega| of the entropy change its update causes (Hao et al. 2025, arXiv
+    2510.10150; Eq. 22). All [B, T] (advantages [B] or [B, T]) -> |Omega| [B, T] float32, 0 off the mask. No grad.
+
+    The reference's estimate (sensitivity=None): |Omega| = |A (pi / pi_old) (1 - pi) (log pi + H)|, with pi from
+    `logprobs` (the current policy in micro scope, pi_old in step scope, where the ratio is 1), clamped to
+    [1e-8, 1 - 1e-8] and pi_old to [1e-8, 1] as the reference does; H is pi_old's entropy. It is the sampled
+    token's own-logit term of Eq. 5 divided by pi (Eq. 22). With `sensitivity` (S of Eq. 5 under pi_old):
+    |Omega| = |A (pi / pi_old) S|, the whole first-order change of Eq. 6 instead of that one term.
+    """
+    valid = mask.bool()
+    logprobs, old_logprobs = logprobs.detach().float(), old_logprobs.detach().float()
+    advantages = stare.broadcastable_advantages(advantages, logprobs).float()  # [B, 1] or [B, T]
+    pi = logprobs.exp().clamp(1e-8, 1 - 1e-8)  # [B, T]
+    # A / pi_old * pi is A times the ratio; written as the reference writes it, so its clamps act the same
+    scaled_adv = advantages / old_logprobs.exp().clamp(1e-8, 1.0) * pi  # [B, T]
+    if sensitivity is None:
+        omega = scaled_adv * (1 - pi) * (pi.log() + entropy.detach().float())
+    else:
+        omega = scaled_adv * sensitivity.detach().float()
+    # the reference zeroes non-finite values (a NaN entropy, say) rather than letting them set the scale
+    return torch.where(valid & torch.isfinite(omega), omega.abs(), 0.0)
+
+
+def steer_weights(omega, mask, weight_min=0.8, weight_max=1.2, linear=False):
+    """STEER's token weights lambda from |Omega| (Eq. 23): a large estimated entropy change, either way, gets a
+    small weight. omega [B, T] (>= 0, from `steer_entropy_change`), mask [B, T] -> (weights [B, T] float32,
+    1 off the mask; the batch's largest |Omega|, 0-dim).
+
+    exponential (the default): lambda = clamp(exp(-k |Omega|), weight_min, 1), k = -log(weight_min) /
+    max(max |Omega|, 0.02): the largest |Omega| gets weight_min (the floor 0.02 keeps a batch of tiny changes near
+    1). linear: lambda = weight_max - (|Omega| - min)(weight_max - weight_min) / (max - min), clamped to
+    [weight_min, weight_max]; all equal gives the midpoint. max and min are over the valid tokens of the batch
+    passed in, so the weights need the whole step (`token_selection`) to be micro-batch invariant.
+    weight_min = weight_max = 1 gives lambda = 1 exactly (GRPO).
+    """
+    valid = mask.bool()
+    omega_max = torch.where(valid, omega, -math.inf).amax() if omega.numel() else omega.new_zeros(())
+    if linear:
+        omega_min = torch.where(valid, omega, math.inf).amin() if omega.numel() else omega.new_zeros(())
+        spread = omega_max - omega_min  # inf - inf = nan with no valid token: the midpoint branch then
+        slope = (weight_max - weight_min) / torch.where(spread > 0, spread, 1.0)
+        weights = torch.clamp(weight_max - (omega - omega_min) * slope, weight_min, weight_max)
+        weights = torch.where(spread > 0, weights, (weight_min + weight_max) / 2)
+    else:
+        k = -math.log(weight_min) / omega_max.clamp(min=0.02)  # 0-dim
+        weights = torch.clamp(torch.exp(-k * omega), weight_min, 1.0)
+    return torch.where(valid, weights, 1.0), omega_max.clamp(min=0.0)
+
+
 def token_selection(method, batch, cfg, gate=None, generator=None):
     """What `method` changes, per token, decided on `batch` -> (selection dict of [B, T] tensors, metrics dict).
-    The sets of Eqs. 7-8 (stare) and 12-18 (the baselines).
+    The sets of Eqs. 7-8 (stare), 12-18 (the baselines) and STEER's weights (Eqs. 22, 23); W-REINFORCE's weight
+    (Eq. 24) needs no batch-level decision.
 
     Call it on a micro-batch (the references' behaviour) or once on the whole optimizer step, then slice the
     tensors per micro-batch for `policy_loss(..., selection=...)`. Uses batch["logprobs"] detached: in step scope
@@ -278,7 +343,16 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
     if method == "high_entropy":
         return {"kept": high_entropy_mask(batch["entropy"], mask, cfg.high_entropy_ratio,
                                           cfg.high_entropy_convention)}, {}
-    return {}, {}  # grpo, entropy_bonus: nothing to select
+    if method == "steer":  # the weights' scale is the batch's largest |Omega|: a batch-level decision
+        sensitivity = batch["sensitivity"] if cfg.steer_estimate == "sensitivity" else None
+        omega = steer_entropy_change(logprobs, batch["old_logprobs"], advantages, batch["entropy"], mask,
+                                     sensitivity)
+        weights, omega_max = steer_weights(omega, mask, cfg.steer_weight_min, cfg.steer_weight_max,
+                                           cfg.steer_linear)
+        num_valid = mask.bool().sum().clamp(min=1)
+        return {"weights": weights}, {"steer/omega_max": omega_max,
+                                      "steer/weight_mean": (weights * mask).sum() / num_valid}
+    return {}, {}  # grpo, entropy_bonus, w_reinforce: nothing to select
 
 
 # ======================================================================================================================
@@ -301,7 +375,7 @@ def loss_mask(method, mask, selection, cfg):
 def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, num_tokens=None, num_sequences=None,
                 token_weights=None):
     """The policy loss of `method` on `batch` -> (scalar loss to minimise, metrics of 0-dim tensors): the method's
-    token loss (Eq. 2 changed by Eqs. 9, 12-19), times token_weights (Eq. 11), aggregated by Eq. 3.
+    token loss (Eq. 2 changed by Eqs. 9, 12-19, 23, 24), times token_weights (Eq. 11), aggregated by Eq. 3.
 
     selection: from `token_selection` (sliced to this batch); None = select within this batch.
     num_tokens / num_sequences: the optimizer step's counts of `loss_mask` tokens / non-empty sequences (see
@@ -309,9 +383,10 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
     token_weights: [B, T] constants multiplying every token's loss before aggregation (e.g. truncated importance
     weights pi_old / pi_rollout, Eq. 11), or None.
 
-    Every method returns "touched_frac", the fraction of valid tokens whose loss term differs from GRPO's (STARE:
-    reweighted; STAPO: silenced; Lp-Reg: regularised; Clip-Cov: detached; KL-Cov: penalised; 80/20: gradient
-    removed; entropy bonus: all, when its coefficient is not 0), and clipped_surrogate's stats. When the selection
+    Every method returns "touched_frac", the fraction of valid tokens whose loss term differs from GRPO's (STARE,
+    STEER: reweighted; STAPO: silenced; Lp-Reg: regularised; Clip-Cov: detached; KL-Cov: penalised; 80/20:
+    gradient removed; entropy bonus: all, when its coefficient is not 0; W-REINFORCE: the positive-advantage ones,
+    when lambda is not 1), and clipped_surrogate's stats. When the selection
     is made here, its own metrics (stare/..., stapo/...) are included; with `selection=` they come from the
     token_selection call that made it.
     """
@@ -350,6 +425,13 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
     elif method == "high_entropy":  # Eq. 18: gradient only through the high-entropy tokens
         touched = ~selection["kept"]
         token_loss = surrogate * selection["kept"]
+    elif method == "steer":  # Eq. 23: the weights multiply the clipped token loss, as STARE's do
+        token_loss = surrogate * selection["weights"]
+        touched = selection["weights"] != 1
+    elif method == "w_reinforce":  # Eq. 24: positive-advantage tokens' loss times lambda (= their A times lambda)
+        positive = token_adv > 0
+        token_loss = torch.where(positive, cfg.w_reinforce_lambda * surrogate, surrogate)
+        touched = positive & (cfg.w_reinforce_lambda != 1)
     else:  # entropy_bonus, Eq. 19: -beta H per token, H with grad
         token_loss = surrogate - cfg.entropy_coef * batch["entropy"]
         touched = torch.full_like(valid, cfg.entropy_coef != 0)
