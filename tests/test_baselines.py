@@ -25,7 +25,7 @@ def make_batch(seed=0, batch_size=6, width=9, vocab=12, on_policy=False):
     advantages = stare.group_advantages(rewards + 0.1 * torch.arange(batch_size), group_size=2)
     return {"logits": logits, "tokens": tokens, "logprobs": logprobs, "old_logprobs": old_logprobs,
             "advantages": advantages, "mask": mask, "entropy": entropy,
-            "proxy_logprobs": baselines.minp_proxy_logprobs(logits, tokens, kappa=1e-3),  # tokens are uniform draws
+            "proxy_logprobs": baselines.minp_proxy_logprobs(logits, tokens, kappa=1e-3),  # uniform
             "sensitivity": stare.entropy_sensitivity(logits, tokens)}
 
 
@@ -305,15 +305,15 @@ def test_entropy_bonus_value_and_gradient():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# STEER: against a re-statement of the reference's loss (zz-haooo/STEER @b31df71, verl/trainer/ppo/core_algos.py,
-# compute_token_weights and compute_policy_loss_with_entropy)
+# STEER, against a re-statement of its reference (zz-haooo/STEER @b31df71,
+# verl/trainer/ppo/core_algos.py: compute_token_weights, compute_policy_loss_with_entropy)
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def steer_reference_loss(log_prob, old_log_prob, advantages, mask, entropys, w_min, w_max, linear, clip_low=0.2,
-                         clip_high=0.28, clip_ratio_c=10.0):
-    """The reference's STEER loss on one micro-batch, re-stated step by step: [B, T] advantages, weights from the
-    current log-probs under no_grad, verl's dual-clip losses, a token-mean over the micro-batch."""
+def steer_reference_loss(log_prob, old_log_prob, advantages, mask, entropys, w_min, w_max, linear,
+                         clip_low=0.2, clip_high=0.28, clip_ratio_c=10.0):
+    """The reference's STEER loss on one micro-batch, re-stated step by step: [B, T] advantages,
+    weights from the current log-probs under no_grad, verl's dual-clip losses, a token-mean."""
     with torch.no_grad():
         p = log_prob.detach().exp().clamp(1e-8, 1 - 1e-8)
         f = p * (1 - p) * (p.log() + entropys)
@@ -341,17 +341,17 @@ def steer_reference_loss(log_prob, old_log_prob, advantages, mask, entropys, w_m
     return (losses * mask).sum() / mask.sum()
 
 
-@pytest.mark.parametrize("linear,w_min,w_max", [(False, 0.8, 1.0), (True, 0.8, 1.2)])  # run_exp.sh, run_linear.sh
+@pytest.mark.parametrize("linear,w_min,w_max", [(False, 0.8, 1.0), (True, 0.8, 1.2)])  # exp, linear
 def test_steer_matches_the_reference_loss_and_gradient(linear, w_min, w_max):
     batch = make_batch(seed=30, batch_size=8, width=10)  # off-policy: the ratio enters the estimate
     batch["entropy"][1, 2] = float("nan")  # the reference zeroes a non-finite estimate
     batch["mask"][1, 2] = True
     cfg = baselines.LossConfig(steer_linear=linear, steer_weight_min=w_min, steer_weight_max=w_max)
-    loss, metrics = baselines.policy_loss("steer", batch, cfg)  # micro scope: weights from this batch, as there
+    loss, metrics = baselines.policy_loss("steer", batch, cfg)  # micro scope, as the reference
     (grad,) = torch.autograd.grad(loss, batch["logprobs"])
-    token_adv = batch["advantages"][:, None].expand(8, 10) * batch["mask"]  # verl's [B, T] advantages
-    expected = steer_reference_loss(batch["logprobs"], batch["old_logprobs"], token_adv, batch["mask"],
-                                    batch["entropy"], w_min, w_max, linear)
+    token_adv = batch["advantages"][:, None].expand(8, 10) * batch["mask"]  # verl's [B, T]
+    expected = steer_reference_loss(batch["logprobs"], batch["old_logprobs"], token_adv,
+                                    batch["mask"], batch["entropy"], w_min, w_max, linear)
     (expected_grad,) = torch.autograd.grad(expected, batch["logprobs"])
     torch.testing.assert_close(loss, expected, atol=1e-7, rtol=1e-5)
     torch.testing.assert_close(grad, expected_grad, atol=1e-8, rtol=1e-5)
@@ -359,52 +359,52 @@ def test_steer_matches_the_reference_loss_and_gradient(linear, w_min, w_max):
 
 
 def test_steer_estimate_is_the_sampled_logit_term_of_eq5():
-    # Eq. 22: on-policy, |Omega| = |A (1 - pi_k)(log pi_k + H)| is |dH| / (eta pi_k) for a step that moves only the
-    # sampled token's own logit by its share eta A (1 - pi_k) of the policy-gradient step eta A (e_k - pi); the
-    # sensitivity estimate |A S| is the whole step's |dH| / eta (Eq. 5). Both checked by finite differences.
+    # Eq. 22, on-policy: |Omega| pi_k = |dH| / eta when a step moves only the sampled token's own
+    # logit, by its share eta A (1 - pi_k) of the policy-gradient step eta A (e_k - pi); and the
+    # sensitivity estimate |A S| = |dH| / eta of the whole step (Eq. 5). Finite differences.
     generator = torch.Generator().manual_seed(31)
-    logits = (torch.randn(40, 7, generator=generator, dtype=torch.float64) * 2)
+    logits = torch.randn(40, 7, generator=generator, dtype=torch.float64) * 2
     tokens = torch.randint(0, 7, (40,), generator=generator)
     advantages = torch.randn(40, generator=generator, dtype=torch.float64)
 
     def entropy(z):
         return -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
 
-    logprobs = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])  # [40, 1]: 40 rows of one token
+    def entropy_change(direction, eta=1e-6):  # dH / eta along a logit step, central difference
+        return (entropy(logits + eta * direction) - entropy(logits - eta * direction)) / (2 * eta)
+
     pi = torch.softmax(logits, -1)
     one_hot = torch.nn.functional.one_hot(tokens, 7).double()
-    step = advantages[:, None] * (one_hot - pi)  # the policy-gradient step per unit eta, [40, 7]
-    own_logit_only = step * one_hot
-    eta = 1e-6
-    own_change = (entropy(logits + eta * own_logit_only) - entropy(logits - eta * own_logit_only)) / (2 * eta)
-    full_change = (entropy(logits + eta * step) - entropy(logits - eta * step)) / (2 * eta)
-    mask = torch.ones(40, 1, dtype=torch.bool)
-    omega = baselines.steer_entropy_change(logprobs, logprobs, advantages, entropy(logits)[:, None], mask)
-    torch.testing.assert_close(omega.double()[:, 0] * pi.gather(-1, tokens[:, None])[:, 0], own_change.abs(),
-                               atol=1e-6, rtol=1e-4)
+    step = advantages[:, None] * (one_hot - pi)  # [40, 7] per unit eta
+    logprobs = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])  # [40, 1]: one-token rows
+    h, mask = entropy(logits)[:, None], torch.ones(40, 1, dtype=torch.bool)
+    omega = baselines.steer_entropy_change(logprobs, logprobs, advantages, h, mask)[:, 0].double()
+    pi_k = logprobs[:, 0].exp()
+    own_logit_change = entropy_change(step * one_hot).abs()
+    torch.testing.assert_close(omega * pi_k, own_logit_change, atol=1e-6, rtol=1e-4)
     sensitivity = stare.entropy_sensitivity(logits.float(), tokens)[:, None]
-    omega_s = baselines.steer_entropy_change(logprobs, logprobs, advantages, entropy(logits)[:, None], mask,
-                                             sensitivity=sensitivity)
-    torch.testing.assert_close(omega_s.double()[:, 0], full_change.abs(), atol=1e-6, rtol=1e-4)
+    omega_s = baselines.steer_entropy_change(logprobs, logprobs, advantages, h, mask, sensitivity)
+    whole_step_change = entropy_change(step).abs()
+    torch.testing.assert_close(omega_s[:, 0].double(), whole_step_change, atol=1e-6, rtol=1e-4)
 
 
 def test_steer_weights_span_their_range():
     omega = torch.tensor([[0.0, 0.5, 2.0, 9.0], [1.0, 4.0, 0.0, 0.0]])
-    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])  # 9.0 is padding
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])  # 9.0: padding
     weights, omega_max = baselines.steer_weights(omega, mask, 0.8, 1.2, linear=False)
-    assert omega_max == 4.0 and weights[1, 1].item() == pytest.approx(0.8) and weights[0, 0] == 1.0
+    assert omega_max == 4.0 and weights[1, 1].item() == pytest.approx(0.8) and weights[0, 0] == 1
     assert weights[0, 2].item() == pytest.approx(0.8 ** (2.0 / 4.0)) and (weights[~mask] == 1).all()
     weights, _ = baselines.steer_weights(omega, mask, 0.8, 1.2, linear=True)
     assert weights[0, 0].item() == pytest.approx(1.2) and weights[1, 1].item() == pytest.approx(0.8)
     assert weights[0, 1].item() == pytest.approx(1.2 - 0.5 * 0.4 / 4.0)
-    # tiny changes everywhere: the 0.02 floor on the scale keeps the weights near 1 instead of spanning [0.8, 1]
+    # tiny changes everywhere: the 0.02 floor on the scale keeps the weights near 1
     weights, _ = baselines.steer_weights(omega * 1e-3, mask, 0.8, 1.2, linear=False)
     assert weights[1, 1].item() == pytest.approx(0.8 ** (4e-3 / 0.02))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# W-REINFORCE: against a re-statement of the reference (TianHongZXY/RLVR-Decomposed @a5d4e7c,
-# verl/trainer/ppo/core_algos.py: compute_psr_nsr_outcome_advantage with advantage="weighted", compute_policy_loss)
+# W-REINFORCE, against a re-statement of its reference (TianHongZXY/RLVR-Decomposed @a5d4e7c,
+# verl/trainer/ppo/core_algos.py: compute_psr_nsr_outcome_advantage, compute_policy_loss)
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -413,16 +413,19 @@ def w_reinforce_batch(seed):
     logits = torch.randn(8, 12, 10, generator=generator) * 2
     tokens = torch.randint(0, 10, (8, 12), generator=generator)
     old_logprobs, entropy = stare.token_logprobs_and_entropy(logits, tokens)
-    logprobs = (old_logprobs + 0.3 * torch.randn(8, 12, generator=generator)).clamp(max=0).requires_grad_(True)
+    drift = 0.3 * torch.randn(8, 12, generator=generator)
+    logprobs = (old_logprobs + drift).clamp(max=0).requires_grad_(True)
     lengths = torch.randint(3, 13, (8,), generator=generator)
     mask = torch.arange(12)[None, :] < lengths[:, None]  # verl's contiguous response mask
-    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])  # 0/1 accuracy, the reference's convention
-    return {"logprobs": logprobs, "old_logprobs": old_logprobs, "mask": mask, "entropy": entropy}, rewards, lengths
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])  # the reference's 0/1 accuracy
+    batch = {"logprobs": logprobs, "old_logprobs": old_logprobs, "mask": mask, "entropy": entropy}
+    return batch, rewards, lengths
 
 
 def reference_weighted_advantages(rewards, lengths, mask, positive_weight, gamma=1.0):
-    """compute_psr_nsr_outcome_advantage(advantage="weighted"), re-stated: the reward at the last response token,
-    returns summed backwards (reset where the mask is 0), then correct x lambda, incorrect - 1, times the mask."""
+    """compute_psr_nsr_outcome_advantage(advantage="weighted"), re-stated: the reward at the last
+    response token, returns summed backwards (reset where the mask is 0), correct x lambda,
+    incorrect - 1, times the mask."""
     token_rewards = torch.zeros(mask.shape)
     token_rewards[torch.arange(len(rewards)), lengths - 1] = rewards
     returns = torch.zeros(mask.shape)
@@ -431,41 +434,43 @@ def reference_weighted_advantages(rewards, lengths, mask, positive_weight, gamma
         running = token_rewards[:, t] + gamma * running
         returns[:, t] = running
         running = running * mask[:, t]
-    correct, incorrect = rewards == 1, rewards == 0
     advantages = returns.clone()
-    advantages[correct] *= positive_weight
-    advantages[incorrect] -= 1
+    advantages[rewards == 1] *= positive_weight
+    advantages[rewards == 0] -= 1
     return advantages * mask
 
 
 def reference_ppo_loss(log_prob, old_log_prob, advantages, mask, cliprange=0.2):
-    """compute_policy_loss without positive_learning_weight, re-stated: no log-ratio clamp, no dual clip, one
-    symmetric clip range, a token-mean over the micro-batch."""
+    """compute_policy_loss without positive_learning_weight, re-stated: no log-ratio clamp, no dual
+    clip, one symmetric clip range, a token-mean over the micro-batch."""
     ratio = torch.exp(log_prob - old_log_prob)
-    losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
+    clipped_ratio = torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    losses = torch.max(-advantages * ratio, -advantages * clipped_ratio)
     return (losses * mask).sum() / mask.sum()
 
 
 @pytest.mark.parametrize("lam", [0.1, 0.5, 1.0])
 def test_w_reinforce_matches_the_reference_with_its_advantages(lam):
-    # the reference's W-REINFORCE = this loss on the +-1 advantages 2r - 1 (no group baseline), with its clip
+    # the reference's W-REINFORCE = this loss on the +-1 advantages 2r - 1 (no group baseline)
     batch, rewards, lengths = w_reinforce_batch(seed=32)
     cfg = baselines.LossConfig(w_reinforce_lambda=lam, clip_low=0.2, clip_high=0.2, dual_clip=None)
-    loss, metrics = baselines.policy_loss("w_reinforce", {**batch, "advantages": 2 * rewards - 1}, cfg)
+    plus_minus_one = {**batch, "advantages": 2 * rewards - 1}
+    loss, metrics = baselines.policy_loss("w_reinforce", plus_minus_one, cfg)
     (grad,) = torch.autograd.grad(loss, batch["logprobs"])
     advantages = reference_weighted_advantages(rewards, lengths, batch["mask"], lam)
-    expected = reference_ppo_loss(batch["logprobs"], batch["old_logprobs"], advantages, batch["mask"])
+    expected = reference_ppo_loss(batch["logprobs"], batch["old_logprobs"], advantages,
+                                  batch["mask"])
     (expected_grad,) = torch.autograd.grad(expected, batch["logprobs"])
     torch.testing.assert_close(loss, expected, atol=1e-7, rtol=1e-5)
     torch.testing.assert_close(grad, expected_grad, atol=1e-8, rtol=1e-5)
-    positive_tokens = batch["mask"][rewards == 1].sum() / batch["mask"].sum()
-    assert metrics["touched_frac"].item() == pytest.approx(positive_tokens.item() if lam != 1 else 0.0)
+    positive_share = (batch["mask"][rewards == 1].sum() / batch["mask"].sum()).item()
+    assert metrics["touched_frac"].item() == pytest.approx(positive_share if lam != 1 else 0.0)
 
 
 def test_w_reinforce_matches_the_reference_loss_weight_on_group_advantages():
-    # The reference's other route, the actor's positive_learning_weight: correct responses' token-mean scaled by
-    # their token share, times lambda, plus the incorrect ones'. On GRPO advantages it is this loss too: a
-    # correct response has A > 0 unless its whole group is correct (A = 0, no loss either way).
+    # The reference's other route, the actor's positive_learning_weight: lambda x the correct
+    # responses' token-mean x their token share, plus the incorrect ones'. On GRPO advantages it is
+    # this loss too: a correct response has A > 0 unless its whole group is correct (A = 0).
     batch, rewards, lengths = w_reinforce_batch(seed=33)
     advantages = stare.group_advantages(rewards, group_size=4)
     cfg = baselines.LossConfig(w_reinforce_lambda=0.3, clip_low=0.2, clip_high=0.2, dual_clip=None)
@@ -475,12 +480,11 @@ def test_w_reinforce_matches_the_reference_loss_weight_on_group_advantages():
     ratio = torch.exp(batch["logprobs"] - batch["old_logprobs"])
     losses = torch.max(-token_adv * ratio, -token_adv * torch.clamp(ratio, 0.8, 1.2))
     mask = batch["mask"].float()
-    correct, incorrect = rewards == 1, rewards == 0
 
     def part(rows):  # eos_mask[rows].sum() / eos_mask.sum() * masked_mean over those rows
         return mask[rows].sum() / mask.sum() * (losses[rows] * mask[rows]).sum() / mask[rows].sum()
 
-    expected = 0.3 * part(correct) + part(incorrect)
+    expected = 0.3 * part(rewards == 1) + part(rewards == 0)
     (expected_grad,) = torch.autograd.grad(expected, batch["logprobs"])
     torch.testing.assert_close(loss, expected, atol=1e-7, rtol=1e-5)
     torch.testing.assert_close(grad, expected_grad, atol=1e-8, rtol=1e-5)
@@ -518,7 +522,7 @@ def test_neutral_setting_reproduces_grpo_exactly(method):
     if method == "stare":
         ones = dataclasses.replace(cfg, stare_top_ratio=0.3, stare_w=1.0, stare_m=1.0, stare_variant="C2")
         assert torch.equal(baselines.policy_loss("stare", batch, ones)[0], grpo_loss)
-    if method == "steer":  # the linear mapping and the sensitivity estimate are neutral at weights 1 too
+    if method == "steer":  # weights 1 are neutral for the linear map and the sensitivity too
         for linear, estimate in ((True, "steer"), (False, "sensitivity"), (True, "sensitivity")):
             other = dataclasses.replace(cfg, steer_linear=linear, steer_estimate=estimate)
             loss, _ = baselines.policy_loss("steer", batch, other)
@@ -549,7 +553,8 @@ def test_step_selection_makes_micro_batches_add_up(method, agg_mode):
     cfg = baselines.LossConfig(agg_mode=agg_mode, **ACTIVE[method])
     selection, _ = baselines.token_selection(method, batch, cfg, generator=torch.Generator().manual_seed(0))
     # the selection is not trivial (not constant over the batch), so the test can tell the scopes apart
-    assert method in ("grpo", "entropy_bonus", "w_reinforce") or any((m != m.flatten()[0]).any() for m in selection.values())
+    assert method in ("grpo", "entropy_bonus", "w_reinforce") or any(
+        (m != m.flatten()[0]).any() for m in selection.values())
     denominator = baselines.loss_mask(method, batch["mask"], selection, cfg)
     num_tokens, num_sequences = denominator.sum(), (denominator.sum(-1) > 0).sum()
     full, _ = baselines.policy_loss(method, batch, cfg, selection=selection)
@@ -606,7 +611,8 @@ def test_selections_make_no_host_sync():
     # meta tensors raise on .item() or any data-dependent Python branch (see test_stare.py)
     batch = {"logprobs": torch.empty(4, 8, device="meta"), "old_logprobs": torch.empty(4, 8, device="meta"),
              "advantages": torch.empty(4, device="meta"), "mask": torch.empty(4, 8, dtype=torch.bool, device="meta"),
-             "entropy": torch.empty(4, 8, device="meta"), "proxy_logprobs": torch.empty(4, 8, device="meta"),
+             "entropy": torch.empty(4, 8, device="meta"),
+             "proxy_logprobs": torch.empty(4, 8, device="meta"),
              "sensitivity": torch.empty(4, 8, device="meta")}
     for method in baselines.METHODS:
         if method == "clip_cov":  # torch.rand has no meta generator; its selection is select_top_k, checked here
@@ -627,7 +633,7 @@ def test_loss_config_rejects_bad_values_by_name():
         baselines.LossConfig(dual_clip=1.0)
     with pytest.raises(ValueError, match="stare_top_ratio"):
         baselines.LossConfig(stare_top_ratio=1.5)
-    with pytest.raises(ValueError, match="steer_weight_min"):  # above 1, exp(-k |Omega|) would grow with |Omega|
+    with pytest.raises(ValueError, match="steer_weight_min"):  # > 1: exp(-k |Omega|) would grow
         baselines.LossConfig(steer_weight_min=1.1, steer_weight_max=1.2)
     with pytest.raises(ValueError, match="w_reinforce_lambda"):
         baselines.LossConfig(w_reinforce_lambda=-0.1)
