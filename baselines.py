@@ -2,9 +2,10 @@
 
     loss, metrics = baselines.policy_loss(method, batch, cfg)     # method in METHODS, cfg a LossConfig
 
-runs any of: grpo, stare, stapo, lp_reg, clip_cov, kl_cov, high_entropy, entropy_bonus, on the same tensors. GRPO,
-DAPO (clip-higher, dual clip, token-mean) and Dr.GRPO (advantages without std, `seq-mean-token-sum-norm`) are
-settings of `LossConfig` and `stare.group_advantages`, not separate methods. "Eq. N" refers to docs/method.md.
+runs any of: grpo, stare, stapo, lp_reg, clip_cov, kl_cov, high_entropy, entropy_bonus, steer,
+w_reinforce, on the same tensors. GRPO, DAPO (clip-higher, dual clip, token-mean) and Dr.GRPO
+(advantages without std, `seq-mean-token-sum-norm`) are settings of `LossConfig` and
+`stare.group_advantages`, not separate methods. "Eq. N" refers to docs/method.md.
 
 `batch` is a dict of [B, T] tensors (advantages may be [B]):
     logprobs        log pi_theta of the sampled tokens, current policy, with grad
@@ -13,6 +14,7 @@ settings of `LossConfig` and `stare.group_advantages`, not separate methods. "Eq
     mask            1 = a response token that counts
     entropy         next-token entropy (stapo, high_entropy: detached is fine; entropy_bonus: with grad)
     proxy_logprobs  Lp-Reg's min-p proxy log-prob of the sampled token (`minp_proxy_logprobs`, old policy)
+    sensitivity     STEER's steer_estimate="sensitivity": stare.entropy_sensitivity, pi_old
 
 Each method first decides per token what to change (`token_selection`), then the loss applies it. Selections that
 rank or average over tokens depend on which tokens they see: `policy_loss` alone selects within the batch it is
@@ -32,15 +34,19 @@ import torch
 
 import stare
 
-METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "entropy_bonus")
+METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy",
+           "entropy_bonus", "steer", "w_reinforce")
+# per-token inputs of pi_old a method needs beyond logprobs, old_logprobs, advantages, mask, entropy
+EXTRA_INPUTS = {"lp_reg": ("proxy_logprobs",), "steer": ("sensitivity",)}
 
 
 @dataclasses.dataclass
 class LossConfig:
     """Hyperparameters of the policy loss. Each method's own knobs default to its paper's reference scripts (Eqs.
-    12-19). The clipped surrogate is shared by every method (a controlled comparison: only the token-level change
-    differs), with the STARE/DAPO settings; the references of Lp-Reg and Clip-Cov use no dual clip and other clip
-    ranges (Lp-Reg clip_low=1.0, clip_high=9.0; Clip-Cov 1.0/1.0): set those here to reproduce them exactly."""
+    12-19, 22-24). The clipped surrogate is shared by every method (a controlled comparison: only the token-level
+    change differs), with the STARE/DAPO settings; the references of Lp-Reg, Clip-Cov and W-REINFORCE use no dual
+    clip and other clip ranges (Lp-Reg clip_low=1.0, clip_high=9.0; Clip-Cov 1.0/1.0; W-REINFORCE 0.2/0.2): set
+    those here to reproduce them exactly."""
 
     # --- shared: the clipped surrogate and its aggregation (Eqs. 2, 3) ---
     clip_low: float = 0.2  # ratio clip below 1 - clip_low
@@ -73,6 +79,12 @@ class LossConfig:
     #                                          lp_reg_dev: max(1, int(rho N)) kept, only kept tokens in the denominator
     # --- entropy bonus (Eq. 19) ---
     entropy_coef: float = 0.001  # beta in loss - beta * H
+    # --- STEER (Eqs. 22, 23) and W-REINFORCE (Eq. 24); defaults from their reference scripts ---
+    steer_weight_min: float = 0.8  # lambda_min, the smallest token weight (both scripts: 0.8)
+    steer_weight_max: float = 1.2  # lambda_max, the largest: linear mapping only (run_linear.sh)
+    steer_linear: bool = False  # False: exp(-k |Omega|) (run_exp.sh, the paper's); True: linear
+    steer_estimate: str = "steer"  # steer: |A r (1 - pi)(log pi + H)|; sensitivity: |A r S| (Eq. 5)
+    w_reinforce_lambda: float = 0.1  # lambda: weight of positive-advantage tokens (paper: 0.1)
 
     def __post_init__(self):
         checks = {
@@ -89,6 +101,9 @@ class LossConfig:
             "kl_cov_ratio": 0 <= self.kl_cov_ratio <= 1,
             "high_entropy_ratio": 0 <= self.high_entropy_ratio <= 1,
             "high_entropy_convention": self.high_entropy_convention in ("paper", "lp_reg_dev"),
+            "steer_weight_min": 0 < self.steer_weight_min <= min(1.0, self.steer_weight_max),
+            "steer_estimate": self.steer_estimate in ("steer", "sensitivity"),
+            "w_reinforce_lambda": self.w_reinforce_lambda >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -241,9 +256,64 @@ def high_entropy_mask(entropy, mask, top_ratio=0.2, convention="paper"):
     return stare.select_top_k(entropy.detach(), valid, _count_k(top_ratio, valid.sum(), rule))
 
 
+def steer_entropy_change(logprobs, old_logprobs, advantages, entropy, mask, sensitivity=None):
+    """STEER's estimate |Omega| of the entropy change a token's update causes (Hao et al. 2025,
+    arXiv 2510.10150; Eq. 22). logprobs, old_logprobs, entropy, mask [B, T], advantages [B] or
+    [B, T] -> |Omega| [B, T] float32, 0 off the mask. No grad.
+
+    The reference's estimate (sensitivity=None): |Omega| = |A (pi / pi_old)(1 - pi)(log pi + H)|,
+    pi from `logprobs` (the current policy in micro scope; pi_old in step scope: ratio 1) clamped
+    to [1e-8, 1 - 1e-8], pi_old clamped to [1e-8, 1], as there. H is the entropy passed in (the
+    reference's is pi_old's). It is Eq. 5's sampled-logit term divided by pi (Eq. 22).
+    With `sensitivity` (S of Eq. 5 under pi_old): |Omega| = |A (pi / pi_old) S|, the whole
+    first-order change of Eq. 6 instead of that one term.
+    """
+    valid = mask.bool()
+    logprobs, old_logprobs = logprobs.detach().float(), old_logprobs.detach().float()
+    advantages = stare.broadcastable_advantages(advantages, logprobs).float()  # [B, 1] or [B, T]
+    pi = logprobs.exp().clamp(1e-8, 1 - 1e-8)  # [B, T]
+    # A / pi_old * pi = A times the ratio, written as the reference does so its clamps act the same
+    scaled_adv = advantages / old_logprobs.exp().clamp(1e-8, 1.0) * pi  # [B, T]
+    if sensitivity is None:
+        omega = scaled_adv * (1 - pi) * (pi.log() + entropy.detach().float())
+    else:
+        omega = scaled_adv * sensitivity.detach().float()
+    # as the reference: a non-finite value (a NaN entropy, say) counts as 0, not as the scale
+    return torch.where(valid & torch.isfinite(omega), omega.abs(), 0.0)
+
+
+def steer_weights(omega, mask, weight_min=0.8, weight_max=1.2, linear=False):
+    """STEER's token weights lambda from |Omega| (Eq. 23): the larger a token's estimated entropy
+    change, either way, the smaller its weight. omega [B, T] (>= 0, `steer_entropy_change`), mask
+    [B, T] -> (weights [B, T] float32, 1 off the mask; the batch's largest |Omega|, 0-dim).
+
+    exponential (default): lambda = clamp(exp(-k |Omega|), weight_min, 1) with
+    k = -log(weight_min) / max(max |Omega|, 0.02): the largest |Omega| gets weight_min; the floor
+    0.02 keeps a batch of tiny changes near 1. linear: lambda = weight_max - (|Omega| - min)
+    (weight_max - weight_min) / (max - min), clamped to [weight_min, weight_max]; all equal: the
+    midpoint. max and min are over the valid tokens of the batch passed in, so the trainer computes
+    the weights once per step (`token_selection`). weight_min = weight_max = 1 gives lambda = 1
+    exactly (GRPO).
+    """
+    valid = mask.bool()
+    empty = omega.numel() == 0
+    omega_max = omega.new_zeros(()) if empty else torch.where(valid, omega, -math.inf).amax()
+    if linear:
+        omega_min = omega.new_zeros(()) if empty else torch.where(valid, omega, math.inf).amin()
+        spread = omega_max - omega_min  # nan (inf - inf) without a valid token: the midpoint then
+        slope = (weight_max - weight_min) / torch.where(spread > 0, spread, 1.0)
+        weights = torch.clamp(weight_max - (omega - omega_min) * slope, weight_min, weight_max)
+        weights = torch.where(spread > 0, weights, (weight_min + weight_max) / 2)
+    else:
+        k = -math.log(weight_min) / omega_max.clamp(min=0.02)  # 0-dim
+        weights = torch.clamp(torch.exp(-k * omega), weight_min, 1.0)
+    return torch.where(valid, weights, 1.0), omega_max.clamp(min=0.0)
+
+
 def token_selection(method, batch, cfg, gate=None, generator=None):
     """What `method` changes, per token, decided on `batch` -> (selection dict of [B, T] tensors, metrics dict).
-    The sets of Eqs. 7-8 (stare) and 12-18 (the baselines).
+    The sets of Eqs. 7-8 (stare), 12-18 (the baselines) and STEER's weights (Eqs. 22, 23);
+    W-REINFORCE's weight (Eq. 24) needs no batch-level decision.
 
     Call it on a micro-batch (the references' behaviour) or once on the whole optimizer step, then slice the
     tensors per micro-batch for `policy_loss(..., selection=...)`. Uses batch["logprobs"] detached: in step scope
@@ -278,7 +348,16 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
     if method == "high_entropy":
         return {"kept": high_entropy_mask(batch["entropy"], mask, cfg.high_entropy_ratio,
                                           cfg.high_entropy_convention)}, {}
-    return {}, {}  # grpo, entropy_bonus: nothing to select
+    if method == "steer":  # the weights' scale is the batch's largest |Omega|: batch-level
+        sensitivity = batch["sensitivity"] if cfg.steer_estimate == "sensitivity" else None
+        omega = steer_entropy_change(logprobs, batch["old_logprobs"], advantages, batch["entropy"],
+                                     mask, sensitivity)
+        weights, omega_max = steer_weights(omega, mask, cfg.steer_weight_min,
+                                           cfg.steer_weight_max, cfg.steer_linear)
+        num_valid = mask.bool().sum().clamp(min=1)
+        return {"weights": weights}, {"steer/omega_max": omega_max,
+                                      "steer/weight_mean": (weights * mask).sum() / num_valid}
+    return {}, {}  # grpo, entropy_bonus, w_reinforce: nothing to select
 
 
 # ======================================================================================================================
@@ -301,7 +380,8 @@ def loss_mask(method, mask, selection, cfg):
 def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, num_tokens=None, num_sequences=None,
                 token_weights=None):
     """The policy loss of `method` on `batch` -> (scalar loss to minimise, metrics of 0-dim tensors): the method's
-    token loss (Eq. 2 changed by Eqs. 9, 12-19), times token_weights (Eq. 11), aggregated by Eq. 3.
+    token loss (Eq. 2 changed by Eqs. 9, 12-19, 23, 24), times token_weights (Eq. 11), aggregated by
+    Eq. 3.
 
     selection: from `token_selection` (sliced to this batch); None = select within this batch.
     num_tokens / num_sequences: the optimizer step's counts of `loss_mask` tokens / non-empty sequences (see
@@ -309,11 +389,12 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
     token_weights: [B, T] constants multiplying every token's loss before aggregation (e.g. truncated importance
     weights pi_old / pi_rollout, Eq. 11), or None.
 
-    Every method returns "touched_frac", the fraction of valid tokens whose loss term differs from GRPO's (STARE:
-    reweighted; STAPO: silenced; Lp-Reg: regularised; Clip-Cov: detached; KL-Cov: penalised; 80/20: gradient
-    removed; entropy bonus: all, when its coefficient is not 0), and clipped_surrogate's stats. When the selection
-    is made here, its own metrics (stare/..., stapo/...) are included; with `selection=` they come from the
-    token_selection call that made it.
+    Every method returns "touched_frac", the fraction of valid tokens whose loss term differs from
+    GRPO's (STARE, STEER: reweighted; STAPO: silenced; Lp-Reg: regularised; Clip-Cov: detached;
+    KL-Cov: penalised; 80/20: gradient removed; entropy bonus: all, when its coefficient is not 0;
+    W-REINFORCE: the positive-advantage ones, when lambda is not 1), and clipped_surrogate's stats.
+    When the selection is made here, its own metrics (stare/..., stapo/...) are included; with
+    `selection=` they come from the token_selection call that made it.
     """
     _check_method(method)
     metrics = {}
@@ -350,6 +431,13 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
     elif method == "high_entropy":  # Eq. 18: gradient only through the high-entropy tokens
         touched = ~selection["kept"]
         token_loss = surrogate * selection["kept"]
+    elif method == "steer":  # Eq. 23: the weights multiply the clipped token loss, as STARE's do
+        token_loss = surrogate * selection["weights"]
+        touched = selection["weights"] != 1
+    elif method == "w_reinforce":  # Eq. 24: lambda x the loss of A > 0 tokens (= lambda x their A)
+        positive = token_adv > 0
+        token_loss = torch.where(positive, cfg.w_reinforce_lambda * surrogate, surrogate)
+        touched = positive & (cfg.w_reinforce_lambda != 1)
     else:  # entropy_bonus, Eq. 19: -beta H per token, H with grad
         token_loss = surrogate - cfg.entropy_coef * batch["entropy"]
         touched = torch.full_like(valid, cfg.entropy_coef != 0)

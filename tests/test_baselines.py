@@ -25,7 +25,8 @@ def make_batch(seed=0, batch_size=6, width=9, vocab=12, on_policy=False):
     advantages = stare.group_advantages(rewards + 0.1 * torch.arange(batch_size), group_size=2)
     return {"logits": logits, "tokens": tokens, "logprobs": logprobs, "old_logprobs": old_logprobs,
             "advantages": advantages, "mask": mask, "entropy": entropy,
-            "proxy_logprobs": baselines.minp_proxy_logprobs(logits, tokens, kappa=1e-3)}  # tokens are uniform draws
+            "proxy_logprobs": baselines.minp_proxy_logprobs(logits, tokens, kappa=1e-3),  # uniform
+            "sensitivity": stare.entropy_sensitivity(logits, tokens)}
 
 
 def cells(batch):
@@ -304,11 +305,199 @@ def test_entropy_bonus_value_and_gradient():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# STEER, against a re-statement of its reference (zz-haooo/STEER @b31df71,
+# verl/trainer/ppo/core_algos.py: compute_token_weights, compute_policy_loss_with_entropy)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def steer_reference_loss(log_prob, old_log_prob, advantages, mask, entropys, w_min, w_max, linear,
+                         clip_low=0.2, clip_high=0.28, clip_ratio_c=10.0):
+    """The reference's STEER loss on one micro-batch, re-stated step by step: [B, T] advantages,
+    weights from the current log-probs under no_grad, verl's dual-clip losses, a token-mean."""
+    with torch.no_grad():
+        p = log_prob.detach().exp().clamp(1e-8, 1 - 1e-8)
+        f = p * (1 - p) * (p.log() + entropys)
+        metric = advantages / old_log_prob.exp().clamp(1e-8, 1.0) * f
+        metric = torch.where(torch.isfinite(metric), metric, torch.zeros_like(metric)).abs()
+        valid_metric = metric[mask]
+        lo, hi = valid_metric.min(), valid_metric.max()
+        weights = torch.zeros_like(metric)
+        if linear:
+            if hi > lo:
+                w = w_max - (valid_metric - lo) * (w_max - w_min) / (hi - lo)
+            else:
+                w = torch.full_like(valid_metric, (w_min + w_max) / 2)
+            w = w.clamp(w_min, w_max)
+        else:
+            k = -math.log(w_min) / max(hi.item(), 0.02)
+            w = torch.exp(-k * valid_metric).clamp(w_min, 1.0)
+        weights[mask] = w
+    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, -20.0, 20.0))
+    losses1 = -advantages * ratio
+    losses2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clipped = torch.maximum(losses1, losses2)
+    dual = torch.min(-advantages * clip_ratio_c, clipped)
+    losses = torch.where(advantages < 0, dual, clipped) * weights
+    return (losses * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("linear,w_min,w_max", [(False, 0.8, 1.0), (True, 0.8, 1.2)])  # exp, linear
+def test_steer_matches_the_reference_loss_and_gradient(linear, w_min, w_max):
+    batch = make_batch(seed=30, batch_size=8, width=10)  # off-policy: the ratio enters the estimate
+    batch["entropy"][1, 2] = float("nan")  # the reference zeroes a non-finite estimate
+    batch["mask"][1, 2] = True
+    cfg = baselines.LossConfig(steer_linear=linear, steer_weight_min=w_min, steer_weight_max=w_max)
+    loss, metrics = baselines.policy_loss("steer", batch, cfg)  # micro scope, as the reference
+    (grad,) = torch.autograd.grad(loss, batch["logprobs"])
+    token_adv = batch["advantages"][:, None].expand(8, 10) * batch["mask"]  # verl's [B, T]
+    expected = steer_reference_loss(batch["logprobs"], batch["old_logprobs"], token_adv,
+                                    batch["mask"], batch["entropy"], w_min, w_max, linear)
+    (expected_grad,) = torch.autograd.grad(expected, batch["logprobs"])
+    torch.testing.assert_close(loss, expected, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(grad, expected_grad, atol=1e-8, rtol=1e-5)
+    assert 0 < metrics["touched_frac"] <= 1
+
+
+def test_steer_estimate_is_the_sampled_logit_term_of_eq5():
+    # Eq. 22, on-policy: |Omega| pi_k = |dH| / eta when a step moves only the sampled token's own
+    # logit, by its share eta A (1 - pi_k) of the policy-gradient step eta A (e_k - pi); and the
+    # sensitivity estimate |A S| = |dH| / eta of the whole step (Eq. 5). Finite differences.
+    generator = torch.Generator().manual_seed(31)
+    logits = torch.randn(40, 7, generator=generator, dtype=torch.float64) * 2
+    tokens = torch.randint(0, 7, (40,), generator=generator)
+    advantages = torch.randn(40, generator=generator, dtype=torch.float64)
+
+    def entropy(z):
+        return -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+
+    def entropy_change(direction, eta=1e-6):  # dH / eta along a logit step, central difference
+        return (entropy(logits + eta * direction) - entropy(logits - eta * direction)) / (2 * eta)
+
+    pi = torch.softmax(logits, -1)
+    one_hot = torch.nn.functional.one_hot(tokens, 7).double()
+    step = advantages[:, None] * (one_hot - pi)  # [40, 7] per unit eta
+    logprobs = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])  # [40, 1]: one-token rows
+    h, mask = entropy(logits)[:, None], torch.ones(40, 1, dtype=torch.bool)
+    omega = baselines.steer_entropy_change(logprobs, logprobs, advantages, h, mask)[:, 0].double()
+    pi_k = logprobs[:, 0].exp()
+    own_logit_change = entropy_change(step * one_hot).abs()
+    torch.testing.assert_close(omega * pi_k, own_logit_change, atol=1e-6, rtol=1e-4)
+    sensitivity = stare.entropy_sensitivity(logits.float(), tokens)[:, None]
+    omega_s = baselines.steer_entropy_change(logprobs, logprobs, advantages, h, mask, sensitivity)
+    whole_step_change = entropy_change(step).abs()
+    torch.testing.assert_close(omega_s[:, 0].double(), whole_step_change, atol=1e-6, rtol=1e-4)
+
+
+def test_steer_weights_span_their_range():
+    omega = torch.tensor([[0.0, 0.5, 2.0, 9.0], [1.0, 4.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])  # 9.0: padding
+    weights, omega_max = baselines.steer_weights(omega, mask, 0.8, 1.2, linear=False)
+    assert omega_max == 4.0 and weights[1, 1].item() == pytest.approx(0.8) and weights[0, 0] == 1
+    assert weights[0, 2].item() == pytest.approx(0.8 ** (2.0 / 4.0)) and (weights[~mask] == 1).all()
+    weights, _ = baselines.steer_weights(omega, mask, 0.8, 1.2, linear=True)
+    assert weights[0, 0].item() == pytest.approx(1.2) and weights[1, 1].item() == pytest.approx(0.8)
+    assert weights[0, 1].item() == pytest.approx(1.2 - 0.5 * 0.4 / 4.0)
+    # tiny changes everywhere: the 0.02 floor on the scale keeps the weights near 1
+    weights, _ = baselines.steer_weights(omega * 1e-3, mask, 0.8, 1.2, linear=False)
+    assert weights[1, 1].item() == pytest.approx(0.8 ** (4e-3 / 0.02))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# W-REINFORCE, against a re-statement of its reference (TianHongZXY/RLVR-Decomposed @a5d4e7c,
+# verl/trainer/ppo/core_algos.py: compute_psr_nsr_outcome_advantage, compute_policy_loss)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def w_reinforce_batch(seed):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(8, 12, 10, generator=generator) * 2
+    tokens = torch.randint(0, 10, (8, 12), generator=generator)
+    old_logprobs, entropy = stare.token_logprobs_and_entropy(logits, tokens)
+    drift = 0.3 * torch.randn(8, 12, generator=generator)
+    logprobs = (old_logprobs + drift).clamp(max=0).requires_grad_(True)
+    lengths = torch.randint(3, 13, (8,), generator=generator)
+    mask = torch.arange(12)[None, :] < lengths[:, None]  # verl's contiguous response mask
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])  # the reference's 0/1 accuracy
+    batch = {"logprobs": logprobs, "old_logprobs": old_logprobs, "mask": mask, "entropy": entropy}
+    return batch, rewards, lengths
+
+
+def reference_weighted_advantages(rewards, lengths, mask, positive_weight, gamma=1.0):
+    """compute_psr_nsr_outcome_advantage(advantage="weighted"), re-stated: the reward at the last
+    response token, returns summed backwards (reset where the mask is 0), correct x lambda,
+    incorrect - 1, times the mask."""
+    token_rewards = torch.zeros(mask.shape)
+    token_rewards[torch.arange(len(rewards)), lengths - 1] = rewards
+    returns = torch.zeros(mask.shape)
+    running = torch.zeros(len(rewards))
+    for t in reversed(range(mask.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    advantages = returns.clone()
+    advantages[rewards == 1] *= positive_weight
+    advantages[rewards == 0] -= 1
+    return advantages * mask
+
+
+def reference_ppo_loss(log_prob, old_log_prob, advantages, mask, cliprange=0.2):
+    """compute_policy_loss without positive_learning_weight, re-stated: no log-ratio clamp, no dual
+    clip, one symmetric clip range, a token-mean over the micro-batch."""
+    ratio = torch.exp(log_prob - old_log_prob)
+    clipped_ratio = torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    losses = torch.max(-advantages * ratio, -advantages * clipped_ratio)
+    return (losses * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("lam", [0.1, 0.5, 1.0])
+def test_w_reinforce_matches_the_reference_with_its_advantages(lam):
+    # the reference's W-REINFORCE = this loss on the +-1 advantages 2r - 1 (no group baseline)
+    batch, rewards, lengths = w_reinforce_batch(seed=32)
+    cfg = baselines.LossConfig(w_reinforce_lambda=lam, clip_low=0.2, clip_high=0.2, dual_clip=None)
+    plus_minus_one = {**batch, "advantages": 2 * rewards - 1}
+    loss, metrics = baselines.policy_loss("w_reinforce", plus_minus_one, cfg)
+    (grad,) = torch.autograd.grad(loss, batch["logprobs"])
+    advantages = reference_weighted_advantages(rewards, lengths, batch["mask"], lam)
+    expected = reference_ppo_loss(batch["logprobs"], batch["old_logprobs"], advantages,
+                                  batch["mask"])
+    (expected_grad,) = torch.autograd.grad(expected, batch["logprobs"])
+    torch.testing.assert_close(loss, expected, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(grad, expected_grad, atol=1e-8, rtol=1e-5)
+    positive_share = (batch["mask"][rewards == 1].sum() / batch["mask"].sum()).item()
+    assert metrics["touched_frac"].item() == pytest.approx(positive_share if lam != 1 else 0.0)
+
+
+def test_w_reinforce_matches_the_reference_loss_weight_on_group_advantages():
+    # The reference's other route, the actor's positive_learning_weight: lambda x the correct
+    # responses' token-mean x their token share, plus the incorrect ones'. On GRPO advantages it is
+    # this loss too: a correct response has A > 0 unless its whole group is correct (A = 0).
+    batch, rewards, lengths = w_reinforce_batch(seed=33)
+    advantages = stare.group_advantages(rewards, group_size=4)
+    cfg = baselines.LossConfig(w_reinforce_lambda=0.3, clip_low=0.2, clip_high=0.2, dual_clip=None)
+    loss, _ = baselines.policy_loss("w_reinforce", {**batch, "advantages": advantages}, cfg)
+    (grad,) = torch.autograd.grad(loss, batch["logprobs"])
+    token_adv = advantages[:, None] * batch["mask"]
+    ratio = torch.exp(batch["logprobs"] - batch["old_logprobs"])
+    losses = torch.max(-token_adv * ratio, -token_adv * torch.clamp(ratio, 0.8, 1.2))
+    mask = batch["mask"].float()
+
+    def part(rows):  # eos_mask[rows].sum() / eos_mask.sum() * masked_mean over those rows
+        return mask[rows].sum() / mask.sum() * (losses[rows] * mask[rows]).sum() / mask[rows].sum()
+
+    expected = 0.3 * part(rewards == 1) + part(rewards == 0)
+    (expected_grad,) = torch.autograd.grad(expected, batch["logprobs"])
+    torch.testing.assert_close(loss, expected, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(grad, expected_grad, atol=1e-8, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # All methods: neutral knobs reproduce GRPO, step-scope selection is micro-batch invariant, one switch
 # ----------------------------------------------------------------------------------------------------------------------
 
 NEUTRAL = {
     "stare": {"stare_top_ratio": 0.0},
+    "steer": {"steer_weight_min": 1.0, "steer_weight_max": 1.0},
+    "w_reinforce": {"w_reinforce_lambda": 1.0},
     "stapo": {"stapo_prob_threshold": 0.0},
     "lp_reg": {"lp_reg_neg_ratio": 0.0},
     "clip_cov": {"clip_cov_ratio": 0.0},
@@ -333,6 +522,12 @@ def test_neutral_setting_reproduces_grpo_exactly(method):
     if method == "stare":
         ones = dataclasses.replace(cfg, stare_top_ratio=0.3, stare_w=1.0, stare_m=1.0, stare_variant="C2")
         assert torch.equal(baselines.policy_loss("stare", batch, ones)[0], grpo_loss)
+    if method == "steer":  # weights 1 are neutral for the linear map and the sensitivity too
+        for linear, estimate in ((True, "steer"), (False, "sensitivity"), (True, "sensitivity")):
+            other = dataclasses.replace(cfg, steer_linear=linear, steer_estimate=estimate)
+            loss, _ = baselines.policy_loss("steer", batch, other)
+            (grad,) = torch.autograd.grad(loss, batch["logprobs"])
+            assert torch.equal(loss, grpo_loss) and torch.equal(grad, grpo_grad)
 
 
 ACTIVE = {
@@ -344,6 +539,8 @@ ACTIVE = {
     "kl_cov": {"kl_cov_ratio": 0.05},
     "high_entropy": {"high_entropy_ratio": 0.3, "high_entropy_convention": "lp_reg_dev"},
     "entropy_bonus": {"entropy_coef": 0.01},
+    "steer": {},
+    "w_reinforce": {},
 }
 
 
@@ -356,7 +553,8 @@ def test_step_selection_makes_micro_batches_add_up(method, agg_mode):
     cfg = baselines.LossConfig(agg_mode=agg_mode, **ACTIVE[method])
     selection, _ = baselines.token_selection(method, batch, cfg, generator=torch.Generator().manual_seed(0))
     # the selection is not trivial (not constant over the batch), so the test can tell the scopes apart
-    assert method in ("grpo", "entropy_bonus") or any((m != m.flatten()[0]).any() for m in selection.values())
+    assert method in ("grpo", "entropy_bonus", "w_reinforce") or any(
+        (m != m.flatten()[0]).any() for m in selection.values())
     denominator = baselines.loss_mask(method, batch["mask"], selection, cfg)
     num_tokens, num_sequences = denominator.sum(), (denominator.sum(-1) > 0).sum()
     full, _ = baselines.policy_loss(method, batch, cfg, selection=selection)
@@ -413,7 +611,9 @@ def test_selections_make_no_host_sync():
     # meta tensors raise on .item() or any data-dependent Python branch (see test_stare.py)
     batch = {"logprobs": torch.empty(4, 8, device="meta"), "old_logprobs": torch.empty(4, 8, device="meta"),
              "advantages": torch.empty(4, device="meta"), "mask": torch.empty(4, 8, dtype=torch.bool, device="meta"),
-             "entropy": torch.empty(4, 8, device="meta"), "proxy_logprobs": torch.empty(4, 8, device="meta")}
+             "entropy": torch.empty(4, 8, device="meta"),
+             "proxy_logprobs": torch.empty(4, 8, device="meta"),
+             "sensitivity": torch.empty(4, 8, device="meta")}
     for method in baselines.METHODS:
         if method == "clip_cov":  # torch.rand has no meta generator; its selection is select_top_k, checked here
             continue
@@ -433,6 +633,10 @@ def test_loss_config_rejects_bad_values_by_name():
         baselines.LossConfig(dual_clip=1.0)
     with pytest.raises(ValueError, match="stare_top_ratio"):
         baselines.LossConfig(stare_top_ratio=1.5)
+    with pytest.raises(ValueError, match="steer_weight_min"):  # > 1: exp(-k |Omega|) would grow
+        baselines.LossConfig(steer_weight_min=1.1, steer_weight_max=1.2)
+    with pytest.raises(ValueError, match="w_reinforce_lambda"):
+        baselines.LossConfig(w_reinforce_lambda=-0.1)
 
 
 def test_token_weights_multiply_each_token_loss():
