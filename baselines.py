@@ -1,10 +1,10 @@
 """baselines.py: the token-level entropy controls STARE is compared with, behind one switch.
 
-    loss, metrics = baselines.policy_loss(method, batch, cfg)     # method in METHODS, cfg a LossConfig
+    loss, metrics = baselines.policy_loss(method, batch, cfg)     # method in METHODS, cfg a config.LossConfig
 
 runs any of: grpo, stare, stapo, lp_reg, clip_cov, kl_cov, high_entropy, entropy_bonus, steer,
 w_reinforce, on the same tensors. GRPO, DAPO (clip-higher, dual clip, token-mean) and Dr.GRPO
-(advantages without std, `seq-mean-token-sum-norm`) are settings of `LossConfig` and
+(advantages without std, `seq-mean-token-sum-norm`) are settings of `config.LossConfig` and
 `stare.group_advantages`, not separate methods. "Eq. N" refers to docs/method.md.
 
 `batch` is a dict of [B, T] tensors (advantages may be [B]):
@@ -26,7 +26,6 @@ Pure functions of tensors: no I/O, no torch.distributed, no global state. Random
 torch.Generator passed in.
 """
 
-import dataclasses
 import difflib
 import math
 
@@ -36,78 +35,11 @@ import stare
 
 METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy",
            "entropy_bonus", "steer", "w_reinforce")
-# per-token inputs of pi_old a method needs beyond logprobs, old_logprobs, advantages, mask, entropy
+# What the trainer gives each method: the per-token inputs of pi_old it needs beyond logprobs, old_logprobs,
+# advantages, mask and entropy; and whether `token_selection` decides anything for it (then the trainer selects
+# once over the whole step, all ranks, and hands each micro-batch its slice).
 EXTRA_INPUTS = {"lp_reg": ("proxy_logprobs",), "steer": ("sensitivity",)}
-
-
-@dataclasses.dataclass
-class LossConfig:
-    """Hyperparameters of the policy loss. Each method's own knobs default to its paper's reference scripts (Eqs.
-    12-19, 22-24). The clipped surrogate is shared by every method (a controlled comparison: only the token-level
-    change differs), with the STARE/DAPO settings; the references of Lp-Reg, Clip-Cov and W-REINFORCE use no dual
-    clip and other clip ranges (Lp-Reg clip_low=1.0, clip_high=9.0; Clip-Cov 1.0/1.0; W-REINFORCE 0.2/0.2): set
-    those here to reproduce them exactly."""
-
-    # --- shared: the clipped surrogate and its aggregation (Eqs. 2, 3) ---
-    clip_low: float = 0.2  # ratio clip below 1 - clip_low
-    clip_high: float = 0.28  # ratio clip above 1 + clip_high (DAPO's clip-higher)
-    dual_clip: float | None = 10.0  # dual-clip bound c for A < 0 (STARE/DAPO scripts: 10); None = off
-    agg_mode: str = "token-mean"  # one of stare.LOSS_AGG_MODES; Dr.GRPO: seq-mean-token-sum-norm
-    loss_scale_factor: float | None = None  # Dr.GRPO's constant (e.g. the max response length); None = padded width
-    # --- STARE (Eqs. 7-9): static w, m; an EntropyGate passed to the loss overrides them and decides gate_on ---
-    stare_variant: str = "O1"  # O1: amplify L+ only; C2: also damp L-
-    stare_top_ratio: float = 0.1  # P: fraction of A > 0 (and A < 0) tokens with the highest surprisal
-    stare_w: float = 1.1  # weight on L+
-    stare_m: float = 0.9  # weight on L- (C2)
-    # --- STAPO (Eq. 12). No public code: tau_p and tau_h are from a secondary source (a DiDi tech article) ---
-    stapo_prob_threshold: float = 0.01  # tau_p: spurious tokens have pi < tau_p ...
-    stapo_entropy_quantile: float = 0.05  # ... and H below this quantile of the batch's valid-token entropies
-    # --- Lp-Reg (Eqs. 13, 14) ---
-    lp_reg_kappa: float = 0.02  # min-p proxy keeps tokens with p >= kappa * max p
-    lp_reg_soft: bool = False  # filtered tokens get the row's minimum logit instead of -1e4 (minp_soft)
-    lp_reg_neg_ratio: float = 0.01  # rho-: fraction of A < 0 tokens (lowest pi) regularised; 0.005 for 32B
-    lp_reg_coef: float = 1.0  # beta on the k3 term (ppo_kl_coef)
-    # --- Clip-Cov / KL-Cov (Eqs. 15-17); ratios are fractions, not the PRIME repo's percentages ---
-    clip_cov_ratio: float = 0.0002  # fraction of valid tokens detached
-    clip_cov_lb: float = 1.0  # covariance window (lb, ub) for Clip-Cov candidates
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.002  # fraction of valid tokens with the highest covariance penalised (7B script)
-    kl_cov_coef: float = 1.0  # beta on |log pi - log pi_old|
-    # --- 80/20 high-entropy tokens (Eq. 18) ---
-    high_entropy_ratio: float = 0.2  # rho: fraction of valid tokens (highest entropy) that keep their gradient
-    high_entropy_convention: str = "paper"  # paper: ceil(rho N) kept, all valid tokens in the denominator;
-    #                                          lp_reg_dev: max(1, int(rho N)) kept, only kept tokens in the denominator
-    # --- entropy bonus (Eq. 19) ---
-    entropy_coef: float = 0.001  # beta in loss - beta * H
-    # --- STEER (Eqs. 22, 23) and W-REINFORCE (Eq. 24); defaults from their reference scripts ---
-    steer_weight_min: float = 0.8  # lambda_min, the smallest token weight (both scripts: 0.8)
-    steer_weight_max: float = 1.2  # lambda_max, the largest: linear mapping only (run_linear.sh)
-    steer_linear: bool = False  # False: exp(-k |Omega|) (run_exp.sh, the paper's); True: linear
-    steer_estimate: str = "steer"  # steer: |A r (1 - pi)(log pi + H)|; sensitivity: |A r S| (Eq. 5)
-    w_reinforce_lambda: float = 0.1  # lambda: weight of positive-advantage tokens (paper: 0.1)
-
-    def __post_init__(self):
-        checks = {
-            "clip_low": self.clip_low > 0, "clip_high": self.clip_high > 0,
-            "dual_clip": self.dual_clip is None or self.dual_clip > 1,
-            "agg_mode": self.agg_mode in stare.LOSS_AGG_MODES,
-            "stare_variant": self.stare_variant.upper() in ("O1", "C2"),
-            "stare_top_ratio": 0 <= self.stare_top_ratio <= 1,
-            "stare_w": self.stare_w > 0, "stare_m": self.stare_m > 0,
-            "stapo_prob_threshold": 0 <= self.stapo_prob_threshold <= 1,
-            "stapo_entropy_quantile": 0 <= self.stapo_entropy_quantile <= 1,
-            "lp_reg_kappa": 0 < self.lp_reg_kappa <= 1, "lp_reg_neg_ratio": 0 <= self.lp_reg_neg_ratio <= 1,
-            "clip_cov_ratio": 0 <= self.clip_cov_ratio <= 1, "clip_cov_ub": self.clip_cov_ub > self.clip_cov_lb,
-            "kl_cov_ratio": 0 <= self.kl_cov_ratio <= 1,
-            "high_entropy_ratio": 0 <= self.high_entropy_ratio <= 1,
-            "high_entropy_convention": self.high_entropy_convention in ("paper", "lp_reg_dev"),
-            "steer_weight_min": 0 < self.steer_weight_min <= min(1.0, self.steer_weight_max),
-            "steer_estimate": self.steer_estimate in ("steer", "sensitivity"),
-            "w_reinforce_lambda": self.w_reinforce_lambda >= 0,
-        }
-        bad = [name for name, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError("invalid loss config: " + ", ".join(f"{name}={getattr(self, name)!r}" for name in bad))
+SELECTING = ("stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "steer")
 
 
 # ======================================================================================================================
@@ -317,7 +249,7 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
 
     Call it on a micro-batch (the references' behaviour) or once on the whole optimizer step, then slice the
     tensors per micro-batch for `policy_loss(..., selection=...)`. Uses batch["logprobs"] detached: in step scope
-    pass the old log-probs there. `gate`: a stare.EntropyGate whose gate_on, w and m STARE uses (else cfg's, on).
+    pass the old log-probs there. `gate`: a stare.EntropyGate whose gate_on, w and m STARE uses (None: EntropyGate()'s, on).
     """
     _check_method(method)
     logprobs, advantages, mask = batch["logprobs"].detach(), batch["advantages"], batch["mask"]
@@ -325,9 +257,9 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
     signed = stare.broadcastable_advantages(advantages, logprobs)
     positive, negative = (mask.bool() & (signed > 0)).sum(), (mask.bool() & (signed < 0)).sum()
     if method == "stare":
-        w, m, gate_on = (gate.w, gate.m, gate.gate_on) if gate is not None else (cfg.stare_w, cfg.stare_m, True)
+        gate = gate if gate is not None else stare.EntropyGate()  # no gate given: on, default w and m
         weights, stats = stare.stare_weights(logprobs, advantages, mask, cfg.stare_variant, cfg.stare_top_ratio,
-                                             w, m, gate_on)
+                                             gate.w, gate.m, gate.gate_on)
         return {"weights": weights}, {**{f"stare/{key}": value for key, value in stats.items()},
                                       "stare/positive_tokens": positive, "stare/negative_tokens": negative}
     if method == "stapo":

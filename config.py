@@ -1,6 +1,6 @@
 """config.py: the one typed configuration of a run, loaded from YAML, overridable from the command line.
 
-    cfg = config.load("configs/tiny.yaml", ["train.total_steps=20", "loss.stare_top_ratio=0.2"])
+    cfg = config.load("configs/tiny.yaml", ["train.total_steps=20", "gate.target_entropy=0.2"])
     print(config.to_yaml(cfg))          # the resolved config: logged, saved next to the metrics and in checkpoints
 
 Every field has a type and a comment; every value a run uses is visible in its YAML file or here. A config is
@@ -9,8 +9,7 @@ names the key: an unknown key (with the nearest valid one suggested), a value of
 its range, or an impossible combination. Overrides are `section.key=value`; the value is read as YAML (`3`, `0.5`,
 `true`, `null`, `[a, b]`, or a bare string).
 
-Sections `loss`, `reward` and `sandbox` are baselines.LossConfig, rewards.RewardConfig and sandbox.SandboxConfig
-themselves: each knob is defined once, next to the code that uses it.
+Every section is defined here, with its comments and checks; the modules that use one take it as an argument.
 """
 
 import dataclasses
@@ -28,6 +27,7 @@ import yaml
 import baselines
 import data
 import rewards
+import stare
 from sandbox import SandboxConfig  # a plain `import sandbox` would be shadowed by the field of that name
 
 
@@ -81,20 +81,122 @@ class RolloutConfig:
 class AlgorithmConfig:
     method: str = "stare"  # one of baselines.METHODS
     normalize_std: bool = True  # GRPO advantages (r - mean) / std; false = Dr.GRPO's mean-centering only
-    dynamic_sampling: bool = True  # DAPO: drop groups whose rewards are all equal, sample more to refill the batch
-    max_num_gen_batches: int = 10  # give up (with an error) after this many generation rounds per step; 0 = no limit
+    dynamic_sampling: bool = True  # DAPO: drop groups whose rewards are all equal, refill the batch
+    max_num_gen_batches: int = 10  # give up (with an error) after this many rounds per step; 0 = no limit
     gen_batch_size: int = 192  # prompts per generation round (across ranks); >= train.train_batch_size
-    stare_scope: str = "step"  # step: select L+/L- (and every method's ranked tokens) once per optimizer step over
-    #                             the whole batch across ranks, so the update does not depend on micro-batch size or
-    #                             world size; micro: select inside each micro-batch on current log-probs, exactly
-    #                             as the reference (whose update therefore changes with the micro-batch size)
-    target_entropy: float = 0.3  # EntropyGate: reweight only while the batch entropy is below this
-    gate_adaptive: bool = False  # EntropyGate: adapt w and m by alpha per step
-    gate_alpha: float = 0.01
-    gate_w_max: float = 1.5
-    gate_m_min: float = 0.5
+    selection_scope: str = "step"  # where every method picks its tokens (L+/L-, ranked or masked tokens):
+    #   step: once per optimizer step over the whole batch across ranks, so the update does not depend on
+    #         the micro-batch size or the world size;
+    #   micro: inside each micro-batch on current log-probs, exactly as the references do
     importance_sampling: bool = False  # multiply the token loss by min(pi_old / pi_rollout, is_cap) (opt-in)
     is_cap: float = 2.0
+
+
+@dataclasses.dataclass
+class GateConfig:
+    """STARE's closed-loop entropy gate and its weights (Eqs. 8, 10): the arguments of stare.EntropyGate."""
+
+    target_entropy: float = 0.3  # reweight only while the batch entropy is below this
+    w: float = 1.1  # weight on L+ (the most surprising positive-advantage tokens)
+    m: float = 0.9  # weight on L- (variant C2)
+    adaptive: bool = False  # move w and m by alpha per step towards stronger reweighting below the target
+    alpha: float = 0.01
+    w_max: float = 1.5  # adaptive: w stays in [1, w_max]
+    m_min: float = 0.5  # adaptive: m stays in [m_min, 1]
+
+
+@dataclasses.dataclass
+class LossConfig:
+    """Hyperparameters of the policy loss. Each method's own knobs default to its paper's reference scripts (Eqs.
+    12-19, 22-24). The clipped surrogate is shared by every method (a controlled comparison: only the token-level
+    change differs), with the STARE/DAPO settings; the references of Lp-Reg, Clip-Cov and W-REINFORCE use no dual
+    clip and other clip ranges (Lp-Reg clip_low=1.0, clip_high=9.0; Clip-Cov 1.0/1.0; W-REINFORCE 0.2/0.2): set
+    those here to reproduce them exactly."""
+
+    # --- shared: the clipped surrogate and its aggregation (Eqs. 2, 3) ---
+    clip_low: float = 0.2  # ratio clip below 1 - clip_low
+    clip_high: float = 0.28  # ratio clip above 1 + clip_high (DAPO's clip-higher)
+    dual_clip: float | None = 10.0  # dual-clip bound c for A < 0 (STARE/DAPO scripts: 10); None = off
+    agg_mode: str = "token-mean"  # one of stare.LOSS_AGG_MODES; Dr.GRPO: seq-mean-token-sum-norm
+    loss_scale_factor: float | None = None  # Dr.GRPO's constant (e.g. the max response length); None = padded width
+    # --- STARE's selection (Eqs. 7, 8); its weights w, m and the gate are the `gate` section (GateConfig) ---
+    stare_variant: str = "O1"  # O1: amplify L+ only; C2: also damp L-
+    stare_top_ratio: float = 0.1  # P: fraction of A > 0 (and A < 0) tokens with the highest surprisal
+    # --- STAPO (Eq. 12). No public code: tau_p and tau_h are from a secondary source (a DiDi tech article) ---
+    stapo_prob_threshold: float = 0.01  # tau_p: spurious tokens have pi < tau_p ...
+    stapo_entropy_quantile: float = 0.05  # ... and H below this quantile of the batch's valid-token entropies
+    # --- Lp-Reg (Eqs. 13, 14) ---
+    lp_reg_kappa: float = 0.02  # min-p proxy keeps tokens with p >= kappa * max p
+    lp_reg_soft: bool = False  # filtered tokens get the row's minimum logit instead of -1e4 (minp_soft)
+    lp_reg_neg_ratio: float = 0.01  # rho-: fraction of A < 0 tokens (lowest pi) regularised; 0.005 for 32B
+    lp_reg_coef: float = 1.0  # beta on the k3 term (ppo_kl_coef)
+    # --- Clip-Cov / KL-Cov (Eqs. 15-17); ratios are fractions, not the PRIME repo's percentages ---
+    clip_cov_ratio: float = 0.0002  # fraction of valid tokens detached
+    clip_cov_lb: float = 1.0  # covariance window (lb, ub) for Clip-Cov candidates
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.002  # fraction of valid tokens with the highest covariance penalised (7B script)
+    kl_cov_coef: float = 1.0  # beta on |log pi - log pi_old|
+    # --- 80/20 high-entropy tokens (Eq. 18) ---
+    high_entropy_ratio: float = 0.2  # rho: fraction of valid tokens (highest entropy) that keep their gradient
+    high_entropy_convention: str = "paper"  # paper: ceil(rho N) kept, all valid tokens in the denominator;
+    #                                          lp_reg_dev: max(1, int(rho N)) kept, only kept tokens in the denominator
+    # --- entropy bonus (Eq. 19) ---
+    entropy_coef: float = 0.001  # beta in loss - beta * H
+    # --- STEER (Eqs. 22, 23) and W-REINFORCE (Eq. 24); defaults from their reference scripts ---
+    steer_weight_min: float = 0.8  # lambda_min, the smallest token weight (both scripts: 0.8)
+    steer_weight_max: float = 1.2  # lambda_max, the largest: linear mapping only (run_linear.sh)
+    steer_linear: bool = False  # False: exp(-k |Omega|) (run_exp.sh, the paper's); True: linear
+    steer_estimate: str = "steer"  # steer: |A r (1 - pi)(log pi + H)|; sensitivity: |A r S| (Eq. 5)
+    w_reinforce_lambda: float = 0.1  # lambda: weight of positive-advantage tokens (paper: 0.1)
+
+    def __post_init__(self):
+        checks = {
+            "clip_low": self.clip_low > 0, "clip_high": self.clip_high > 0,
+            "dual_clip": self.dual_clip is None or self.dual_clip > 1,
+            "agg_mode": self.agg_mode in stare.LOSS_AGG_MODES,
+            "stare_variant": self.stare_variant.upper() in ("O1", "C2"),
+            "stare_top_ratio": 0 <= self.stare_top_ratio <= 1,
+            "stapo_prob_threshold": 0 <= self.stapo_prob_threshold <= 1,
+            "stapo_entropy_quantile": 0 <= self.stapo_entropy_quantile <= 1,
+            "lp_reg_kappa": 0 < self.lp_reg_kappa <= 1, "lp_reg_neg_ratio": 0 <= self.lp_reg_neg_ratio <= 1,
+            "clip_cov_ratio": 0 <= self.clip_cov_ratio <= 1, "clip_cov_ub": self.clip_cov_ub > self.clip_cov_lb,
+            "kl_cov_ratio": 0 <= self.kl_cov_ratio <= 1,
+            "high_entropy_ratio": 0 <= self.high_entropy_ratio <= 1,
+            "high_entropy_convention": self.high_entropy_convention in ("paper", "lp_reg_dev"),
+            "steer_weight_min": 0 < self.steer_weight_min <= min(1.0, self.steer_weight_max),
+            "steer_estimate": self.steer_estimate in ("steer", "sensitivity"),
+            "w_reinforce_lambda": self.w_reinforce_lambda >= 0,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError("invalid loss config: " + ", ".join(f"{name}={getattr(self, name)!r}" for name in bad))
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    answer_format: str = "boxed"  # "boxed": only the last \boxed{} counts; "any": math-verify searches the whole text
+    timeout_s: float = 5.0  # deadline for checking one response (main thread only; see _call_with_deadline)
+    overlong_buffer_len: int = 0  # DAPO overlong shaping over the last this-many tokens; 0 = off (STARE's default)
+    overlong_penalty_factor: float = 1.0  # the penalty at max_response_len, which is -factor
+    max_response_len: int = 0  # the sampler's max new tokens; it must be > overlong_buffer_len when shaping is on
+    format_weight: float = 0.0  # reward += format_weight * format_ok; 0 = format is logged, not rewarded (reference)
+
+    def __post_init__(self):
+        if self.answer_format not in rewards.ANSWER_FORMATS:
+            raise ValueError(f"answer_format must be one of {rewards.ANSWER_FORMATS}, got {self.answer_format!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.overlong_buffer_len < 0:
+            raise ValueError(f"overlong_buffer_len must be >= 0 (0 = off), got {self.overlong_buffer_len}")
+        if not self.overlong_penalty_factor >= 0:
+            raise ValueError(f"overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}")
+        if self.max_response_len < 0:
+            raise ValueError(f"max_response_len must be >= 0, got {self.max_response_len}")
+        if self.overlong_buffer_len > 0 and self.max_response_len <= self.overlong_buffer_len:
+            raise ValueError(f"max_response_len ({self.max_response_len}) must be > overlong_buffer_len "
+                             f"({self.overlong_buffer_len}) when overlong shaping is on")
+        if not math.isfinite(self.format_weight):
+            raise ValueError(f"format_weight must be finite, got {self.format_weight}")
 
 
 @dataclasses.dataclass
@@ -156,15 +258,27 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
-    reward: rewards.RewardConfig = dataclasses.field(default_factory=rewards.RewardConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
-    loss: baselines.LossConfig = dataclasses.field(default_factory=baselines.LossConfig)
+    gate: GateConfig = dataclasses.field(default_factory=GateConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)  # used with rollout.tools
     hardware: HardwareConfig = dataclasses.field(default_factory=HardwareConfig)
 
+
+RENAMED = {  # old key -> its name now: an old config fails in one line that names the new key
+    "algorithm.stare_scope": "algorithm.selection_scope",
+    "algorithm.target_entropy": "gate.target_entropy",
+    "algorithm.gate_adaptive": "gate.adaptive",
+    "algorithm.gate_alpha": "gate.alpha",
+    "algorithm.gate_w_max": "gate.w_max",
+    "algorithm.gate_m_min": "gate.m_min",
+    "loss.stare_w": "gate.w",
+    "loss.stare_m": "gate.m",
+}
 
 CHOICES = {  # fields with a fixed set of values
     "model.param_dtype": ("bfloat16", "float16", "float32"),
@@ -174,7 +288,7 @@ CHOICES = {  # fields with a fixed set of values
     "rollout.model_runner": ("v1", "v2"),
     "data.overflow": data.OVERFLOW_MODES,
     "algorithm.method": baselines.METHODS,
-    "algorithm.stare_scope": ("step", "micro"),
+    "algorithm.selection_scope": ("step", "micro"),
     "optim.schedule": ("constant", "cosine"),
 }
 
@@ -239,6 +353,8 @@ def _build(cls, raw, prefix):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in raw:
+        if prefix + str(key) in RENAMED:
+            raise ConfigError(f"config key {prefix + str(key)!r} is now {RENAMED[prefix + str(key)]!r}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f" (did you mean {prefix + close[0]!r}?)" if close else f" (valid: {', '.join(fields)})"
@@ -252,7 +368,7 @@ def _build(cls, raw, prefix):
             values[name] = _coerce(value, hints[name], key)
     try:
         return cls(**values)
-    except ValueError as error:  # a section's own checks (LossConfig, RewardConfig)
+    except ValueError as error:  # a section's own checks (LossConfig, RewardConfig, SandboxConfig)
         raise ConfigError(f"config section {prefix.rstrip('.')!r}: {error}") from None
 
 
@@ -304,7 +420,7 @@ def check(cfg, world_size=None):
                 "train.nccl_timeout_minutes"]
     non_negative = ["optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
                     "train.save_every", "train.log_every", "eval.every", "rollout.sync_check_every",
-                    "algorithm.max_num_gen_batches", "algorithm.gate_alpha", "optim.max_nonfinite_steps"]
+                    "algorithm.max_num_gen_batches", "gate.alpha", "optim.max_nonfinite_steps"]
     for key in positive:
         if not _get(cfg, key) > 0:
             raise ConfigError(f"config key {key!r}: must be > 0, got {_get(cfg, key)!r}")
@@ -329,8 +445,10 @@ def check(cfg, world_size=None):
          "must be two numbers in [0, 1)"),
         ("optim.min_lr_ratio", cfg.optim.min_lr_ratio <= 1, "must be <= 1"),
         ("algorithm.is_cap", cfg.algorithm.is_cap >= 1, "must be >= 1"),
-        ("algorithm.gate_w_max", cfg.algorithm.gate_w_max >= 1, "must be >= 1"),
-        ("algorithm.gate_m_min", 0 <= cfg.algorithm.gate_m_min <= 1, "must be in [0, 1]"),
+        ("gate.w", cfg.gate.w > 0, "must be > 0"),
+        ("gate.m", cfg.gate.m > 0, "must be > 0"),
+        ("gate.w_max", cfg.gate.w_max >= 1, "must be >= 1"),
+        ("gate.m_min", 0 <= cfg.gate.m_min <= 1, "must be in [0, 1]"),
         ("data.train_files", bool(cfg.data.train_files), "needs at least one file"),
         ("train.wandb", not cfg.train.wandb or importlib.util.find_spec("wandb") is not None,
          "needs the wandb package (pip install wandb)"),

@@ -268,7 +268,7 @@ def evaluate(engine, tokenizer, benchmarks, n=None, temperature=1.0, top_p=0.7, 
     metrics": the keys of --out's JSON).
 
     benchmarks: {name: [data.Example]} (e.g. from load_benchmarks). n: an int for all, a {name: n} dict (missing
-    names take default_n), or None (default_n for all). reward_cfg: rewards.RewardConfig (None: the default, acc
+    names take default_n), or None (default_n for all). reward_cfg: config.RewardConfig (None: the default, acc
     only). The engine's max_model_len must be >= max_prompt_tokens + max_tokens.
     Under an initialised torch.distributed group every rank must call this with the same arguments: each engine
     (the tensor_parallel_size consecutive ranks that share one) samples prompts e, e + engines, ... of each
@@ -277,7 +277,7 @@ def evaluate(engine, tokenizer, benchmarks, n=None, temperature=1.0, top_p=0.7, 
     """
     if not benchmarks:
         raise ValueError("no benchmarks to evaluate")
-    reward_cfg = reward_cfg or rewards.RewardConfig()
+    reward_cfg = reward_cfg or config.RewardConfig()
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     started = time.time()
@@ -389,7 +389,7 @@ def parse_args(argv):
                         help="prompts over --max-prompt-tokens (see data.py)")
     parser.add_argument("--prompt-suffix", default=data.STARE_SUFFIX, help='appended to plain rows; "" for none')
     parser.add_argument("--answer-format", default="boxed", choices=rewards.ANSWER_FORMATS,
-                        help="rewards.RewardConfig.answer_format")
+                        help="config.RewardConfig.answer_format")
     parser.add_argument("--limit", type=int, default=0, help="first N prompts of each benchmark (0 = all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="results JSON")
@@ -449,7 +449,7 @@ def main(argv):
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         kv_cache_gib=args.kv_cache_gib, enforce_eager=args.enforce_eager or None)
     result = evaluate(engine, tokenizer, benchmarks, n=args.n, temperature=args.temperature, top_p=args.top_p,
-                      max_tokens=args.max_tokens, reward_cfg=rewards.RewardConfig(answer_format=args.answer_format),
+                      max_tokens=args.max_tokens, reward_cfg=config.RewardConfig(answer_format=args.answer_format),
                       seed=args.seed, max_prompt_tokens=args.max_prompt_tokens, overflow=args.overflow,
                       return_samples=args.samples is not None, use_tqdm=rank == 0)
     if rank == 0:

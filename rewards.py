@@ -2,7 +2,7 @@
 Pure Python: no vLLM, no torch, no torch.distributed, no file I/O.
 
     import rewards
-    cfg = rewards.RewardConfig()                          # acc only, as in STARE
+    cfg = config.RewardConfig()                           # acc only, as in STARE
     scores, accs, metrics = rewards.compute_rewards(responses, ground_truths, data_sources, response_lengths, cfg)
     rewards.verify_math(r"... so the answer is \\boxed{\\frac{3}{4}}", "0.75")      # (True, "ok")
     rewards.verify_sum(r"\\boxed{3+4}", "7")                                        # (True, "ok")
@@ -25,7 +25,6 @@ three checkers does: one strict extraction (the last \\boxed{}, which STARE's pr
 answer_format="any" is more lenient. Overlong shaping and format_weight default to off, leaving acc, as in STARE.
 """
 
-import dataclasses
 import functools
 import logging
 import math
@@ -349,36 +348,9 @@ def overlong_penalty(length: int, max_response_len: int, buffer_len: int, factor
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class RewardConfig:
-    answer_format: str = "boxed"  # "boxed": only the last \boxed{} counts; "any": math-verify searches the whole text
-    timeout_s: float = 5.0  # deadline for checking one response (main thread only; see _call_with_deadline)
-    overlong_buffer_len: int = 0  # DAPO overlong shaping over the last this-many tokens; 0 = off (STARE's default)
-    overlong_penalty_factor: float = 1.0  # the penalty at max_response_len, which is -factor
-    max_response_len: int = 0  # the sampler's max new tokens; it must be > overlong_buffer_len when shaping is on
-    format_weight: float = 0.0  # reward += format_weight * format_ok; 0 = format is logged, not rewarded (reference)
-
-    def __post_init__(self):
-        if self.answer_format not in ANSWER_FORMATS:
-            raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {self.answer_format!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.overlong_buffer_len < 0:
-            raise ValueError(f"overlong_buffer_len must be >= 0 (0 = off), got {self.overlong_buffer_len}")
-        if not self.overlong_penalty_factor >= 0:
-            raise ValueError(f"overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}")
-        if self.max_response_len < 0:
-            raise ValueError(f"max_response_len must be >= 0, got {self.max_response_len}")
-        if self.overlong_buffer_len > 0 and self.max_response_len <= self.overlong_buffer_len:
-            raise ValueError(f"max_response_len ({self.max_response_len}) must be > overlong_buffer_len "
-                             f"({self.overlong_buffer_len}) when overlong shaping is on")
-        if not math.isfinite(self.format_weight):
-            raise ValueError(f"format_weight must be finite, got {self.format_weight}")
-
-
 def compute_rewards(
     responses: list[str], ground_truths: list[str], data_sources: list[str], response_lengths: list[int],
-    cfg: RewardConfig,
+    cfg,
 ) -> tuple[list[float], list[float], dict[str, float]]:
     """Score a batch. Returns (rewards, accuracies, metrics). An accuracy is 0.0 or 1.0, and
     reward = accuracy + overlong penalty (if on) + cfg.format_weight * format_ok.

@@ -608,6 +608,7 @@ def main():
 
     from transformers import AutoTokenizer
 
+    import config
     import data
     import rewards
 
@@ -646,7 +647,7 @@ def main():
     seconds = time.time() - start
     truths = [kept[i].ground_truth for i in out.prompt_index]
     scores, accuracies, metrics = rewards.compute_rewards(out.texts, truths, [kept[i].data_source for i in
-                                                          out.prompt_index], out.lengths, rewards.RewardConfig())
+                                                          out.prompt_index], out.lengths, config.RewardConfig())
     for i in range(0, len(out.texts), args.n):
         print(f"[{kept[out.prompt_index[i]].origin}] answer {truths[i]}: "
               + " | ".join(f"{text!r}={acc:g}" for text, acc in zip(out.texts[i:i + args.n], accuracies[i:i + args.n])))

@@ -224,12 +224,13 @@ def sample_responses(model, tokenizer, prompt_ids, temperature, max_new_tokens, 
 @torch.no_grad()
 def sampled_success_rate(model, tokenizer, rows, prompt_ids, temperature=1.0, max_new_tokens=16, seed=0):
     """Fraction of prompts whose sampled response (HF generate, temperature 1) the task's verifier accepts."""
+    import config
     import rewards
 
     responses = sample_responses(model, tokenizer, prompt_ids, temperature, max_new_tokens, seed)
     _, accuracies, _ = rewards.compute_rewards(responses, [r["answer"] for r in rows],
                                                [r["data_source"] for r in rows], [0] * len(rows),
-                                               rewards.RewardConfig())
+                                               config.RewardConfig())
     return sum(accuracies) / len(accuracies), responses
 
 

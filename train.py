@@ -38,6 +38,7 @@ import random
 import socket
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -238,7 +239,7 @@ def old_policy_pass(model, responses, cfg, device):
         for i, (row_logprobs, row_entropy, row_sensitivity) in zip(indices, per_row):
             responses[i].old_logprobs, responses[i].entropy = row_logprobs, row_entropy
             responses[i].sensitivity = row_sensitivity
-        if cfg.algorithm.method == "lp_reg":  # the proxy comes from the same old-policy logits (Eq. 13)
+        if "proxy_logprobs" in baselines.EXTRA_INPUTS.get(cfg.algorithm.method, ()):  # Lp-Reg's (Eq. 13)
             proxy = baselines.minp_proxy_logprobs(logits, packed.response_ids, temperature, cfg.loss.lp_reg_kappa,
                                                   cfg.loss.lp_reg_soft)  # [N]
             for i, row_proxy in zip(indices, proxy.cpu().split(lengths)):
@@ -258,24 +259,34 @@ def update_gate(gate, responses, device):
 
 
 def select_tokens(responses, cfg, gate, step, device):
-    """Every method's token selection made once over the whole step, all ranks (algorithm.stare_scope=step), so the
-    update depends on neither the micro-batch size nor the world size. Fills `selection` -> selection metrics."""
+    """Every method's token selection made once over the whole step, all ranks (algorithm.selection_scope=step),
+    so the update depends on neither the micro-batch size nor the world size. Fills `selection` -> metrics."""
     method = cfg.algorithm.method
-    if cfg.algorithm.stare_scope != "step" or method in ("grpo", "entropy_bonus"):
-        return {}  # grpo and the entropy bonus select nothing; micro scope selects inside each micro-batch
-    shared = [(r.old_logprobs, r.entropy, r.proxy_logprobs, r.policy_mask, r.advantage) for r in responses]
+    if cfg.algorithm.selection_scope != "step" or method not in baselines.SELECTING:
+        return {}  # nothing to select, or micro scope: policy_loss selects inside each micro-batch
+    fields = ("old_logprobs", "entropy", "policy_mask", "advantage") + baselines.EXTRA_INPUTS.get(method, ())
+    shared = [types.SimpleNamespace(**{key: getattr(r, key) for key in fields}) for r in responses]
     everyone = [row for rank_rows in all_gather(shared) for row in rank_rows]
-    logprobs, entropy, mask = (pad_rows([row[k] for row in everyone]) for k in (0, 1, 3))  # [B, T] each
-    batch = {"logprobs": logprobs, "old_logprobs": logprobs, "entropy": entropy, "mask": mask,
-             "advantages": torch.tensor([row[4] for row in everyone])}
-    if method == "lp_reg":
-        batch["proxy_logprobs"] = pad_rows([row[2] for row in everyone])  # [B, T]
+    batch = loss_batch(everyone, pad_rows, method, device=None)  # [B, T] each, B = the step's responses
+    batch["logprobs"] = batch["old_logprobs"]  # the selection ranks tokens under pi_old
     generator = torch.Generator().manual_seed(rollout.derive_seed(cfg.train.seed, "selection", step))
     selection, metrics = baselines.token_selection(method, batch, cfg.loss, gate=gate, generator=generator)
     offset = (dist.get_rank() if dist.is_initialized() else 0) * len(responses)
     for j, response in enumerate(responses):
         response.selection = {k: v[offset + j, :len(response.tokens)] for k, v in selection.items()}
     return {k: float(v) for k, v in metrics.items()}
+
+
+def loss_batch(rows, lay_out, method, device):
+    """The per-token inputs of `method`'s loss for `rows` (responses, or their fields gathered from every rank):
+    each response's [T] tensors laid out by `lay_out` (padded [B, T] rows for the step's selection, packed rows
+    in a micro-batch), the sequence advantages [B], and what baselines.EXTRA_INPUTS says the method needs."""
+    batch = {"old_logprobs": lay_out([r.old_logprobs for r in rows]), "entropy": lay_out([r.entropy for r in rows]),
+             "mask": lay_out([r.policy_mask for r in rows]),
+             "advantages": torch.tensor([r.advantage for r in rows], device=device)}
+    for key in baselines.EXTRA_INPUTS.get(method, ()):
+        batch[key] = lay_out([getattr(r, key) for r in rows])
+    return batch
 
 
 def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=None):
@@ -314,7 +325,7 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=N
         optimizer.zero_grad(set_to_none=True)
     totals = all_reduce(device_sums, device)
     grad_norms = torch.stack(grad_norms).double()  # the same on every rank
-    step_scope = cfg.algorithm.stare_scope == "step"
+    step_scope = cfg.algorithm.selection_scope == "step"
     return {"train/loss": totals.pop("loss") / num_mini / (1 if step_scope else world_size()),
             "train/grad_norm": float(grad_norms.mean()), "train/grad_norm_max": float(grad_norms.max()),
             "train/micro_batches": micro_batch_count, "train/skipped_updates": skipped,
@@ -325,7 +336,7 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=N
 def loss_denominators(rows, cfg, device):
     """Step scope: the mini-batch's count of loss tokens and non-empty sequences over all ranks (the global token
     mean, Eq. 3). Micro scope (the reference): None, each micro-batch uses its own mean."""
-    if cfg.algorithm.stare_scope != "step":
+    if cfg.algorithm.selection_scope != "step":
         return None
     tokens = sequences = 0.0
     for row in rows:
@@ -345,12 +356,9 @@ def micro_batch_backward(model, rows, is_padding, mini_rows, denominators, cfg, 
     def rows_of(values):  # per-response [T] tensors -> [b, R] as packed lays them out
         return packed.to_rows(torch.cat(list(values)).to(device))
 
-    batch = {"logprobs": packed.to_rows(logprobs), "entropy": packed.to_rows(entropy),
-             "old_logprobs": rows_of(r.old_logprobs for r in rows),
-             "advantages": torch.tensor([r.advantage for r in rows], device=device),
-             "mask": rows_of(r.policy_mask for r in rows) & (not is_padding)}
-    if rows[0].proxy_logprobs is not None:  # lp_reg
-        batch["proxy_logprobs"] = rows_of(r.proxy_logprobs for r in rows)
+    batch = loss_batch(rows, rows_of, cfg.algorithm.method, device)
+    batch["logprobs"], batch["entropy"] = packed.to_rows(logprobs), packed.to_rows(entropy)  # pi_theta's
+    batch["mask"] = batch["mask"] & (not is_padding)
     token_weights = None
     if cfg.algorithm.importance_sampling:  # truncated IS: pi_old / pi_rollout, capped (Eq. 11)
         rollout_logprobs = rows_of(torch.tensor(r.rollout_logprobs, dtype=torch.float32) for r in rows)
@@ -644,9 +652,7 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_lambda(cfg))
-    gate = stare.EntropyGate(cfg.algorithm.target_entropy, cfg.loss.stare_w, cfg.loss.stare_m,
-                             cfg.algorithm.gate_adaptive, cfg.algorithm.gate_alpha, cfg.algorithm.gate_w_max,
-                             cfg.algorithm.gate_m_min)
+    gate = stare.EntropyGate(**vars(cfg.gate))
     run = Run(cfg, rank, world, device, Path(cfg.train.out_dir), tokenizer, task, benchmarks, engine, model,
               optimizer, scheduler, gate, checkpoint)
     if export_only:

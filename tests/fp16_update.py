@@ -58,7 +58,7 @@ def update(model_dir, param_dtype, scaler):
     before = [full(p).detach().clone() for p in model.parameters()]  # the float32 shards, before any forward
     rows = responses(cfg)
     train.old_policy_pass(model, rows, cfg, DEVICE)
-    gate = stare.EntropyGate(cfg.algorithm.target_entropy)
+    gate = stare.EntropyGate(cfg.gate.target_entropy)
     train.update_gate(gate, rows, DEVICE)
     metrics = train.policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), rows, cfg, gate, 1, DEVICE,
                                   scaler)

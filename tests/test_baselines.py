@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import baselines
+import config
 import stare
 
 
@@ -93,7 +94,7 @@ def test_minp_proxy_is_a_distribution_over_the_kept_set():
 
 def test_stapo_mask_and_loss_match_loop():
     batch = make_batch(seed=3)
-    cfg = baselines.LossConfig(stapo_prob_threshold=0.2, stapo_entropy_quantile=0.6)  # loose, to select some
+    cfg = config.LossConfig(stapo_prob_threshold=0.2, stapo_entropy_quantile=0.6)  # loose, to select some
     spurious, threshold = baselines.stapo_spurious_mask(batch["logprobs"], batch["entropy"], batch["advantages"],
                                                         batch["mask"], 0.2, 0.6)
     expected_threshold = torch.quantile(batch["entropy"][batch["mask"]], 0.6).item()
@@ -118,7 +119,7 @@ def test_stapo_mask_and_loss_match_loop():
 
 def test_lp_reg_selection_and_loss_match_loop():
     batch = make_batch(seed=4)
-    cfg = baselines.LossConfig(lp_reg_neg_ratio=0.4, lp_reg_coef=0.7)
+    cfg = config.LossConfig(lp_reg_neg_ratio=0.4, lp_reg_coef=0.7)
     selected = baselines.lp_reg_mask(batch["logprobs"], batch["proxy_logprobs"], batch["advantages"],
                                      batch["mask"], 0.4)
     negative = [(i, t) for i, t, a in cells(batch) if a < 0]
@@ -143,7 +144,7 @@ def test_lp_reg_selection_and_loss_match_loop():
 
 def test_lp_reg_regulariser_pushes_low_probabilities_up():
     batch = make_batch(seed=5)
-    with_reg = baselines.LossConfig(lp_reg_neg_ratio=0.4, lp_reg_coef=1.0)
+    with_reg = config.LossConfig(lp_reg_neg_ratio=0.4, lp_reg_coef=1.0)
     without = dataclasses.replace(with_reg, lp_reg_coef=0.0)
     selection, _ = baselines.token_selection("lp_reg", batch, with_reg)
     (grad_with,) = torch.autograd.grad(baselines.policy_loss("lp_reg", batch, with_reg, selection)[0],
@@ -163,7 +164,7 @@ def test_lp_reg_k3_is_capped_at_ten():
     logprobs = probs.log().requires_grad_(True)
     batch = {"logprobs": logprobs, "old_logprobs": probs.log(), "advantages": torch.tensor([-1.0]),
              "mask": torch.ones(1, 4, dtype=torch.bool), "proxy_logprobs": torch.full((1, 4), math.log(0.5))}
-    cfg = baselines.LossConfig(lp_reg_neg_ratio=0.5, lp_reg_coef=1.0)
+    cfg = config.LossConfig(lp_reg_neg_ratio=0.5, lp_reg_coef=1.0)
     loss, metrics = baselines.policy_loss("lp_reg", batch, cfg)
     # the two lowest-probability tokens are regularised: 1 (= -A r) + 10 (capped k3) each; the others 1 each
     assert loss.item() == pytest.approx((11 + 11 + 1 + 1) / 4)
@@ -203,7 +204,7 @@ def test_covariance_matches_loop():
 
 def test_clip_cov_detaches_the_documented_count_reproducibly():
     batch = make_batch(seed=8, batch_size=12, width=20)
-    cfg = baselines.LossConfig(clip_cov_ratio=0.05, clip_cov_lb=0.0, clip_cov_ub=5.0)
+    cfg = config.LossConfig(clip_cov_ratio=0.05, clip_cov_lb=0.0, clip_cov_ub=5.0)
     covariance = covariance_loop(batch)
 
     def candidate(i, t, a):
@@ -235,7 +236,7 @@ def test_clip_cov_detaches_the_documented_count_reproducibly():
 
 def test_kl_cov_penalises_only_the_top_covariance_tokens():
     batch = make_batch(seed=9, batch_size=12, width=20)
-    cfg = baselines.LossConfig(kl_cov_ratio=0.03, kl_cov_coef=0.5)
+    cfg = config.LossConfig(kl_cov_ratio=0.03, kl_cov_coef=0.5)
     covariance = covariance_loop(batch)
     k = max(1, int(0.03 * len(covariance)))
     top = set(sorted(covariance, key=lambda it: -covariance[it])[:k])
@@ -272,7 +273,7 @@ def test_kl_cov_ranks_near_tied_covariances_exactly(monkeypatch):
 @pytest.mark.parametrize("convention", ["paper", "lp_reg_dev"])
 def test_high_entropy_mask_and_denominators(convention):
     batch = make_batch(seed=10, batch_size=8, width=11)
-    cfg = baselines.LossConfig(high_entropy_ratio=0.2, high_entropy_convention=convention)
+    cfg = config.LossConfig(high_entropy_ratio=0.2, high_entropy_convention=convention)
     valid = cells(batch)
     n = len(valid)
     k = math.ceil(0.2 * n) if convention == "paper" else max(1, int(0.2 * n))
@@ -293,7 +294,7 @@ def test_high_entropy_mask_and_denominators(convention):
 def test_entropy_bonus_value_and_gradient():
     batch = make_batch(seed=11)
     batch["entropy"] = batch["entropy"].clone().requires_grad_(True)
-    cfg = baselines.LossConfig(entropy_coef=0.05)
+    cfg = config.LossConfig(entropy_coef=0.05)
     loss, metrics = baselines.policy_loss("entropy_bonus", batch, cfg)
     grpo, _ = baselines.policy_loss("grpo", batch, cfg)
     mean_entropy = batch["entropy"][batch["mask"]].mean()
@@ -346,7 +347,7 @@ def test_steer_matches_the_reference_loss_and_gradient(linear, w_min, w_max):
     batch = make_batch(seed=30, batch_size=8, width=10)  # off-policy: the ratio enters the estimate
     batch["entropy"][1, 2] = float("nan")  # the reference zeroes a non-finite estimate
     batch["mask"][1, 2] = True
-    cfg = baselines.LossConfig(steer_linear=linear, steer_weight_min=w_min, steer_weight_max=w_max)
+    cfg = config.LossConfig(steer_linear=linear, steer_weight_min=w_min, steer_weight_max=w_max)
     loss, metrics = baselines.policy_loss("steer", batch, cfg)  # micro scope, as the reference
     (grad,) = torch.autograd.grad(loss, batch["logprobs"])
     token_adv = batch["advantages"][:, None].expand(8, 10) * batch["mask"]  # verl's [B, T]
@@ -453,7 +454,7 @@ def reference_ppo_loss(log_prob, old_log_prob, advantages, mask, cliprange=0.2):
 def test_w_reinforce_matches_the_reference_with_its_advantages(lam):
     # the reference's W-REINFORCE = this loss on the +-1 advantages 2r - 1 (no group baseline)
     batch, rewards, lengths = w_reinforce_batch(seed=32)
-    cfg = baselines.LossConfig(w_reinforce_lambda=lam, clip_low=0.2, clip_high=0.2, dual_clip=None)
+    cfg = config.LossConfig(w_reinforce_lambda=lam, clip_low=0.2, clip_high=0.2, dual_clip=None)
     plus_minus_one = {**batch, "advantages": 2 * rewards - 1}
     loss, metrics = baselines.policy_loss("w_reinforce", plus_minus_one, cfg)
     (grad,) = torch.autograd.grad(loss, batch["logprobs"])
@@ -473,7 +474,7 @@ def test_w_reinforce_matches_the_reference_loss_weight_on_group_advantages():
     # this loss too: a correct response has A > 0 unless its whole group is correct (A = 0).
     batch, rewards, lengths = w_reinforce_batch(seed=33)
     advantages = stare.group_advantages(rewards, group_size=4)
-    cfg = baselines.LossConfig(w_reinforce_lambda=0.3, clip_low=0.2, clip_high=0.2, dual_clip=None)
+    cfg = config.LossConfig(w_reinforce_lambda=0.3, clip_low=0.2, clip_high=0.2, dual_clip=None)
     loss, _ = baselines.policy_loss("w_reinforce", {**batch, "advantages": advantages}, cfg)
     (grad,) = torch.autograd.grad(loss, batch["logprobs"])
     token_adv = advantages[:, None] * batch["mask"]
@@ -511,7 +512,7 @@ NEUTRAL = {
 def test_neutral_setting_reproduces_grpo_exactly(method):
     # KL-Cov's base loss is unclipped, so it equals GRPO's only on-policy (r = 1), where no clip is active.
     batch = make_batch(seed=12, on_policy=(method == "kl_cov"))
-    cfg = baselines.LossConfig(**NEUTRAL[method])
+    cfg = config.LossConfig(**NEUTRAL[method])
     grpo_loss, _ = baselines.policy_loss("grpo", batch, cfg)
     (grpo_grad,) = torch.autograd.grad(grpo_loss, batch["logprobs"])
     loss, metrics = baselines.policy_loss(method, batch, cfg, generator=torch.Generator().manual_seed(0))
@@ -520,8 +521,9 @@ def test_neutral_setting_reproduces_grpo_exactly(method):
     assert metrics["touched_frac"] == 0
     # and with STARE's weights at 1 (not just P = 0)
     if method == "stare":
-        ones = dataclasses.replace(cfg, stare_top_ratio=0.3, stare_w=1.0, stare_m=1.0, stare_variant="C2")
-        assert torch.equal(baselines.policy_loss("stare", batch, ones)[0], grpo_loss)
+        ones = dataclasses.replace(cfg, stare_top_ratio=0.3, stare_variant="C2")
+        gate = stare.EntropyGate(w=1.0, m=1.0)
+        assert torch.equal(baselines.policy_loss("stare", batch, ones, gate=gate)[0], grpo_loss)
     if method == "steer":  # weights 1 are neutral for the linear map and the sensitivity too
         for linear, estimate in ((True, "steer"), (False, "sensitivity"), (True, "sensitivity")):
             other = dataclasses.replace(cfg, steer_linear=linear, steer_estimate=estimate)
@@ -550,7 +552,7 @@ def test_step_selection_makes_micro_batches_add_up(method, agg_mode):
     # Select once on the whole step, then run the loss per micro-batch with the step's counts: the sum of the
     # micro-batch losses and gradients equals the full-batch loss and gradient.
     batch = make_batch(seed=13, batch_size=8, width=10)
-    cfg = baselines.LossConfig(agg_mode=agg_mode, **ACTIVE[method])
+    cfg = config.LossConfig(agg_mode=agg_mode, **ACTIVE[method])
     selection, _ = baselines.token_selection(method, batch, cfg, generator=torch.Generator().manual_seed(0))
     # the selection is not trivial (not constant over the batch), so the test can tell the scopes apart
     assert method in ("grpo", "entropy_bonus", "w_reinforce") or any(
@@ -576,7 +578,7 @@ def test_every_method_reports_the_same_touched_key_and_one_switch_selects_it():
     batch = make_batch(seed=14)
     keys = None
     for method in baselines.METHODS:
-        cfg = baselines.LossConfig(**ACTIVE[method])
+        cfg = config.LossConfig(**ACTIVE[method])
         selection, _ = baselines.token_selection(method, batch, cfg, generator=torch.Generator().manual_seed(0))
         loss, metrics = baselines.policy_loss(method, batch, cfg, selection=selection)
         assert torch.isfinite(loss) and loss.dim() == 0
@@ -584,13 +586,13 @@ def test_every_method_reports_the_same_touched_key_and_one_switch_selects_it():
         assert set(metrics) == keys and "touched_frac" in keys
         assert (metrics["touched_frac"] > 0) == (method != "grpo"), method
     with pytest.raises(ValueError, match="did you mean 'stapo'"):
-        baselines.policy_loss("stappo", batch, baselines.LossConfig())
+        baselines.policy_loss("stappo", batch, config.LossConfig())
 
 
 @pytest.mark.parametrize("method", baselines.METHODS)
 def test_token_advantages_bf16_and_empty_batches(method):
     batch = make_batch(seed=15)
-    cfg = baselines.LossConfig(**ACTIVE[method])
+    cfg = config.LossConfig(**ACTIVE[method])
     generator = torch.Generator().manual_seed(0)
     selection, _ = baselines.token_selection(method, batch, cfg, generator=generator)
     # [B, T] advantages (the broadcast of [B]) give the same loss
@@ -617,32 +619,32 @@ def test_selections_make_no_host_sync():
     for method in baselines.METHODS:
         if method == "clip_cov":  # torch.rand has no meta generator; its selection is select_top_k, checked here
             continue
-        loss, metrics = baselines.policy_loss(method, batch, baselines.LossConfig(**ACTIVE[method]))
+        loss, metrics = baselines.policy_loss(method, batch, config.LossConfig(**ACTIVE[method]))
         assert loss.device.type == "meta"
 
 
 def test_clip_cov_requires_a_generator():
     with pytest.raises(ValueError, match="Generator"):
-        baselines.policy_loss("clip_cov", make_batch(seed=16), baselines.LossConfig())
+        baselines.policy_loss("clip_cov", make_batch(seed=16), config.LossConfig())
 
 
 def test_loss_config_rejects_bad_values_by_name():
     with pytest.raises(ValueError, match="high_entropy_convention"):
-        baselines.LossConfig(high_entropy_convention="trl")
+        config.LossConfig(high_entropy_convention="trl")
     with pytest.raises(ValueError, match="dual_clip=1.0"):
-        baselines.LossConfig(dual_clip=1.0)
+        config.LossConfig(dual_clip=1.0)
     with pytest.raises(ValueError, match="stare_top_ratio"):
-        baselines.LossConfig(stare_top_ratio=1.5)
+        config.LossConfig(stare_top_ratio=1.5)
     with pytest.raises(ValueError, match="steer_weight_min"):  # > 1: exp(-k |Omega|) would grow
-        baselines.LossConfig(steer_weight_min=1.1, steer_weight_max=1.2)
+        config.LossConfig(steer_weight_min=1.1, steer_weight_max=1.2)
     with pytest.raises(ValueError, match="w_reinforce_lambda"):
-        baselines.LossConfig(w_reinforce_lambda=-0.1)
+        config.LossConfig(w_reinforce_lambda=-0.1)
 
 
 def test_token_weights_multiply_each_token_loss():
     # e.g. truncated importance weights: the loss becomes the weighted sum over the same denominator
     batch = make_batch(seed=17)
-    cfg = baselines.LossConfig()
+    cfg = config.LossConfig()
     weights = torch.rand(6, 9, generator=torch.Generator().manual_seed(1)) * 2
     weighted, _ = baselines.policy_loss("grpo", batch, cfg, token_weights=weights)
 
@@ -661,7 +663,7 @@ def test_selection_metrics_say_why_a_method_touched_nothing():
     generator = torch.Generator().manual_seed(0)
     logprobs = -torch.rand(4, 50, generator=generator) * 5  # [B, T]
     mask = torch.ones(4, 50, dtype=torch.bool)
-    cfg = baselines.LossConfig()
+    cfg = config.LossConfig()
     batch = {"logprobs": logprobs, "old_logprobs": logprobs, "entropy": torch.rand(4, 50, generator=generator),
              "mask": mask, "proxy_logprobs": logprobs + 1.0}
     _, flat = baselines.token_selection("lp_reg", {**batch, "advantages": torch.zeros(4)}, cfg)
@@ -669,7 +671,7 @@ def test_selection_metrics_say_why_a_method_touched_nothing():
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])  # 100 negative tokens: int(0.01 * 100) = 1, not > 1
     _, few = baselines.token_selection("lp_reg", {**batch, "advantages": advantages}, cfg)
     assert (int(few["lp_reg/candidates"]), int(few["lp_reg/k"]), int(few["lp_reg/selected"])) == (100, 0, 0)
-    wide = baselines.LossConfig(lp_reg_neg_ratio=0.05)  # k = 5: the 5 least likely negative tokens
+    wide = config.LossConfig(lp_reg_neg_ratio=0.05)  # k = 5: the 5 least likely negative tokens
     _, some = baselines.token_selection("lp_reg", {**batch, "advantages": advantages}, wide)
     assert (int(some["lp_reg/k"]), int(some["lp_reg/selected"])) == (5, 5)
     _, stare_metrics = baselines.token_selection("stare", {**batch, "advantages": advantages}, cfg)

@@ -26,8 +26,8 @@ def test_paper_config_values():
     cfg = config.load(Path(CONFIGS[0]).with_name("qwen2.5_math_7b_short_stare.yaml"))
     # the reference run (docs/method.md, "The reference release"): spot checks of every section
     assert (cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.dual_clip) == (0.2, 0.28, 10.0)
-    assert (cfg.loss.stare_variant, cfg.loss.stare_top_ratio, cfg.loss.stare_w, cfg.loss.stare_m) == ("O1", 0.1, 1.1, 0.9)
-    assert (cfg.algorithm.target_entropy, cfg.algorithm.gen_batch_size, cfg.algorithm.max_num_gen_batches) == (0.3, 192, 10)
+    assert (cfg.loss.stare_variant, cfg.loss.stare_top_ratio, cfg.gate.w, cfg.gate.m) == ("O1", 0.1, 1.1, 0.9)
+    assert (cfg.gate.target_entropy, cfg.algorithm.gen_batch_size, cfg.algorithm.max_num_gen_batches) == (0.3, 192, 10)
     assert (cfg.train.train_batch_size, cfg.rollout.n, cfg.train.micro_token_budget) == (64, 8, 8192)
     assert (cfg.optim.lr, cfg.optim.grad_clip, cfg.data.max_prompt_tokens, cfg.rollout.max_tokens) == (1e-6, 1.0, 1024, 3072)
     assert (cfg.eval.n, cfg.eval.top_p) == (32, 0.7)
@@ -39,13 +39,14 @@ def test_paper_config_values():
 def test_long_cot_configs_scale_the_reweighting_and_length():
     short = config.load(Path(CONFIGS[0]).with_name("qwen2.5_math_7b_short_stare.yaml"))
     long7 = config.load(Path(CONFIGS[0]).with_name("qwen7b_long.yaml"))
-    assert (long7.loss.stare_w, long7.loss.stare_m) == (1.1, 0.9) and long7.rollout.max_tokens > short.rollout.max_tokens
+    assert (long7.gate.w, long7.gate.m) == (1.1, 0.9) and long7.rollout.max_tokens > short.rollout.max_tokens
     for size in ("14b", "32b"):  # the reference README: W = 1.05, M = 0.95 and a longer max_response
         cfg = config.load(Path(CONFIGS[0]).with_name(f"qwen{size}_long.yaml"))
-        assert (cfg.loss.stare_w, cfg.loss.stare_m) == (1.05, 0.95)
+        assert (cfg.gate.w, cfg.gate.m) == (1.05, 0.95)
         assert cfg.rollout.max_tokens > long7.rollout.max_tokens and cfg.eval.max_tokens == cfg.rollout.max_tokens
         assert cfg.train.micro_token_budget >= cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
-        assert (cfg.loss, cfg.algorithm) == (dataclasses.replace(long7.loss, stare_w=1.05, stare_m=0.95), long7.algorithm)
+        assert (cfg.loss, cfg.algorithm) == (long7.loss, long7.algorithm)
+        assert cfg.gate == dataclasses.replace(long7.gate, w=1.05, m=0.95)
 
 
 def test_overrides_are_typed(tmp_path):
@@ -80,7 +81,7 @@ def test_overrides_are_typed(tmp_path):
     ("totalsteps", "must look like section.key=value"),
     ("optim.lr=.inf", "'optim.lr': must be a finite number, got inf"),
     ("loss.clip_high=.nan", "'loss.clip_high': must be a finite number, got nan"),
-    ("algorithm.target_entropy=-1e999", "'algorithm.target_entropy': must be a finite number, got -inf"),
+    ("gate.target_entropy=-1e999", "'gate.target_entropy': must be a finite number, got -inf"),
 ])
 def test_bad_overrides_name_the_key(override, message, tmp_path):
     path = tmp_path / "c.yaml"

@@ -11,6 +11,7 @@ import time
 import pytest
 from math_verify import parse, verify
 
+import config
 import rewards
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -240,7 +241,7 @@ def test_batch_of_1000_with_known_correctness():
         else:  # no box
             golds.append(str(n)), responses.append(f"the answer is {n}"), expected.append(0.0)
     _, accuracies, metrics = rewards.compute_rewards(responses, golds, ["Short_CoT"] * 1000, [0] * 1000,
-                                                     rewards.RewardConfig())
+                                                     config.RewardConfig())
     assert accuracies == expected
     assert metrics["rollout/no_answer_frac"] == 0.2 and metrics["rollout/parse_error_frac"] == 0.0
 
@@ -350,7 +351,7 @@ def test_format_ok(response, expected):
 
 
 def test_compute_rewards_routing_composition_and_metrics():
-    cfg = rewards.RewardConfig(timeout_s=0.5, overlong_buffer_len=10, max_response_len=100, format_weight=0.5)
+    cfg = config.RewardConfig(timeout_s=0.5, overlong_buffer_len=10, max_response_len=100, format_weight=0.5)
     batch = [  # (response, ground truth, data source, length, acc, overlong penalty, format_ok)
         (r"\boxed{3+4}", "7", "tiny_sum", 50, 1.0, 0.0, True),
         (r"\boxed{7}", "7", "tiny_sum", 95, 0.0, -0.5, True),  # the sum task needs a+b: parse_error
@@ -380,24 +381,24 @@ def test_compute_rewards_routing_composition_and_metrics():
 def test_default_config_rewards_accuracy_only():
     responses = [r"\boxed{2}", r"\boxed{3}", "no box", "<think>x</think>\n<answer>1</answer>"]
     scores, accuracies, metrics = rewards.compute_rewards(responses, ["2", "2", "2", "1"], ["math"] * 4,
-                                                          [10**6] * 4, rewards.RewardConfig())
+                                                          [10**6] * 4, config.RewardConfig())
     assert scores == accuracies == [1.0, 0.0, 0.0, 0.0]
     assert metrics["rollout/overlong_penalty_mean"] == 0.0  # off, whatever the lengths
     assert metrics["rollout/format_ok_frac"] == 0.75  # logged though not rewarded
 
 
 def test_compute_rewards_empty_batch_and_length_mismatch():
-    scores, accuracies, metrics = rewards.compute_rewards([], [], [], [], rewards.RewardConfig())
+    scores, accuracies, metrics = rewards.compute_rewards([], [], [], [], config.RewardConfig())
     assert scores == accuracies == [] and metrics["rollout/acc"] == 0.0
     with pytest.raises(ValueError, match="differ in length"):
-        rewards.compute_rewards(["a", "b"], ["1"], ["math", "math"], [1, 1], rewards.RewardConfig())
+        rewards.compute_rewards(["a", "b"], ["1"], ["math", "math"], [1, 1], config.RewardConfig())
 
 
 def test_compute_rewards_never_raises_on_content():
     weird = ["", "\x00", "\\boxed{", "}}}{{{", "\\boxed{\\boxed{\\boxed{}}}", "\ud800", "$" * 10_000, "\\boxed{3+}"]
     scores, accuracies, _ = rewards.compute_rewards(weird * 2, ["1", "x"] * len(weird),
                                                     ["math"] * len(weird) + ["tiny_sum"] * len(weird),
-                                                    [0] * (2 * len(weird)), rewards.RewardConfig(timeout_s=1.0))
+                                                    [0] * (2 * len(weird)), config.RewardConfig(timeout_s=1.0))
     assert len(scores) == 2 * len(weird) and set(accuracies) == {0.0}
 
 
@@ -414,11 +415,11 @@ def test_compute_rewards_never_raises_on_content():
 ])
 def test_reward_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        rewards.RewardConfig(**kwargs)
+        config.RewardConfig(**kwargs)
 
 
 def test_reward_config_accepts_overlong_shaping_when_consistent():
-    cfg = rewards.RewardConfig(overlong_buffer_len=4096, max_response_len=20480, overlong_penalty_factor=1.0)
+    cfg = config.RewardConfig(overlong_buffer_len=4096, max_response_len=20480, overlong_penalty_factor=1.0)
     assert cfg.overlong_buffer_len == 4096
 
 
@@ -428,5 +429,5 @@ def test_exponent_notation_and_missing_responses():
     assert rewards.verify_math("\\boxed{2.5e-07}", "0.00000025") == (True, "ok")
     assert rewards.verify_math("\\boxed{2.5e-06}", "2.5e-07") == (False, "ok")
     scores, accuracies, metrics = rewards.compute_rewards([None, "\\boxed{1}"], ["1", "1"], ["x", "x"], [0, 1],
-                                                          rewards.RewardConfig())
+                                                          config.RewardConfig())
     assert accuracies == [0.0, 1.0] and metrics["rollout/no_answer_frac"] == 0.5

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data
+import config
 import rewards
 import rollout
 import tiny
@@ -64,12 +65,12 @@ def test_splits_are_disjoint_and_verifiable(tiny_dir):
         responses = [tiny.warmup_response(row, rng) for row in rows]
         _, accuracies, _ = rewards.compute_rewards(responses, [r["answer"] for r in rows],
                                                    [r["data_source"] for r in rows], [0] * len(rows),
-                                                   rewards.RewardConfig())
+                                                   config.RewardConfig())
         assert all(a == 1.0 for a in accuracies)
         wrong = [f"\\boxed{{{int(r['answer']) + 1}}}" for r in rows]
         _, accuracies, _ = rewards.compute_rewards(wrong, [r["answer"] for r in rows],
                                                    [r["data_source"] for r in rows], [0] * len(rows),
-                                                   rewards.RewardConfig())
+                                                   config.RewardConfig())
         assert not any(accuracies)
 
 
@@ -95,7 +96,7 @@ def test_tool_variant(tiny_dir):
     assert ids == prompt + call + tool + answer
     assert labels == [-100] * len(prompt) + call + [-100] * len(tool) + answer
     assert rollout.parse_tool_call(turns[0][0]) == ("print(347*29)", None)
-    _, accuracies, _ = rewards.compute_rewards([turns[-1][0]], ["10063"], ["tiny_mul"], [0], rewards.RewardConfig())
+    _, accuracies, _ = rewards.compute_rewards([turns[-1][0]], ["10063"], ["tiny_mul"], [0], config.RewardConfig())
     assert accuracies == [1.0]
 
 

@@ -24,7 +24,7 @@ def train_command(tiny_dir, out_dir, *overrides, nproc=1):
     """train.py on the tiny default (torchrun --standalone picks a free port) -> (argv, env)."""
     base = [f"model.path={tiny_dir / 'model'}", f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
             "eval.files=[]", f"train.out_dir={out_dir}", "train.total_steps=2",
-            "algorithm.target_entropy=1.0"]  # above the tiny model's entropy: the gate is on, STARE reweights
+            "gate.target_entropy=1.0"]  # above the tiny model's entropy: the gate is on, STARE reweights
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                       "--nproc_per_node", str(nproc)]
     env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
@@ -136,7 +136,7 @@ def test_config_errors_exit_before_writing(tmp_path):
 
 def test_micro_scope_and_two_mini_batches_on_two_ranks(tiny_dir, tmp_path):
     # the reference's per-micro-batch selection, two optimizer steps per training step, a small token budget
-    completed = run_train(tiny_dir, tmp_path / "run", "algorithm.stare_scope=micro", "train.mini_batch_size=8",
+    completed = run_train(tiny_dir, tmp_path / "run", "algorithm.selection_scope=micro", "train.mini_batch_size=8",
                           "train.micro_token_budget=600", "rollout.sync_check_every=1", nproc=2)
     metrics = check_finished(completed, tmp_path / "run")
     for record in metrics:
@@ -205,7 +205,7 @@ def kill_tree(process):
 def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
     # everything a step reads from the past: a warm-up + cosine schedule, an adaptive gate, the sync probe, evaluations
     steps = ["train.total_steps=4", "train.save_every=2", "train.keep_last=1", "optim.warmup_steps=3",
-             "optim.schedule=cosine", "algorithm.gate_adaptive=true", "algorithm.gate_alpha=0.1",
+             "optim.schedule=cosine", "gate.adaptive=true", "gate.alpha=0.1",
              "rollout.sync_check_every=2", f"eval.files=[{tiny_dir / 'data' / 'sum_test.jsonl'}]", "eval.n=2",
              "eval.every=2"]
     full = check_finished(run_train(tiny_dir, tmp_path / "full", *steps, nproc=2), tmp_path / "full", 4)
@@ -301,7 +301,7 @@ def test_metrics_log_writes_jsonl_and_mirrors_to_wandb(tmp_path, monkeypatch):
     log.write(3, {"rollout/acc": 0.123456789, "train/tokens": 7}, tqdm(disable=True))
     log.close()
     assert read_metrics(tmp_path) == [{"step": 3, "rollout/acc": 0.123457, "train/tokens": 7}]
-    assert calls[0][0] == "init" and calls[0][1]["config"]["loss"]["stare_w"] == cfg.loss.stare_w
+    assert calls[0][0] == "init" and calls[0][1]["config"]["gate"]["w"] == cfg.gate.w
     assert calls[0][1]["id"] == (tmp_path / "wandb_run_id").read_text() == "abc123"  # a resumed run continues it
     assert calls[1:] == [("log", 3, {"rollout/acc": 0.123456789, "train/tokens": 7}), ("finish",)]
     assert runs.MetricsLog(tmp_path, cfg, rank=1).file is None  # only rank 0 writes
@@ -482,7 +482,7 @@ def test_stages_give_the_log_probs_and_the_update_of_an_independent_computation(
         reference_loss = reference_loss - r.advantage * logprobs.sum()
     (reference_loss / sum(len(r.tokens) for r in responses)).backward()
 
-    gate = stare.EntropyGate(cfg.algorithm.target_entropy)
+    gate = stare.EntropyGate(cfg.gate.target_entropy)
     num_tokens, gate_metrics = train.update_gate(gate, responses, torch.device("cpu"))
     assert num_tokens == sum(len(r.tokens) for r in responses)
     assert gate_metrics["train/entropy"] == pytest.approx(

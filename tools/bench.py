@@ -251,7 +251,7 @@ def bench_update(args):
 
     def cfg_for(method):
         return config.load(overrides=[
-            "data.train_files=[unused.jsonl]", f"algorithm.method={method}", "algorithm.target_entropy=1e9",  # gate on
+            "data.train_files=[unused.jsonl]", f"algorithm.method={method}", "gate.target_entropy=1e9",  # gate on
             f"train.micro_token_budget={args.budget}", f"model.gradient_checkpointing={str(args.gc).lower()}",
             f"model.attn_implementation={args.attention}"])
 
@@ -279,7 +279,7 @@ def bench_update(args):
 
     def one_step(method, step):
         cfg = cfg_for(method)
-        gate = stare.EntropyGate(cfg.algorithm.target_entropy, cfg.loss.stare_w, cfg.loss.stare_m)
+        gate = stare.EntropyGate(**vars(cfg.gate))
         no_grad = timed(lambda: train.old_policy_pass(model, responses, cfg, device))
         train.update_gate(gate, responses, device)
         select = timed(lambda: train.select_tokens(responses, cfg, gate, step, device))
@@ -445,7 +445,7 @@ def reward_batch(num_responses, seed, group_size=16):
 def bench_reward_throughput(args):
     import rewards  # lazily: the other subcommands do not need math-verify
 
-    cfg = rewards.RewardConfig()
+    cfg = config.RewardConfig()
     warmup = reward_batch(64, seed=1)  # first-call costs (sympy and antlr set-up), on prompts the timed batch lacks
     rewards.compute_rewards(*warmup, [0] * 64, cfg)
     responses, ground_truths, data_sources = reward_batch(args.responses, seed=0)
@@ -906,7 +906,7 @@ def engine_cycles(model_dir, device, cycles=3, runner="v1", sleep_level=2, sleep
                       cuda_graph_gib=graph_gib[-1] if graph_gib else None, free_gib_engine=free_gib())
         model = modeling.build_model(cfg, device, 1)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
-        gate = stare.EntropyGate(cfg.algorithm.target_entropy)
+        gate = stare.EntropyGate(cfg.gate.target_entropy)
         report["free_gib_trainer"] = free_gib()
         generator = torch.Generator().manual_seed(0)
         prompt_ids = [torch.randint(3, 259, (64,), generator=generator).tolist() for _ in range(prompts)]

@@ -9,7 +9,7 @@ its key, so runs of other methods, old runs and runs without evaluation simply g
 is its directory name (--labels overrides). A half-written last line (a run still going) is skipped.
 
 Figures (x axis: the training step, train.py's "step")
-  entropy.png     train/entropy with the gate's region shaded: below algorithm.target_entropy of the run's
+  entropy.png     train/entropy with the gate's region shaded: below gate.target_entropy of the run's
                   config.yaml, where STARE reweights (none for target <= 0); dots mark the steps with
                   stare/gate_on = 1. Below it, train/surprisal (the mean -log pi of the sampled tokens: a different
                   quantity, kept in its own panel).
@@ -105,7 +105,7 @@ def read_metrics(path):
 
 
 def target_entropy(config_path):
-    """algorithm.target_entropy from a run's config.yaml, or None (no file, or no such key)."""
+    """gate.target_entropy from a run's config.yaml, or None (no file, or no such key)."""
     import yaml
 
     if not Path(config_path).is_file():

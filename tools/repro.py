@@ -228,8 +228,9 @@ def critical_w(advantages, sensitivity, logprobs, mask, top_ratio):
 
 def run_config(spec):
     """configs/tiny.yaml with the run's loss settings, gate target, seed and steps: the settings train.py would use."""
-    overrides = [f"loss.{key}={value}" for key, value in spec.loss.items() if key != "method"]
-    overrides += [f"algorithm.method={spec.loss['method']}", f"algorithm.target_entropy={spec.target_entropy}",
+    keys = {"stare_w": "gate.w", "stare_m": "gate.m"}  # STARE's weights live in the gate section
+    overrides = [f"{keys.get(key, 'loss.' + key)}={value}" for key, value in spec.loss.items() if key != "method"]
+    overrides += [f"algorithm.method={spec.loss['method']}", f"gate.target_entropy={spec.target_entropy}",
                   f"train.seed={spec.seed}", f"train.total_steps={spec.steps}"]
     if spec.lr is not None:
         overrides.append(f"optim.lr={spec.lr}")
@@ -252,9 +253,7 @@ def train_run(spec, tiny_dir, out_dir):
     model = load_model(tiny_dir, spec.task, cfg.model.attn_implementation)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
-    gate = stare.EntropyGate(cfg.algorithm.target_entropy, cfg.loss.stare_w, cfg.loss.stare_m,
-                             cfg.algorithm.gate_adaptive, cfg.algorithm.gate_alpha, cfg.algorithm.gate_w_max,
-                             cfg.algorithm.gate_m_min)
+    gate = stare.EntropyGate(**vars(cfg.gate))
     sampler = torch.Generator().manual_seed(rollout.derive_seed(spec.seed, "repro", "responses"))
     # the prompt order: the same for every method of a seed
     order = torch.Generator().manual_seed(rollout.derive_seed(spec.seed, "repro", "prompts"))
