@@ -16,14 +16,15 @@ w_reinforce, on the same tensors. GRPO, DAPO (clip-higher, dual clip, token-mean
     proxy_logprobs  Lp-Reg's min-p proxy log-prob of the sampled token (`minp_proxy_logprobs`, old policy)
     sensitivity     STEER's steer_estimate="sensitivity": stare.entropy_sensitivity, pi_old
 
-Each method first decides per token what to change (`token_selection`), then the loss applies it. Selections that
-rank or average over tokens depend on which tokens they see: `policy_loss` alone selects within the batch it is
-given (the references' per-micro-batch behaviour); the trainer instead calls `token_selection` once on the whole
-optimizer step and passes each micro-batch its slice (`selection=`), so the update does not depend on the
-micro-batch size. The token-mean's denominator is `loss_mask(...)`'s count, summed over the step.
+Each method first decides per token what to change (`token_selection`), then the loss applies it.
+Selections that rank or average over tokens depend on which tokens they see: `policy_loss` alone
+selects within the batch it is given (the references' per-micro-batch behaviour); the trainer
+instead calls `token_selection` once on the whole optimizer step and passes each micro-batch its
+slice (`selection=`), so the update does not depend on the micro-batch size. The token-mean's
+denominator is `loss_mask(...)`'s count, summed over the step.
 
-Pure functions of tensors: no I/O, no torch.distributed, no global state. Randomness (Clip-Cov) comes from a
-torch.Generator passed in.
+Pure functions of tensors: no I/O, no torch.distributed, no global state. Randomness (Clip-Cov)
+comes from a torch.Generator passed in.
 """
 
 import difflib
@@ -35,24 +36,25 @@ import stare
 
 METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy",
            "entropy_bonus", "steer", "w_reinforce")
-# What the trainer gives each method: the per-token inputs of pi_old it needs beyond logprobs, old_logprobs,
-# advantages, mask and entropy; and whether `token_selection` decides anything for it (then the trainer selects
-# once over the whole step, all ranks, and hands each micro-batch its slice).
+# What the trainer gives each method: the per-token inputs of pi_old it needs beyond logprobs,
+# old_logprobs, advantages, mask and entropy; and whether `token_selection` decides anything for it
+# (then the trainer selects once over the whole step, all ranks, and hands each micro-batch its
+# slice).
 EXTRA_INPUTS = {"lp_reg": ("proxy_logprobs",), "steer": ("sensitivity",)}
 SELECTING = ("stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "steer")
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # Selections: which tokens each method changes (no grad)
-# ======================================================================================================================
+# ==================================================================================================
 
 
 def _count_k(ratio, n, rule):
-    """k from a fraction of n (a 0-dim device tensor), the two counting rules of Eqs. 14, 16-18: 'ceil' =
-    ceil(ratio n); 'floor1' = max(1, int(ratio n)), the int() of the verl ports. Both give 0 when ratio = 0 (the
-    references' max(1, .) would still pick one token), so every method has a neutral setting. Both allow 1e-9 of
-    floating-point slack: 0.29 * 100 = 28.999999999999996 gives 29 here and 28 with the reference's int(); the two
-    differ only at such products."""
+    """k from a fraction of n (a 0-dim device tensor), the two counting rules of Eqs. 14, 16-18:
+    'ceil' = ceil(ratio n); 'floor1' = max(1, int(ratio n)), the int() of the verl ports. Both give
+    0 when ratio = 0 (the references' max(1, .) would still pick one token), so every method has a
+    neutral setting. Both allow 1e-9 of floating-point slack: 0.29 * 100 = 28.999999999999996 gives
+    29 here and 28 with the reference's int(); the two differ only at such products."""
     if ratio == 0:
         return torch.zeros((), dtype=torch.int32, device=n.device)
     x = ratio * n.double()
@@ -61,11 +63,12 @@ def _count_k(ratio, n, rule):
 
 
 def _masked_quantile(values, mask, q):
-    """The q-quantile (linear interpolation, as torch.quantile) of values[mask], without a host sync or a size limit.
-    values, mask [...] -> 0-dim float32; +inf when mask is empty."""
+    """The q-quantile (linear interpolation, as torch.quantile) of values[mask], without a host sync
+    or a size limit. values, mask [...] -> 0-dim float32; +inf when mask is empty."""
     if values.numel() == 0:
         return torch.full((), float("inf"), device=values.device)
-    ascending = torch.where(mask, values.float(), float("inf")).reshape(-1).sort().values  # valid values first
+    # valid values first
+    ascending = torch.where(mask, values.float(), float("inf")).reshape(-1).sort().values
     n = mask.sum()
     position = q * (n - 1).clamp(min=0).double()
     below, above = position.floor().long().view(1), position.ceil().long().view(1)
@@ -73,21 +76,30 @@ def _masked_quantile(values, mask, q):
     return (low + (high - low) * (position - position.floor()).float()).squeeze(0)
 
 
-def stapo_spurious_mask(logprobs, entropy, advantages, mask, prob_threshold=0.01, entropy_quantile=0.05):
+def stapo_spurious_mask(
+    logprobs, entropy, advantages, mask, prob_threshold=0.01, entropy_quantile=0.05
+):
     """STAPO's spurious tokens (Liu et al. 2026, arXiv 2602.15620; Eq. 12): positive advantage, low probability and low
     entropy: A > 0, pi < prob_threshold and H < the `entropy_quantile` quantile of the valid tokens' entropies.
 
-    logprobs, entropy, mask [B, T]; advantages [B] or [B, T] -> (spurious bool [B, T], entropy threshold 0-dim).
-    The paper releases no code; the thresholds (tau_p = 0.01, tau_h = 5th percentile) are from a secondary source
-    and configurable. The probabilities and entropies are whatever the caller passes (old policy in step scope).
-    Comparisons are in float32 (a bf16 threshold would be rounded).
+    logprobs, entropy, mask [B, T]; advantages [B] or [B, T] -> (spurious bool [B, T], entropy
+    threshold 0-dim). The paper releases no code; the thresholds (tau_p = 0.01, tau_h = 5th
+    percentile) are from a secondary source and configurable. The probabilities and entropies are
+    whatever the caller passes (old policy in step scope). Comparisons are in float32 (a bf16
+    threshold would be rounded).
     """
     valid = mask.bool()
     entropy = entropy.detach().float()
     threshold = _masked_quantile(entropy, valid, entropy_quantile)
     advantages = stare.broadcastable_advantages(advantages, logprobs)
-    log_threshold = math.log(prob_threshold) if prob_threshold > 0 else -math.inf  # tau_p = 0: STAPO off
-    spurious = valid & (advantages > 0) & (logprobs.detach().float() < log_threshold) & (entropy < threshold)
+    # tau_p = 0: STAPO off
+    log_threshold = math.log(prob_threshold) if prob_threshold > 0 else -math.inf
+    spurious = (
+        valid
+        & (advantages > 0)
+        & (logprobs.detach().float() < log_threshold)
+        & (entropy < threshold)
+    )
     return spurious, threshold
 
 
@@ -95,37 +107,45 @@ def stapo_spurious_mask(logprobs, entropy, advantages, mask, prob_threshold=0.01
 def minp_proxy_logprobs(logits, tokens, temperature=1.0, kappa=0.02, soft=False, chunk_size=None):
     """Lp-Reg's proxy log-prob of the sampled token (Huang et al. 2025, arXiv 2510.03222; Eq. 13).
 
-    logits [..., T, V] of the *old* policy (the same tensor that gives the old log-probs and entropies: no second
-    forward pass), tokens [..., T] -> log pi_proxy(token) [..., T] float32, computed in row chunks like
-    `stare.token_logprobs_and_entropy`.
+    logits [..., T, V] of the *old* policy (the same tensor that gives the old log-probs and
+    entropies: no second forward pass), tokens [..., T] -> log pi_proxy(token) [..., T] float32,
+    computed in row chunks like `stare.token_logprobs_and_entropy`.
 
-    The min-p filter uses temperature-free probabilities p = softmax(logits): it keeps V = {a : p_a >= kappa max p},
-    sets every other logit to -1e4 (soft: to the row's minimum logit), then applies the temperature and a softmax.
-    So pi_proxy(o) = pi(o) / sum_{a in V} pi(a) for o in V (at T = 1), and ~0 otherwise. (The reference's `fixed`
-    variant, p_a >= kappa, is not implemented.)
+    The min-p filter uses temperature-free probabilities p = softmax(logits): it keeps V = {a : p_a
+    >= kappa max p}, sets every other logit to -1e4 (soft: to the row's minimum logit), then applies
+    the temperature and a softmax. So pi_proxy(o) = pi(o) / sum_{a in V} pi(a) for o in V (at T =
+    1), and ~0 otherwise. (The reference's `fixed` variant, p_a >= kappa, is not implemented.)
     """
     import kernels
 
     if not (temperature > 0 and 0 < kappa <= 1):
         raise ValueError(f"need temperature > 0 and 0 < kappa <= 1, got {temperature=}, {kappa=}")
     logits_2d, tokens_1d = stare.flatten_logits(logits, tokens)
-    if kernels.supported(logits_2d):  # CUDA: two Triton passes per row instead of the chunk loop below
+    # CUDA: two Triton passes per row instead of the chunk loop below
+    if kernels.supported(logits_2d):
         return kernels.minp_proxy(logits_2d, tokens_1d, temperature, kappa, soft).view(tokens.shape)
     chunk_rows = stare.rows_per_chunk(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
     proxy = torch.empty(logits_2d.shape[0], device=logits_2d.device)  # [N] float32
-    log_kappa_tempered = math.log(kappa) / temperature  # p_a >= kappa max p  <=>  x_a - max x >= log(kappa) / T
-    for start, end, x in stare.tempered_chunks(logits_2d, temperature, chunk_rows):  # x = logits / T, [n, V]
+    # p_a >= kappa max p  <=>  x_a - max x >= log(kappa) / T
+    log_kappa_tempered = math.log(kappa) / temperature
+    # x = logits / T, [n, V]
+    for start, end, x in stare.tempered_chunks(logits_2d, temperature, chunk_rows):
         row_max = x.amax(-1, keepdim=True)
-        filtered_value = x.amin(-1, keepdim=True) if soft else torch.full_like(row_max, -1e4 / temperature)
+        filtered_value = (
+            x.amin(-1, keepdim=True) if soft else torch.full_like(row_max, -1e4 / temperature)
+        )
         kept = torch.where(x - row_max >= log_kappa_tempered, x, filtered_value)  # [n, V]
-        proxy[start:end] = kept.gather(-1, tokens_1d[start:end, None]).squeeze(-1) - torch.logsumexp(kept, -1)
+        proxy[start:end] = kept.gather(-1, tokens_1d[start:end, None]).squeeze(
+            -1
+        ) - torch.logsumexp(kept, -1)
     return proxy.view(tokens.shape)
 
 
 def lp_reg_mask(logprobs, proxy_logprobs, advantages, mask, neg_ratio=0.01):
-    """Lp-Reg's regularised tokens (Eq. 14): among the valid A < 0 tokens, the k = max(1, int(rho n))
-    with the lowest current log pi, kept only if log pi < log pi_proxy. As in the reference, nothing is selected
-    unless k > 1 (a batch needs >= 2 / rho negative tokens). logprobs, proxy_logprobs, mask [B, T] -> bool [B, T]."""
+    """Lp-Reg's regularised tokens (Eq. 14): among the valid A < 0 tokens, the k = max(1, int(rho
+    n)) with the lowest current log pi, kept only if log pi < log pi_proxy. As in the reference,
+    nothing is selected unless k > 1 (a batch needs >= 2 / rho negative tokens). logprobs,
+    proxy_logprobs, mask [B, T] -> bool [B, T]."""
     logprobs = logprobs.detach()
     negative = mask.bool() & (stare.broadcastable_advantages(advantages, logprobs) < 0)
     k = _count_k(neg_ratio, negative.sum(), "floor1")
@@ -135,8 +155,9 @@ def lp_reg_mask(logprobs, proxy_logprobs, advantages, mask, neg_ratio=0.01):
 
 
 def advantage_logprob_covariance(logprobs, advantages, mask):
-    """Cov_t = (A_t - mean A)(log pi_t - mean log pi), both means over the valid tokens (Cui et al. 2025; Eq. 15).
-    logprobs, mask [B, T], advantages [B] or [B, T] -> [B, T] float32 (0 on invalid tokens). No grad."""
+    """Cov_t = (A_t - mean A)(log pi_t - mean log pi), both means over the valid tokens (Cui et al.
+    2025; Eq. 15). logprobs, mask [B, T], advantages [B] or [B, T] -> [B, T] float32 (0 on invalid
+    tokens). No grad."""
     valid = mask.bool()
     count = valid.sum().clamp(min=1)
     logprobs = logprobs.detach().float()
@@ -146,20 +167,27 @@ def advantage_logprob_covariance(logprobs, advantages, mask):
     return centred_adv * centred_logprobs * valid
 
 
-def clip_cov_mask(logprobs, old_logprobs, advantages, mask, ratio, lb, ub, clip_low, clip_high, generator=None):
-    """Clip-Cov's detached tokens (Cui et al. 2025, arXiv 2505.22617; Eq. 16): candidates are valid tokens not already
-    clipped by the surrogate with lb < Cov < ub; min(k, #candidates) of them, k = max(1, int(ratio N_valid)), are
-    drawn uniformly at random with `generator` (required: a torch.Generator on the tensors' device, so runs are
-    reproducible and no global RNG state is touched). -> bool [B, T]."""
+def clip_cov_mask(
+    logprobs, old_logprobs, advantages, mask, ratio, lb, ub, clip_low, clip_high, generator=None
+):
+    """Clip-Cov's detached tokens (Cui et al. 2025, arXiv 2505.22617; Eq. 16): candidates are valid
+    tokens not already clipped by the surrogate with lb < Cov < ub; min(k, #candidates) of them, k =
+    max(1, int(ratio N_valid)), are drawn uniformly at random with `generator` (required: a
+    torch.Generator on the tensors' device, so runs are reproducible and no global RNG state is
+    touched). -> bool [B, T]."""
     valid = mask.bool()
     if ratio == 0:
         return torch.zeros_like(valid)
     if generator is None:
-        raise ValueError("clip_cov_mask needs a torch.Generator (pass generator=...): it draws random tokens")
+        raise ValueError(
+            "clip_cov_mask needs a torch.Generator (pass generator=...): it draws random tokens"
+        )
     logprobs = logprobs.detach()
     advantages = stare.token_advantages(advantages, logprobs)
     ratio_pi = torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))
-    already_clipped = -advantages * torch.clamp(ratio_pi, 1 - clip_low, 1 + clip_high) > -advantages * ratio_pi
+    already_clipped = (
+        -advantages * torch.clamp(ratio_pi, 1 - clip_low, 1 + clip_high) > -advantages * ratio_pi
+    )
     covariance = advantage_logprob_covariance(logprobs, advantages, mask)
     candidates = valid & ~already_clipped & (covariance > lb) & (covariance < ub)
     k = _count_k(ratio, valid.sum(), "floor1")
@@ -169,20 +197,24 @@ def clip_cov_mask(logprobs, old_logprobs, advantages, mask, ratio, lb, ub, clip_
 
 
 def kl_cov_mask(logprobs, advantages, mask, ratio):
-    """KL-Cov's penalised tokens (Cui et al. 2025; Eq. 17): the k = max(1, int(ratio N_valid)) valid tokens with the
-    largest Cov. -> bool [B, T]."""
+    """KL-Cov's penalised tokens (Cui et al. 2025; Eq. 17): the k = max(1, int(ratio N_valid)) valid
+    tokens with the largest Cov. -> bool [B, T]."""
     valid = mask.bool()
     if valid.numel() == 0:
         return valid
     covariance = advantage_logprob_covariance(logprobs, advantages, mask)  # [B, T], of either sign
-    # signed: the covariances ranked exactly as they are (shifting them to >= 0 in float32 would merge near-ties)
-    return stare.select_top_k(covariance, valid, _count_k(ratio, valid.sum(), "floor1"), signed=True)
+    # signed: the covariances ranked exactly as they are (shifting them to >= 0 in float32 would
+    # merge near-ties)
+    return stare.select_top_k(
+        covariance, valid, _count_k(ratio, valid.sum(), "floor1"), signed=True
+    )
 
 
 def high_entropy_mask(entropy, mask, top_ratio=0.2, convention="paper"):
-    """The 80/20 rule (Wang et al. 2025, arXiv 2506.01939; Eq. 18): the valid tokens with the highest entropy keep
-    their gradient. paper: k = ceil(rho N) (the top rho of the batch); lp_reg_dev: k = max(1, int(rho N)).
-    Ties at the k-th entropy are broken by position (the paper's quantile would keep them all). -> bool [B, T]."""
+    """The 80/20 rule (Wang et al. 2025, arXiv 2506.01939; Eq. 18): the valid tokens with the
+    highest entropy keep their gradient. paper: k = ceil(rho N) (the top rho of the batch);
+    lp_reg_dev: k = max(1, int(rho N)). Ties at the k-th entropy are broken by position (the paper's
+    quantile would keep them all). -> bool [B, T]."""
     valid = mask.bool()
     rule = "ceil" if convention == "paper" else "floor1"
     return stare.select_top_k(entropy.detach(), valid, _count_k(top_ratio, valid.sum(), rule))
@@ -243,38 +275,77 @@ def steer_weights(omega, mask, weight_min=0.8, weight_max=1.2, linear=False):
 
 
 def token_selection(method, batch, cfg, gate=None, generator=None):
-    """What `method` changes, per token, decided on `batch` -> (selection dict of [B, T] tensors, metrics dict).
-    The sets of Eqs. 7-8 (stare), 12-18 (the baselines) and STEER's weights (Eqs. 22, 23);
-    W-REINFORCE's weight (Eq. 24) needs no batch-level decision.
+    """What `method` changes, per token, decided on `batch` -> (selection dict of [B, T] tensors,
+    metrics dict). The sets of Eqs. 7-8 (stare), 12-18 (the baselines) and STEER's weights (Eqs. 22,
+    23); W-REINFORCE's weight (Eq. 24) needs no batch-level decision.
 
-    Call it on a micro-batch (the references' behaviour) or once on the whole optimizer step, then slice the
-    tensors per micro-batch for `policy_loss(..., selection=...)`. Uses batch["logprobs"] detached: in step scope
-    pass the old log-probs there. `gate`: a stare.EntropyGate whose gate_on, w and m STARE uses (None: EntropyGate()'s, on).
+    Call it on a micro-batch (the references' behaviour) or once on the whole optimizer step, then
+    slice the tensors per micro-batch for `policy_loss(..., selection=...)`. Uses batch["logprobs"]
+    detached: in step scope pass the old log-probs there. `gate`: a stare.EntropyGate whose gate_on,
+    w and m STARE uses (None: EntropyGate()'s, on).
     """
     _check_method(method)
     logprobs, advantages, mask = batch["logprobs"].detach(), batch["advantages"], batch["mask"]
-    # candidate counts: when a method touches nothing, they say why (no token of the right sign, too few for k)
+    # candidate counts: when a method touches nothing, they say why (no token of the right sign, too
+    # few for k)
     signed = stare.broadcastable_advantages(advantages, logprobs)
     positive, negative = (mask.bool() & (signed > 0)).sum(), (mask.bool() & (signed < 0)).sum()
     if method == "stare":
-        gate = gate if gate is not None else stare.EntropyGate()  # no gate given: on, default w and m
-        weights, stats = stare.stare_weights(logprobs, advantages, mask, cfg.stare_variant, cfg.stare_top_ratio,
-                                             gate.w, gate.m, gate.gate_on)
-        return {"weights": weights}, {**{f"stare/{key}": value for key, value in stats.items()},
-                                      "stare/positive_tokens": positive, "stare/negative_tokens": negative}
+        # no gate given: on, default w and m
+        gate = gate if gate is not None else stare.EntropyGate()
+        weights, stats = stare.stare_weights(
+            logprobs,
+            advantages,
+            mask,
+            cfg.stare_variant,
+            cfg.stare_top_ratio,
+            gate.w,
+            gate.m,
+            gate.gate_on,
+        )
+        return {"weights": weights}, {
+            **{f"stare/{key}": value for key, value in stats.items()},
+            "stare/positive_tokens": positive,
+            "stare/negative_tokens": negative,
+        }
     if method == "stapo":
-        spurious, threshold = stapo_spurious_mask(logprobs, batch["entropy"], advantages, mask,
-                                                  cfg.stapo_prob_threshold, cfg.stapo_entropy_quantile)
-        return {"spurious": spurious}, {"stapo/entropy_threshold": threshold, "stapo/candidates": positive}
+        spurious, threshold = stapo_spurious_mask(
+            logprobs,
+            batch["entropy"],
+            advantages,
+            mask,
+            cfg.stapo_prob_threshold,
+            cfg.stapo_entropy_quantile,
+        )
+        return {"spurious": spurious}, {
+            "stapo/entropy_threshold": threshold,
+            "stapo/candidates": positive,
+        }
     if method == "lp_reg":
         k = _count_k(cfg.lp_reg_neg_ratio, negative, "floor1")  # Eq. 14; nothing unless k > 1
-        regularized = lp_reg_mask(logprobs, batch["proxy_logprobs"], advantages, mask, cfg.lp_reg_neg_ratio)
-        return {"regularized": regularized}, {"lp_reg/candidates": negative, "lp_reg/k": torch.where(k > 1, k, 0),
-                                              "lp_reg/selected": regularized.sum()}
+        regularized = lp_reg_mask(
+            logprobs, batch["proxy_logprobs"], advantages, mask, cfg.lp_reg_neg_ratio
+        )
+        return {"regularized": regularized}, {
+            "lp_reg/candidates": negative,
+            "lp_reg/k": torch.where(k > 1, k, 0),
+            "lp_reg/selected": regularized.sum(),
+        }
     if method == "clip_cov":
-        return {"detached": clip_cov_mask(logprobs, batch["old_logprobs"], advantages, mask, cfg.clip_cov_ratio,
-                                          cfg.clip_cov_lb, cfg.clip_cov_ub, cfg.clip_low, cfg.clip_high,
-                                          generator)}, {}
+        return {
+            "detached": clip_cov_mask(
+                logprobs,
+                batch["old_logprobs"],
+                advantages,
+                mask,
+                cfg.clip_cov_ratio,
+                cfg.clip_cov_lb,
+                cfg.clip_cov_ub,
+                cfg.clip_low,
+                cfg.clip_high,
+                generator,
+            )
+        }, {}
     if method == "kl_cov":
         return {"penalized": kl_cov_mask(logprobs, advantages, mask, cfg.kl_cov_ratio)}, {}
     if method == "high_entropy":
@@ -292,15 +363,16 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
     return {}, {}  # grpo, entropy_bonus, w_reinforce: nothing to select
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # The loss
-# ======================================================================================================================
+# ==================================================================================================
 
 
 def loss_mask(method, mask, selection, cfg):
-    """The tokens in the denominator of Eq. 3: the valid ones, except STAPO (spurious tokens removed and the loss
-    renormalised over the rest) and 80/20 under the lp_reg_dev convention (only the kept tokens). The trainer sums
-    this mask over the optimizer step to get `num_tokens`. mask [B, T] -> bool [B, T]."""
+    """The tokens in the denominator of Eq. 3: the valid ones, except STAPO (spurious tokens removed
+    and the loss renormalised over the rest) and 80/20 under the lp_reg_dev convention (only the
+    kept tokens). The trainer sums this mask over the optimizer step to get `num_tokens`. mask [B,
+    T] -> bool [B, T]."""
     valid = mask.bool()
     if method == "stapo":
         return valid & ~selection["spurious"]
@@ -309,11 +381,20 @@ def loss_mask(method, mask, selection, cfg):
     return valid
 
 
-def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, num_tokens=None, num_sequences=None,
-                token_weights=None):
-    """The policy loss of `method` on `batch` -> (scalar loss to minimise, metrics of 0-dim tensors): the method's
-    token loss (Eq. 2 changed by Eqs. 9, 12-19, 23, 24), times token_weights (Eq. 11), aggregated by
-    Eq. 3.
+def policy_loss(
+    method,
+    batch,
+    cfg,
+    selection=None,
+    gate=None,
+    generator=None,
+    num_tokens=None,
+    num_sequences=None,
+    token_weights=None,
+):
+    """The policy loss of `method` on `batch` -> (scalar loss to minimise, metrics of 0-dim
+    tensors): the method's token loss (Eq. 2 changed by Eqs. 9, 12-19, 23, 24), times token_weights
+    (Eq. 11), aggregated by Eq. 3.
 
     selection: from `token_selection` (sliced to this batch); None = select within this batch.
     num_tokens / num_sequences: the optimizer step's counts of `loss_mask` tokens / non-empty sequences (see
@@ -335,29 +416,42 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
     logprobs, old_logprobs, mask = batch["logprobs"], batch["old_logprobs"], batch["mask"]
     valid = mask.bool()
     token_adv = stare.token_advantages(batch["advantages"], logprobs).to(logprobs.dtype)  # [B, T]
-    surrogate, surrogate_stats = stare.clipped_surrogate(logprobs, old_logprobs, batch["advantages"], cfg.clip_low,
-                                                         cfg.clip_high, cfg.dual_clip, mask=mask)
+    surrogate, surrogate_stats = stare.clipped_surrogate(
+        logprobs,
+        old_logprobs,
+        batch["advantages"],
+        cfg.clip_low,
+        cfg.clip_high,
+        cfg.dual_clip,
+        mask=mask,
+    )
     # -A r without clipping: Lp-Reg's regularised tokens and KL-Cov's base loss
     unclipped = -token_adv * torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))
 
     # ----------------------------------------------- ALGO LOGIC: one branch per method -------------------------------
-    if method in ("grpo", "stapo"):  # Eq. 12: STAPO's change is in the mask, spurious tokens leave loss and denominator
+    # Eq. 12: STAPO's change is in the mask, spurious tokens leave loss and denominator
+    if method in ("grpo", "stapo"):
         token_loss = surrogate
         touched = selection["spurious"] if method == "stapo" else torch.zeros_like(valid)
     elif method == "stare":  # Eq. 9
         token_loss = surrogate * selection["weights"]
         touched = selection["weights"] != 1
-    elif method == "lp_reg":  # Eq. 14: -A r + beta k3(log pi_proxy - log pi) on the selected tokens, no clip there
-        # verl's low_var_kl: the log-ratio clamped to +-20, the k3 value to [-10, 10] (k3 >= 0, so only the top
-        # bound acts: past pi_proxy / pi = 13.6 the regulariser is flat and its gradient 0)
+    # Eq. 14: -A r + beta k3(log pi_proxy - log pi) on the selected tokens, no clip there
+    elif method == "lp_reg":
+        # verl's low_var_kl: the log-ratio clamped to +-20, the k3 value to [-10, 10] (k3 >= 0, so
+        # only the top bound acts: past pi_proxy / pi = 13.6 the regulariser is flat and its
+        # gradient 0)
         delta = torch.clamp(batch["proxy_logprobs"] - logprobs, -20.0, 20.0)
-        k3 = torch.clamp(torch.exp(delta) - delta - 1, max=10.0)  # d/d log pi = 1 - pi_proxy / pi < 0 if pi < pi_proxy
+        # d/d log pi = 1 - pi_proxy / pi < 0 if pi < pi_proxy
+        k3 = torch.clamp(torch.exp(delta) - delta - 1, max=10.0)
         touched = selection["regularized"]
         token_loss = torch.where(touched, unclipped + cfg.lp_reg_coef * k3, surrogate)
-    elif method == "clip_cov":  # Eq. 16: the selected tokens' loss (and gradient) is zeroed, kept in the denominator
+    # Eq. 16: the selected tokens' loss (and gradient) is zeroed, kept in the denominator
+    elif method == "clip_cov":
         touched = selection["detached"]
         token_loss = surrogate * ~touched
-    elif method == "kl_cov":  # Eq. 17: unclipped -A r everywhere, + beta |log pi - log pi_old| on the top-Cov tokens
+    # Eq. 17: unclipped -A r everywhere, + beta |log pi - log pi_old| on the top-Cov tokens
+    elif method == "kl_cov":
         touched = selection["penalized"]
         token_loss = unclipped + cfg.kl_cov_coef * (logprobs - old_logprobs).abs() * touched
     elif method == "high_entropy":  # Eq. 18: gradient only through the high-entropy tokens
@@ -373,12 +467,18 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
     else:  # entropy_bonus, Eq. 19: -beta H per token, H with grad
         token_loss = surrogate - cfg.entropy_coef * batch["entropy"]
         touched = torch.full_like(valid, cfg.entropy_coef != 0)
-    # -----------------------------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------------------
 
     if token_weights is not None:
         token_loss = token_loss * token_weights.detach()
-    loss = stare.aggregate_loss(token_loss, loss_mask(method, mask, selection, cfg), cfg.agg_mode, num_tokens,
-                                num_sequences, cfg.loss_scale_factor)
+    loss = stare.aggregate_loss(
+        token_loss,
+        loss_mask(method, mask, selection, cfg),
+        cfg.agg_mode,
+        num_tokens,
+        num_sequences,
+        cfg.loss_scale_factor,
+    )
     num_valid = valid.sum().clamp(min=1)
     metrics.update(surrogate_stats)
     metrics["touched_frac"] = (touched & valid).sum() / num_valid

@@ -1,4 +1,5 @@
-"""checkpoints.py: sharded, atomic checkpoints for exact resume, and the Hugging Face export (used by train.py).
+"""checkpoints.py: sharded, atomic checkpoints for exact resume, and the Hugging Face export (used
+by train.py).
 
 out_dir/checkpoints/step_00000010/   sharded/ (model + optimizer, one file per rank: torch.distributed.checkpoint),
                                      trainer.pt (step, data position, scheduler, gate, probe), rng_rank{r}.pt (every
@@ -27,7 +28,11 @@ CHECKPOINT_NAME = re.compile(r"step_(\d+)")
 def list_checkpoints(out_dir):
     """Complete checkpoints under out_dir/checkpoints, oldest first (hidden .tmp / .deleting ones never count)."""
     root = Path(out_dir) / "checkpoints"
-    found = [p for p in root.glob("step_*") if CHECKPOINT_NAME.fullmatch(p.name) and (p / "trainer.pt").exists()]
+    found = [
+        p
+        for p in root.glob("step_*")
+        if CHECKPOINT_NAME.fullmatch(p.name) and (p / "trainer.pt").exists()
+    ]
     return sorted(found, key=checkpoint_step)
 
 
@@ -36,9 +41,14 @@ def checkpoint_step(path):
 
 
 def rng_states():
-    """Every RNG of this process. No step draws from them today (sampling, data order and Clip-Cov's ties are seeded
-    from (seed, step, index)); they are kept so that a change that does (dropout, say) still resumes exactly."""
-    states = {"python": random.getstate(), "numpy": numpy.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG of this process. No step draws from them today (sampling, data order and Clip-Cov's
+    ties are seeded from (seed, step, index)); they are kept so that a change that does (dropout,
+    say) still resumes exactly."""
+    states = {
+        "python": random.getstate(),
+        "numpy": numpy.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
     return states
@@ -63,12 +73,14 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
     root = Path(out_dir) / "checkpoints"
     final, partial = root / f"step_{step:08d}", root / f".step_{step:08d}.tmp"
     if rank == 0:
-        for leftover in root.glob(".step_*"):  # of runs killed while saving or pruning (possibly huge)
+        # of runs killed while saving or pruning (possibly huge)
+        for leftover in root.glob(".step_*"):
             shutil.rmtree(leftover, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    # an optimizer that has not stepped yet has no state; get_state_dict would create it with a zero-lr step, and
-    # the next real update would then use the wrong bias correction: save the model alone
+    # an optimizer that has not stepped yet has no state; get_state_dict would create it with a
+    # zero-lr step, and the next real update would then use the wrong bias correction: save the
+    # model alone
     has_optimizer_state = bool(optimizer.state)
     if has_optimizer_state:
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -80,17 +92,21 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
         dcp.save(shards, checkpoint_id=partial / "sharded")
         torch.save(rng_states(), partial / f"rng_rank{rank}.pt")
         if rank == 0:
-            torch.save({**trainer_state, "world_size": world, "has_optimizer_state": has_optimizer_state},
-                       partial / "trainer.pt")
+            torch.save(
+                {**trainer_state, "world_size": world, "has_optimizer_state": has_optimizer_state},
+                partial / "trainer.pt",
+            )
             (partial / "config.yaml").write_text(config.to_yaml(cfg))
-    # a full disk shows as any of these (torch's zip writer: "unexpected pos"; DCP wraps its writers' errors in a
-    # CheckpointException, which derives from BaseException)
+    # a full disk shows as any of these (torch's zip writer: "unexpected pos"; DCP wraps its
+    # writers' errors in a CheckpointException, which derives from BaseException)
     except (OSError, RuntimeError, CheckpointException) as error:
-        cause = next(iter(getattr(error, "failures", {}).values()), error)  # DCP's: {rank: the writer's error}
+        # DCP's: {rank: the writer's error}
+        cause = next(iter(getattr(error, "failures", {}).values()), error)
         cause = cause[0] if isinstance(cause, tuple) else cause
         failure = f"rank {rank}: {type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:300]}"
     failures = [None] * world
-    dist.all_gather_object(failures, failure)  # every shard is on disk, or every rank learns which one is not
+    # every shard is on disk, or every rank learns which one is not
+    dist.all_gather_object(failures, failure)
     failures = [f for f in failures if f is not None]
     if failures:
         if rank == 0:
@@ -99,14 +115,18 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
         free = shutil.disk_usage(root).free / 2**20
         full = " (the file system is full)" if free < 64 else ""
         previous = list_checkpoints(out_dir)
-        raise RunError(f"error: saving the checkpoint of step {step} to {root} failed ({failures[0]}; {free:.0f} MiB "
-                       f"free there{full}); its partial files were removed, and "
-                       f"{previous[-1] if previous else 'no earlier checkpoint'} and metrics.jsonl are as they were")
+        raise RunError(
+            f"error: saving the checkpoint of step {step} to {root} failed ({failures[0]}; {free:.0f} MiB "
+            f"free there{full}); its partial files were removed, and "
+            f"{previous[-1] if previous else 'no earlier checkpoint'} and metrics.jsonl are as they were"
+        )
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
+        # a checkpoint of the same step from an earlier attempt
+        shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)  # the atomic step: from here on this checkpoint counts
         for old in list_checkpoints(out_dir)[:-cfg.train.keep_last]:
-            doomed = old.with_name("." + old.name + ".deleting")  # hidden first, so a half-deleted one never counts
+            # hidden first, so a half-deleted one never counts
+            doomed = old.with_name("." + old.name + ".deleting")
             os.replace(old, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
     dist.barrier()
@@ -114,11 +134,16 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
 
 
 def load_checkpoint(path, model, optimizer, rank):
-    """Restore the model's shards (DCP reshards if the world size changed), the optimizer's when given and saved, and
-    this rank's RNGs; -> the trainer state (step, data position, scheduler, gate, probe, ...)."""
+    """Restore the model's shards (DCP reshards if the world size changed), the optimizer's when
+    given and saved, and this rank's RNGs; -> the trainer state (step, data position, scheduler,
+    gate, probe, ...)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                         set_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     path = Path(path)
     if not (path / "trainer.pt").exists():
@@ -128,15 +153,21 @@ def load_checkpoint(path, model, optimizer, rank):
         model_state, optimizer_state = get_state_dict(model, optimizer)
         shards = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(shards, checkpoint_id=path / "sharded")
-        set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
+        set_state_dict(
+            model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"]
+        )
     else:
         shards = {"model": get_model_state_dict(model)}
         dcp.load(shards, checkpoint_id=path / "sharded")
         set_model_state_dict(model, shards["model"])
     rng_file = path / f"rng_rank{rank}.pt"
-    if not rng_file.exists():  # fewer ranks wrote this checkpoint: the stream of random numbers will differ
-        print(f"warning: {rng_file} missing (checkpoint written by {trainer_state['world_size']} ranks); "
-              f"using rank 0's RNG state, so the resumed run is not bit-exact", file=sys.stderr)
+    # fewer ranks wrote this checkpoint: the stream of random numbers will differ
+    if not rng_file.exists():
+        print(
+            f"warning: {rng_file} missing (checkpoint written by {trainer_state['world_size']} ranks); "
+            f"using rank 0's RNG state, so the resumed run is not bit-exact",
+            file=sys.stderr,
+        )
         rng_file = path / "rng_rank0.pt"
     set_rng_states(torch.load(rng_file, weights_only=False))
     return trainer_state
@@ -154,34 +185,41 @@ def read_trainer_state(checkpoint):
 
 
 def check_files(checkpoint):
-    """RunError naming the first file of a checkpoint that is missing or shorter than its index says (a save cut
-    short, a truncated copy): DCP's metadata lists every tensor's file, offset and length, so this reads no data."""
+    """RunError naming the first file of a checkpoint that is missing or shorter than its index says
+    (a save cut short, a truncated copy): DCP's metadata lists every tensor's file, offset and
+    length, so this reads no data."""
     import torch.distributed.checkpoint as dcp
 
     sharded = Path(checkpoint) / "sharded"
     try:
         metadata = dcp.FileSystemReader(str(sharded)).read_metadata()
     except Exception as error:  # missing or corrupt .metadata: pickling, EOF or OS errors
-        raise RunError(f"error: {sharded}/.metadata cannot be read ({type(error).__name__}: {error})") from None
+        raise RunError(
+            f"error: {sharded}/.metadata cannot be read ({type(error).__name__}: {error})"
+        ) from None
     needed = {}
     for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        needed[info.relative_path] = max(
+            needed.get(info.relative_path, 0), info.offset + info.length
+        )
     for name, size in sorted(needed.items()):
         path = sharded / name
         if not path.is_file():
             raise RunError(f"error: {path} is missing (the checkpoint's index lists it)")
         if path.stat().st_size < size:
-            raise RunError(f"error: {path} is truncated ({path.stat().st_size} bytes, its index needs {size})")
+            raise RunError(
+                f"error: {path} is truncated ({path.stat().st_size} bytes, its index needs {size})"
+            )
     if not list(Path(checkpoint).glob("rng_rank*.pt")):
         raise RunError(f"error: {checkpoint} has no rng_rank*.pt")
 
 
 def resume_checkpoint(cfg, check_later=True, rank=0):
-    """The checkpoint train.resume names (auto: out_dir's latest readable one, None when there is none; never: None;
-    else that path). With auto, an unreadable checkpoint is skipped with a warning for the one before it. Raises
-    RunError when a named checkpoint cannot be used, or (check_later) when out_dir holds checkpoints after the step
-    this run would start at: they belong to another trajectory, which pruning and `resume: auto` would mix with this
-    one."""
+    """The checkpoint train.resume names (auto: out_dir's latest readable one, None when there is
+    none; never: None; else that path). With auto, an unreadable checkpoint is skipped with a
+    warning for the one before it. Raises RunError when a named checkpoint cannot be used, or
+    (check_later) when out_dir holds checkpoints after the step this run would start at: they belong
+    to another trajectory, which pruning and `resume: auto` would mix with this one."""
     out_dir, resume = Path(cfg.train.out_dir), cfg.train.resume
     checkpoint, start_step, unreadable = None, 0, []
     if resume == "auto":
@@ -192,7 +230,10 @@ def resume_checkpoint(cfg, check_later=True, rank=0):
             except RunError as error:
                 unreadable.append(candidate)
                 if rank == 0:
-                    print(f"warning: {error}; falling back to the checkpoint before it", file=sys.stderr)
+                    print(
+                        f"warning: {error}; falling back to the checkpoint before it",
+                        file=sys.stderr,
+                    )
                 continue
             start_step, checkpoint = step, candidate
             break
@@ -203,11 +244,17 @@ def resume_checkpoint(cfg, check_later=True, rank=0):
             check_files(checkpoint)
         except RunError as error:
             raise RunError(f"{error} (train.resume={resume!r})") from None
-    later = [p.name for p in list_checkpoints(out_dir) if checkpoint_step(p) > start_step and p not in unreadable]
+    later = [
+        p.name
+        for p in list_checkpoints(out_dir)
+        if checkpoint_step(p) > start_step and p not in unreadable
+    ]
     if check_later and later:
-        raise RunError(f"error: {out_dir}/checkpoints holds checkpoints after step {start_step}, where this run "
-                       f"starts (train.resume={resume!r}): {', '.join(later)}; use another train.out_dir "
-                       f"or delete them")
+        raise RunError(
+            f"error: {out_dir}/checkpoints holds checkpoints after step {start_step}, where this run "
+            f"starts (train.resume={resume!r}): {', '.join(later)}; use another train.out_dir "
+            f"or delete them"
+        )
     return checkpoint
 
 
@@ -216,12 +263,15 @@ def export_hf(model, cfg, tokenizer, path, rank):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if rank == 0:
         with torch.device("meta"):
             fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
         fresh.load_state_dict(state, assign=True)
         fresh.tie_weights()  # assign=True replaced the tied parameters with separate tensors
-        fresh.to(getattr(torch, cfg.model.param_dtype)).save_pretrained(path)  # the dtype the model trained in
+        # the dtype the model trained in
+        fresh.to(getattr(torch, cfg.model.param_dtype)).save_pretrained(path)
         tokenizer.save_pretrained(path)
     dist.barrier()

@@ -1,15 +1,18 @@
-"""config.py: the one typed configuration of a run, loaded from YAML, overridable from the command line.
+"""config.py: the one typed configuration of a run, loaded from YAML, overridable from the command
+line.
 
     cfg = config.load("configs/tiny.yaml", ["train.total_steps=20", "gate.target_entropy=0.2"])
     print(config.to_yaml(cfg))          # the resolved config: logged, saved next to the metrics and in checkpoints
 
-Every field has a type and a comment; every value a run uses is visible in its YAML file or here. A config is
-checked completely before anything heavy (a model, an engine) is built, and a bad one fails with a ConfigError that
-names the key: an unknown key (with the nearest valid one suggested), a value of the wrong type, a value outside
-its range, or an impossible combination. Overrides are `section.key=value`; the value is read as YAML (`3`, `0.5`,
-`true`, `null`, `[a, b]`, or a bare string).
+Every field has a type and a comment; every value a run uses is visible in its YAML file or here. A
+config is checked completely before anything heavy (a model, an engine) is built, and a bad one
+fails with a ConfigError that names the key: an unknown key (with the nearest valid one suggested),
+a value of the wrong type, a value outside its range, or an impossible combination. Overrides are
+`section.key=value`; the value is read as YAML (`3`, `0.5`, `true`, `null`, `[a, b]`, or a bare
+string).
 
-Every section is defined here, with its comments and checks; the modules that use one take it as an argument.
+Every section is defined here, with its comments and checks; the modules that use one take it as an
+argument.
 """
 
 import dataclasses
@@ -28,7 +31,8 @@ import baselines
 import data
 import rewards
 import stare
-from sandbox import SandboxConfig  # a plain `import sandbox` would be shadowed by the field of that name
+# a plain `import sandbox` would be shadowed by the field of that name
+from sandbox import SandboxConfig
 
 
 class ConfigError(ValueError):
@@ -41,13 +45,16 @@ class ModelConfig:
     param_dtype: str = "bfloat16"  # FSDP2 compute dtype of parameters: bfloat16 | float16 | float32
     reduce_dtype: str = "float32"  # FSDP2 gradient reduction dtype
     gradient_checkpointing: bool = False  # recompute activations in backward (long responses)
-    attn_implementation: str = "varlen"  # varlen (modeling.py: packed rows) | sdpa | eager | flash_attention_2
+    # varlen (modeling.py: packed rows) | sdpa | eager | flash_attention_2
+    attn_implementation: str = "varlen"
 
 
 @dataclasses.dataclass
 class DataConfig:
-    train_files: list[str] = dataclasses.field(default_factory=list)  # .jsonl / .parquet (see data.py)
-    prompt_suffix: str | None = data.STARE_SUFFIX  # appended to plain {"problem", "answer"} rows; null = none
+    # .jsonl / .parquet (see data.py)
+    train_files: list[str] = dataclasses.field(default_factory=list)
+    # appended to plain {"problem", "answer"} rows; null = none
+    prompt_suffix: str | None = data.STARE_SUFFIX
     max_prompt_tokens: int = 1024  # longer prompts are handled by `overflow`
     overflow: str = "left_truncate"  # left_truncate (verl's "left") | skip | error
     shuffle: bool = True  # reshuffle the prompts every epoch (deterministically from train.seed)
@@ -57,38 +64,54 @@ class DataConfig:
 class RolloutConfig:
     n: int = 8  # responses per prompt (the GRPO group size)
     temperature: float = 1.0  # the trainer divides its logits by the same value
-    top_p: float = 1.0  # keep 1: truncated sampling makes sampler and trainer log-probs disagree (TRL #6789)
+    # keep 1: truncated sampling makes sampler and trainer log-probs disagree (TRL #6789)
+    top_p: float = 1.0
     top_k: int = 0  # 0 = off, for the same reason
     max_tokens: int = 3072  # max response tokens
-    dtype: str = "auto"  # vLLM weights dtype; auto = vLLM's choice (a float32 checkpoint runs in bfloat16)
-    gpu_memory_utilization: float = 0.3  # GPU: fraction of the GPU for vLLM (weights + KV cache); leave room for FSDP
+    # vLLM weights dtype; auto = vLLM's choice (a float32 checkpoint runs in bfloat16)
+    dtype: str = "auto"
+    # GPU: fraction of the GPU for vLLM (weights + KV cache); leave room for FSDP
+    gpu_memory_utilization: float = 0.3
     kv_cache_gib: float | None = None  # CPU: the KV cache size in GiB (required there); GPU: null
     tensor_parallel_size: int = 1  # GPUs per vLLM engine: consecutive ranks share one
     max_num_seqs: int = 256  # concurrent sequences per engine
     enable_sleep_mode: bool = False  # GPU: release the KV cache and weights while training
-    sleep_level: int = 2  # 2: drop the weights (the sync rewrites them); 1: keep a host copy (vLLM #29341)
+    # 2: drop the weights (the sync rewrites them); 1: keep a host copy (vLLM #29341)
+    sleep_level: int = 2
     enforce_eager: bool = False  # no CUDA graphs / compilation (faster start-up, slower sampling)
-    model_runner: str = "v1"  # vLLM's GPU model runner: v1 (the CPU runner's sibling) | v2 (0.32's GPU default)
-    sync_check_every: int = 10  # steps between checks of the weight-sync probe (and the first step); 0 = never
-    max_sync_probe_error: float = 2.0  # stop when the probe's max |engine - trainer| log-prob exceeds this
-    max_logprob_mismatch: float = 0.25  # stop when a step's mean |rollout - trainer| log-prob exceeds this
-    tools: bool = False  # multi-turn code-interpreter rollouts (rollout.generate_with_tools; sandbox section)
-    max_turns: int = 4  # tools: model turns per response; max_tokens bounds model + tool tokens together
-    max_tool_response_tokens: int = 512  # tools: tokens of one tool output shown to the model (head and tail)
+    # vLLM's GPU model runner: v1 (the CPU runner's sibling) | v2 (0.32's GPU default)
+    model_runner: str = "v1"
+    # steps between checks of the weight-sync probe (and the first step); 0 = never
+    sync_check_every: int = 10
+    # stop when the probe's max |engine - trainer| log-prob exceeds this
+    max_sync_probe_error: float = 2.0
+    # stop when a step's mean |rollout - trainer| log-prob exceeds this
+    max_logprob_mismatch: float = 0.25
+    # multi-turn code-interpreter rollouts (rollout.generate_with_tools; sandbox section)
+    tools: bool = False
+    # tools: model turns per response; max_tokens bounds model + tool tokens together
+    max_turns: int = 4
+    # tools: tokens of one tool output shown to the model (head and tail)
+    max_tool_response_tokens: int = 512
 
 
 @dataclasses.dataclass
 class AlgorithmConfig:
     method: str = "stare"  # one of baselines.METHODS
-    normalize_std: bool = True  # GRPO advantages (r - mean) / std; false = Dr.GRPO's mean-centering only
+    # GRPO advantages (r - mean) / std; false = Dr.GRPO's mean-centering only
+    normalize_std: bool = True
     dynamic_sampling: bool = True  # DAPO: drop groups whose rewards are all equal, refill the batch
-    max_num_gen_batches: int = 10  # give up (with an error) after this many rounds per step; 0 = no limit
-    gen_batch_size: int = 192  # prompts per generation round (across ranks); >= train.train_batch_size
-    selection_scope: str = "step"  # where every method picks its tokens (L+/L-, ranked or masked tokens):
+    # give up (with an error) after this many rounds per step; 0 = no limit
+    max_num_gen_batches: int = 10
+    # prompts per generation round (across ranks); >= train.train_batch_size
+    gen_batch_size: int = 192
+    # where every method picks its tokens (L+/L-, ranked or masked tokens):
+    selection_scope: str = "step"
     #   step: once per optimizer step over the whole batch across ranks, so the update does not depend on
     #         the micro-batch size or the world size;
     #   micro: inside each micro-batch on current log-probs, exactly as the references do
-    importance_sampling: bool = False  # multiply the token loss by min(pi_old / pi_rollout, is_cap) (opt-in)
+    # multiply the token loss by min(pi_old / pi_rollout, is_cap) (opt-in)
+    importance_sampling: bool = False
     is_cap: float = 2.0
 
 
@@ -99,7 +122,8 @@ class GateConfig:
     target_entropy: float = 0.3  # reweight only while the batch entropy is below this
     w: float = 1.1  # weight on L+ (the most surprising positive-advantage tokens)
     m: float = 0.9  # weight on L- (variant C2)
-    adaptive: bool = False  # move w and m by alpha per step towards stronger reweighting below the target
+    # move w and m by alpha per step towards stronger reweighting below the target
+    adaptive: bool = False
     alpha: float = 0.01
     w_max: float = 1.5  # adaptive: w stays in [1, w_max]
     m_min: float = 0.5  # adaptive: m stays in [m_min, 1]
@@ -107,38 +131,50 @@ class GateConfig:
 
 @dataclasses.dataclass
 class LossConfig:
-    """Hyperparameters of the policy loss. Each method's own knobs default to its paper's reference scripts (Eqs.
-    12-19, 22-24). The clipped surrogate is shared by every method (a controlled comparison: only the token-level
-    change differs), with the STARE/DAPO settings; the references of Lp-Reg, Clip-Cov and W-REINFORCE use no dual
-    clip and other clip ranges (Lp-Reg clip_low=1.0, clip_high=9.0; Clip-Cov 1.0/1.0; W-REINFORCE 0.2/0.2): set
-    those here to reproduce them exactly."""
+    """Hyperparameters of the policy loss. Each method's own knobs default to its paper's reference
+    scripts (Eqs. 12-19, 22-24). The clipped surrogate is shared by every method (a controlled
+    comparison: only the token-level change differs), with the STARE/DAPO settings; the references
+    of Lp-Reg, Clip-Cov and W-REINFORCE use no dual clip and other clip ranges (Lp-Reg clip_low=1.0,
+    clip_high=9.0; Clip-Cov 1.0/1.0; W-REINFORCE 0.2/0.2): set those here to reproduce them
+    exactly."""
 
     # --- shared: the clipped surrogate and its aggregation (Eqs. 2, 3) ---
     clip_low: float = 0.2  # ratio clip below 1 - clip_low
     clip_high: float = 0.28  # ratio clip above 1 + clip_high (DAPO's clip-higher)
-    dual_clip: float | None = 10.0  # dual-clip bound c for A < 0 (STARE/DAPO scripts: 10); None = off
+    # dual-clip bound c for A < 0 (STARE/DAPO scripts: 10); None = off
+    dual_clip: float | None = 10.0
     agg_mode: str = "token-mean"  # one of stare.LOSS_AGG_MODES; Dr.GRPO: seq-mean-token-sum-norm
-    loss_scale_factor: float | None = None  # Dr.GRPO's constant (e.g. the max response length); None = padded width
-    # --- STARE's selection (Eqs. 7, 8); its weights w, m and the gate are the `gate` section (GateConfig) ---
+    # Dr.GRPO's constant (e.g. the max response length); None = padded width
+    loss_scale_factor: float | None = None
+    # --- STARE's selection (Eqs. 7, 8); its weights w, m and the gate are the `gate` section
+    # (GateConfig) ---
     stare_variant: str = "O1"  # O1: amplify L+ only; C2: also damp L-
-    stare_top_ratio: float = 0.1  # P: fraction of A > 0 (and A < 0) tokens with the highest surprisal
-    # --- STAPO (Eq. 12). No public code: tau_p and tau_h are from a secondary source (a DiDi tech article) ---
+    # P: fraction of A > 0 (and A < 0) tokens with the highest surprisal
+    stare_top_ratio: float = 0.1
+    # --- STAPO (Eq. 12). No public code: tau_p and tau_h are from a secondary source (a DiDi tech
+    # article) ---
     stapo_prob_threshold: float = 0.01  # tau_p: spurious tokens have pi < tau_p ...
-    stapo_entropy_quantile: float = 0.05  # ... and H below this quantile of the batch's valid-token entropies
+    # ... and H below this quantile of the batch's valid-token entropies
+    stapo_entropy_quantile: float = 0.05
     # --- Lp-Reg (Eqs. 13, 14) ---
     lp_reg_kappa: float = 0.02  # min-p proxy keeps tokens with p >= kappa * max p
-    lp_reg_soft: bool = False  # filtered tokens get the row's minimum logit instead of -1e4 (minp_soft)
-    lp_reg_neg_ratio: float = 0.01  # rho-: fraction of A < 0 tokens (lowest pi) regularised; 0.005 for 32B
+    # filtered tokens get the row's minimum logit instead of -1e4 (minp_soft)
+    lp_reg_soft: bool = False
+    # rho-: fraction of A < 0 tokens (lowest pi) regularised; 0.005 for 32B
+    lp_reg_neg_ratio: float = 0.01
     lp_reg_coef: float = 1.0  # beta on the k3 term (ppo_kl_coef)
     # --- Clip-Cov / KL-Cov (Eqs. 15-17); ratios are fractions, not the PRIME repo's percentages ---
     clip_cov_ratio: float = 0.0002  # fraction of valid tokens detached
     clip_cov_lb: float = 1.0  # covariance window (lb, ub) for Clip-Cov candidates
     clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.002  # fraction of valid tokens with the highest covariance penalised (7B script)
+    # fraction of valid tokens with the highest covariance penalised (7B script)
+    kl_cov_ratio: float = 0.002
     kl_cov_coef: float = 1.0  # beta on |log pi - log pi_old|
     # --- 80/20 high-entropy tokens (Eq. 18) ---
-    high_entropy_ratio: float = 0.2  # rho: fraction of valid tokens (highest entropy) that keep their gradient
-    high_entropy_convention: str = "paper"  # paper: ceil(rho N) kept, all valid tokens in the denominator;
+    # rho: fraction of valid tokens (highest entropy) that keep their gradient
+    high_entropy_ratio: float = 0.2
+    # paper: ceil(rho N) kept, all valid tokens in the denominator;
+    high_entropy_convention: str = "paper"
     #                                          lp_reg_dev: max(1, int(rho N)) kept, only kept tokens in the denominator
     # --- entropy bonus (Eq. 19) ---
     entropy_coef: float = 0.001  # beta in loss - beta * H
@@ -151,15 +187,18 @@ class LossConfig:
 
     def __post_init__(self):
         checks = {
-            "clip_low": self.clip_low > 0, "clip_high": self.clip_high > 0,
+            "clip_low": self.clip_low > 0,
+            "clip_high": self.clip_high > 0,
             "dual_clip": self.dual_clip is None or self.dual_clip > 1,
             "agg_mode": self.agg_mode in stare.LOSS_AGG_MODES,
             "stare_variant": self.stare_variant.upper() in ("O1", "C2"),
             "stare_top_ratio": 0 <= self.stare_top_ratio <= 1,
             "stapo_prob_threshold": 0 <= self.stapo_prob_threshold <= 1,
             "stapo_entropy_quantile": 0 <= self.stapo_entropy_quantile <= 1,
-            "lp_reg_kappa": 0 < self.lp_reg_kappa <= 1, "lp_reg_neg_ratio": 0 <= self.lp_reg_neg_ratio <= 1,
-            "clip_cov_ratio": 0 <= self.clip_cov_ratio <= 1, "clip_cov_ub": self.clip_cov_ub > self.clip_cov_lb,
+            "lp_reg_kappa": 0 < self.lp_reg_kappa <= 1,
+            "lp_reg_neg_ratio": 0 <= self.lp_reg_neg_ratio <= 1,
+            "clip_cov_ratio": 0 <= self.clip_cov_ratio <= 1,
+            "clip_cov_ub": self.clip_cov_ub > self.clip_cov_lb,
             "kl_cov_ratio": 0 <= self.kl_cov_ratio <= 1,
             "high_entropy_ratio": 0 <= self.high_entropy_ratio <= 1,
             "high_entropy_convention": self.high_entropy_convention in ("paper", "lp_reg_dev"),
@@ -169,32 +208,48 @@ class LossConfig:
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
-            raise ValueError("invalid loss config: " + ", ".join(f"{name}={getattr(self, name)!r}" for name in bad))
+            raise ValueError(
+                "invalid loss config: "
+                + ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
+            )
 
 
 @dataclasses.dataclass
 class RewardConfig:
-    answer_format: str = "boxed"  # "boxed": only the last \boxed{} counts; "any": math-verify searches the whole text
-    timeout_s: float = 5.0  # deadline for checking one response (main thread only; see _call_with_deadline)
-    overlong_buffer_len: int = 0  # DAPO overlong shaping over the last this-many tokens; 0 = off (STARE's default)
+    # "boxed": only the last \boxed{} counts; "any": math-verify searches the whole text
+    answer_format: str = "boxed"
+    # deadline for checking one response (main thread only; see _call_with_deadline)
+    timeout_s: float = 5.0
+    # DAPO overlong shaping over the last this-many tokens; 0 = off (STARE's default)
+    overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0  # the penalty at max_response_len, which is -factor
-    max_response_len: int = 0  # the sampler's max new tokens; it must be > overlong_buffer_len when shaping is on
-    format_weight: float = 0.0  # reward += format_weight * format_ok; 0 = format is logged, not rewarded (reference)
+    # the sampler's max new tokens; it must be > overlong_buffer_len when shaping is on
+    max_response_len: int = 0
+    # reward += format_weight * format_ok; 0 = format is logged, not rewarded (reference)
+    format_weight: float = 0.0
 
     def __post_init__(self):
         if self.answer_format not in rewards.ANSWER_FORMATS:
-            raise ValueError(f"answer_format must be one of {rewards.ANSWER_FORMATS}, got {self.answer_format!r}")
+            raise ValueError(
+                f"answer_format must be one of {rewards.ANSWER_FORMATS}, got {self.answer_format!r}"
+            )
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.overlong_buffer_len < 0:
-            raise ValueError(f"overlong_buffer_len must be >= 0 (0 = off), got {self.overlong_buffer_len}")
+            raise ValueError(
+                f"overlong_buffer_len must be >= 0 (0 = off), got {self.overlong_buffer_len}"
+            )
         if not self.overlong_penalty_factor >= 0:
-            raise ValueError(f"overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}")
+            raise ValueError(
+                f"overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}"
+            )
         if self.max_response_len < 0:
             raise ValueError(f"max_response_len must be >= 0, got {self.max_response_len}")
         if self.overlong_buffer_len > 0 and self.max_response_len <= self.overlong_buffer_len:
-            raise ValueError(f"max_response_len ({self.max_response_len}) must be > overlong_buffer_len "
-                             f"({self.overlong_buffer_len}) when overlong shaping is on")
+            raise ValueError(
+                f"max_response_len ({self.max_response_len}) must be > overlong_buffer_len "
+                f"({self.overlong_buffer_len}) when overlong shaping is on"
+            )
         if not math.isfinite(self.format_weight):
             raise ValueError(f"format_weight must be finite, got {self.format_weight}")
 
@@ -208,35 +263,45 @@ class OptimConfig:
     schedule: str = "constant"  # constant | cosine (to min_lr_ratio * lr at train.total_steps)
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
-    max_nonfinite_steps: int = 3  # consecutive skipped steps (non-finite loss or grad norm) before the run stops
+    # consecutive skipped steps (non-finite loss or grad norm) before the run stops
+    max_nonfinite_steps: int = 3
     loss_scale_init: float = 65536.0  # float16 compute only: dynamic loss scaling's first scale
-    loss_scale_window: int = 1000  # float16: optimizer steps without overflow before the scale doubles
+    # float16: optimizer steps without overflow before the scale doubles
+    loss_scale_window: int = 1000
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    train_batch_size: int = 64  # prompts per step, across all ranks (each brings rollout.n responses)
-    mini_batch_size: int = 64  # prompts per optimizer step; == train_batch_size: one update per step (on-policy)
-    micro_token_budget: int = 8192  # tokens per micro-batch per rank: prompt + response, summed over its rows
+    # prompts per step, across all ranks (each brings rollout.n responses)
+    train_batch_size: int = 64
+    # prompts per optimizer step; == train_batch_size: one update per step (on-policy)
+    mini_batch_size: int = 64
+    # tokens per micro-batch per rank: prompt + response, summed over its rows
+    micro_token_budget: int = 8192
     total_steps: int = 1000
     seed: int = 0  # everything random derives from it (data order, sampling, Clip-Cov)
     out_dir: str = "runs/default"  # config.yaml, metrics.jsonl, checkpoints/, hf/ go here
     save_every: int = 10  # steps between checkpoints; 0 = only at the end
     keep_last: int = 3  # checkpoints kept (>= 1)
-    resume: str = "auto"  # auto: continue from out_dir's latest checkpoint if any | never | a checkpoint path
+    # auto: continue from out_dir's latest checkpoint if any | never | a checkpoint path
+    resume: str = "auto"
     log_every: int = 1  # steps between console lines (metrics.jsonl gets every step)
     wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`)
     wandb_project: str = "stare"  # the W&B project; the run is named after out_dir
-    nccl_timeout_minutes: int = 60  # collectives wait this long for a slow rank (long rollouts, first compile)
-    tensorboard: bool = False  # also log to TensorBoard under out_dir/tensorboard (needs `pip install tensorboard`)
+    # collectives wait this long for a slow rank (long rollouts, first compile)
+    nccl_timeout_minutes: int = 60
+    # also log to TensorBoard under out_dir/tensorboard (needs `pip install tensorboard`)
+    tensorboard: bool = False
 
 
 @dataclasses.dataclass
 class EvalConfig:
     every: int = 10  # steps between evaluations (and after the last step); 0 = never
     before_train: bool = True  # also evaluate the starting model (logged as step 0; not on resume)
-    files: list[str] = dataclasses.field(default_factory=list)  # benchmark files (data.py formats; see evaluate.py)
-    n: int | None = None  # samples per prompt (avg@n, pass@k); null = the paper's per benchmark (evaluate.default_n)
+    # benchmark files (data.py formats; see evaluate.py)
+    files: list[str] = dataclasses.field(default_factory=list)
+    # samples per prompt (avg@n, pass@k); null = the paper's per benchmark (evaluate.default_n)
+    n: int | None = None
     temperature: float = 1.0
     top_p: float = 0.7  # the paper's validation setting
     max_tokens: int = 3072
@@ -244,12 +309,14 @@ class EvalConfig:
 
 @dataclasses.dataclass
 class HardwareConfig:
-    """What the run is planned for: `train.py --plan` checks every phase's memory against it (plan.py), and a GPU
-    run checks the same plan against its own device before it loads anything."""
+    """What the run is planned for: `train.py --plan` checks every phase's memory against it
+    (plan.py), and a GPU run checks the same plan against its own device before it loads
+    anything."""
 
     nodes: int = 1
     gpus_per_node: int = 1  # ranks per node: one per GPU
-    gpu_gib: float = 79.0  # memory per GPU as PyTorch reports it (H100 80GB: ~79 GiB; H200: ~139 GiB)
+    # memory per GPU as PyTorch reports it (H100 80GB: ~79 GiB; H200: ~139 GiB)
+    gpu_gib: float = 79.0
     host_gib: float | None = None  # RAM per node; null = not checked
 
 
@@ -265,7 +332,8 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
-    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)  # used with rollout.tools
+    # used with rollout.tools
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
     hardware: HardwareConfig = dataclasses.field(default_factory=HardwareConfig)
 
 
@@ -293,9 +361,9 @@ CHOICES = {  # fields with a fixed set of values
 }
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Loading
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def load(path=None, overrides=()):
@@ -310,9 +378,13 @@ def load(path=None, overrides=()):
         except yaml.YAMLError as error:
             raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
         if raw is None:
-            raise ConfigError(f"config file {path} is empty (a run's settings are a mapping of sections)")
+            raise ConfigError(
+                f"config file {path} is empty (a run's settings are a mapping of sections)"
+            )
         if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+            raise ConfigError(
+                f"config file {path} must hold a mapping of sections, got {type(raw).__name__}"
+            )
     for override in overrides:
         _apply_override(raw, override)
     cfg = _build(Config, raw, "")
@@ -349,15 +421,23 @@ def _apply_override(raw, override):
 def _build(cls, raw, prefix):
     """Instantiate dataclass `cls` from a dict, checking every key and type; nested dataclasses recurse."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"config key {prefix.rstrip('.') or '<root>'!r} must be a mapping, got {raw!r}")
+        raise ConfigError(
+            f"config key {prefix.rstrip('.') or '<root>'!r} must be a mapping, got {raw!r}"
+        )
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in raw:
         if prefix + str(key) in RENAMED:
-            raise ConfigError(f"config key {prefix + str(key)!r} is now {RENAMED[prefix + str(key)]!r}")
+            raise ConfigError(
+                f"config key {prefix + str(key)!r} is now {RENAMED[prefix + str(key)]!r}"
+            )
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" (did you mean {prefix + close[0]!r}?)" if close else f" (valid: {', '.join(fields)})"
+            hint = (
+                f" (did you mean {prefix + close[0]!r}?)"
+                if close
+                else f" (valid: {', '.join(fields)})"
+            )
             raise ConfigError(f"config key {prefix + str(key)!r}: unknown key{hint}")
     values = {}
     for name, value in raw.items():
@@ -386,7 +466,8 @@ def _coerce(value, hint, key):
         return [_coerce(item, args[0], f"{key}[{i}]") for i, item in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string: accept the number
+    # YAML 1.1 reads 1e-6 (no dot) as a string: accept the number
+    if hint is float and isinstance(value, str):
         try:
             value = float(value)
         except ValueError:
@@ -394,13 +475,15 @@ def _coerce(value, hint, key):
     if hint is float and isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"config key {key!r}: must be a finite number, got {value!r}")
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ConfigError(f"config key {key!r}: expected {hint.__name__}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(
+            f"config key {key!r}: expected {hint.__name__}, got {value!r} ({type(value).__name__})"
+        )
     return value
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Checks
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def check(cfg, world_size=None):
@@ -411,16 +494,46 @@ def check(cfg, world_size=None):
             close = difflib.get_close_matches(str(value), allowed, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"config key {key!r}: {value!r} is not one of {allowed}{hint}")
-    positive = ["rollout.n", "rollout.max_tokens", "data.max_prompt_tokens", "train.train_batch_size",
-                "train.mini_batch_size", "train.micro_token_budget", "train.total_steps", "algorithm.gen_batch_size",
-                "rollout.temperature", "rollout.tensor_parallel_size", "train.keep_last", "rollout.max_num_seqs", "optim.lr",
-                "eval.temperature", "eval.max_tokens", "rollout.max_turns", "rollout.max_tool_response_tokens",
-                "hardware.nodes", "hardware.gpus_per_node", "hardware.gpu_gib", "rollout.max_sync_probe_error",
-                "rollout.max_logprob_mismatch", "optim.loss_scale_init", "optim.loss_scale_window",
-                "train.nccl_timeout_minutes"]
-    non_negative = ["optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
-                    "train.save_every", "train.log_every", "eval.every", "rollout.sync_check_every",
-                    "algorithm.max_num_gen_batches", "gate.alpha", "optim.max_nonfinite_steps"]
+    positive = [
+        "rollout.n",
+        "rollout.max_tokens",
+        "data.max_prompt_tokens",
+        "train.train_batch_size",
+        "train.mini_batch_size",
+        "train.micro_token_budget",
+        "train.total_steps",
+        "algorithm.gen_batch_size",
+        "rollout.temperature",
+        "rollout.tensor_parallel_size",
+        "train.keep_last",
+        "rollout.max_num_seqs",
+        "optim.lr",
+        "eval.temperature",
+        "eval.max_tokens",
+        "rollout.max_turns",
+        "rollout.max_tool_response_tokens",
+        "hardware.nodes",
+        "hardware.gpus_per_node",
+        "hardware.gpu_gib",
+        "rollout.max_sync_probe_error",
+        "rollout.max_logprob_mismatch",
+        "optim.loss_scale_init",
+        "optim.loss_scale_window",
+        "train.nccl_timeout_minutes",
+    ]
+    non_negative = [
+        "optim.weight_decay",
+        "optim.warmup_steps",
+        "optim.grad_clip",
+        "optim.min_lr_ratio",
+        "train.save_every",
+        "train.log_every",
+        "eval.every",
+        "rollout.sync_check_every",
+        "algorithm.max_num_gen_batches",
+        "gate.alpha",
+        "optim.max_nonfinite_steps",
+    ]
     for key in positive:
         if not _get(cfg, key) > 0:
             raise ConfigError(f"config key {key!r}: must be > 0, got {_get(cfg, key)!r}")
@@ -433,16 +546,31 @@ def check(cfg, world_size=None):
         ("eval.n", cfg.eval.n is None or cfg.eval.n >= 1, "must be >= 1 or null"),
         ("rollout.top_k", cfg.rollout.top_k >= -1, "must be >= -1 (0 or -1 = off)"),
         ("rollout.n", cfg.rollout.n >= 2, "must be >= 2: a group of one response has no baseline"),
-        ("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size == 1 or not cfg.rollout.tools,
-         "must be 1 with rollout.tools (the ranks of one engine would each run the tool calls)"),
-        ("rollout.tensor_parallel_size", cfg.hardware.gpus_per_node % cfg.rollout.tensor_parallel_size == 0,
-         f"must divide hardware.gpus_per_node ({cfg.hardware.gpus_per_node}): an engine stays on one node"),
-        ("train.mini_batch_size", cfg.train.train_batch_size % cfg.train.mini_batch_size == 0,
-         f"must divide train.train_batch_size ({cfg.train.train_batch_size})"),
-        ("algorithm.gen_batch_size", cfg.algorithm.gen_batch_size >= cfg.train.train_batch_size,
-         f"must be >= train.train_batch_size ({cfg.train.train_batch_size})"),
-        ("optim.betas", len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
-         "must be two numbers in [0, 1)"),
+        (
+            "rollout.tensor_parallel_size",
+            cfg.rollout.tensor_parallel_size == 1 or not cfg.rollout.tools,
+            "must be 1 with rollout.tools (the ranks of one engine would each run the tool calls)",
+        ),
+        (
+            "rollout.tensor_parallel_size",
+            cfg.hardware.gpus_per_node % cfg.rollout.tensor_parallel_size == 0,
+            f"must divide hardware.gpus_per_node ({cfg.hardware.gpus_per_node}): an engine stays on one node",
+        ),
+        (
+            "train.mini_batch_size",
+            cfg.train.train_batch_size % cfg.train.mini_batch_size == 0,
+            f"must divide train.train_batch_size ({cfg.train.train_batch_size})",
+        ),
+        (
+            "algorithm.gen_batch_size",
+            cfg.algorithm.gen_batch_size >= cfg.train.train_batch_size,
+            f"must be >= train.train_batch_size ({cfg.train.train_batch_size})",
+        ),
+        (
+            "optim.betas",
+            len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
+            "must be two numbers in [0, 1)",
+        ),
         ("optim.min_lr_ratio", cfg.optim.min_lr_ratio <= 1, "must be <= 1"),
         ("algorithm.is_cap", cfg.algorithm.is_cap >= 1, "must be >= 1"),
         ("gate.w", cfg.gate.w > 0, "must be > 0"),
@@ -450,13 +578,22 @@ def check(cfg, world_size=None):
         ("gate.w_max", cfg.gate.w_max >= 1, "must be >= 1"),
         ("gate.m_min", 0 <= cfg.gate.m_min <= 1, "must be in [0, 1]"),
         ("data.train_files", bool(cfg.data.train_files), "needs at least one file"),
-        ("train.wandb", not cfg.train.wandb or importlib.util.find_spec("wandb") is not None,
-         "needs the wandb package (pip install wandb)"),
-        ("train.tensorboard", not cfg.train.tensorboard or importlib.util.find_spec("tensorboard") is not None,
-         "needs the tensorboard package (pip install tensorboard)"),
-        ("reward.max_response_len", cfg.reward.overlong_buffer_len == 0
-         or cfg.reward.max_response_len == cfg.rollout.max_tokens,
-         f"must equal rollout.max_tokens ({cfg.rollout.max_tokens}) when overlong shaping is on"),
+        (
+            "train.wandb",
+            not cfg.train.wandb or importlib.util.find_spec("wandb") is not None,
+            "needs the wandb package (pip install wandb)",
+        ),
+        (
+            "train.tensorboard",
+            not cfg.train.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+            "needs the tensorboard package (pip install tensorboard)",
+        ),
+        (
+            "reward.max_response_len",
+            cfg.reward.overlong_buffer_len == 0
+            or cfg.reward.max_response_len == cfg.rollout.max_tokens,
+            f"must equal rollout.max_tokens ({cfg.rollout.max_tokens}) when overlong shaping is on",
+        ),
     ]
     if world_size is not None:
         rules += [
@@ -486,15 +623,19 @@ def to_yaml(cfg):
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, width=120)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Paths: checked before anything heavy starts (and never looked up on a hub: nothing is downloaded)
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def describe_path(path):
     """A path as an error message should show it: relative paths with the directory they are read from."""
     path = Path(path)
-    return str(path) if path.is_absolute() else f"{path} (relative to the working directory {Path.cwd()})"
+    return (
+        str(path)
+        if path.is_absolute()
+        else f"{path} (relative to the working directory {Path.cwd()})"
+    )
 
 
 def _named(key):
@@ -503,29 +644,42 @@ def _named(key):
 
 
 def check_model_path(path, key="model.path"):
-    """A local Hugging Face model directory: config.json, a tokenizer and weights. Raises ConfigError naming what is
-    missing and where to get it."""
+    """A local Hugging Face model directory: config.json, a tokenizer and weights. Raises
+    ConfigError naming what is missing and where to get it."""
     path, key = Path(path), _named(key)
     where = describe_path(path)
-    get_it = (f"nothing is downloaded at run time: fetch it first, e.g. `huggingface-cli download <org>/{path.name} "
-              f"--local-dir {path}` (docs/usage.md, \"Models and data for GPU runs\")")
+    get_it = (
+        f"nothing is downloaded at run time: fetch it first, e.g. `huggingface-cli download <org>/{path.name} "
+        f'--local-dir {path}` (docs/usage.md, "Models and data for GPU runs")'
+    )
     if not path.exists():
         raise ConfigError(f"{key}: {where} does not exist; {get_it}")
     if not path.is_dir():
         raise ConfigError(f"{key}: {where} is a file, not a model directory")
     if (path / "hf" / "config.json").exists():
-        raise ConfigError(f"{key}: {where} is a training run's directory; its model is {path / 'hf'}")
+        raise ConfigError(
+            f"{key}: {where} is a training run's directory; its model is {path / 'hf'}"
+        )
     try:
-        quantization = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+        quantization = (
+            json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+        )
     except (OSError, ValueError):
         quantization = {}
     if isinstance(quantization, dict) and quantization.get("quant_method") == "gguf":
-        raise ConfigError(f"{key}: {where}/config.json still names the GGUF quantization it was converted from, "
-                          f"which vLLM refuses; convert it with `python -m tools.convert_gguf` (docs/usage.md, "
-                          f"\"A small real model, offline\")")
-    missing = [what for what, names in (("config.json", ("config.json",)),
-                                        ("a tokenizer (tokenizer.json)", ("tokenizer.json", "tokenizer_config.json")))
-               if not any((path / name).exists() for name in names)]
+        raise ConfigError(
+            f"{key}: {where}/config.json still names the GGUF quantization it was converted from, "
+            f"which vLLM refuses; convert it with `python -m tools.convert_gguf` (docs/usage.md, "
+            f'"A small real model, offline")'
+        )
+    missing = [
+        what
+        for what, names in (
+            ("config.json", ("config.json",)),
+            ("a tokenizer (tokenizer.json)", ("tokenizer.json", "tokenizer_config.json")),
+        )
+        if not any((path / name).exists() for name in names)
+    ]
     if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
         missing.append("weights (*.safetensors)")
     if missing:
@@ -536,21 +690,28 @@ def check_model_path(path, key="model.path"):
 def check_model_config(path, key="model.path"):
     """The config.json of a model directory (all that a memory plan reads) -> the directory. Raises ConfigError."""
     if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"{_named(key)}: {describe_path(path)} holds no config.json (a memory plan needs only "
-                          f"that file of the model)")
+        raise ConfigError(
+            f"{_named(key)}: {describe_path(path)} holds no config.json (a memory plan needs only "
+            f"that file of the model)"
+        )
     return path
 
 
 def check_context(model_path, max_model_len, keys):
-    """That prompts and responses fit the model's context (config.json's max_position_embeddings): vLLM refuses a
-    longer max_model_len only once its engine is half built. keys: what sets max_model_len, for the message."""
+    """That prompts and responses fit the model's context (config.json's max_position_embeddings):
+    vLLM refuses a longer max_model_len only once its engine is half built. keys: what sets
+    max_model_len, for the message."""
     try:
-        positions = json.loads((Path(model_path) / "config.json").read_text()).get("max_position_embeddings")
+        positions = json.loads((Path(model_path) / "config.json").read_text()).get(
+            "max_position_embeddings"
+        )
     except (OSError, ValueError):
         return  # check_model_path reports an unreadable config.json
     if positions is not None and max_model_len > positions:
-        raise ConfigError(f"{keys} = {max_model_len} tokens exceeds the model's context "
-                          f"(max_position_embeddings = {positions} in {Path(model_path) / 'config.json'})")
+        raise ConfigError(
+            f"{keys} = {max_model_len} tokens exceeds the model's context "
+            f"(max_position_embeddings = {positions} in {Path(model_path) / 'config.json'})"
+        )
 
 
 def check_files(paths, key):
@@ -566,31 +727,42 @@ def check_files(paths, key):
 def check_paths(cfg):
     """The model, data and resume paths a run reads, and that train.out_dir can be written."""
     check_model_path(cfg.model.path)
-    longest = max(cfg.rollout.max_tokens, cfg.eval.max_tokens if cfg.eval.every and cfg.eval.files else 0)
+    longest = max(
+        cfg.rollout.max_tokens, cfg.eval.max_tokens if cfg.eval.every and cfg.eval.files else 0
+    )
     check_context(cfg.model.path, cfg.data.max_prompt_tokens + longest,
                   "data.max_prompt_tokens + rollout.max_tokens (or eval.max_tokens)")
     check_files(cfg.data.train_files, "data.train_files")
     if cfg.eval.every:
         check_files(cfg.eval.files, "eval.files")
-    if cfg.train.resume not in ("auto", "never") and not (Path(cfg.train.resume) / "trainer.pt").is_file():
-        raise ConfigError(f"config key 'train.resume': {describe_path(cfg.train.resume)} is not a complete "
-                          f"checkpoint (no trainer.pt)")
+    if (
+        cfg.train.resume not in ("auto", "never")
+        and not (Path(cfg.train.resume) / "trainer.pt").is_file()
+    ):
+        raise ConfigError(
+            f"config key 'train.resume': {describe_path(cfg.train.resume)} is not a complete "
+            f"checkpoint (no trainer.pt)"
+        )
     out_dir = Path(cfg.train.out_dir)
     existing = next(p for p in [out_dir, *out_dir.parents] if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"config key 'train.out_dir': {describe_path(out_dir)} cannot be created or written "
-                          f"({existing} is not a writable directory)")
+        raise ConfigError(
+            f"config key 'train.out_dir': {describe_path(out_dir)} cannot be created or written "
+            f"({existing} is not a writable directory)"
+        )
 
 
 def check_writable_file(path, key):
-    """That `path` can be written (its directory is created; an existing file is left as it is), before the work
-    whose result it will hold."""
+    """That `path` can be written (its directory is created; an existing file is left as it is),
+    before the work whose result it will hold."""
     path, existed = Path(path), Path(path).exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a"):
             pass
     except OSError as error:
-        raise ConfigError(f"{_named(key)}: cannot write {describe_path(path)} ({error.strerror})") from None
+        raise ConfigError(
+            f"{_named(key)}: cannot write {describe_path(path)} ({error.strerror})"
+        ) from None
     if not existed:
         path.unlink()

@@ -1,13 +1,15 @@
-"""data.py: prompt sets. Load examples from JSONL or Parquet, write synthetic splits, tokenize prompts.
+"""data.py: prompt sets. Load examples from JSONL or Parquet, write synthetic splits, tokenize
+prompts.
 
     examples = data.load_examples("data/train.parquet")          # plain rows get STARE's instruction appended
     prompt_ids, kept, stats = data.tokenize_prompts(examples, tokenizer, max_prompt_tokens=1024)
     data.save_jsonl([{"problem": "Find x if 2x = 84.", "answer": 42}], "data/toy.jsonl")
 
-Pure Python plus pyarrow: no vLLM, no torch, no torch.distributed. Files are chosen by extension: .jsonl (one JSON
-object per line, blank lines skipped) or .parquet (one row per example). Every problem is a ValueError that starts
-with where it is ("data/train.jsonl:3: ...", "data/train.parquet row 5: ..."): a missing file, an unknown
-extension, no examples, invalid JSON, a missing or empty field, a ground truth of the wrong type.
+Pure Python plus pyarrow: no vLLM, no torch, no torch.distributed. Files are chosen by extension:
+.jsonl (one JSON object per line, blank lines skipped) or .parquet (one row per example). Every
+problem is a ValueError that starts with where it is ("data/train.jsonl:3: ...", "data/train.parquet
+row 5: ..."): a missing file, an unknown extension, no examples, invalid JSON, a missing or empty
+field, a ground truth of the wrong type.
 
 Row formats, detected per row:
   verl   {"prompt": [{"role": "user", "content": "..."}], "reward_model": {"ground_truth": "42"}, "data_source": ...}
@@ -19,9 +21,9 @@ Ground truths are strings, or numbers written as the verifier reads them (`_grou
 2.5e-07 -> "0.00000025"). data_source: the row's own, else `default_data_source`, else the file's stem.
 
 Tokenization applies the tokenizer's chat template with the generation prompt. A prompt longer than
-max_prompt_tokens is handled by `overflow`: "left_truncate" keeps the LAST max_prompt_tokens ids (verl's
-truncation="left", the STARE setting: the generation prompt at the end survives, the head of the question is
-lost), "skip" drops the example (counted in stats["num_skipped"]), "error" raises.
+max_prompt_tokens is handled by `overflow`: "left_truncate" keeps the LAST max_prompt_tokens ids
+(verl's truncation="left", the STARE setting: the generation prompt at the end survives, the head of
+the question is lost), "skip" drops the example (counted in stats["num_skipped"]), "error" raises.
 """
 
 import dataclasses
@@ -44,19 +46,22 @@ class Example:
 
     messages: list[dict]  # [{"role": "user", "content": "..."}, ...]
     ground_truth: str  # the reference answer the reward function compares against
-    data_source: str  # routes the reward function and groups eval metrics (e.g. "Short_CoT", "AIME24")
-    origin: str  # where it came from, for error messages: "data/train.jsonl:7" or "data/train.parquet row 7"
+    # routes the reward function and groups eval metrics (e.g. "Short_CoT", "AIME24")
+    data_source: str
+    # where it came from, for error messages: "data/train.jsonl:7" or "data/train.parquet row 7"
+    origin: str
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # Loading
-# ======================================================================================================================
+# ==================================================================================================
 
 
 def load_examples(
     path, default_data_source: str | None = None, prompt_suffix: str | None = STARE_SUFFIX
 ) -> list[Example]:
-    """Read a .jsonl or .parquet prompt set into Examples, in file order; every bad row is a ValueError.
+    """Read a .jsonl or .parquet prompt set into Examples, in file order; every bad row is a
+    ValueError.
 
     default_data_source: used for rows without their own data_source (else the file's stem).
     prompt_suffix: appended after a newline to plain-format problems; None or "" appends nothing. verl-format rows
@@ -71,7 +76,8 @@ def load_examples(
         raise ValueError(f"{path}: unknown extension {extension!r} (expected .jsonl or .parquet)")
     fallback_source = default_data_source or path.stem
     examples = [
-        _example_from_row(row, origin, fallback_source, prompt_suffix) for origin, row in readers[extension](path)
+        _example_from_row(row, origin, fallback_source, prompt_suffix)
+        for origin, row in readers[extension](path)
     ]
     if not examples:
         raise ValueError(f"{path}: no examples")
@@ -86,7 +92,8 @@ def _read_jsonl_rows(path):
     except UnicodeDecodeError as error:
         line = data[: error.start].count(b"\n") + 1
         raise ValueError(f"{path}:{line}: not valid UTF-8 ({error.reason})") from None
-    # split("\n"), not splitlines(): U+2028 and friends may appear unescaped inside JSON strings and are not line ends.
+    # split("\n"), not splitlines(): U+2028 and friends may appear unescaped inside JSON strings and
+    # are not line ends.
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
@@ -95,7 +102,9 @@ def _read_jsonl_rows(path):
             row = json.loads(line)
         except json.JSONDecodeError as error:
             # error.lineno is always 1 here (one line per document), so report the column only.
-            raise ValueError(f"{origin}: invalid JSON ({error.msg} at column {error.colno})") from None
+            raise ValueError(
+                f"{origin}: invalid JSON ({error.msg} at column {error.colno})"
+            ) from None
         yield origin, row
 
 
@@ -118,14 +127,18 @@ def _example_from_row(row, origin, fallback_source, prompt_suffix):
         raise ValueError(f"{origin}: row must be a JSON object, got {type(row).__name__}")
     if "prompt" in row:
         messages = _verl_messages(row["prompt"], origin)
-        ground_truth = _ground_truth(_verl_ground_truth(row, origin), "reward_model.ground_truth", origin)
+        ground_truth = _ground_truth(
+            _verl_ground_truth(row, origin), "reward_model.ground_truth", origin
+        )
     elif "problem" in row:
         problem = _non_empty_string(row["problem"], "problem", origin)
         content = (problem + "\n" + prompt_suffix) if prompt_suffix else problem
         messages = [{"role": "user", "content": content}]
         ground_truth = _ground_truth(_required(row, "answer", origin), "answer", origin)
     else:
-        raise ValueError(f"{origin}: row has neither 'prompt' (verl format) nor 'problem' (plain format)")
+        raise ValueError(
+            f"{origin}: row has neither 'prompt' (verl format) nor 'problem' (plain format)"
+        )
     return Example(messages, ground_truth, _data_source(row, origin, fallback_source), origin)
 
 
@@ -133,14 +146,22 @@ def _verl_messages(prompt, origin):
     """verl's "prompt": a non-empty list of {role, content} dicts (a numpy array of dicts when read via pandas)."""
     if hasattr(prompt, "tolist") and not isinstance(prompt, (str, bytes)):
         prompt = prompt.tolist()  # numpy object array -> list, without importing numpy
-    if not isinstance(prompt, (list, tuple)) or not prompt or not all(isinstance(m, Mapping) for m in prompt):
-        raise ValueError(f"{origin}: field 'prompt' must be a non-empty list of {{role, content}} messages")
+    if (
+        not isinstance(prompt, (list, tuple))
+        or not prompt
+        or not all(isinstance(m, Mapping) for m in prompt)
+    ):
+        raise ValueError(
+            f"{origin}: field 'prompt' must be a non-empty list of {{role, content}} messages"
+        )
     messages = []
     for index, message in enumerate(prompt, start=1):
         for key in ("role", "content"):
             value = message.get(key)
             if not isinstance(value, str):
-                raise ValueError(f"{origin}: field 'prompt' message {index} needs a string '{key}', got {value!r}")
+                raise ValueError(
+                    f"{origin}: field 'prompt' message {index} needs a string '{key}', got {value!r}"
+                )
             if not value.strip():
                 raise ValueError(f"{origin}: field 'prompt' message {index} has empty '{key}'")
         messages.append(dict(message))
@@ -157,10 +178,11 @@ def _verl_ground_truth(row, origin):
 
 
 def _ground_truth(value, field, origin):
-    """A ground truth as a string: strings as given (not blank); ints as str(int); integral floats without ".0"
-    (pandas turns int columns with gaps into floats, and "42.0" would only be a second spelling of 42); other floats
-    in the digits of Python's shortest round-trip repr, written out positionally (0.1 -> "0.1", 2.5e-07 ->
-    "0.00000025"). NaN, inf, booleans and lists are errors."""
+    """A ground truth as a string: strings as given (not blank); ints as str(int); integral floats
+    without ".0" (pandas turns int columns with gaps into floats, and "42.0" would only be a second
+    spelling of 42); other floats in the digits of Python's shortest round-trip repr, written out
+    positionally (0.1 -> "0.1", 2.5e-07 -> "0.00000025"). NaN, inf, booleans and lists are
+    errors."""
     if isinstance(value, str):
         if not value.strip():
             raise ValueError(f"{origin}: field '{field}' is empty")
@@ -172,9 +194,12 @@ def _ground_truth(value, field, origin):
         value = float(value)
         if not math.isfinite(value):
             raise ValueError(f"{origin}: field '{field}' must be finite, got {value}")
-        # plain positional digits: repr would give "2.5e-07", which math-verify reads as 2.5*e - 7 (Euler's e)
+        # plain positional digits: repr would give "2.5e-07", which math-verify reads as 2.5*e - 7
+        # (Euler's e)
         return str(int(value)) if value.is_integer() else format(decimal.Decimal(repr(value)), "f")
-    raise ValueError(f"{origin}: field '{field}' must be a string or a number, got {type(value).__name__}")
+    raise ValueError(
+        f"{origin}: field '{field}' must be a string or a number, got {type(value).__name__}"
+    )
 
 
 def _data_source(row, origin, fallback_source):
@@ -201,19 +226,20 @@ def _non_empty_string(value, field, origin):
     return value
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # Writing
-# ======================================================================================================================
+# ==================================================================================================
 
 PLAIN_FIELDS = ("problem", "answer", "data_source")
 
 
 def save_jsonl(rows, path) -> int:
-    """Write plain-format rows ({"problem", "answer", optional "data_source"}) as JSONL; returns the row count.
+    """Write plain-format rows ({"problem", "answer", optional "data_source"}) as JSONL; returns the
+    row count.
 
-    Every row is validated as load_examples would read it, so whatever is written loads back; an unknown key is an
-    error rather than silently dropped. The file appears only when all rows are valid (written to a temporary
-    file, then renamed), and missing parent directories are created.
+    Every row is validated as load_examples would read it, so whatever is written loads back; an
+    unknown key is an error rather than silently dropped. The file appears only when all rows are
+    valid (written to a temporary file, then renamed), and missing parent directories are created.
     """
     path = Path(path)
     lines = []
@@ -230,7 +256,9 @@ def save_jsonl(rows, path) -> int:
         plain = {key: row[key] for key in PLAIN_FIELDS if row.get(key) is not None}
         lines.append(json.dumps(plain, ensure_ascii=False))
     if not lines:
-        raise ValueError(f"save_jsonl({path}): no rows to write (load_examples rejects an empty file)")
+        raise ValueError(
+            f"save_jsonl({path}): no rows to write (load_examples rejects an empty file)"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -238,13 +266,16 @@ def save_jsonl(rows, path) -> int:
     return len(lines)
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # Tokenization
-# ======================================================================================================================
+# ==================================================================================================
 
 
-def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str = "left_truncate", tools=None):
-    """Chat-template each example's messages (with the generation prompt) into token ids and enforce the length cap.
+def tokenize_prompts(
+    examples, tokenizer, max_prompt_tokens: int, overflow: str = "left_truncate", tools=None
+):
+    """Chat-template each example's messages (with the generation prompt) into token ids and enforce
+    the length cap.
 
     Returns (prompt_ids, kept_examples, stats): prompt_ids[i] belongs to kept_examples[i], in input order.
     overflow: "left_truncate" (keep the last max_prompt_tokens ids) | "skip" | "error" (see the module docstring).
@@ -253,7 +284,11 @@ def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str 
     """
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
-    if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
+    if (
+        isinstance(max_prompt_tokens, bool)
+        or not isinstance(max_prompt_tokens, int)
+        or max_prompt_tokens < 1
+    ):
         raise ValueError(f"max_prompt_tokens must be a positive int, got {max_prompt_tokens!r}")
     prompt_ids, kept, num_prompts, num_truncated, num_skipped = [], [], 0, 0, 0
     for example in examples:
@@ -283,14 +318,19 @@ def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str 
 
 
 def chat_template_ids(tokenizer, messages, tools=None) -> list[int]:
-    """Token ids of `messages` under the tokenizer's chat template, ending with the assistant generation prompt.
+    """Token ids of `messages` under the tokenizer's chat template, ending with the assistant
+    generation prompt.
 
-    transformers 5.x returns a BatchEncoding ({"input_ids", "attention_mask"}) from apply_chat_template(...,
-    tokenize=True), where 4.x returned a plain list; accept either, and tensors/arrays too.
+    transformers 5.x returns a BatchEncoding ({"input_ids", "attention_mask"}) from
+    apply_chat_template(..., tokenize=True), where 4.x returned a plain list; accept either, and
+    tensors/arrays too.
     """
-    # tools: JSON schemas the template lists for the model (Qwen's "# Tools" block), e.g. rollout.CODE_INTERPRETER_TOOL
+    # tools: JSON schemas the template lists for the model (Qwen's "# Tools" block), e.g.
+    # rollout.CODE_INTERPRETER_TOOL
     extra = {"tools": tools} if tools else {}
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, **extra
+    )
     ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
     if hasattr(ids, "tolist"):
         ids = ids.tolist()  # torch tensor or numpy array

@@ -1,4 +1,5 @@
-"""evaluate.py: score a checkpoint on math benchmarks with the training sampler and the training verifier.
+"""evaluate.py: score a checkpoint on math benchmarks with the training sampler and the training
+verifier.
 
     python evaluate.py --model runs/x/hf --data data/aime24.jsonl data/math500.jsonl --out runs/x/eval.json
     python evaluate.py --model runs/x/hf --data data/aime24.jsonl --n 32 --temperature 1.0 --top-p 0.7 \\
@@ -7,22 +8,25 @@
     python evaluate.py --model runs/tiny/model --data runs/tiny/data/sum_test.jsonl --prompt-suffix "" \\
         --max-tokens 16 --max-prompt-tokens 64 --dtype float32 --out /tmp/tiny_eval.json                # CPU demo
 
-Benchmark files are what data.load_examples reads (`python -m tools.benchmarks` converts the public downloads); each file
-is one benchmark, named by its stem ("data/aime24.jsonl" -> "aime24"). Sampling is rollout.generate and scoring
-rewards.compute_rewards: exactly the code that trains, so "correct" means here what it meant for the reward. Under
-torchrun each rank takes every world_size-th prompt of each benchmark and rank 0 prints and writes. In a training
-run, train.py calls `evaluate(engine, tokenizer, benchmarks, ...)` on its own engine and logs
+Benchmark files are what data.load_examples reads (`python -m tools.benchmarks` converts the public
+downloads); each file is one benchmark, named by its stem ("data/aime24.jsonl" -> "aime24").
+Sampling is rollout.generate and scoring rewards.compute_rewards: exactly the code that trains, so
+"correct" means here what it meant for the reward. Under torchrun each rank takes every
+world_size-th prompt of each benchmark and rank 0 prints and writes. In a training run, train.py
+calls `evaluate(engine, tokenizer, benchmarks, ...)` on its own engine and logs
 `flatten_metrics(result)` ("eval/aime24/avg@n", "eval/overall/pass@1", ...).
 
-Defaults are the paper's validation settings (docs/method.md, "The reference release"): temperature 1.0, top-p 0.7,
-top-k off, 3072 response tokens, 1024 prompt tokens (left-truncated), STARE's prompt suffix, n from the benchmark's
-name (`default_n`). Reported per benchmark and overall: avg@n (the paper's avg@32) with a bootstrap SE, unbiased
-pass@k and maj@k, lengths and fractions, defined in docs/usage.md ("Evaluation metrics") and in the functions below.
+Defaults are the paper's validation settings (docs/method.md, "The reference release"): temperature
+1.0, top-p 0.7, top-k off, 3072 response tokens, 1024 prompt tokens (left-truncated), STARE's prompt
+suffix, n from the benchmark's name (`default_n`). Reported per benchmark and overall: avg@n (the
+paper's avg@32) with a bootstrap SE, unbiased pass@k and maj@k, lengths and fractions, defined in
+docs/usage.md ("Evaluation metrics") and in the functions below.
 
-Simplified relative to the reference (verl's validation): verl logs mean@n, best@k/worst@k and maj@k from bootstrap
-resamples of the n responses; here pass@k is the closed-form unbiased estimator and maj@k averages disjoint blocks,
-both deterministic. The verifier is rewards.py's (one extraction, one checker), not the reference's heuristic
-extraction with three checkers: the one that trained the model.
+Simplified relative to the reference (verl's validation): verl logs mean@n, best@k/worst@k and maj@k
+from bootstrap resamples of the n responses; here pass@k is the closed-form unbiased estimator and
+maj@k averages disjoint blocks, both deterministic. The verifier is rewards.py's (one extraction,
+one checker), not the reference's heuristic extraction with three checkers: the one that trained the
+model.
 """
 
 import argparse
@@ -43,32 +47,62 @@ import data
 import rewards
 import rollout
 
-# The paper's n per benchmark (avg@32 on the small competition sets, avg@4 on the larger ones), matched against the
-# benchmark name lower-cased with everything but letters and digits removed ("MATH-500" -> "math500").
-PAPER_N = ((r"aime(20)?24", 32), (r"aime(20)?25", 32), (r"amc(20)?23", 32), (r"math500", 4), (r"minerva", 4),
-           (r"olympiad", 4))
-FALLBACK_SMALL_N, FALLBACK_LARGE_N, FALLBACK_SMALL_MAX_PROMPTS = 32, 4, 100  # other benchmarks: by size
+# The paper's n per benchmark (avg@32 on the small competition sets, avg@4 on the larger ones),
+# matched against the benchmark name lower-cased with everything but letters and digits removed
+# ("MATH-500" -> "math500").
+PAPER_N = (
+    (r"aime(20)?24", 32),
+    (r"aime(20)?25", 32),
+    (r"amc(20)?23", 32),
+    (r"math500", 4),
+    (r"minerva", 4),
+    (r"olympiad", 4),
+)
+# other benchmarks: by size
+FALLBACK_SMALL_N, FALLBACK_LARGE_N, FALLBACK_SMALL_MAX_PROMPTS = 32, 4, 100
 BOOTSTRAP_RESAMPLES = 1000
 
-# Words that mark self-reflection in a chain of thought ("aha" words). Whole words, case-insensitive; inflected forms
-# are listed explicitly so that "checkpoint" or "awaiting" never count.
-REFLECTION_WORDS = ("wait", "hmm", "however", "alternatively", "actually", "verify", "verifying", "verified",
-                    "check", "checking", "recheck", "re-check", "double-check", "double-checking", "reconsider",
-                    "re-evaluate", "re-examine", "mistake")
-# longest first: at one position the regex takes the first alternative that matches ("double-check", not "check")
-_REFLECTION_RE = re.compile(r"(?<![\w-])(?:" + "|".join(re.escape(w) for w in sorted(REFLECTION_WORDS, key=len,
-                                                                                      reverse=True)) + r")(?![\w-])",
-                            re.IGNORECASE)
+# Words that mark self-reflection in a chain of thought ("aha" words). Whole words,
+# case-insensitive; inflected forms are listed explicitly so that "checkpoint" or "awaiting" never
+# count.
+REFLECTION_WORDS = (
+    "wait",
+    "hmm",
+    "however",
+    "alternatively",
+    "actually",
+    "verify",
+    "verifying",
+    "verified",
+    "check",
+    "checking",
+    "recheck",
+    "re-check",
+    "double-check",
+    "double-checking",
+    "reconsider",
+    "re-evaluate",
+    "re-examine",
+    "mistake",
+)
+# longest first: at one position the regex takes the first alternative that matches ("double-check",
+# not "check")
+_REFLECTION_RE = re.compile(
+    r"(?<![\w-])(?:"
+    + "|".join(re.escape(w) for w in sorted(REFLECTION_WORDS, key=len, reverse=True))
+    + r")(?![\w-])",
+    re.IGNORECASE,
+)
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # Metrics: pure functions of counts, answers and texts
-# ======================================================================================================================
+# ==================================================================================================
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021, eq. 1): 1 - C(n-c, k) / C(n, k), as the
-    numerically stable product 1 - prod_{i=n-c+1}^{n} (1 - k/i) (no huge binomials)."""
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021, eq. 1): 1 - C(n-c, k) / C(n,
+    k), as the numerically stable product 1 - prod_{i=n-c+1}^{n} (1 - k/i) (no huge binomials)."""
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:  # every k-subset holds a correct sample
@@ -83,17 +117,20 @@ def ks_for(n: int) -> list[int]:
 
 
 def canonical_answer(text: str) -> str | None:
-    """The vote key of a boxed answer; None when nothing is left. \\text{..} unwrapped, \\left \\right \\! \\, \\; \\:
-    "\\ " ~ $ removed, \\dfrac/\\tfrac -> \\frac, degree marks dropped, all whitespace removed, a trailing period
-    dropped, and plain numbers (integers, decimals, p/q, \\frac{p}{q}) replaced by their exact value, so 0.5, 1/2 and
-    \\frac{1}{2} vote together. Grouping is by these strings, not by the verifier's notion of equality: spellings
-    that canonicalise differently (\\sqrt3 and \\sqrt{3}) split their votes, so maj@k is a slight lower bound."""
+    """The vote key of a boxed answer; None when nothing is left. \\text{..} unwrapped, \\left
+    \\right \\! \\, \\; \\: "\\ " ~ $ removed, \\dfrac/\\tfrac -> \\frac, degree marks dropped, all
+    whitespace removed, a trailing period dropped, and plain numbers (integers, decimals, p/q,
+    \\frac{p}{q}) replaced by their exact value, so 0.5, 1/2 and \\frac{1}{2} vote together.
+    Grouping is by these strings, not by the verifier's notion of equality: spellings that
+    canonicalise differently (\\sqrt3 and \\sqrt{3}) split their votes, so maj@k is a slight lower
+    bound."""
     s = re.sub(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}", r"\1", text)
     s = re.sub(r"\\left|\\right|\\[,;:! ]|~|\$", "", s)
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?", "", s)
     s = "".join(s.split()).rstrip(".")
-    value = rewards._plain_number(s)  # the verifier's own reader of plain numbers (exact: 0.5 == 1/2)
+    # the verifier's own reader of plain numbers (exact: 0.5 == 1/2)
+    value = rewards._plain_number(s)
     if value is not None:
         return str(value)
     return s or None
@@ -110,8 +147,9 @@ def answer_key(response: str, data_source: str) -> str | None:
 
 
 def majority_vote(keys, correct) -> float:
-    """Score of one vote: 0 without votes; else the mean correctness over the tied most frequent keys (the
-    expectation under a random tie-break), each key judged by its first sample's verdict."""
+    """Score of one vote: 0 without votes; else the mean correctness over the tied most frequent
+    keys (the expectation under a random tie-break), each key judged by its first sample's
+    verdict."""
     counts, verdict = {}, {}
     for key, ok in zip(keys, correct):
         if key is None:
@@ -126,13 +164,20 @@ def majority_vote(keys, correct) -> float:
 
 
 def maj_at_k(keys, correct, k: int) -> float:
-    """maj@k of one prompt: the mean vote score over the len(keys) // k disjoint blocks of k samples, in order.
-    Samples are i.i.d., so every block is a draw of maj@k; k = n is one vote. With the expected tie-break of
-    `majority_vote`, maj@1 and maj@2 both equal avg@n unless samples abstain."""
+    """maj@k of one prompt: the mean vote score over the len(keys) // k disjoint blocks of k
+    samples, in order. Samples are i.i.d., so every block is a draw of maj@k; k = n is one vote.
+    With the expected tie-break of `majority_vote`, maj@1 and maj@2 both equal avg@n unless samples
+    abstain."""
     if not 1 <= k <= len(keys):
         raise ValueError(f"need 1 <= k <= {len(keys)}, got k={k}")
     blocks = len(keys) // k
-    return sum(majority_vote(keys[b * k:(b + 1) * k], correct[b * k:(b + 1) * k]) for b in range(blocks)) / blocks
+    return (
+        sum(
+            majority_vote(keys[b * k : (b + 1) * k], correct[b * k : (b + 1) * k])
+            for b in range(blocks)
+        )
+        / blocks
+    )
 
 
 def reflection_counts(text: str) -> tuple[int, int]:
@@ -141,10 +186,11 @@ def reflection_counts(text: str) -> tuple[int, int]:
 
 
 def distinct_correct_fraction(groups):
-    """Diversity of the correct answers: over the groups with at least one correct response, the mean of (distinct
-    correct responses, as token sequences) / (correct responses); None if no group has one. groups: lists of
-    (response token ids, accuracy) pairs. Entropy collapse on a task with many right answers shows here first: the
-    group keeps being right, with ever fewer different answers."""
+    """Diversity of the correct answers: over the groups with at least one correct response, the
+    mean of (distinct correct responses, as token sequences) / (correct responses); None if no group
+    has one. groups: lists of (response token ids, accuracy) pairs. Entropy collapse on a task with
+    many right answers shows here first: the group keeps being right, with ever fewer different
+    answers."""
     fractions = []
     for group in groups:
         correct = [tuple(tokens) for tokens, accuracy in group if accuracy > 0]
@@ -154,20 +200,22 @@ def distinct_correct_fraction(groups):
 
 
 def bootstrap_se(values, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> float:
-    """Bootstrap standard error of the mean of `values` (resampled with replacement, seeded): the ddof=1 standard
-    deviation of `resamples` resampled means. 0.0 for fewer than two values."""
+    """Bootstrap standard error of the mean of `values` (resampled with replacement, seeded): the
+    ddof=1 standard deviation of `resamples` resampled means. 0.0 for fewer than two values."""
     values = np.asarray(values, dtype=np.float64)
     if len(values) < 2:
         return 0.0
     rng = np.random.default_rng(seed)
-    means = values[rng.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)  # [resamples]
+    # [resamples]
+    means = values[rng.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)
     return float(means.std(ddof=1))
 
 
 def default_n(name: str, num_prompts: int) -> int:
-    """The paper's n for a benchmark recognised by name (32 for AIME24, AIME25 and AMC23, 4 for MATH-500, Minerva and
-    OlympiadBench; stems such as aime2024, AIME_2025, MATH-500, minerva_math match), else the paper's rule behind
-    those numbers (small sets need more samples for a stable average): 32 for at most 100 prompts, 4 above."""
+    """The paper's n for a benchmark recognised by name (32 for AIME24, AIME25 and AMC23, 4 for
+    MATH-500, Minerva and OlympiadBench; stems such as aime2024, AIME_2025, MATH-500, minerva_math
+    match), else the paper's rule behind those numbers (small sets need more samples for a stable
+    average): 32 for at most 100 prompts, 4 above."""
     key = re.sub(r"[^a-z0-9]", "", name.lower())
     for pattern, n in PAPER_N:
         if re.search(pattern, key):
@@ -176,47 +224,71 @@ def default_n(name: str, num_prompts: int) -> int:
 
 
 def prompt_seed(seed: int, benchmark: str, index: int) -> int:
-    """The sampling seed of a benchmark's index-th prompt: independent of ranks and of the other benchmarks, and the
-    same at every evaluation of a run, so step-to-step differences are the model's (on GPU, batch composition can
-    still change kernels' rounding). rollout.generate spaces it by n for vLLM's per-sample seed + j."""
+    """The sampling seed of a benchmark's index-th prompt: independent of ranks and of the other
+    benchmarks, and the same at every evaluation of a run, so step-to-step differences are the
+    model's (on GPU, batch composition can still change kernels' rounding). rollout.generate spaces
+    it by n for vLLM's per-sample seed + j."""
     return rollout.derive_seed(seed, "eval", benchmark, index)
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # Evaluation on a built engine (single process or one share per rank)
-# ======================================================================================================================
+# ==================================================================================================
 
 
 def load_benchmarks(files, prompt_suffix=data.STARE_SUFFIX, limit=None) -> dict:
-    """{file stem: [data.Example]} in the given order; `limit` keeps the first N prompts of each. Two files with the
-    same stem are an error (their results would share a name)."""
+    """{file stem: [data.Example]} in the given order; `limit` keeps the first N prompts of each.
+    Two files with the same stem are an error (their results would share a name)."""
     benchmarks = {}
     for path in files:
         name = Path(path).stem
         if name in benchmarks:
-            raise ValueError(f"{path}: a benchmark named {name!r} was already given (names are file stems)")
+            raise ValueError(
+                f"{path}: a benchmark named {name!r} was already given (names are file stems)"
+            )
         examples = data.load_examples(path, prompt_suffix=prompt_suffix or None)
         benchmarks[name] = examples[:limit] if limit else examples
     return benchmarks
 
 
-def _prompt_record(name, index, example, texts, lengths, finish_reasons, accuracies, ks, return_samples):
+def _prompt_record(
+    name, index, example, texts, lengths, finish_reasons, accuracies, ks, return_samples
+):
     """Everything the aggregate needs from one prompt's n samples (small: this is what ranks exchange)."""
     n = len(texts)
     keys = [answer_key(text, example.data_source) for text in texts]
     correct = [bool(a) for a in accuracies]
     hits_words = [reflection_counts(text) for text in texts]
-    record = {"benchmark": name, "index": index, "correct": sum(correct),
-              "pass": [pass_at_k(n, sum(correct), k) for k in ks], "maj": [maj_at_k(keys, correct, k) for k in ks],
-              "length_sum": sum(lengths), "length_max": max(lengths, default=0),
-              "truncated": sum(reason == "length" for reason in finish_reasons),
-              "no_answer": sum(key is None for key in keys),
-              "reflections": sum(h for h, _ in hits_words), "words": sum(w for _, w in hits_words)}
+    record = {
+        "benchmark": name,
+        "index": index,
+        "correct": sum(correct),
+        "pass": [pass_at_k(n, sum(correct), k) for k in ks],
+        "maj": [maj_at_k(keys, correct, k) for k in ks],
+        "length_sum": sum(lengths),
+        "length_max": max(lengths, default=0),
+        "truncated": sum(reason == "length" for reason in finish_reasons),
+        "no_answer": sum(key is None for key in keys),
+        "reflections": sum(h for h, _ in hits_words),
+        "words": sum(w for _, w in hits_words),
+    }
     if return_samples:
-        record["samples"] = [{"benchmark": name, "index": index, "sample": j, "origin": example.origin,
-                              "ground_truth": example.ground_truth, "prompt": example.messages[-1]["content"],
-                              "response": texts[j], "answer": keys[j], "correct": correct[j], "length": lengths[j],
-                              "finish_reason": finish_reasons[j]} for j in range(n)]
+        record["samples"] = [
+            {
+                "benchmark": name,
+                "index": index,
+                "sample": j,
+                "origin": example.origin,
+                "ground_truth": example.ground_truth,
+                "prompt": example.messages[-1]["content"],
+                "response": texts[j],
+                "answer": keys[j],
+                "correct": correct[j],
+                "length": lengths[j],
+                "finish_reason": finish_reasons[j],
+            }
+            for j in range(n)
+        ]
     return record
 
 
@@ -232,14 +304,19 @@ def _aggregate(records, n, ks, prompt_stats, bootstrap_seed):
     for j, k in enumerate(ks):
         metrics[f"maj@{k}"] = sum(r["maj"][j] for r in records) / num
     words = sum(r["words"] for r in records)
-    metrics.update({
-        "response_length_mean": sum(r["length_sum"] for r in records) / samples,
-        "response_length_max": max(r["length_max"] for r in records),
-        "truncated_frac": sum(r["truncated"] for r in records) / samples,
-        "no_answer_frac": sum(r["no_answer"] for r in records) / samples,
-        "reflection_per_1k_words": 1000.0 * sum(r["reflections"] for r in records) / words if words else 0.0,
-        "prompts_truncated": prompt_stats["num_truncated"], "prompts_skipped": prompt_stats["num_skipped"],
-    })
+    metrics.update(
+        {
+            "response_length_mean": sum(r["length_sum"] for r in records) / samples,
+            "response_length_max": max(r["length_max"] for r in records),
+            "truncated_frac": sum(r["truncated"] for r in records) / samples,
+            "no_answer_frac": sum(r["no_answer"] for r in records) / samples,
+            "reflection_per_1k_words": 1000.0 * sum(r["reflections"] for r in records) / words
+            if words
+            else 0.0,
+            "prompts_truncated": prompt_stats["num_truncated"],
+            "prompts_skipped": prompt_stats["num_skipped"],
+        }
+    )
     return metrics
 
 
@@ -251,29 +328,60 @@ def _overall(per_benchmark):
     def mean(key):
         return sum(v[key] for v in values) / count
 
-    overall = {"benchmarks": count, "prompts": sum(v["prompts"] for v in values), "avg@n": mean("avg@n"),
-               "avg@n_se": math.sqrt(sum(v["avg@n_se"] ** 2 for v in values)) / count}
-    common = [key for key in values[0] if key.startswith(("pass@", "maj@")) and all(key in v for v in values)]
+    overall = {
+        "benchmarks": count,
+        "prompts": sum(v["prompts"] for v in values),
+        "avg@n": mean("avg@n"),
+        "avg@n_se": math.sqrt(sum(v["avg@n_se"] ** 2 for v in values)) / count,
+    }
+    common = [
+        key
+        for key in values[0]
+        if key.startswith(("pass@", "maj@")) and all(key in v for v in values)
+    ]
     overall.update({key: mean(key) for key in common})
-    overall.update({key: mean(key) for key in ("response_length_mean", "truncated_frac", "no_answer_frac",
-                                               "reflection_per_1k_words")})
+    overall.update(
+        {
+            key: mean(key)
+            for key in (
+                "response_length_mean",
+                "truncated_frac",
+                "no_answer_frac",
+                "reflection_per_1k_words",
+            )
+        }
+    )
     overall["response_length_max"] = max(v["response_length_max"] for v in values)
     return overall
 
 
-def evaluate(engine, tokenizer, benchmarks, n=None, temperature=1.0, top_p=0.7, max_tokens=3072, reward_cfg=None,
-             seed=0, max_prompt_tokens=1024, overflow="left_truncate", return_samples=False, use_tqdm=False,
-             tensor_parallel_size=1):
-    """Sample and score every benchmark on an already built engine; -> result dict (docs/usage.md, "Evaluation
-    metrics": the keys of --out's JSON).
+def evaluate(
+    engine,
+    tokenizer,
+    benchmarks,
+    n=None,
+    temperature=1.0,
+    top_p=0.7,
+    max_tokens=3072,
+    reward_cfg=None,
+    seed=0,
+    max_prompt_tokens=1024,
+    overflow="left_truncate",
+    return_samples=False,
+    use_tqdm=False,
+    tensor_parallel_size=1,
+):
+    """Sample and score every benchmark on an already built engine; -> result dict (docs/usage.md,
+    "Evaluation metrics": the keys of --out's JSON).
 
-    benchmarks: {name: [data.Example]} (e.g. from load_benchmarks). n: an int for all, a {name: n} dict (missing
-    names take default_n), or None (default_n for all). reward_cfg: config.RewardConfig (None: the default, acc
-    only). The engine's max_model_len must be >= max_prompt_tokens + max_tokens.
-    Under an initialised torch.distributed group every rank must call this with the same arguments: each engine
-    (the tensor_parallel_size consecutive ranks that share one) samples prompts e, e + engines, ... of each
-    benchmark, the per-prompt records are all-gathered, and every rank returns the same full result. return_samples: also gather the responses, as result["samples"] (a list of
-    dicts in benchmark, prompt, sample order).
+    benchmarks: {name: [data.Example]} (e.g. from load_benchmarks). n: an int for all, a {name: n}
+    dict (missing names take default_n), or None (default_n for all). reward_cfg:
+    config.RewardConfig (None: the default, acc only). The engine's max_model_len must be >=
+    max_prompt_tokens + max_tokens. Under an initialised torch.distributed group every rank must
+    call this with the same arguments: each engine (the tensor_parallel_size consecutive ranks that
+    share one) samples prompts e, e + engines, ... of each benchmark, the per-prompt records are
+    all-gathered, and every rank returns the same full result. return_samples: also gather the
+    responses, as result["samples"] (a list of dicts in benchmark, prompt, sample order).
     """
     if not benchmarks:
         raise ValueError("no benchmarks to evaluate")
@@ -283,9 +391,13 @@ def evaluate(engine, tokenizer, benchmarks, n=None, temperature=1.0, top_p=0.7, 
     started = time.time()
     ns, kss, stats, records = {}, {}, {}, []
     for name, examples in benchmarks.items():
-        prompt_ids, kept, stats[name] = data.tokenize_prompts(examples, tokenizer, max_prompt_tokens, overflow)
+        prompt_ids, kept, stats[name] = data.tokenize_prompts(
+            examples, tokenizer, max_prompt_tokens, overflow
+        )
         if not kept:
-            raise ValueError(f"benchmark {name!r}: no prompt left after tokenization (overflow={overflow!r})")
+            raise ValueError(
+                f"benchmark {name!r}: no prompt left after tokenization (overflow={overflow!r})"
+            )
         if isinstance(n, int):
             ns[name] = n
         elif isinstance(n, dict) and name in n:
@@ -298,37 +410,81 @@ def evaluate(engine, tokenizer, benchmarks, n=None, temperature=1.0, top_p=0.7, 
         mine = list(range(rank // tensor_parallel_size, len(kept), world // tensor_parallel_size))
         if not mine:  # more ranks than prompts: this rank only joins the gather
             continue
-        out = rollout.generate(engine, [prompt_ids[i] for i in mine], n=ns[name], temperature=temperature,
-                               top_p=top_p, top_k=0, max_tokens=max_tokens,
-                               seeds=[prompt_seed(seed, name, i) for i in mine], use_tqdm=use_tqdm)
+        out = rollout.generate(
+            engine,
+            [prompt_ids[i] for i in mine],
+            n=ns[name],
+            temperature=temperature,
+            top_p=top_p,
+            top_k=0,
+            max_tokens=max_tokens,
+            seeds=[prompt_seed(seed, name, i) for i in mine],
+            use_tqdm=use_tqdm,
+        )
         example_of = [kept[mine[p]] for p in out.prompt_index]
-        _, accuracies, _ = rewards.compute_rewards(out.texts, [e.ground_truth for e in example_of],
-                                                   [e.data_source for e in example_of], out.lengths, reward_cfg)
+        _, accuracies, _ = rewards.compute_rewards(
+            out.texts,
+            [e.ground_truth for e in example_of],
+            [e.data_source for e in example_of],
+            out.lengths,
+            reward_cfg,
+        )
         size = ns[name]
-        for j, i in enumerate(mine):  # prompt-major: prompt j's samples are rows j*n ... j*n + n - 1
+        # prompt-major: prompt j's samples are rows j*n ... j*n + n - 1
+        for j, i in enumerate(mine):
             rows = slice(j * size, (j + 1) * size)
-            records.append(_prompt_record(name, i, kept[i], out.texts[rows], out.lengths[rows],
-                                          out.finish_reasons[rows], accuracies[rows], kss[name], return_samples))
+            records.append(
+                _prompt_record(
+                    name,
+                    i,
+                    kept[i],
+                    out.texts[rows],
+                    out.lengths[rows],
+                    out.finish_reasons[rows],
+                    accuracies[rows],
+                    kss[name],
+                    return_samples,
+                )
+            )
     if distributed:
         gathered = [None] * world
         dist.all_gather_object(gathered, records)
-        records = [r for rank_records in gathered[::tensor_parallel_size] for r in rank_records]  # one per engine
+        # one per engine
+        records = [r for rank_records in gathered[::tensor_parallel_size] for r in rank_records]
     order = {name: position for position, name in enumerate(benchmarks)}
     records.sort(key=lambda r: (order[r["benchmark"]], r["index"]))
-    per_benchmark = {name: _aggregate([r for r in records if r["benchmark"] == name], ns[name], kss[name],
-                                      stats[name], seed) for name in benchmarks}
-    result = {"sampling": {"n": ns, "temperature": temperature, "top_p": top_p, "top_k": 0, "max_tokens": max_tokens,
-                           "max_prompt_tokens": max_prompt_tokens, "overflow": overflow, "seed": seed,
-                           "answer_format": reward_cfg.answer_format, "world_size": world},
-              "benchmarks": per_benchmark, "overall": _overall(per_benchmark), "seconds": time.time() - started}
+    per_benchmark = {
+        name: _aggregate(
+            [r for r in records if r["benchmark"] == name], ns[name], kss[name], stats[name], seed
+        )
+        for name in benchmarks
+    }
+    result = {
+        "sampling": {
+            "n": ns,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": 0,
+            "max_tokens": max_tokens,
+            "max_prompt_tokens": max_prompt_tokens,
+            "overflow": overflow,
+            "seed": seed,
+            "answer_format": reward_cfg.answer_format,
+            "world_size": world,
+        },
+        "benchmarks": per_benchmark,
+        "overall": _overall(per_benchmark),
+        "seconds": time.time() - started,
+    }
     if return_samples:
         result["samples"] = [sample for r in records for sample in r["samples"]]
     return result
 
 
 def flatten_metrics(result, prefix="eval") -> dict:
-    """{"eval/<benchmark>/<metric>": value} for every numeric metric of every benchmark and of "overall", for a
-    metrics.jsonl line: eval/aime24/avg@n, eval/aime24/pass@32, eval/overall/avg@n, ..."""
+    """{"eval/<benchmark>/<metric>": value} for every numeric metric of every benchmark and of
+    "overall", for a metrics.jsonl line: eval/aime24/avg@n, eval/aime24/pass@32, eval/overall/avg@n,
+    ..."""
     flat = {}
     for name, metrics in [*result["benchmarks"].items(), ("overall", result["overall"])]:
         for key, value in metrics.items():
@@ -337,9 +493,9 @@ def flatten_metrics(result, prefix="eval") -> dict:
     return flat
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # The console table
-# ======================================================================================================================
+# ==================================================================================================
 
 
 def format_table(result) -> str:
@@ -350,16 +506,20 @@ def format_table(result) -> str:
     def pct(value):
         return f"{100 * value:.1f}" if value is not None else "-"
 
-    head = (f"{'benchmark':<{width}}{'n':>4}{'prompts':>9}{'avg@n%':>8}{'±se':>6}{'pass@n%':>9}{'maj@n%':>8}"
-            f"{'len mean':>10}{'len max':>9}{'trunc%':>8}{'refl/1kw':>10}")
+    head = (
+        f"{'benchmark':<{width}}{'n':>4}{'prompts':>9}{'avg@n%':>8}{'±se':>6}{'pass@n%':>9}{'maj@n%':>8}"
+        f"{'len mean':>10}{'len max':>9}{'trunc%':>8}{'refl/1kw':>10}"
+    )
     lines = [head, "-" * len(head)]
     for name, m in rows:
         n = m.get("n")
         top = f"@{n}" if n else ""
-        lines.append(f"{name:<{width}}{n if n else '-':>4}{m['prompts']:>9}{pct(m['avg@n']):>8}"
-                     f"{pct(m['avg@n_se']):>6}{pct(m.get('pass' + top)):>9}{pct(m.get('maj' + top)):>8}"
-                     f"{m['response_length_mean']:>10.1f}{m['response_length_max']:>9}{pct(m['truncated_frac']):>8}"
-                     f"{m['reflection_per_1k_words']:>10.2f}")
+        lines.append(
+            f"{name:<{width}}{n if n else '-':>4}{m['prompts']:>9}{pct(m['avg@n']):>8}"
+            f"{pct(m['avg@n_se']):>6}{pct(m.get('pass' + top)):>9}{pct(m.get('maj' + top)):>8}"
+            f"{m['response_length_mean']:>10.1f}{m['response_length_max']:>9}{pct(m['truncated_frac']):>8}"
+            f"{m['reflection_per_1k_words']:>10.2f}"
+        )
     ks = sorted({int(key[5:]) for _, m in rows for key in m if key.startswith("pass@")})
     head = f"{'k':<{width + 8}}" + "".join(f"{k:>7}" for k in ks)
     lines += ["", head, "-" * len(head)]
@@ -370,50 +530,70 @@ def format_table(result) -> str:
     return "\n".join(lines)
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # Command line
-# ======================================================================================================================
+# ==================================================================================================
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description="avg@n, pass@k, maj@k of a checkpoint on benchmark files "
-                                                 "(definitions: docs/usage.md, \"Evaluation metrics\").")
+    parser = argparse.ArgumentParser(
+        description="avg@n, pass@k, maj@k of a checkpoint on benchmark files "
+        '(definitions: docs/usage.md, "Evaluation metrics").'
+    )
     parser.add_argument("--model", required=True, help="local HF checkpoint directory")
-    parser.add_argument("--data", required=True, nargs="+", help="benchmark files (.jsonl/.parquet); name = stem")
-    parser.add_argument("--n", type=int, default=None, help="samples per prompt; default: per benchmark name")
+    parser.add_argument(
+        "--data", required=True, nargs="+", help="benchmark files (.jsonl/.parquet); name = stem"
+    )
+    parser.add_argument(
+        "--n", type=int, default=None, help="samples per prompt; default: per benchmark name"
+    )
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=0.7)
     parser.add_argument("--max-tokens", type=int, default=3072, help="max response tokens")
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("--overflow", default="left_truncate", choices=data.OVERFLOW_MODES,
                         help="prompts over --max-prompt-tokens (see data.py)")
-    parser.add_argument("--prompt-suffix", default=data.STARE_SUFFIX, help='appended to plain rows; "" for none')
+    parser.add_argument(
+        "--prompt-suffix", default=data.STARE_SUFFIX, help='appended to plain rows; "" for none'
+    )
     parser.add_argument("--answer-format", default="boxed", choices=rewards.ANSWER_FORMATS,
                         help="config.RewardConfig.answer_format")
-    parser.add_argument("--limit", type=int, default=0, help="first N prompts of each benchmark (0 = all)")
+    parser.add_argument(
+        "--limit", type=int, default=0, help="first N prompts of each benchmark (0 = all)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="results JSON")
     parser.add_argument("--samples", default=None, help="also write every response here (JSONL)")
-    parser.add_argument("--dtype", default="auto", help="vLLM weights dtype (auto: bfloat16 for float32 weights)")
-    parser.add_argument("--kv-cache-gib", type=float, default=None,
-                        help="KV cache size in GiB (CPU: default 1.0; GPU: use --gpu-memory-utilization)")
+    parser.add_argument(
+        "--dtype", default="auto", help="vLLM weights dtype (auto: bfloat16 for float32 weights)"
+    )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="KV cache size in GiB (CPU: default 1.0; GPU: use --gpu-memory-utilization)",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (always so on CPU)")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs (always so on CPU)"
+    )
     return parser.parse_args(argv)
 
 
 def check_arguments(args):
     """The numbers' ranges, in one line naming the option (config.ConfigError)."""
-    rules = [("--n", args.n is None or args.n >= 1, "must be >= 1"),
-             ("--temperature", args.temperature > 0, "must be > 0"),
-             ("--top-p", 0 < args.top_p <= 1, "must be in (0, 1]"),
-             ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
-             ("--max-prompt-tokens", args.max_prompt_tokens >= 1, "must be >= 1"),
-             ("--limit", args.limit >= 0, "must be >= 0 (0 = all)"),
-             ("--kv-cache-gib", args.kv_cache_gib is None or args.kv_cache_gib > 0, "must be > 0"),
-             ("--gpu-memory-utilization", 0 < args.gpu_memory_utilization <= 1, "must be in (0, 1]"),
-             ("--max-num-seqs", args.max_num_seqs >= 1, "must be >= 1")]
+    rules = [
+        ("--n", args.n is None or args.n >= 1, "must be >= 1"),
+        ("--temperature", args.temperature > 0, "must be > 0"),
+        ("--top-p", 0 < args.top_p <= 1, "must be in (0, 1]"),
+        ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
+        ("--max-prompt-tokens", args.max_prompt_tokens >= 1, "must be >= 1"),
+        ("--limit", args.limit >= 0, "must be >= 0 (0 = all)"),
+        ("--kv-cache-gib", args.kv_cache_gib is None or args.kv_cache_gib > 0, "must be > 0"),
+        ("--gpu-memory-utilization", 0 < args.gpu_memory_utilization <= 1, "must be in (0, 1]"),
+        ("--max-num-seqs", args.max_num_seqs >= 1, "must be >= 1"),
+    ]
     for option, ok, message in rules:
         if not ok:
             value = getattr(args, option.removeprefix("--").replace("-", "_"))
@@ -438,24 +618,48 @@ def main(argv):
         print(f"error: {error}", file=sys.stderr)
         return 2
     on_gpu = torch.cuda.is_available()
-    if "RANK" in os.environ:  # torchrun: one engine per rank (rollout.build_engine uses external_launcher)
+    # torchrun: one engine per rank (rollout.build_engine uses external_launcher)
+    if "RANK" in os.environ:
         if on_gpu:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if on_gpu else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     engine = rollout.build_engine(
-        args.model, seed=args.seed + rank, max_model_len=args.max_prompt_tokens + args.max_tokens, dtype=args.dtype,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-        kv_cache_gib=args.kv_cache_gib, enforce_eager=args.enforce_eager or None)
-    result = evaluate(engine, tokenizer, benchmarks, n=args.n, temperature=args.temperature, top_p=args.top_p,
-                      max_tokens=args.max_tokens, reward_cfg=config.RewardConfig(answer_format=args.answer_format),
-                      seed=args.seed, max_prompt_tokens=args.max_prompt_tokens, overflow=args.overflow,
-                      return_samples=args.samples is not None, use_tqdm=rank == 0)
+        args.model,
+        seed=args.seed + rank,
+        max_model_len=args.max_prompt_tokens + args.max_tokens,
+        dtype=args.dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_gib=args.kv_cache_gib,
+        enforce_eager=args.enforce_eager or None,
+    )
+    result = evaluate(
+        engine,
+        tokenizer,
+        benchmarks,
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        reward_cfg=config.RewardConfig(answer_format=args.answer_format),
+        seed=args.seed,
+        max_prompt_tokens=args.max_prompt_tokens,
+        overflow=args.overflow,
+        return_samples=args.samples is not None,
+        use_tqdm=rank == 0,
+    )
     if rank == 0:
         samples = result.pop("samples", None)
-        result["sampling"].update(prompt_suffix=args.prompt_suffix or None, dtype=args.dtype, limit=args.limit or None)
-        result = {"model": str(args.model), "data": {Path(p).stem: str(p) for p in args.data}, **result}
+        result["sampling"].update(
+            prompt_suffix=args.prompt_suffix or None, dtype=args.dtype, limit=args.limit or None
+        )
+        result = {
+            "model": str(args.model),
+            "data": {Path(p).stem: str(p) for p in args.data},
+            **result,
+        }
         print(format_table(result))
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -468,7 +672,8 @@ def main(argv):
                 for sample in samples:
                     f.write(json.dumps(sample, ensure_ascii=False) + "\n")
             print(f"wrote {path} ({len(samples)} responses)")
-    rollout.shutdown_engine(engine)  # with external_launcher this also tears down the process group (rollout.py)
+    # with external_launcher this also tears down the process group (rollout.py)
+    rollout.shutdown_engine(engine)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -1,5 +1,6 @@
-"""modeling.py: the policy model as the trainer uses it: sharded with FSDP2 from the start, and run on
-padding-free micro-batches of (prompt, response) rows with the LM head only at response positions.
+"""modeling.py: the policy model as the trainer uses it: sharded with FSDP2 from the start, and run
+on padding-free micro-batches of (prompt, response) rows with the LM head only at response
+positions.
 
     model = modeling.build_model(cfg, device, world_size)
     for indices in modeling.micro_batches(lengths, token_budget):          # lengths: prompt + response tokens per row
@@ -7,15 +8,17 @@ padding-free micro-batches of (prompt, response) rows with the LM head only at r
         logits = modeling.response_logits(model, packed)                    # [N, V], N = response tokens of the batch
         logprobs_bt = packed.to_rows(stare.token_logprobs_and_entropy(logits, packed.response_ids)[0])   # [b, R]
 
-Start-up (`build_model`): the model is built with its parameters on the meta device, sharded per decoder layer
-and at the root, and each rank reads only its own rows of every weight from the safetensors files (a byte range
-per block, no memory map) into its float32 shard: no rank ever holds the whole model, on the GPU or the host.
+Start-up (`build_model`): the model is built with its parameters on the meta device, sharded per
+decoder layer and at the root, and each rank reads only its own rows of every weight from the
+safetensors files (a byte range per block, no memory map) into its float32 shard: no rank ever holds
+the whole model, on the GPU or the host.
 
-Packing: the rows of a micro-batch are concatenated into one [1, L] sequence (L = the sum of their lengths, no
-padding token anywhere), RoPE position ids restart at 0 at each row, and attention is confined to each row by the
-row boundaries `cu_seq_lens` ([b + 1] cumulative lengths), which reach the attention function through the model's
-keyword arguments. The head runs only at the N positions that predict a response token (`logits_to_keep` given as
-an index tensor), so the model returns [1, N, V] directly.
+Packing: the rows of a micro-batch are concatenated into one [1, L] sequence (L = the sum of their
+lengths, no padding token anywhere), RoPE position ids restart at 0 at each row, and attention is
+confined to each row by the row boundaries `cu_seq_lens` ([b + 1] cumulative lengths), which reach
+the attention function through the model's keyword arguments. The head runs only at the N positions
+that predict a response token (`logits_to_keep` given as an index tensor), so the model returns [1,
+N, V] directly.
 
 Attention ("varlen", registered with transformers' AttentionInterface and the default of model.attn_implementation):
   * CUDA, bf16/fp16: PyTorch's `torch.nn.attention.varlen.varlen_attn` (FlashAttention over cu_seq_lens, causal):
@@ -30,9 +33,9 @@ sync per forward) and drops a padding `attention_mask`: under "varlen", pass pac
 model.attn_implementation may still name "sdpa", "eager" or "flash_attention_2": packed rows stay exact under each
 (they detect packing from the restarting position ids or read cu_seq_lens), only slower.
 
-Per-token values come out flat ([N], one per response token, row after row) and `Packed.to_rows` lays them out as
-the [b, R] zero-padded rows that the loss functions of stare.py and baselines.py take, with `Packed.mask` marking
-the real tokens.
+Per-token values come out flat ([N], one per response token, row after row) and `Packed.to_rows`
+lays them out as the [b, R] zero-padded rows that the loss functions of stare.py and baselines.py
+take, with `Packed.mask` marking the real tokens.
 """
 
 import contextlib
@@ -56,51 +59,93 @@ VARLEN_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varle
 ATTENTION = "varlen"
 
 
-def _varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                      cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
-    """transformers attention function. query [1, H, L, D], key/value [1, H_kv, L, D] -> ([1, L, H, D], None).
-    Grouped-query attention runs natively (enable_gqa): the H_kv key/value heads are never repeated H / H_kv
-    times in memory."""
+def _varlen_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    sliding_window=None,
+    cu_seq_lens_q=None,
+    cu_seq_lens_k=None,
+    max_length_q=None,
+    max_length_k=None,
+    **kwargs,
+):
+    """transformers attention function. query [1, H, L, D], key/value [1, H_kv, L, D] -> ([1, L, H,
+    D], None). Grouped-query attention runs natively (enable_gqa): the H_kv key/value heads are
+    never repeated H / H_kv times in memory."""
     if cu_seq_lens_q is None:  # one unpadded sequence: plain causal SDPA
-        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs
+        )
     if sliding_window is not None or dropout:
-        raise NotImplementedError("packed attention supports neither sliding windows nor attention dropout")
+        raise NotImplementedError(
+            "packed attention supports neither sliding windows nor attention dropout"
+        )
     gqa = key.shape[1] != query.shape[1]
     if use_flash_varlen(query):
         if gqa and not VARLEN_GQA:  # an older varlen wrapper takes equal head counts only
             groups = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+            key, value = (
+                key.repeat_interleave(groups, dim=1),
+                value.repeat_interleave(groups, dim=1),
+            )
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, H, D], [L, H_kv, D]
-        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling,
-                          window_size=(-1, 0), **({"enable_gqa": True} if gqa and VARLEN_GQA else {}))
+        out = varlen_attn(
+            q,
+            k,
+            v,
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            max_length_q,
+            max_length_k,
+            scale=scaling,
+            window_size=(-1, 0),
+            **({"enable_gqa": True} if gqa and VARLEN_GQA else {}),
+        )
         return out[None], None  # [1, L, H, D], causal within each row
     bounds = cu_seq_lens_q.tolist()
-    rows = [torch.nn.functional.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
-                                                             is_causal=True, scale=scaling, enable_gqa=gqa)
-            for s, e in zip(bounds[:-1], bounds[1:])]  # each [1, H, len, D]
+    rows = [
+        torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]  # each [1, H, len, D]
     return torch.cat(rows, dim=2).transpose(1, 2), None
 
 
 def use_flash_varlen(query):
     """PyTorch's FlashAttention varlen kernel: CUDA, half precision, a PyTorch that has it."""
-    return query.is_cuda and varlen_attn is not None and query.dtype in (torch.bfloat16, torch.float16)
+    return (
+        query.is_cuda and varlen_attn is not None and query.dtype in (torch.bfloat16, torch.float16)
+    )
 
 
 AttentionInterface.register(ATTENTION, _varlen_attention)
 
 
 def build_model(cfg, device, world_size):
-    """The HF model sharded with FSDP2 from the start, in float32 (parameters cast to model.param_dtype for compute,
-    gradients reduced in model.reduce_dtype). No rank ever holds the whole model: the model is built with its
-    parameters on the meta device, sharded per decoder layer and at the root, and each rank then reads only its own
-    rows of every weight from the checkpoint into its shard (`load_shards`)."""
+    """The HF model sharded with FSDP2 from the start, in float32 (parameters cast to
+    model.param_dtype for compute, gradients reduced in model.reduce_dtype). No rank ever holds the
+    whole model: the model is built with its parameters on the meta device, sharded per decoder
+    layer and at the root, and each rank then reads only its own rows of every weight from the
+    checkpoint into its shard (`load_shards`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
                                                  attn_implementation=cfg.model.attn_implementation)
-    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}  # rotary frequencies: not on disk
+    # rotary frequencies: not on disk
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     model = shard_model(model, cfg, device, world_size)
     model.to_empty(device=device)  # allocates this rank's shards only
     with torch.no_grad():
@@ -112,12 +157,14 @@ def build_model(cfg, device, world_size):
 
 @contextlib.contextmanager
 def parameters_on_meta():
-    """Every parameter created inside lives on the meta device (no memory, and initialising it costs nothing);
-    buffers stay real, so the rotary frequencies that no checkpoint holds are computed as usual."""
+    """Every parameter created inside lives on the meta device (no memory, and initialising it costs
+    nothing); buffers stay real, so the rotary frequencies that no checkpoint holds are computed as
+    usual."""
     register = torch.nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
-        if param is not None and param.device.type != "meta":  # an already-meta parameter may be a tied alias
+        # an already-meta parameter may be a tied alias
+        if param is not None and param.device.type != "meta":
             param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
@@ -129,9 +176,10 @@ def parameters_on_meta():
 
 
 def load_shards(model, path):
-    """Fill every parameter's local FSDP2 shard (rows start:end of dim 0 on this rank, torch.chunk's split) and every
-    persistent buffer from the checkpoint at `path`, reading only those rows. Tied parameters are one tensor,
-    filled once. Raises ValueError naming the weights the checkpoint lacks."""
+    """Fill every parameter's local FSDP2 shard (rows start:end of dim 0 on this rank, torch.chunk's
+    split) and every persistent buffer from the checkpoint at `path`, reading only those rows. Tied
+    parameters are one tensor, filled once. Raises ValueError naming the weights the checkpoint
+    lacks."""
     tensors = checkpoint_index(path)
     names = dict(model.named_parameters())  # tied aliases appear once, under their first name
     names.update((name, b) for name, b in model.named_buffers() if _persistent(model, name))
@@ -142,16 +190,21 @@ def load_shards(model, path):
     with torch.no_grad():
         for name, target in names.items():
             if tuple(target.shape) != tensors[name].shape:
-                raise ValueError(f"{path}: {name} has shape {tensors[name].shape} in the checkpoint but "
-                                 f"{tuple(target.shape)} in the model of its config.json")
+                raise ValueError(
+                    f"{path}: {name} has shape {tensors[name].shape} in the checkpoint but "
+                    f"{tuple(target.shape)} in the model of its config.json"
+                )
             local = target.to_local() if hasattr(target, "to_local") else target
             start, end = shard_rows(target)
-            tensors[name].copy_rows(local.view(end - start, -1) if local.dim() else local.view(1, 1), start, end)
+            tensors[name].copy_rows(
+                local.view(end - start, -1) if local.dim() else local.view(1, 1), start, end
+            )
 
 
 def shard_rows(tensor):
-    """(start, end): the rows of dim 0 this rank holds of a DTensor sharded on dim 0 (FSDP2's torch.chunk split:
-    ceil(rows / world) each, the last ranks fewer or none); all rows of a plain tensor."""
+    """(start, end): the rows of dim 0 this rank holds of a DTensor sharded on dim 0 (FSDP2's
+    torch.chunk split: ceil(rows / world) each, the last ranks fewer or none); all rows of a plain
+    tensor."""
     if not hasattr(tensor, "device_mesh") or tensor.dim() == 0:
         return 0, (tensor.shape[0] if tensor.dim() else 1)
     mesh, rows = tensor.device_mesh, tensor.shape[0]
@@ -166,9 +219,18 @@ def _persistent(model, name):
     return buffer_name not in module._non_persistent_buffers_set
 
 
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 @dataclasses.dataclass
@@ -178,12 +240,14 @@ class StoredTensor:
     file: Path
     dtype: torch.dtype
     shape: tuple
-    offset: int  # byte offset of the tensor's data in a .safetensors file; None for a torch.load'ed tensor
+    # byte offset of the tensor's data in a .safetensors file; None for a torch.load'ed tensor
+    offset: int
     tensor: torch.Tensor | None = None  # a .bin checkpoint's tensor (memory-mapped by torch.load)
 
     def copy_rows(self, out, start, end, block_bytes=2**22):
-        """out[:] = rows start:end, read and converted (to out's dtype and device) a block of at most block_bytes at
-        a time, so the transient copy stays small whatever the tensor's size. out: [end - start, ...]."""
+        """out[:] = rows start:end, read and converted (to out's dtype and device) a block of at
+        most block_bytes at a time, so the transient copy stays small whatever the tensor's size.
+        out: [end - start, ...]."""
         row_bytes = max(1, math.prod(self.shape[1:]) * self.dtype.itemsize)
         step = max(1, block_bytes // row_bytes)
         for first in range(start, end, step):
@@ -200,13 +264,16 @@ class StoredTensor:
         with open(self.file, "rb") as f:
             f.seek(self.offset + start * row_numel * out.element_size())
             if f.readinto(buffer) != len(buffer):
-                raise ValueError(f"{self.file}: truncated (a tensor's data runs past the end of the file)")
+                raise ValueError(
+                    f"{self.file}: truncated (a tensor's data runs past the end of the file)"
+                )
         return out.view(end - start, *self.shape[1:])
 
 
 def checkpoint_index(path):
-    """name -> StoredTensor for every tensor of the HF checkpoint at `path` (*.safetensors: the header is read,
-    the data is not; pytorch_model*.bin: torch.load with mmap, so only the rows taken are read)."""
+    """name -> StoredTensor for every tensor of the HF checkpoint at `path` (*.safetensors: the
+    header is read, the data is not; pytorch_model*.bin: torch.load with mmap, so only the rows
+    taken are read)."""
     path, tensors = Path(path), {}
     files = sorted(path.glob("*.safetensors"))
     for file in files:
@@ -217,12 +284,20 @@ def checkpoint_index(path):
             if name == "__metadata__":
                 continue
             if entry["dtype"] not in SAFETENSORS_DTYPES:
-                raise ValueError(f"{file}: tensor {name} has dtype {entry['dtype']}, which this loader does not read")
-            tensors[name] = StoredTensor(file, SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]),
-                                         8 + header_size + entry["data_offsets"][0])
+                raise ValueError(
+                    f"{file}: tensor {name} has dtype {entry['dtype']}, which this loader does not read"
+                )
+            tensors[name] = StoredTensor(
+                file,
+                SAFETENSORS_DTYPES[entry["dtype"]],
+                tuple(entry["shape"]),
+                8 + header_size + entry["data_offsets"][0],
+            )
     if not files:
         for file in sorted(path.glob("pytorch_model*.bin")):
-            for name, tensor in torch.load(file, mmap=True, weights_only=True, map_location="cpu").items():
+            for name, tensor in torch.load(
+                file, mmap=True, weights_only=True, map_location="cpu"
+            ).items():
                 tensors[name] = StoredTensor(file, tensor.dtype, tuple(tensor.shape), None, tensor)
     if not tensors:
         raise ValueError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
@@ -247,8 +322,9 @@ def shard_model(model, cfg, device, world_size):
 
 
 def micro_batches(lengths, token_budget):
-    """Row indices grouped so that each group's tokens, summed over its rows, stay within token_budget (longest rows
-    first; a row longer than the budget goes alone). lengths: prompt + response tokens per row."""
+    """Row indices grouped so that each group's tokens, summed over its rows, stay within
+    token_budget (longest rows first; a row longer than the budget goes alone). lengths: prompt +
+    response tokens per row."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches, current, tokens = [], [], 0
     for i in order:
@@ -262,8 +338,8 @@ def micro_batches(lengths, token_budget):
 
 @dataclasses.dataclass
 class Packed:
-    """One micro-batch of rows packed into one sequence. L = prompt + response tokens over all rows, N = response
-    tokens over all rows, b rows, R the longest response (at least 1)."""
+    """One micro-batch of rows packed into one sequence. L = prompt + response tokens over all rows,
+    N = response tokens over all rows, b rows, R the longest response (at least 1)."""
 
     model_inputs: dict  # keyword arguments of the model's forward
     response_ids: torch.Tensor  # [N] long: the response tokens, row after row
@@ -278,25 +354,40 @@ class Packed:
 
 
 def pack_rows(prompts, responses, device):
-    """Rows concatenated into one sequence: row i holds its prompt then its response, its position ids restart at 0,
-    and the logits at the position before each response token predict it. prompts (each at least one token),
-    responses (possibly empty): lists of token-id lists."""
+    """Rows concatenated into one sequence: row i holds its prompt then its response, its position
+    ids restart at 0, and the logits at the position before each response token predict it. prompts
+    (each at least one token), responses (possibly empty): lists of token-id lists."""
     if not prompts or len(prompts) != len(responses) or min(len(p) for p in prompts) < 1:
-        raise ValueError("pack_rows needs as many responses as prompts, and a non-empty prompt in every row")
+        raise ValueError(
+            "pack_rows needs as many responses as prompts, and a non-empty prompt in every row"
+        )
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     cu_seq_lens = torch.tensor([0] + lengths).cumsum(0)  # [b + 1]
-    input_ids = torch.tensor([t for p, r in zip(prompts, responses) for t in list(p) + list(r)], dtype=torch.long)
+    input_ids = torch.tensor(
+        [t for p, r in zip(prompts, responses) for t in list(p) + list(r)], dtype=torch.long
+    )
     position_ids = torch.cat([torch.arange(n) for n in lengths])  # [L]
     keep = torch.cat([torch.arange(start + len(p) - 1, start + len(p) - 1 + len(r))
                       for start, p, r in zip(cu_seq_lens[:-1].tolist(), prompts, responses)])  # [N]
     response_width = max(1, max(len(r) for r in responses))
-    mask = torch.arange(response_width)[None, :] < torch.tensor([len(r) for r in responses])[:, None]  # [b, R]
+    mask = (
+        torch.arange(response_width)[None, :] < torch.tensor([len(r) for r in responses])[:, None]
+    )  # [b, R]
     cu_seq_lens = cu_seq_lens.to(device=device, dtype=torch.int32)
-    return Packed(model_inputs={"input_ids": input_ids[None].to(device), "position_ids": position_ids[None].to(device),
-                                "logits_to_keep": keep.to(device),
-                                "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
-                                "max_length_q": max(lengths), "max_length_k": max(lengths)},
-                  response_ids=input_ids[keep + 1].to(device), mask=mask.to(device), num_tokens=sum(lengths))
+    return Packed(
+        model_inputs={
+            "input_ids": input_ids[None].to(device),
+            "position_ids": position_ids[None].to(device),
+            "logits_to_keep": keep.to(device),
+            "cu_seq_lens_q": cu_seq_lens,
+            "cu_seq_lens_k": cu_seq_lens,
+            "max_length_q": max(lengths),
+            "max_length_k": max(lengths),
+        },
+        response_ids=input_ids[keep + 1].to(device),
+        mask=mask.to(device),
+        num_tokens=sum(lengths),
+    )
 
 
 def response_logits(model, packed):

@@ -1,17 +1,19 @@
-"""plan.py: the memory plan of a run, computed from its config and the model's config.json alone (no weights,
-tokenizer, engine, process group or GPU).
+"""plan.py: the memory plan of a run, computed from its config and the model's config.json alone (no
+weights, tokenizer, engine, process group or GPU).
 
     python train.py --config configs/qwen7b_long.yaml --plan [section.key=value ...]
 
-prints, per GPU, the peak of each phase of a step (start-up, rollout, update, sync probe), the host memory per node,
-the engine's KV cache and how many full-length sequences it holds against the requests of one generation round,
-and last one JSON line. Exit 0 when the run fits the hardware its config names (the `hardware` section), 2 when
-not, with the change of one knob that would fit. A GPU run checks the same plan against its own device before it
-loads anything (train.py, `device_problem`).
+prints, per GPU, the peak of each phase of a step (start-up, rollout, update, sync probe), the host
+memory per node, the engine's KV cache and how many full-length sequences it holds against the
+requests of one generation round, and last one JSON line. Exit 0 when the run fits the hardware its
+config names (the `hardware` section), 2 when not, with the change of one knob that would fit. A GPU
+run checks the same plan against its own device before it loads anything (train.py,
+`device_problem`).
 
-Every number is a formula of the architecture and the config; the formulas, their constants and how they were
-calibrated against measured peaks are in docs/benchmarks.md, "Memory plan". What only a GPU settles (CUDA-graph
-memory, the engine's non-torch memory) is a named constant here, measured by `tools/bench.py gpu-smoke`.
+Every number is a formula of the architecture and the config; the formulas, their constants and how
+they were calibrated against measured peaks are in docs/benchmarks.md, "Memory plan". What only a
+GPU settles (CUDA-graph memory, the engine's non-torch memory) is a named constant here, measured by
+`tools/bench.py gpu-smoke`.
 """
 
 import dataclasses
@@ -21,12 +23,16 @@ from pathlib import Path
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-CUDA_CONTEXT_GIB = 1.5  # per process, outside PyTorch's allocator: CUDA context, cuBLAS and NCCL workspaces
+# per process, outside PyTorch's allocator: CUDA context, cuBLAS and NCCL workspaces
+CUDA_CONTEXT_GIB = 1.5
 ENGINE_NON_TORCH_GIB = 0.5  # vLLM's own non-torch memory, taken from its budget before the KV cache
-CUDA_GRAPH_GIB = 1.0  # vLLM's captured CUDA graphs (not with enforce_eager); kept while the engine sleeps
+# vLLM's captured CUDA graphs (not with enforce_eager); kept while the engine sleeps
+CUDA_GRAPH_GIB = 1.0
 HOST_PROCESS_GIB = 6.0  # host RAM of one rank: Python, PyTorch, CUDA libraries, vLLM
-HEADROOM = 0.05  # a phase fits when it leaves this share of the device free (allocator fragmentation)
-ENGINE_BATCH_TOKENS = 8192  # rollout.build_engine's max_num_batched_tokens floor (its profiling batch)
+# a phase fits when it leaves this share of the device free (allocator fragmentation)
+HEADROOM = 0.05
+# rollout.build_engine's max_num_batched_tokens floor (its profiling batch)
+ENGINE_BATCH_TOKENS = 8192
 
 
 @dataclasses.dataclass
@@ -52,14 +58,25 @@ class Architecture:
 
         config = AutoConfig.from_pretrained(path)
         config = getattr(config, "text_config", None) or config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
-        return cls(name=str(path), hidden=config.hidden_size, layers=config.num_hidden_layers,
-                   heads=config.num_attention_heads,
-                   kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                   head_dim=head_dim, intermediate=config.intermediate_size, vocab=config.vocab_size,
-                   tied=bool(config.tie_word_embeddings), max_positions=config.max_position_embeddings,
-                   dtype=dtype.removeprefix("torch."))
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        dtype = str(
+            getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+        )
+        return cls(
+            name=str(path),
+            hidden=config.hidden_size,
+            layers=config.num_hidden_layers,
+            heads=config.num_attention_heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            intermediate=config.intermediate_size,
+            vocab=config.vocab_size,
+            tied=bool(config.tie_word_embeddings),
+            max_positions=config.max_position_embeddings,
+            dtype=dtype.removeprefix("torch."),
+        )
 
     @property
     def q_dim(self):
@@ -71,10 +88,15 @@ class Architecture:
 
     @property
     def layer_parameters(self):  # attention (q, k, v, o), the gated MLP, two norms
-        return 2 * self.hidden * (self.q_dim + self.kv_dim) + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        return (
+            2 * self.hidden * (self.q_dim + self.kv_dim)
+            + 3 * self.hidden * self.intermediate
+            + 2 * self.hidden
+        )
 
     @property
-    def root_parameters(self):  # what FSDP2's root unit holds: embedding, final norm, an untied LM head
+    # what FSDP2's root unit holds: embedding, final norm, an untied LM head
+    def root_parameters(self):
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
     @property
@@ -82,21 +104,25 @@ class Architecture:
         return self.layers * self.layer_parameters + self.root_parameters
 
     def gathered_bytes(self, compute_bytes):
-        """What FSDP2 holds unsharded in a forward or backward: the root unit and two layers (the current and the
-        prefetched one), in the compute dtype."""
+        """What FSDP2 holds unsharded in a forward or backward: the root unit and two layers (the
+        current and the prefetched one), in the compute dtype."""
         return compute_bytes * (self.root_parameters + 2 * self.layer_parameters)
 
     def layer_activation_bytes(self, compute_bytes):
-        """Bytes per token that one decoder layer keeps for its backward: the residual stream and the two norms'
-        outputs, q/k/v before and after rotary (k/v repeated for grouped-query attention), the attention output,
-        the MLP's gate, up, activation and product, and the norms' float32 statistics."""
-        return (compute_bytes * (5 * self.hidden + 4 * self.q_dim + 3 * self.kv_dim + 4 * self.intermediate)
-                + 8 * self.hidden)
+        """Bytes per token that one decoder layer keeps for its backward: the residual stream and
+        the two norms' outputs, q/k/v before and after rotary (k/v repeated for grouped-query
+        attention), the attention output, the MLP's gate, up, activation and product, and the norms'
+        float32 statistics."""
+        return (
+            compute_bytes
+            * (5 * self.hidden + 4 * self.q_dim + 3 * self.kv_dim + 4 * self.intermediate)
+            + 8 * self.hidden
+        )
 
 
 def engine_dtype(cfg, arch):
-    """The dtype vLLM holds weights and KV cache in: rollout.dtype, or for "auto" the checkpoint's, with float32
-    checkpoints run in bfloat16 (vLLM's choice on GPU and x86 CPU)."""
+    """The dtype vLLM holds weights and KV cache in: rollout.dtype, or for "auto" the checkpoint's,
+    with float32 checkpoints run in bfloat16 (vLLM's choice on GPU and x86 CPU)."""
     if cfg.rollout.dtype != "auto":
         return cfg.rollout.dtype
     return "bfloat16" if arch.dtype == "float32" else arch.dtype
@@ -105,13 +131,15 @@ def engine_dtype(cfg, arch):
 def max_model_len(cfg, evaluating=None):
     """The engine's context: the longest prompt plus the longest response it samples (training or evaluation)."""
     evaluating = bool(cfg.eval.every and cfg.eval.files) if evaluating is None else evaluating
-    return cfg.data.max_prompt_tokens + max(cfg.rollout.max_tokens, cfg.eval.max_tokens if evaluating else 0)
+    return cfg.data.max_prompt_tokens + max(
+        cfg.rollout.max_tokens, cfg.eval.max_tokens if evaluating else 0
+    )
 
 
 def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
-    """The plan of `cfg` on `world_size` ranks (default: the hardware section's) of gpu_gib each (default: the
-    hardware section's), of which free_gib are free (default: all) -> dict of GiB (see the module docstring;
-    every key is described in docs/benchmarks.md, "Memory plan")."""
+    """The plan of `cfg` on `world_size` ranks (default: the hardware section's) of gpu_gib each
+    (default: the hardware section's), of which free_gib are free (default: all) -> dict of GiB (see
+    the module docstring; every key is described in docs/benchmarks.md, "Memory plan")."""
     hw = cfg.hardware
     world = world_size or hw.nodes * hw.gpus_per_node
     gpu_gib = hw.gpu_gib if gpu_gib is None else gpu_gib
@@ -122,61 +150,102 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
     engine_bytes = DTYPE_BYTES[e_dtype]
     context = max_model_len(cfg)
 
-    # the engine: weights, its profiling forward's activations, CUDA graphs, then the KV cache from what is left
+    # the engine: weights, its profiling forward's activations, CUDA graphs, then the KV cache from
+    # what is left
     engine_weights = n * engine_bytes / tp / GIB
     batch_tokens = max(ENGINE_BATCH_TOKENS, context)
-    engine_activations = (batch_tokens * (arch.q_dim + 2 * arch.kv_dim + 2 * arch.intermediate + 2 * arch.hidden)
-                          * engine_bytes / tp + 2 * cfg.rollout.max_num_seqs * arch.vocab * 4) / GIB
+    engine_activations = (
+        batch_tokens
+        * (arch.q_dim + 2 * arch.kv_dim + 2 * arch.intermediate + 2 * arch.hidden)
+        * engine_bytes
+        / tp
+        + 2 * cfg.rollout.max_num_seqs * arch.vocab * 4
+    ) / GIB
     graphs = 0.0 if (cfg.rollout.enforce_eager or not on_gpu) else CUDA_GRAPH_GIB
-    if on_gpu:  # vLLM takes gpu_memory_utilization of the device and gives the KV cache what its own use leaves
+    # vLLM takes gpu_memory_utilization of the device and gives the KV cache what its own use leaves
+    if on_gpu:
         engine_total = cfg.rollout.gpu_memory_utilization * gpu_gib
-        kv_cache = engine_total - engine_weights - engine_activations - graphs - ENGINE_NON_TORCH_GIB
+        kv_cache = (
+            engine_total - engine_weights - engine_activations - graphs - ENGINE_NON_TORCH_GIB
+        )
     else:  # CPU: the KV cache is sized in GiB
         kv_cache = cfg.rollout.kv_cache_gib
         engine_total = engine_weights + engine_activations + kv_cache
     engine_asleep = graphs + 0.25 if cfg.rollout.enable_sleep_mode else engine_total
-    kv_per_token = 2 * arch.layers * math.ceil(arch.kv_heads / tp) * arch.head_dim * engine_bytes  # one GPU
+    # one GPU
+    kv_per_token = 2 * arch.layers * math.ceil(arch.kv_heads / tp) * arch.head_dim * engine_bytes
     sequence_gib = context * kv_per_token / GIB
     sequences = max(0, math.floor(kv_cache / sequence_gib)) if kv_cache > 0 else 0
     engines = world // tp
     requests = math.ceil(cfg.algorithm.gen_batch_size / engines) * cfg.rollout.n
 
-    # the trainer: float32 shards of parameters and AdamW's two moments, then the update of one micro-batch
+    # the trainer: float32 shards of parameters and AdamW's two moments, then the update of one
+    # micro-batch
     master, adam = 4 * n / world / GIB, 8 * n / world / GIB
     gathered = arch.gathered_bytes(compute_bytes) / GIB
     row = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
     tokens = max(cfg.train.micro_token_budget, row)  # a row longer than the budget goes alone
-    update = update_gib(arch, world, compute_bytes, reduce_bytes, cfg.model.gradient_checkpointing, tokens, tokens)
+    update = update_gib(
+        arch, world, compute_bytes, reduce_bytes, cfg.model.gradient_checkpointing, tokens, tokens
+    )
     probe_tokens = cfg.data.max_prompt_tokens + 512  # train.PROBE_TOKENS
     probe = (gathered + probe_tokens * arch.layer_activation_bytes(compute_bytes) / GIB
              + 2 * 512 * arch.vocab * compute_bytes / GIB)
-    sync = arch.vocab * arch.hidden * engine_bytes / GIB  # the largest parameter, gathered in the engine's dtype
+    # the largest parameter, gathered in the engine's dtype
+    sync = arch.vocab * arch.hidden * engine_bytes / GIB
 
     context_gib = CUDA_CONTEXT_GIB if on_gpu else 0.0
     phases = {
         "startup": {"engine": engine_total, "trainer": master, "context": context_gib},
         "rollout": {"engine": engine_total, "trainer": master + adam, "context": context_gib},
-        "update": {"engine": engine_asleep, "trainer": update["state"], "batch": update["batch"],
-                   "context": context_gib},
+        "update": {
+            "engine": engine_asleep,
+            "trainer": update["state"],
+            "batch": update["batch"],
+            "context": context_gib,
+        },
         # with sleep mode the engine's weights are back, its KV cache not yet (train.sync_engine)
-        "sync_probe": {"engine": engine_weights + engine_asleep if cfg.rollout.enable_sleep_mode else engine_total,
-                       "trainer": master + adam, "batch": max(sync, probe), "context": context_gib},
+        "sync_probe": {
+            "engine": engine_weights + engine_asleep
+            if cfg.rollout.enable_sleep_mode
+            else engine_total,
+            "trainer": master + adam,
+            "batch": max(sync, probe),
+            "context": context_gib,
+        },
     }
     ranks_per_node = min(world, hw.gpus_per_node)
-    export = (4 + compute_bytes) * n / GIB  # rank 0 gathers the float32 model on the host, then casts it
+    # rank 0 gathers the float32 model on the host, then casts it
+    export = (4 + compute_bytes) * n / GIB
     host = ranks_per_node * HOST_PROCESS_GIB + export
     result = {
-        "config": None, "model": arch.name, "parameters_b": round(n / 1e9, 3),
-        "world_size": world, "nodes": -(-world // hw.gpus_per_node), "gpus_per_node": ranks_per_node,
-        "gpu_gib": gpu_gib, "free_gib": gpu_gib if free_gib is None else free_gib, "host_gib": hw.host_gib,
+        "config": None,
+        "model": arch.name,
+        "parameters_b": round(n / 1e9, 3),
+        "world_size": world,
+        "nodes": -(-world // hw.gpus_per_node),
+        "gpus_per_node": ranks_per_node,
+        "gpu_gib": gpu_gib,
+        "free_gib": gpu_gib if free_gib is None else free_gib,
+        "host_gib": hw.host_gib,
         "phases": {name: round(sum(parts.values()), 2) for name, parts in phases.items()},
-        "breakdown": {name: {k: round(v, 2) for k, v in parts.items()} for name, parts in phases.items()},
-        "engine": {"dtype": e_dtype, "weights_gib": round(engine_weights, 2),
-                   "activations_gib": round(engine_activations, 2), "cuda_graphs_gib": graphs,
-                   "tensor_parallel_size": tp, "engines": engines},
-        "kv_cache_gib": round(kv_cache, 2), "max_model_len": context,
-        "kv_sequence_gib": round(sequence_gib, 3), "kv_full_length_sequences": sequences,
-        "requests_per_round": requests, "micro_batch_tokens": tokens,
+        "breakdown": {
+            name: {k: round(v, 2) for k, v in parts.items()} for name, parts in phases.items()
+        },
+        "engine": {
+            "dtype": e_dtype,
+            "weights_gib": round(engine_weights, 2),
+            "activations_gib": round(engine_activations, 2),
+            "cuda_graphs_gib": graphs,
+            "tensor_parallel_size": tp,
+            "engines": engines,
+        },
+        "kv_cache_gib": round(kv_cache, 2),
+        "max_model_len": context,
+        "kv_sequence_gib": round(sequence_gib, 3),
+        "kv_full_length_sequences": sequences,
+        "requests_per_round": requests,
+        "micro_batch_tokens": tokens,
         "host_gib_per_node": round(host, 1),
     }
     result["problems"] = problems(result, cfg, arch)
@@ -185,12 +254,13 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
 
 
 def update_gib(arch, world, compute_bytes, reduce_bytes, checkpointing, tokens, response_tokens):
-    """The trainer's memory at the peak of an update, per rank, in GiB: {"state": float32 shards of the
-    parameters, their gradients and AdamW's two moments (16 bytes per parameter / world), "batch": the rest}.
-    The batch part: FSDP2's gathered units (Architecture.gathered_bytes), a layer's unsharded gradient before its reduce-scatter, and one micro-batch of `tokens` tokens
-    (`response_tokens` of them scored): each layer's input with gradient checkpointing plus one layer
-    recomputed, or every layer's activations without, and the logits at the response positions with their
-    gradient (never a float32 copy of them: stare.token_logprobs_and_entropy)."""
+    """The trainer's memory at the peak of an update, per rank, in GiB: {"state": float32 shards of
+    the parameters, their gradients and AdamW's two moments (16 bytes per parameter / world),
+    "batch": the rest}. The batch part: FSDP2's gathered units (Architecture.gathered_bytes), a
+    layer's unsharded gradient before its reduce-scatter, and one micro-batch of `tokens` tokens
+    (`response_tokens` of them scored): each layer's input with gradient checkpointing plus one
+    layer recomputed, or every layer's activations without, and the logits at the response positions
+    with their gradient (never a float32 copy of them: stare.token_logprobs_and_entropy)."""
     per_layer = arch.layer_activation_bytes(compute_bytes)
     if checkpointing:
         body = tokens * (arch.layers * arch.hidden * compute_bytes + per_layer)
@@ -199,7 +269,10 @@ def update_gib(arch, world, compute_bytes, reduce_bytes, checkpointing, tokens, 
     head = 2 * response_tokens * arch.vocab * compute_bytes
     gathered = arch.gathered_bytes(compute_bytes)
     grad_buffers = (compute_bytes + reduce_bytes) * arch.layer_parameters
-    return {"state": 16 * arch.parameters / world / GIB, "batch": (gathered + grad_buffers + body + head) / GIB}
+    return {
+        "state": 16 * arch.parameters / world / GIB,
+        "batch": (gathered + grad_buffers + body + head) / GIB,
+    }
 
 
 def problems(plan, cfg, arch):
@@ -207,20 +280,30 @@ def problems(plan, cfg, arch):
     found, usable = [], plan["free_gib"] - plan["gpu_gib"] * HEADROOM
     for name, gib in plan["phases"].items():
         if gib > usable:
-            found.append(f"{name} needs {gib:.1f} GiB per GPU, more than {usable:.1f} of {plan['free_gib']:g} "
-                         f"(keeping {HEADROOM:.0%} of the GPU free)")
+            found.append(
+                f"{name} needs {gib:.1f} GiB per GPU, more than {usable:.1f} of {plan['free_gib']:g} "
+                f"(keeping {HEADROOM:.0%} of the GPU free)"
+            )
     if plan["kv_full_length_sequences"] < 1:
-        found.append(f"the KV cache ({plan['kv_cache_gib']:.1f} GiB) holds no sequence of max_model_len "
-                     f"{plan['max_model_len']} ({plan['kv_sequence_gib']:.2f} GiB): vLLM refuses to start")
+        found.append(
+            f"the KV cache ({plan['kv_cache_gib']:.1f} GiB) holds no sequence of max_model_len "
+            f"{plan['max_model_len']} ({plan['kv_sequence_gib']:.2f} GiB): vLLM refuses to start"
+        )
     if plan["max_model_len"] > arch.max_positions:
-        found.append(f"max_model_len {plan['max_model_len']} (data.max_prompt_tokens + the longest response) "
-                     f"exceeds the model's context, max_position_embeddings = {arch.max_positions}")
+        found.append(
+            f"max_model_len {plan['max_model_len']} (data.max_prompt_tokens + the longest response) "
+            f"exceeds the model's context, max_position_embeddings = {arch.max_positions}"
+        )
     if plan["host_gib"] is not None and plan["host_gib_per_node"] > plan["host_gib"]:
-        found.append(f"host memory {plan['host_gib_per_node']:.0f} GiB per node exceeds hardware.host_gib "
-                     f"({plan['host_gib']:g})")
+        found.append(
+            f"host memory {plan['host_gib_per_node']:.0f} GiB per node exceeds hardware.host_gib "
+            f"({plan['host_gib']:g})"
+        )
     if plan["world_size"] % cfg.rollout.tensor_parallel_size:
-        found.append(f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} does not divide the "
-                     f"{plan['world_size']} ranks")
+        found.append(
+            f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} does not divide the "
+            f"{plan['world_size']} ranks"
+        )
     return found
 
 
@@ -232,7 +315,8 @@ def suggestions(cfg, arch):
     def fits(overrides):
         try:
             return compute(config.apply_overrides(cfg, overrides), arch)["fits"]
-        except config.ConfigError:  # e.g. a micro-batch budget or node count the batch sizes do not allow
+        # e.g. a micro-batch budget or node count the batch sizes do not allow
+        except config.ConfigError:
             return False
 
     utilizations = [f"rollout.gpu_memory_utilization={u / 100:.2f}" for u in range(95, 19, -1)]
@@ -250,7 +334,11 @@ def suggestions(cfg, arch):
                    if cfg.hardware.gpus_per_node % (tp * k) == 0 and not cfg.rollout.tools]
     candidates += [[f"hardware.nodes={cfg.hardware.nodes * k}"] for k in (2, 4)]
     for candidate in candidates:
-        options = [candidate + [u] for u in utilizations] if cfg.rollout.kv_cache_gib is None else [candidate]
+        options = (
+            [candidate + [u] for u in utilizations]
+            if cfg.rollout.kv_cache_gib is None
+            else [candidate]
+        )
         for overrides in options:  # the most KV cache that fits with this change
             if overrides and fits(overrides):
                 return overrides
@@ -261,32 +349,53 @@ def report(plan, cfg_path, suggestion=()):
     """The plan as text lines for a person, then the JSON line."""
     phases, breakdown = plan["phases"], plan["breakdown"]
     engine = plan["engine"]
-    lines = [f"memory plan of {cfg_path}: {plan['model']} ({plan['parameters_b']:.2f}B parameters) on "
-             f"{plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s) of {plan['gpu_gib']:g} GiB "
-             f"({plan['world_size']} ranks, {engine['engines']} engine(s) of tensor-parallel size "
-             f"{engine['tensor_parallel_size']})",
-             f"{'per GPU, GiB':<14}{'engine':>8}{'trainer':>9}{'batch':>8}{'context':>9}{'total':>8}"]
+    lines = [
+        f"memory plan of {cfg_path}: {plan['model']} ({plan['parameters_b']:.2f}B parameters) on "
+        f"{plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s) of {plan['gpu_gib']:g} GiB "
+        f"({plan['world_size']} ranks, {engine['engines']} engine(s) of tensor-parallel size "
+        f"{engine['tensor_parallel_size']})",
+        f"{'per GPU, GiB':<14}{'engine':>8}{'trainer':>9}{'batch':>8}{'context':>9}{'total':>8}",
+    ]
     for name, total in phases.items():
         parts = breakdown[name]
-        lines.append(f"  {name:<12}{parts['engine']:>8.1f}{parts['trainer']:>9.1f}{parts.get('batch', 0):>8.1f}"
-                     f"{parts['context']:>9.1f}{total:>8.1f}")
-    lines.append(f"engine ({engine['dtype']}): weights {engine['weights_gib']:.1f} GiB, activations "
-                 f"{engine['activations_gib']:.1f}, CUDA graphs {engine['cuda_graphs_gib']:.1f}; KV cache "
-                 f"{plan['kv_cache_gib']:.1f} GiB = {plan['kv_full_length_sequences']} sequences of "
-                 f"{plan['max_model_len']} tokens ({plan['kv_sequence_gib']:.2f} GiB each) for the "
-                 f"{plan['requests_per_round']} requests of one generation round")
-    lines.append(f"host: {plan['host_gib_per_node']:.0f} GiB on the first node ({plan['gpus_per_node']} ranks x "
-                 f"{HOST_PROCESS_GIB:g} + the final export's full model)"
-                 + (f" of {plan['host_gib']:g}" if plan["host_gib"] is not None else ""))
+        lines.append(
+            f"  {name:<12}{parts['engine']:>8.1f}{parts['trainer']:>9.1f}{parts.get('batch', 0):>8.1f}"
+            f"{parts['context']:>9.1f}{total:>8.1f}"
+        )
+    lines.append(
+        f"engine ({engine['dtype']}): weights {engine['weights_gib']:.1f} GiB, activations "
+        f"{engine['activations_gib']:.1f}, CUDA graphs {engine['cuda_graphs_gib']:.1f}; KV cache "
+        f"{plan['kv_cache_gib']:.1f} GiB = {plan['kv_full_length_sequences']} sequences of "
+        f"{plan['max_model_len']} tokens ({plan['kv_sequence_gib']:.2f} GiB each) for the "
+        f"{plan['requests_per_round']} requests of one generation round"
+    )
+    lines.append(
+        f"host: {plan['host_gib_per_node']:.0f} GiB on the first node ({plan['gpus_per_node']} ranks x "
+        f"{HOST_PROCESS_GIB:g} + the final export's full model)"
+        + (f" of {plan['host_gib']:g}" if plan["host_gib"] is not None else "")
+    )
     if plan["fits"]:
         lines.append("fits")
     else:
         lines += [f"does not fit: {problem}" for problem in plan["problems"]]
         lines.append("a change that fits: " + " ".join(suggestion) if suggestion else
                      "no change of one knob fits: try shorter responses or a larger GPU")
-    summary = {key: plan[key] for key in ("fits", "gpu_gib", "world_size", "phases", "kv_cache_gib",
-                                          "kv_full_length_sequences", "requests_per_round", "host_gib_per_node",
-                                          "max_model_len", "parameters_b", "problems")}
+    summary = {
+        key: plan[key]
+        for key in (
+            "fits",
+            "gpu_gib",
+            "world_size",
+            "phases",
+            "kv_cache_gib",
+            "kv_full_length_sequences",
+            "requests_per_round",
+            "host_gib_per_node",
+            "max_model_len",
+            "parameters_b",
+            "problems",
+        )
+    }
     summary["suggestion"] = list(suggestion)
     lines.append(json.dumps(summary))
     return lines
@@ -310,19 +419,21 @@ def main(cfg_path, overrides):
 
 
 def device_problem(cfg, arch, world_size, total_gib, free_gib):
-    """On a GPU, before anything loads: the plan on this device (the engine takes its share of the total, every
-    phase must fit in what is free) -> one line, or None if it fits."""
+    """On a GPU, before anything loads: the plan on this device (the engine takes its share of the
+    total, every phase must fit in what is free) -> one line, or None if it fits."""
     plan = compute(cfg, arch, world_size=world_size, gpu_gib=total_gib, free_gib=free_gib)
     device_problems = [p for p in plan["problems"] if "host memory" not in p]
     if not device_problems:
         return None
-    return (f"error: the memory plan does not fit this GPU ({free_gib:.1f} GiB free): {device_problems[0]}; "
-            f"`python train.py --config ... --plan` shows every phase and a change that fits")
+    return (
+        f"error: the memory plan does not fit this GPU ({free_gib:.1f} GiB free): {device_problems[0]}; "
+        f"`python train.py --config ... --plan` shows every phase and a change that fits"
+    )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The GPU preflight: what this machine lacks for the run, before anything loads
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 REQUIREMENTS = Path(__file__).resolve().parent / "requirements.txt"
 
@@ -348,25 +459,31 @@ def pinned_versions(requirements=REQUIREMENTS):
 
 
 def environment_problems(driver_cuda, build_cuda, installed, pins):
-    """(errors, warnings), one line each. driver_cuda / build_cuda: the CUDA version the NVIDIA driver supports and
-    the one PyTorch was built for, as major * 1000 + minor * 10 (13000 = 13.0); installed / pins: {package:
-    version} (a package missing from `installed` is not installed)."""
+    """(errors, warnings), one line each. driver_cuda / build_cuda: the CUDA version the NVIDIA
+    driver supports and the one PyTorch was built for, as major * 1000 + minor * 10 (13000 = 13.0);
+    installed / pins: {package: version} (a package missing from `installed` is not installed)."""
     errors, warnings = [], []
     if driver_cuda < build_cuda:
-        errors.append(f"error: the NVIDIA driver supports CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10}, "
-                      f"but PyTorch is built for CUDA {build_cuda // 1000}.{build_cuda % 1000 // 10}: update the "
-                      f"driver (the vllm 0.32.0 wheel is a CUDA 13 build: driver >= 580)")
+        errors.append(
+            f"error: the NVIDIA driver supports CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10}, "
+            f"but PyTorch is built for CUDA {build_cuda // 1000}.{build_cuda % 1000 // 10}: update the "
+            f"driver (the vllm 0.32.0 wheel is a CUDA 13 build: driver >= 580)"
+        )
     for name, version in pins.items():
         if name in installed and installed[name].split("+")[0] != version:
-            warnings.append(f"warning: {name} {installed[name]} is installed, the tested pin is {version} "
-                            f"(requirements.txt)")
+            warnings.append(
+                f"warning: {name} {installed[name]} is installed, the tested pin is {version} "
+                f"(requirements.txt)"
+            )
         elif name not in installed:
             errors.append(f"error: {name} is not installed (pip install -r requirements.txt)")
     torch_minor = ".".join(installed.get("torch", "").split(".")[:2])
     audio_minor = ".".join(installed.get("torchaudio", "").split(".")[:2])
     if audio_minor and audio_minor != torch_minor:
-        warnings.append(f"warning: torchaudio {installed['torchaudio']} (vllm's pin) is built for torch "
-                        f"{audio_minor}, not {torch_minor}: `pip uninstall torchaudio` (no text model uses it)")
+        warnings.append(
+            f"warning: torchaudio {installed['torchaudio']} (vllm's pin) is built for torch "
+            f"{audio_minor}, not {torch_minor}: `pip uninstall torchaudio` (no text model uses it)"
+        )
     return errors, warnings
 
 
@@ -388,16 +505,20 @@ def machine_problems(installed):
     import torch
 
     major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
-    return environment_problems(torch._C._cuda_getDriverVersion(), major * 1000 + minor * 10, installed,
-                                pinned_versions())
+    return environment_problems(
+        torch._C._cuda_getDriverVersion(), major * 1000 + minor * 10, installed, pinned_versions()
+    )
 
 
 def preflight(cfg, world_size, device):
-    """On a GPU, before anything loads: the driver against PyTorch's CUDA build, the packages against their pins,
-    and the memory plan against this device -> (errors, warnings), one line each."""
+    """On a GPU, before anything loads: the driver against PyTorch's CUDA build, the packages
+    against their pins, and the memory plan against this device -> (errors, warnings), one line
+    each."""
     import torch
 
     errors, warnings = machine_problems(installed_versions())
     free, total = (b / GIB for b in torch.cuda.mem_get_info(device))
-    memory = device_problem(cfg, Architecture.from_config_json(cfg.model.path), world_size, total, free)
+    memory = device_problem(
+        cfg, Architecture.from_config_json(cfg.model.path), world_size, total, free
+    )
     return errors + ([memory] if memory else []), warnings

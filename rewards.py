@@ -1,5 +1,5 @@
-"""rewards.py: verifiable rewards. Checks math answers with math-verify and the tiny "sum" task with plain integers.
-Pure Python: no vLLM, no torch, no torch.distributed, no file I/O.
+"""rewards.py: verifiable rewards. Checks math answers with math-verify and the tiny "sum" task with
+plain integers. Pure Python: no vLLM, no torch, no torch.distributed, no file I/O.
 
     import rewards
     cfg = config.RewardConfig()                           # acc only, as in STARE
@@ -8,21 +8,24 @@ Pure Python: no vLLM, no torch, no torch.distributed, no file I/O.
     rewards.verify_sum(r"\\boxed{3+4}", "7")                                        # (True, "ok")
     python -m tools.bench reward-throughput                     # responses per second on this machine
 
-The reward of a response (docs/method.md, Eq. 21): reward = acc + overlong_penalty + format_weight * format_ok.
-acc ∈ {0, 1} comes from the data source's verifier: "tiny_sum" uses verify_sum, every other source verify_math (the
-last \\boxed{} against the ground truth, symbolically and numerically; its docstring has the rules). DAPO's overlong
-shaping applies only when overlong_buffer_len > 0; STARE's format check is always logged and enters the reward only
-when format_weight != 0. Every check returns (correct, status), status one of "ok", "no_answer", "parse_error",
-"timeout", and the fraction of each is logged.
+The reward of a response (docs/method.md, Eq. 21): reward = acc + overlong_penalty + format_weight *
+format_ok. acc ∈ {0, 1} comes from the data source's verifier: "tiny_sum" uses verify_sum, every
+other source verify_math (the last \\boxed{} against the ground truth, symbolically and numerically;
+its docstring has the rules). DAPO's overlong shaping applies only when overlong_buffer_len > 0;
+STARE's format check is always logged and enters the reward only when format_weight != 0. Every
+check returns (correct, status), status one of "ok", "no_answer", "parse_error", "timeout", and the
+fraction of each is logged.
 
-Timeouts: sympy can run for minutes on a pathological answer, so one deadline of timeout_s bounds each whole check
-(`_call_with_deadline` says how and why). It needs signals, so it works only in the main thread: call
-compute_rewards from there, as the trainer does, or from a process pool with your own outer limit.
+Timeouts: sympy can run for minutes on a pathological answer, so one deadline of timeout_s bounds
+each whole check (`_call_with_deadline` says how and why). It needs signals, so it works only in the
+main thread: call compute_rewards from there, as the trainer does, or from a process pool with your
+own outer limit.
 
-Simplified relative to the STARE reference's reward, which finds the answer heuristically and accepts it if any of
-three checkers does: one strict extraction (the last \\boxed{}, which STARE's prompt asks for) and one checker
-(math-verify), so "correct" has one meaning. An answer stated only in prose scores 0 here but may score 1 there;
-answer_format="any" is more lenient. Overlong shaping and format_weight default to off, leaving acc, as in STARE.
+Simplified relative to the STARE reference's reward, which finds the answer heuristically and
+accepts it if any of three checkers does: one strict extraction (the last \\boxed{}, which STARE's
+prompt asks for) and one checker (math-verify), so "correct" has one meaning. An answer stated only
+in prose scores 0 here but may score 1 there; answer_format="any" is more lenient. Overlong shaping
+and format_weight default to off, leaving acc, as in STARE.
 """
 
 import functools
@@ -36,30 +39,35 @@ from fractions import Fraction
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-# math-verify's own timeouts are off (a single deadline is enforced here, see _call_with_deadline); its warning saying
-# so would only alarm the reader of every training log
+# math-verify's own timeouts are off (a single deadline is enforced here, see _call_with_deadline);
+# its warning saying so would only alarm the reader of every training log
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
-SUM_TASK_SOURCE = "tiny_sum"  # data_source of tiny.py's "write N as a sum of two positive integers" task
-COUNTDOWN_TASK_SOURCE = "tiny_countdown"  # data_source of tiny.py's "reach T from three digits with + - *" task
+# data_source of tiny.py's "write N as a sum of two positive integers" task
+SUM_TASK_SOURCE = "tiny_sum"
+# data_source of tiny.py's "reach T from three digits with + - *" task
+COUNTDOWN_TASK_SOURCE = "tiny_countdown"
 ANSWER_FORMATS = ("boxed", "any")
 
-# The gold and a boxed prediction are parsed with the same config, so two identical strings parse identically.
-# boxed_match_priority=0: a \boxed{} match wins over any other LaTeX match in the same text.
+# The gold and a boxed prediction are parsed with the same config, so two identical strings parse
+# identically. boxed_match_priority=0: a \boxed{} match wins over any other LaTeX match in the same
+# text.
 _BOXED_PARSE_CONFIG = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # answer extraction
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 _BOXED_OPEN = re.compile(r"\\boxed\s*\{")
-_ESCAPE_OR_BRACE = re.compile(r"\\.|[{}]", re.DOTALL)  # an escape such as \{ \} or \\ is one token, not a brace
+# an escape such as \{ \} or \\ is one token, not a brace
+_ESCAPE_OR_BRACE = re.compile(r"\\.|[{}]", re.DOTALL)
 
 
 def extract_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} in text, braces balanced: '\\boxed{\\frac{1}{2}}' -> '\\frac{1}{2}'.
-    '\\boxed {x}' also counts. Returns None if there is no \\boxed{, or if the last one is never closed."""
+    """The content of the last \\boxed{...} in text, braces balanced: '\\boxed{\\frac{1}{2}}' ->
+    '\\frac{1}{2}'. '\\boxed {x}' also counts. Returns None if there is no \\boxed{, or if the last
+    one is never closed."""
     last_open = None
     for last_open in _BOXED_OPEN.finditer(text):
         pass
@@ -76,24 +84,26 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the deadline
-# ----------------------------------------------------------------------------------------------------------------------
-# math-verify's own timeouts use signal.alarm, which raises ValueError outside the main thread (Math-Verify issues #50,
-# #55), counts whole seconds, and applies to each parse and each (gold, prediction) pair, so one response can cost
-# several timeouts. So math-verify runs with timeout=None and one deadline surrounds the whole check: a SIGALRM
-# interval timer (setitimer, fractional seconds) whose handler raises _Timeout, a BaseException that the
-# `except Exception` blocks of math-verify and sympy cannot swallow. Python itself can: an exception raised while a
-# weakref callback or a __del__ runs (sympy's caches trigger both) is printed as "Exception ignored" and dropped, so
-# after the deadline the timer fires every 10 ms until the exception gets through, and a check that still returns
-# after its deadline counts as a timeout too. The caller's SIGALRM handler is restored afterwards, and so is what was
-# left of a pending alarm of the caller's (it goes off late, when the check ends). The timer interrupts Python code
-# only, between bytecodes: a single long C call runs to its end first. Outside the main thread there is no deadline.
+# --------------------------------------------------------------------------------------------------
+# math-verify's own timeouts use signal.alarm, which raises ValueError outside the main thread
+# (Math-Verify issues #50, #55), counts whole seconds, and applies to each parse and each (gold,
+# prediction) pair, so one response can cost several timeouts. So math-verify runs with timeout=None
+# and one deadline surrounds the whole check: a SIGALRM interval timer (setitimer, fractional
+# seconds) whose handler raises _Timeout, a BaseException that the `except Exception` blocks of
+# math-verify and sympy cannot swallow. Python itself can: an exception raised while a weakref
+# callback or a __del__ runs (sympy's caches trigger both) is printed as "Exception ignored" and
+# dropped, so after the deadline the timer fires every 10 ms until the exception gets through, and a
+# check that still returns after its deadline counts as a timeout too. The caller's SIGALRM handler
+# is restored afterwards, and so is what was left of a pending alarm of the caller's (it goes off
+# late, when the check ends). The timer interrupts Python code only, between bytecodes: a single
+# long C call runs to its end first. Outside the main thread there is no deadline.
 
 
 class _Timeout(BaseException):
-    """Raised by the SIGALRM handler. It derives from BaseException so that the `except Exception` blocks in
-    math-verify and sympy let it through to verify_math."""
+    """Raised by the SIGALRM handler. It derives from BaseException so that the `except Exception`
+    blocks in math-verify and sympy let it through to verify_math."""
 
 
 def _alarm_usable() -> bool:
@@ -120,36 +130,46 @@ def _call_with_deadline(seconds: float, fn, *args):
     previous_handler = signal.signal(signal.SIGALRM, raise_timeout)
     previous_timer = (0.0, 0.0)
     try:
-        # at the deadline, then every 10 ms: a _Timeout that Python dropped (raised inside a weakref callback or a
-        # __del__, "Exception ignored in ...") is raised again at the next tick
+        # at the deadline, then every 10 ms: a _Timeout that Python dropped (raised inside a weakref
+        # callback or a __del__, "Exception ignored in ...") is raised again at the next tick
         previous_timer = signal.setitimer(signal.ITIMER_REAL, seconds, 0.01)
         try:
             result = fn(*args)
         finally:
             stop_timer()
-        if expired:  # the deadline passed and every _Timeout was dropped: the answer came too late all the same
+        # the deadline passed and every _Timeout was dropped: the answer came too late all the same
+        if expired:
             raise _Timeout
         return result
     finally:
-        stop_timer()  # again: a tick may have interrupted the first call before it stopped the timer
-        # None means the handler was not installed from Python; the default is the closest equivalent
-        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous_handler is None else previous_handler)
+        # again: a tick may have interrupted the first call before it stopped the timer
+        stop_timer()
+        # None means the handler was not installed from Python; the default is the closest
+        # equivalent
+        signal.signal(
+            signal.SIGALRM, signal.SIG_DFL if previous_handler is None else previous_handler
+        )
         left, interval = previous_timer
-        if left > 0:  # the caller had an alarm pending: re-arm what is left of it (at least a microsecond)
-            signal.setitimer(signal.ITIMER_REAL, max(left - (time.monotonic() - started), 1e-6), interval)
+        # the caller had an alarm pending: re-arm what is left of it (at least a microsecond)
+        if left > 0:
+            signal.setitimer(
+                signal.ITIMER_REAL, max(left - (time.monotonic() - started), 1e-6), interval
+            )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # verifiers
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
-# A plain number: an integer, a decimal (optionally with an exponent: "2.5e-07"; math-verify would read that "e" as
-# Euler's number), \frac{p}{q} (also \dfrac, \tfrac) or p/q, with an optional leading minus.
-# At most 50 digits per part, so int() never meets Python's 4300-digit limit.
-_PLAIN_NUMBER = re.compile(r"(?P<minus>-?)(?:(?P<decimal>[0-9]{1,50}(?:\.[0-9]{1,50})?(?:[eE][-+]?[0-9]{1,3})?)"
-                           r"|\\[dt]?frac\{(?P<frac_p>[0-9]{1,50})\}\{(?P<frac_q>[0-9]{1,50})\}"
-                           r"|(?P<slash_p>[0-9]{1,50})/(?P<slash_q>[0-9]{1,50}))")
+# A plain number: an integer, a decimal (optionally with an exponent: "2.5e-07"; math-verify would
+# read that "e" as Euler's number), \frac{p}{q} (also \dfrac, \tfrac) or p/q, with an optional
+# leading minus. At most 50 digits per part, so int() never meets Python's 4300-digit limit.
+_PLAIN_NUMBER = re.compile(
+    r"(?P<minus>-?)(?:(?P<decimal>[0-9]{1,50}(?:\.[0-9]{1,50})?(?:[eE][-+]?[0-9]{1,3})?)"
+    r"|\\[dt]?frac\{(?P<frac_p>[0-9]{1,50})\}\{(?P<frac_q>[0-9]{1,50})\}"
+    r"|(?P<slash_p>[0-9]{1,50})/(?P<slash_q>[0-9]{1,50}))"
+)
 
 
 def _plain_number(text: str) -> Fraction | None:
@@ -160,7 +180,11 @@ def _plain_number(text: str) -> Fraction | None:
     if match["decimal"] is not None:
         value = Fraction(match["decimal"])
     else:
-        p, q = (match["frac_p"], match["frac_q"]) if match["frac_p"] else (match["slash_p"], match["slash_q"])
+        p, q = (
+            (match["frac_p"], match["frac_q"])
+            if match["frac_p"]
+            else (match["slash_p"], match["slash_q"])
+        )
         if int(q) == 0:
             return None
         value = Fraction(int(p), int(q))
@@ -168,12 +192,14 @@ def _plain_number(text: str) -> Fraction | None:
 
 
 def _plain_numbers_verdict(ground_truth: str, answer: str) -> bool | None:
-    """The verdict on two plain numbers, without sympy, where it is certain; None where math-verify must decide.
+    """The verdict on two plain numbers, without sympy, where it is certain; None where math-verify
+    must decide.
 
-    Equal exact values are correct. math-verify would agree, and where it would not (a 16-digit decimal, which
-    sympy rounds to 15 digits) the answer is still right. Values further apart than 1e-5 (plus a relative 1e-9
-    for sympy's 15-digit floats) are wrong: math-verify accepts two unequal numbers only when both round to the
-    same 6 decimals. Nearer values are left to math-verify, so that for example 0.333333 still matches 1/3.
+    Equal exact values are correct. math-verify would agree, and where it would not (a 16-digit
+    decimal, which sympy rounds to 15 digits) the answer is still right. Values further apart than
+    1e-5 (plus a relative 1e-9 for sympy's 15-digit floats) are wrong: math-verify accepts two
+    unequal numbers only when both round to the same 6 decimals. Nearer values are left to
+    math-verify, so that for example 0.333333 still matches 1/3.
     """
     gold, prediction = _plain_number(ground_truth), _plain_number(answer)
     if gold is None or prediction is None:
@@ -187,15 +213,21 @@ def _plain_numbers_verdict(ground_truth: str, answer: str) -> bool | None:
 
 @functools.lru_cache(maxsize=4096)
 def _parse_gold(ground_truth: str) -> list:
-    # The box makes plain "42", "\frac{1}{2}" and "x^2+1" a LaTeX match; math-verify keeps the string form too.
-    return parse("\\boxed{" + ground_truth + "}", extraction_config=_BOXED_PARSE_CONFIG, parsing_timeout=None)
+    # The box makes plain "42", "\frac{1}{2}" and "x^2+1" a LaTeX match; math-verify keeps the
+    # string form too.
+    return parse(
+        "\\boxed{" + ground_truth + "}", extraction_config=_BOXED_PARSE_CONFIG, parsing_timeout=None
+    )
 
 
 @functools.lru_cache(maxsize=65536)
 def _boxed_answer_matches(ground_truth: str, answer: str) -> tuple[bool, str]:
-    # Cached, because a group of n samples often repeats an answer. A _Timeout leaves the cache untouched.
+    # Cached, because a group of n samples often repeats an answer. A _Timeout leaves the cache
+    # untouched.
     gold = _parse_gold(ground_truth)
-    prediction = parse("\\boxed{" + answer + "}", extraction_config=_BOXED_PARSE_CONFIG, parsing_timeout=None)
+    prediction = parse(
+        "\\boxed{" + answer + "}", extraction_config=_BOXED_PARSE_CONFIG, parsing_timeout=None
+    )
     if not gold or not prediction:
         return False, "parse_error"
     return verify(gold, prediction, timeout_seconds=None), "ok"
@@ -206,14 +238,16 @@ def _check_math(response: str, ground_truth: str, answer_format: str) -> tuple[b
         answer = extract_boxed(response)
         if answer is None:
             return False, "no_answer"
-        if answer.strip() and answer.strip() == ground_truth.strip():  # identical strings: math-verify agrees
+        # identical strings: math-verify agrees
+        if answer.strip() and answer.strip() == ground_truth.strip():
             return True, "ok"
         verdict = _plain_numbers_verdict(ground_truth, answer)  # ~50x faster than parsing the LaTeX
         if verdict is not None:
             return verdict, "ok"
         return _boxed_answer_matches(ground_truth, answer)
     gold = _parse_gold(ground_truth)
-    prediction = parse(response, parsing_timeout=None)  # math-verify's default extraction, over the whole text
+    # math-verify's default extraction, over the whole text
+    prediction = parse(response, parsing_timeout=None)
     if not prediction:
         return False, "no_answer"
     if not gold:
@@ -223,7 +257,8 @@ def _check_math(response: str, ground_truth: str, answer_format: str) -> tuple[b
 
 def verify_math(response: str, ground_truth: str, answer_format: str = "boxed",
                 timeout_s: float = 5.0) -> tuple[bool, str]:
-    """Is the response's final answer mathematically equal to ground_truth? Returns (correct, status).
+    """Is the response's final answer mathematically equal to ground_truth? Returns (correct,
+    status).
 
     Prediction: with answer_format "boxed" (the default) the content of the last \\boxed{...} (braces balanced,
     escaped \\{ \\} ignored) and nothing else; without one, (False, "no_answer"). With "any", math-verify's own
@@ -248,19 +283,23 @@ def verify_math(response: str, ground_truth: str, answer_format: str = "boxed",
         return _call_with_deadline(timeout_s, _check_math, response, ground_truth, answer_format)
     except _Timeout:
         return False, "timeout"
-    except Exception:  # math-verify catches its own errors; this catches the rest (e.g. a non-str input)
+    # math-verify catches its own errors; this catches the rest (e.g. a non-str input)
+    except Exception:
         return False, "parse_error"
 
 
-_SUM_ANSWER = re.compile(r"([0-9]+)\+([0-9]+)")  # ASCII digits only: \d would also accept e.g. Arabic-Indic digits
+# ASCII digits only: \d would also accept e.g. Arabic-Indic digits
+_SUM_ANSWER = re.compile(r"([0-9]+)\+([0-9]+)")
 
 
 def verify_sum(response: str, ground_truth: str) -> tuple[bool, str]:
-    """The tiny "sum" task's verifier: is the last \\boxed{} exactly "a+b", with a, b > 0 and a + b == ground_truth?
+    """The tiny "sum" task's verifier: is the last \\boxed{} exactly "a+b", with a, b > 0 and a + b
+    == ground_truth?
 
-    Whitespace anywhere in the box is ignored. a and b must be plain decimal digits: no sign, no other symbol.
-    Returns (correct, status): "no_answer" if there is no box, "parse_error" if the box is not of the form a+b (or
-    the ground truth is not an integer), else "ok". No sympy. Never raises.
+    Whitespace anywhere in the box is ignored. a and b must be plain decimal digits: no sign, no
+    other symbol. Returns (correct, status): "no_answer" if there is no box, "parse_error" if the
+    box is not of the form a+b (or the ground truth is not an integer), else "ok". No sympy. Never
+    raises.
     """
     try:
         answer = extract_boxed(response)
@@ -274,7 +313,8 @@ def verify_sum(response: str, ground_truth: str) -> tuple[bool, str]:
         return False, "parse_error"
     try:
         a, b = int(match.group(1)), int(match.group(2))
-    except ValueError:  # more digits than Python converts (4300): the form is right, and the sum cannot be this small
+    # more digits than Python converts (4300): the form is right, and the sum cannot be this small
+    except ValueError:
         return False, "ok"
     return a > 0 and b > 0 and a + b == target, "ok"
 
@@ -294,12 +334,13 @@ def countdown_value(expression: str) -> int:
 
 
 def verify_countdown(response: str, ground_truth: str) -> tuple[bool, str]:
-    """The tiny "countdown" task's verifier: does the last \\boxed{} combine exactly the given numbers, each once,
-    with + - * (no parentheses, usual precedence), into the target? ground_truth: "3,4,8=20" (the numbers, then
-    the target).
+    """The tiny "countdown" task's verifier: does the last \\boxed{} combine exactly the given
+    numbers, each once, with + - * (no parentheses, usual precedence), into the target?
+    ground_truth: "3,4,8=20" (the numbers, then the target).
 
-    Whitespace in the box is ignored. Returns (correct, status): "no_answer" if there is no box, "parse_error" if
-    the box is not numbers joined by + - * (or the ground truth is malformed), else "ok". Never raises.
+    Whitespace in the box is ignored. Returns (correct, status): "no_answer" if there is no box,
+    "parse_error" if the box is not numbers joined by + - * (or the ground truth is malformed), else
+    "ok". Never raises.
     """
     try:
         answer = extract_boxed(response)
@@ -310,7 +351,8 @@ def verify_countdown(response: str, ground_truth: str) -> tuple[bool, str]:
         if _COUNTDOWN_EXPRESSION.fullmatch(expression) is None or truth is None:
             return False, "parse_error"
         numbers = sorted(int(n) for n in re.findall(r"[0-9]+", expression))
-        if len(expression) > 64:  # far longer than any use of three numbers: not worth multiplying out
+        # far longer than any use of three numbers: not worth multiplying out
+        if len(expression) > 64:
             return False, "ok"
     except Exception:  # a non-str input
         return False, "parse_error"
@@ -321,21 +363,27 @@ def verify_countdown(response: str, ground_truth: str) -> tuple[bool, str]:
 def format_ok(response: str) -> bool:
     """STARE's format check (docs/method.md, Eq. 21). The reference only logs it.
 
-    If both <think> and <answer> appear, a "<think>...</think>\\n<answer>...</answer>" block is required.
-    Otherwise the response passes if it matches ^<think>X</think>Y$, if it contains "</think>", or if it contains
-    "boxed". The first of these three implies the second, so it is not tested separately.
+    If both <think> and <answer> appear, a "<think>...</think>\\n<answer>...</answer>" block is
+    required. Otherwise the response passes if it matches ^<think>X</think>Y$, if it contains
+    "</think>", or if it contains "boxed". The first of these three implies the second, so it is not
+    tested separately.
     """
     if "<think>" in response and "<answer>" in response:
-        return re.search(r"<think>.*?</think>\n<answer>.*?</answer>", response, re.DOTALL) is not None
+        return (
+            re.search(r"<think>.*?</think>\n<answer>.*?</answer>", response, re.DOTALL) is not None
+        )
     return "</think>" in response or "boxed" in response
 
 
-def overlong_penalty(length: int, max_response_len: int, buffer_len: int, factor: float = 1.0) -> float:
-    """DAPO's overlong reward shaping (docs/method.md, Eq. 21): 0 up to expected = max_response_len - buffer_len, then
-    linear down to -factor at max_response_len: min(-(length - expected) / buffer_len * factor, 0).
+def overlong_penalty(
+    length: int, max_response_len: int, buffer_len: int, factor: float = 1.0
+) -> float:
+    """DAPO's overlong reward shaping (docs/method.md, Eq. 21): 0 up to expected = max_response_len
+    - buffer_len, then linear down to -factor at max_response_len: min(-(length - expected) /
+    buffer_len * factor, 0).
 
-    Like DAPO, it does not clip below -factor. A length beyond max_response_len (which the sampler never
-    produces) gets a larger penalty.
+    Like DAPO, it does not clip below -factor. A length beyond max_response_len (which the sampler
+    never produces) gets a larger penalty.
     """
     if buffer_len <= 0:
         raise ValueError(f"buffer_len must be > 0, got {buffer_len}")
@@ -343,13 +391,16 @@ def overlong_penalty(length: int, max_response_len: int, buffer_len: int, factor
     return min(-(length - expected) / buffer_len * factor, 0.0)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the batch reward
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def compute_rewards(
-    responses: list[str], ground_truths: list[str], data_sources: list[str], response_lengths: list[int],
+    responses: list[str],
+    ground_truths: list[str],
+    data_sources: list[str],
+    response_lengths: list[int],
     cfg,
 ) -> tuple[list[float], list[float], dict[str, float]]:
     """Score a batch. Returns (rewards, accuracies, metrics). An accuracy is 0.0 or 1.0, and
@@ -364,12 +415,17 @@ def compute_rewards(
     """
     sizes = {len(responses), len(ground_truths), len(data_sources), len(response_lengths)}
     if len(sizes) != 1:
-        raise ValueError(f"responses, ground_truths, data_sources and response_lengths differ in length: "
-                         f"{len(responses)}, {len(ground_truths)}, {len(data_sources)}, {len(response_lengths)}")
+        raise ValueError(
+            f"responses, ground_truths, data_sources and response_lengths differ in length: "
+            f"{len(responses)}, {len(ground_truths)}, {len(data_sources)}, {len(response_lengths)}"
+        )
     started = time.perf_counter()
     rewards, accuracies, statuses, formats, penalties = [], [], [], [], []
-    for response, ground_truth, source, length in zip(responses, ground_truths, data_sources, response_lengths):
-        response = response if isinstance(response, str) else ""  # a missing response scores as no answer
+    for response, ground_truth, source, length in zip(
+        responses, ground_truths, data_sources, response_lengths
+    ):
+        # a missing response scores as no answer
+        response = response if isinstance(response, str) else ""
         if source == SUM_TASK_SOURCE:
             correct, status = verify_sum(response, ground_truth)
         elif source == COUNTDOWN_TASK_SOURCE:

@@ -1,5 +1,5 @@
-"""runs.py: the plumbing of one run (used by train.py): its errors, its lock on out_dir, its metrics log, the
-stop signals, and what a resume keeps of the metrics and checks of the config.
+"""runs.py: the plumbing of one run (used by train.py): its errors, its lock on out_dir, its metrics
+log, the stop signals, and what a resume keeps of the metrics and checks of the config.
 
     lock = runs.RunLock(out_dir); lock.acquire()       # one run per out_dir (a killed run's lock is taken over)
     log = runs.MetricsLog(out_dir, cfg, rank)          # metrics.jsonl, the console line, wandb / TensorBoard
@@ -17,14 +17,14 @@ import config
 
 
 class RunError(Exception):
-    """A run that cannot start or go on (a bad checkpoint, a clash with another run, a failed save): one line for the
-    user, and nothing that the run wrote before is lost."""
+    """A run that cannot start or go on (a bad checkpoint, a clash with another run, a failed save):
+    one line for the user, and nothing that the run wrote before is lost."""
 
 
 class RunLock:
-    """One run per out_dir: out_dir/run.lock holds the pid and host of the run that owns it. A lock left by a process
-    that no longer runs on this host (killed) is stale and taken over; one held on another host is not (a shared
-    file system: that run may be alive)."""
+    """One run per out_dir: out_dir/run.lock holds the pid and host of the run that owns it. A lock
+    left by a process that no longer runs on this host (killed) is stale and taken over; one held on
+    another host is not (a shared file system: that run may be alive)."""
 
     def __init__(self, out_dir):
         self.path = Path(out_dir) / "run.lock"
@@ -44,9 +44,11 @@ class RunLock:
                 if host == socket.gethostname() and pid.isdigit() and not _process_alive(int(pid)):
                     self.path.unlink(missing_ok=True)  # stale: its run was killed
                     continue
-                raise RunError(f"error: train.out_dir {self.path.parent} is in use by the run with pid {pid} on host "
-                               f"{host} ({self.path}); wait for it to end or use another train.out_dir (delete the "
-                               f"lock only if that run is gone)") from None
+                raise RunError(
+                    f"error: train.out_dir {self.path.parent} is in use by the run with pid {pid} on host "
+                    f"{host} ({self.path}); wait for it to end or use another train.out_dir (delete the "
+                    f"lock only if that run is gone)"
+                ) from None
             with os.fdopen(descriptor, "w") as f:
                 f.write(me + "\n")
             self.held = True
@@ -70,9 +72,10 @@ def _process_alive(pid):
 
 
 def keep_metrics(path, last_step):
-    """Rewrite metrics.jsonl with its records up to last_step, atomically; the records after it belong to the
-    interrupted attempt and will be recomputed, a half-written line is dropped. last_step None (a fresh start): an
-    existing non-empty metrics.jsonl is kept as metrics.jsonl.N, never deleted -> that path, or None."""
+    """Rewrite metrics.jsonl with its records up to last_step, atomically; the records after it
+    belong to the interrupted attempt and will be recomputed, a half-written line is dropped.
+    last_step None (a fresh start): an existing non-empty metrics.jsonl is kept as metrics.jsonl.N,
+    never deleted -> that path, or None."""
     kept, path = [], Path(path)
     if last_step is None:
         backup = None
@@ -110,32 +113,54 @@ def config_differences(old_yaml, cfg):
 
 
 class MetricsLog:
-    """metrics.jsonl (one object per step, rank 0), a console line every log_every steps, and wandb / TensorBoard
-    when the config turns them on (optional imports; config.check makes sure they are installed)."""
+    """metrics.jsonl (one object per step, rank 0), a console line every log_every steps, and wandb
+    / TensorBoard when the config turns them on (optional imports; config.check makes sure they are
+    installed)."""
 
-    CONSOLE_KEYS = ("rollout/acc_before_filter", "rollout/acc", "eval/overall/avg@n", "train/entropy", "train/loss",
-                    "stare/gate_on", "train/grad_norm", "time/step")
+    CONSOLE_KEYS = (
+        "rollout/acc_before_filter",
+        "rollout/acc",
+        "eval/overall/avg@n",
+        "train/entropy",
+        "train/loss",
+        "stare/gate_on",
+        "train/grad_norm",
+        "time/step",
+    )
 
     def __init__(self, out_dir, cfg, rank, first_step=1):
         self.rank, self.log_every = rank, cfg.train.log_every
         self.file = open(Path(out_dir) / "metrics.jsonl", "a") if rank == 0 else None
         self.wandb_run = self.tensorboard = None
-        if rank == 0 and cfg.train.wandb:  # one W&B run per out_dir, continued on resume (repeated steps keep their
+        # one W&B run per out_dir, continued on resume (repeated steps keep their
+        if rank == 0 and cfg.train.wandb:
             import wandb                   # first values there: W&B ignores steps it has seen)
             id_file = Path(out_dir) / "wandb_run_id"
             run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
             id_file.write_text(run_id)
-            self.wandb_run = wandb.init(project=cfg.train.wandb_project, name=Path(out_dir).name, id=run_id,
-                                        resume="allow", dir=str(out_dir), config=config.to_dict(cfg))
+            self.wandb_run = wandb.init(
+                project=cfg.train.wandb_project,
+                name=Path(out_dir).name,
+                id=run_id,
+                resume="allow",
+                dir=str(out_dir),
+                config=config.to_dict(cfg),
+            )
         if rank == 0 and cfg.train.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            # purge_step: events of the steps a resume recomputes are dropped from the old event files
-            self.tensorboard = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=first_step)
+            # purge_step: events of the steps a resume recomputes are dropped from the old event
+            # files
+            self.tensorboard = SummaryWriter(
+                str(Path(out_dir) / "tensorboard"), purge_step=first_step
+            )
 
     def write(self, step, metrics, progress):
         if self.rank != 0:
             return
-        record = {"step": step, **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}}
+        record = {
+            "step": step,
+            **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()},
+        }
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.wandb_run is not None:
@@ -144,11 +169,17 @@ class MetricsLog:
             for key, value in metrics.items():
                 self.tensorboard.add_scalar(key, value, step)
             self.tensorboard.flush()
-        progress.set_postfix(acc=metrics.get("rollout/acc_before_filter"), entropy=metrics.get("train/entropy"),
-                             gate=metrics.get("stare/gate_on"), refresh=False)
+        progress.set_postfix(
+            acc=metrics.get("rollout/acc_before_filter"),
+            entropy=metrics.get("train/entropy"),
+            gate=metrics.get("stare/gate_on"),
+            refresh=False,
+        )
         if step % self.log_every == 0:
-            progress.write(f"step {step}: " + " ".join(f"{k}={metrics[k]:.4g}" for k in self.CONSOLE_KEYS
-                                                         if k in metrics))
+            progress.write(
+                f"step {step}: "
+                + " ".join(f"{k}={metrics[k]:.4g}" for k in self.CONSOLE_KEYS if k in metrics)
+            )
 
     def close(self):
         if self.file is not None:
@@ -160,10 +191,11 @@ class MetricsLog:
 
 
 class StopSignals:
-    """SIGTERM, SIGUSR1 (e.g. SLURM's --signal=USR1@300) and SIGINT ask the run to finish its step, save and exit.
-    A second Ctrl-C stops at once; a repeated SIGTERM does not (a scheduler may signal every process and torchrun
-    forward the same signal again). Under torchrun pass --shutdown-timeout longer than a step plus a save: torchrun
-    SIGKILLs its workers 30 s after forwarding a signal."""
+    """SIGTERM, SIGUSR1 (e.g. SLURM's --signal=USR1@300) and SIGINT ask the run to finish its step,
+    save and exit. A second Ctrl-C stops at once; a repeated SIGTERM does not (a scheduler may
+    signal every process and torchrun forward the same signal again). Under torchrun pass
+    --shutdown-timeout longer than a step plus a save: torchrun SIGKILLs its workers 30 s after
+    forwarding a signal."""
 
     def __init__(self):
         self.received = []
@@ -180,5 +212,6 @@ class StopSignals:
         return bool(self.received)
 
     @property
-    def signal_number(self):  # the first signal received; SIGTERM when another rank's signal stopped this one
+    # the first signal received; SIGTERM when another rank's signal stopped this one
+    def signal_number(self):
         return self.received[0] if self.received else signal.SIGTERM

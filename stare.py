@@ -1,11 +1,12 @@
 """stare.py: STARE's math and the GRPO objective as pure tensor functions.
 
-STARE (Surprisal-guided Token-level Advantage Reweighting for policy Entropy stability, Luo et al. 2026) keeps a
-GRPO policy's entropy from collapsing by reweighting a few tokens' advantages: among positive-advantage tokens it
-up-weights the most surprising ones (the set L+, weight w > 1); variant C2 also down-weights the most surprising
-negative-advantage tokens (L-, weight m < 1). A closed-loop gate switches the reweighting on only while the batch
-entropy is below a target. "Eq. N" refers to docs/method.md, which also lists where this code departs from the
-reference implementation (hp-luo/STARE) and why.
+STARE (Surprisal-guided Token-level Advantage Reweighting for policy Entropy stability, Luo et al.
+2026) keeps a GRPO policy's entropy from collapsing by reweighting a few tokens' advantages: among
+positive-advantage tokens it up-weights the most surprising ones (the set L+, weight w > 1); variant
+C2 also down-weights the most surprising negative-advantage tokens (L-, weight m < 1). A closed-loop
+gate switches the reweighting on only while the batch entropy is below a target. "Eq. N" refers to
+docs/method.md, which also lists where this code departs from the reference implementation
+(hp-luo/STARE) and why.
 
 Read top to bottom:
   1. log-probs and entropy from logits, chunked over rows (never a float32 copy of the whole [N, V])    Eq. 4
@@ -19,33 +20,36 @@ Read top to bottom:
     token_loss, clip_stats = stare.clipped_surrogate(logprobs, old_logprobs, advantages, 0.2, 0.28, 10.0, mask)
     loss = stare.aggregate_loss(token_loss * weights, mask, "token-mean", num_tokens=step_token_count)
 
-Everything here is a pure function of tensors: no I/O, no torch.distributed, no config objects, no global state.
-The selection functions never synchronise host and device (no `.item()`, no data-dependent Python branches), so
-they cost a few kernels on a GPU. Shapes: B sequences, T response positions, V vocabulary, N = B*T flattened rows.
+Everything here is a pure function of tensors: no I/O, no torch.distributed, no config objects, no
+global state. The selection functions never synchronise host and device (no `.item()`, no
+data-dependent Python branches), so they cost a few kernels on a GPU. Shapes: B sequences, T
+response positions, V vocabulary, N = B*T flattened rows.
 """
 
 import math
 
 import torch
 
-_FLOAT32_MIN = torch.finfo(torch.float32).min  # log pi is clamped here so that a -inf logit gives 0 * log 0 = 0
+# log pi is clamped here so that a -inf logit gives 0 * log 0 = 0
+_FLOAT32_MIN = torch.finfo(torch.float32).min
 
-# Rows per chunk are chosen so that one float32 chunk of logits stays under this many bytes (≈220 rows at
-# Qwen2.5's V = 151,936). Each chunk makes ~3 float32 temporaries, so the extra memory stays far below one full copy.
+# Rows per chunk are chosen so that one float32 chunk of logits stays under this many bytes (≈220
+# rows at Qwen2.5's V = 151,936). Each chunk makes ~3 float32 temporaries, so the extra memory stays
+# far below one full copy.
 DEFAULT_CHUNK_BYTES = 128 * 2**20
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # 1. Log-probs and entropy from logits (chunked)
-# ======================================================================================================================
+# ==================================================================================================
 
 
 class _ChunkedLogprobEntropy(torch.autograd.Function):
     """log pi(token) and H(pi) for pi = softmax(logits / T), row-chunked in forward *and* backward.
 
-    Autograd through a plain chunk loop would save every chunk's float32 copy for backward, i.e. the whole [N, V]
-    in float32 after all. This function saves only the input logits (held by the model anyway) and two floats per
-    row, and recomputes each chunk's softmax in backward.
+    Autograd through a plain chunk loop would save every chunk's float32 copy for backward, i.e. the
+    whole [N, V] in float32 after all. This function saves only the input logits (held by the model
+    anyway) and two floats per row, and recomputes each chunk's softmax in backward.
     """
 
     @staticmethod
@@ -59,7 +63,8 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             lse = torch.logsumexp(x, dim=-1)  # [n]
             log_pi = (x - lse[:, None]).clamp_(min=_FLOAT32_MIN)  # [n, V]
             logprobs[start:end] = log_pi.gather(-1, tokens_1d[start:end, None]).squeeze(-1)
-            # H = -sum p log p, not lse - sum p x: the latter cancels catastrophically for peaked rows.
+            # H = -sum p log p, not lse - sum p x: the latter cancels catastrophically for peaked
+            # rows.
             entropy[start:end] = -(log_pi.exp().mul_(log_pi)).sum(-1)
             lse_all[start:end] = lse
         ctx.save_for_backward(logits_2d, tokens_1d, lse_all, entropy)
@@ -83,7 +88,9 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             if grad_entropy is not None:
                 coef.sub_(pi * (log_pi + entropy[start:end, None]) * grad_entropy[start:end, None])
             if grad_logprobs is not None:
-                coef.scatter_add_(-1, tokens_1d[start:end, None], grad_logprobs[start:end, None].float())
+                coef.scatter_add_(
+                    -1, tokens_1d[start:end, None], grad_logprobs[start:end, None].float()
+                )
             grad_logits[start:end] = (coef / ctx.temperature).to(grad_logits.dtype)
         return grad_logits, None, None, None
 
@@ -91,15 +98,16 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
 def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None):
     """log pi(token) and the full next-token entropy H of pi = softmax(logits / temperature).   (Eq. 4)
 
-    logits [..., T, V] (any float dtype; position t scores token t), tokens [..., T] valid ids (pad with any id
-    and mask later) -> (logprobs [..., T], entropy [..., T]), both float32.
+    logits [..., T, V] (any float dtype; position t scores token t), tokens [..., T] valid ids (pad
+    with any id and mask later) -> (logprobs [..., T], entropy [..., T]), both float32.
 
-    Computed `chunk_size` rows at a time (default: ~128 MiB of float32 per chunk) in forward and backward, so no
-    float32 copy of the whole [N, V] is ever made; the results equal the unchunked computation. On CUDA the same
-    function runs as one Triton pass per row over the logits (kernels.py; chunk_size is then unused), equal up to
-    float32 rounding. Both outputs are differentiable w.r.t. the logits (the entropy gradient is what an entropy
-    bonus needs); under torch.no_grad() nothing is saved. Pass contiguous logits: a strided view such as
-    logits[:, :-1] is first copied whole (in its own dtype) by the flattening reshape, and that copy is what
+    Computed `chunk_size` rows at a time (default: ~128 MiB of float32 per chunk) in forward and
+    backward, so no float32 copy of the whole [N, V] is ever made; the results equal the unchunked
+    computation. On CUDA the same function runs as one Triton pass per row over the logits
+    (kernels.py; chunk_size is then unused), equal up to float32 rounding. Both outputs are
+    differentiable w.r.t. the logits (the entropy gradient is what an entropy bonus needs); under
+    torch.no_grad() nothing is saved. Pass contiguous logits: a strided view such as logits[:, :-1]
+    is first copied whole (in its own dtype) by the flattening reshape, and that copy is what
     backward keeps. A -inf logit is fine (0 log 0 = 0).
     """
     import kernels
@@ -111,37 +119,43 @@ def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None)
         logprobs, entropy = kernels.LogprobEntropy.apply(logits_2d, tokens_1d, float(temperature))
         return logprobs.view(tokens.shape), entropy.view(tokens.shape)
     chunk_rows = rows_per_chunk(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
-    logprobs, entropy = _ChunkedLogprobEntropy.apply(logits_2d, tokens_1d, float(temperature), chunk_rows)
+    logprobs, entropy = _ChunkedLogprobEntropy.apply(
+        logits_2d, tokens_1d, float(temperature), chunk_rows
+    )
     return logprobs.view(tokens.shape), entropy.view(tokens.shape)
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # 2. First-order entropy dynamics (Eq. 5)
-# ======================================================================================================================
-# A policy-gradient step on sampled token k with advantage A moves the (tempered) logits z by eta*A*(e_k - pi).
-# To first order the entropy changes by  dH = eta * A * S(pi, k)  with
+# ==================================================================================================
+# A policy-gradient step on sampled token k with advantage A moves the (tempered) logits z by
+# eta*A*(e_k - pi). To first order the entropy changes by  dH = eta * A * S(pi, k)  with
 #     S(pi, k) = sum_a pi_a^2 (log pi_a + H) - pi_k (log pi_k + H) = pi_k (s_k - H) - B,   B = sum_a pi_a^2 (s_a - H) <= 0
-# where s = -log pi is the surprisal. S depends on k only through s_k, is negative at the mode, crosses zero at one
-# critical surprisal s0 <= H and averages to zero under k ~ pi. So: reinforcing (A > 0) a token with s_k > s0 raises
-# entropy, reinforcing one with s_k < s0 lowers it, and the signs flip for A < 0 (the four quadrants).
+# where s = -log pi is the surprisal. S depends on k only through s_k, is negative at the mode,
+# crosses zero at one critical surprisal s0 <= H and averages to zero under k ~ pi. So: reinforcing
+# (A > 0) a token with s_k > s0 raises entropy, reinforcing one with s_k < s0 lowers it, and the
+# signs flip for A < 0 (the four quadrants).
 
 
 @torch.no_grad()
 def _entropy_geometry(logits, tokens, temperature, chunk_size):
-    """Per row of pi = softmax(logits / T): log pi(token) (if tokens given), H, B = sum_a pi_a^2 (s_a - H), and
-    the smallest surprisal s_min = -log max_a pi_a. logits [..., T, V] -> four float32 tensors [N]. One Triton
-    pass per row on CUDA (kernels.py), row chunks elsewhere."""
+    """Per row of pi = softmax(logits / T): log pi(token) (if tokens given), H, B = sum_a pi_a^2
+    (s_a - H), and the smallest surprisal s_min = -log max_a pi_a. logits [..., T, V] -> four
+    float32 tensors [N]. One Triton pass per row on CUDA (kernels.py), row chunks elsewhere."""
     import kernels
 
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     logits_2d, tokens_1d = flatten_logits(logits, tokens)
     if kernels.supported(logits_2d):
-        logprobs, entropy, _, cov_b, s_min = kernels.row_stats(logits_2d, tokens_1d, float(temperature), True)
+        logprobs, entropy, _, cov_b, s_min = kernels.row_stats(
+            logits_2d, tokens_1d, float(temperature), True
+        )
         return logprobs, entropy, cov_b, s_min
     chunk_rows = rows_per_chunk(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
     num_rows, device = logits_2d.shape[0], logits_2d.device
-    logprobs, entropy, cov_b, s_min = (torch.empty(num_rows, device=device) for _ in range(4))  # [N] float32 each
+    # [N] float32 each
+    logprobs, entropy, cov_b, s_min = (torch.empty(num_rows, device=device) for _ in range(4))
     for start, end, x in tempered_chunks(logits_2d, temperature, chunk_rows):
         lse = torch.logsumexp(x, dim=-1)  # [n]
         log_pi = (x - lse[:, None]).clamp_(min=_FLOAT32_MIN)  # [n, V]
@@ -151,20 +165,22 @@ def _entropy_geometry(logits, tokens, temperature, chunk_size):
         pi = log_pi.exp()  # [n, V]
         h = -(pi * log_pi).sum(-1)  # [n]
         entropy[start:end] = h
-        # B = sum pi^2 (s - H) = -sum pi^2 (log pi + H)   (in place: log_pi and pi are not needed afterwards)
+        # B = sum pi^2 (s - H) = -sum pi^2 (log pi + H)   (in place: log_pi and pi are not needed
+        # afterwards)
         cov_b[start:end] = -(pi.square_().mul_(log_pi.add_(h[:, None]))).sum(-1)
     return logprobs, entropy, cov_b, s_min
 
 
 def entropy_sensitivity(logits, tokens, temperature=1.0, chunk_size=None):
-    """S: first-order entropy change per unit eta*A of a logit-space policy-gradient step on the sampled token. (Eq. 5)
+    """S: first-order entropy change per unit eta*A of a logit-space policy-gradient step on the
+    sampled token. (Eq. 5)
 
-    S = sum_a pi_a^2 (log pi_a + H) - pi_k (log pi_k + H),  pi = softmax(logits / temperature), k = token.
-    logits [..., T, V], tokens [..., T] -> S [..., T] float32. No gradient.
+    S = sum_a pi_a^2 (log pi_a + H) - pi_k (log pi_k + H),  pi = softmax(logits / temperature), k =
+    token. logits [..., T, V], tokens [..., T] -> S [..., T] float32. No gradient.
 
-    S > 0: reinforcing the token (A > 0) raises the entropy. The step is taken in the tempered logits z / T (the
-    tabular softmax of the sampling distribution); a step of eta*A*grad in the raw logits changes H by
-    eta * A * S / T^2.
+    S > 0: reinforcing the token (A > 0) raises the entropy. The step is taken in the tempered
+    logits z / T (the tabular softmax of the sampling distribution); a step of eta*A*grad in the raw
+    logits changes H by eta * A * S / T^2.
     """
     logprobs, entropy, cov_b, _ = _entropy_geometry(logits, tokens, temperature, chunk_size)
     sensitivity = logprobs.exp() * (-logprobs - entropy) - cov_b  # pi_k (s_k - H) - B, [N]
@@ -172,12 +188,13 @@ def entropy_sensitivity(logits, tokens, temperature=1.0, chunk_size=None):
 
 
 def critical_surprisal(logits, temperature=1.0, chunk_size=None, iterations=60):
-    """s0: the surprisal at which S changes sign, i.e. the root of g(s) = e^{-s} (s - H) - B on [s_min, H].  (Eq. 5)
+    """s0: the surprisal at which S changes sign, i.e. the root of g(s) = e^{-s} (s - H) - B on
+    [s_min, H].  (Eq. 5)
 
     logits [..., T, V] -> s0 [..., T] float32. A token k has S > 0 iff its surprisal -log pi_k > s0.
-    g is increasing on [0, H + 1], negative at s_min (the mode) and equal to -B >= 0 at H, so bisection on
-    [s_min, H] converges to the unique root; 60 halvings reach float64 resolution. For a uniform pi, s0 = H.
-    For diagnostics only (the trainer's quadrants use the sign of S directly).
+    g is increasing on [0, H + 1], negative at s_min (the mode) and equal to -B >= 0 at H, so
+    bisection on [s_min, H] converges to the unique root; 60 halvings reach float64 resolution. For
+    a uniform pi, s0 = H. For diagnostics only (the trainer's quadrants use the sign of S directly).
     """
     _, entropy, cov_b, s_min = _entropy_geometry(logits, None, temperature, chunk_size)
     h, b = entropy.double(), cov_b.double()  # [N]
@@ -191,11 +208,12 @@ def critical_surprisal(logits, temperature=1.0, chunk_size=None, iterations=60):
 
 
 def quadrant_masks(advantages, surprisal, mask, threshold):
-    """The advantage-sign x surprisal partition of the valid tokens (Eq. 6): (pos_high, pos_low, neg_high, neg_low).
+    """The advantage-sign x surprisal partition of the valid tokens (Eq. 6): (pos_high, pos_low,
+    neg_high, neg_low).
 
-    advantages [B] or [B, T]; surprisal [B, T] (= -log pi); mask [B, T] (1 = valid token); threshold a scalar or a
-    tensor broadcastable to [B, T] (e.g. the critical surprisal s0) -> four bool [B, T]. "high" means
-    surprisal >= threshold. Tokens with A = 0 are in no quadrant.
+    advantages [B] or [B, T]; surprisal [B, T] (= -log pi); mask [B, T] (1 = valid token); threshold
+    a scalar or a tensor broadcastable to [B, T] (e.g. the critical surprisal s0) -> four bool [B,
+    T]. "high" means surprisal >= threshold. Tokens with A = 0 are in no quadrant.
     """
     token_adv = token_advantages(advantages, surprisal)  # [B, T]
     valid = mask.bool()
@@ -204,9 +222,9 @@ def quadrant_masks(advantages, surprisal, mask, threshold):
     return pos & high, pos & ~high, neg & high, neg & ~high
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # 3. STARE: top-surprisal selection, token weights, the entropy gate (Eqs. 7, 8, 10)
-# ======================================================================================================================
+# ==================================================================================================
 
 
 def _validate_ratio(top_ratio):
@@ -217,33 +235,38 @@ def _validate_ratio(top_ratio):
 def select_top_surprisal(surprisal, candidates, top_ratio):
     """Among the candidate tokens, exactly k = ceil(top_ratio * n) with the highest surprisal.   (Eq. 7)
 
-    surprisal [...] float (= -log pi >= 0), candidates [...] bool (same shape, any shape: one micro-batch or a whole
-    batch gathered across ranks) -> bool mask [...]. n = number of candidates; k >= 1 when n > 0 and top_ratio > 0;
-    none when n = 0 or top_ratio = 0. Ties at the k-th value are broken by position (first in flattened order),
-    so the result is deterministic. A slightly negative surprisal (log-prob rounding above 0) counts as 0.
+    surprisal [...] float (= -log pi >= 0), candidates [...] bool (same shape, any shape: one
+    micro-batch or a whole batch gathered across ranks) -> bool mask [...]. n = number of
+    candidates; k >= 1 when n > 0 and top_ratio > 0; none when n = 0 or top_ratio = 0. Ties at the
+    k-th value are broken by position (first in flattened order), so the result is deterministic. A
+    slightly negative surprisal (log-prob rounding above 0) counts as 0.
 
-    n and k stay on the device and the selection is `select_top_k`'s radix select, so there is no host-device sync.
+    n and k stay on the device and the selection is `select_top_k`'s radix select, so there is no
+    host-device sync.
     """
     _validate_ratio(top_ratio)
     if top_ratio == 0:
         return torch.zeros(candidates.shape, dtype=torch.bool, device=candidates.device)
     n = candidates.sum(dtype=torch.int32)  # 0-dim, on the device
-    k = torch.ceil(top_ratio * n.double() - 1e-9).clamp(min=1)  # 0-dim; clamped to n in select_top_k
+    # 0-dim; clamped to n in select_top_k
+    k = torch.ceil(top_ratio * n.double() - 1e-9).clamp(min=1)
     return select_top_k(surprisal, candidates, k)
 
 
-def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1, m=0.9, gate_on=True):
+def stare_weights(
+    logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1, m=0.9, gate_on=True
+):
     """omega, STARE's token weights (Eq. 8), and selection statistics.
 
-    logprobs [B, T] (of the sampled tokens; detached here, surprisal s = -logprob), advantages [B] or [B, T],
-    mask [B, T] -> (weights [B, T] float32, stats dict of 0-dim tensors).
+    logprobs [B, T] (of the sampled tokens; detached here, surprisal s = -logprob), advantages [B]
+    or [B, T], mask [B, T] -> (weights [B, T] float32, stats dict of 0-dim tensors).
 
       L+ = the top-P% surprisal tokens among valid tokens with A > 0     (both variants)
       L- = the top-P% surprisal tokens among valid tokens with A < 0     (C2 only)
       omega = w on L+, m on L- (C2), 1 elsewhere; all ones when the gate is off (then the loss is exactly GRPO's).
 
-    P = top_ratio. gate_on may be a Python bool or a bool tensor (no sync either way). The selection is computed
-    even with the gate off, so the stats always show which tokens *would* be reweighted.
+    P = top_ratio. gate_on may be a Python bool or a bool tensor (no sync either way). The selection
+    is computed even with the gate off, so the stats always show which tokens *would* be reweighted.
     """
     variant = variant.upper()
     if variant not in ("O1", "C2"):
@@ -254,11 +277,14 @@ def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1
     pos_candidates = valid & (advantages > 0)  # [B, T]
     neg_candidates = valid & (advantages < 0)
     pos_selected = select_top_surprisal(surprisal, pos_candidates, top_ratio)  # L+, [B, T]
-    if isinstance(gate_on, torch.Tensor):  # 0-dim 0/1; non_blocking: a CPU flag must not stall the GPU stream
+    # 0-dim 0/1; non_blocking: a CPU flag must not stall the GPU stream
+    if isinstance(gate_on, torch.Tensor):
         gate = gate_on.to(device=surprisal.device, dtype=torch.float32, non_blocking=True)
-    else:  # torch.full makes it on the device; torch.tensor(x, device=cuda) would be a blocking copy
+    # torch.full makes it on the device; torch.tensor(x, device=cuda) would be a blocking copy
+    else:
         gate = torch.full((), float(bool(gate_on)), device=surprisal.device)
-    # omega = 1 + gate * ((w - 1) [L+] + (m - 1) [L-]): arithmetic on the masks, cheaper than torch.where
+    # omega = 1 + gate * ((w - 1) [L+] + (m - 1) [L-]): arithmetic on the masks, cheaper than
+    # torch.where
     weights = pos_selected.float().mul_((w - 1.0) * gate)  # [B, T] float32
     if variant == "C2":
         neg_selected = select_top_surprisal(surprisal, neg_candidates, top_ratio)  # L-
@@ -268,13 +294,15 @@ def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1
         num_neg_selected = torch.zeros((), dtype=torch.int32, device=weights.device)
     weights.add_(1.0)
 
-    # Counts are reductions of masks we already have; the mean weight follows from them without another pass.
+    # Counts are reductions of masks we already have; the mean weight follows from them without
+    # another pass.
     num_valid = valid.sum(dtype=torch.int32).clamp(min=1).float()
     pos_selected_frac = pos_selected.sum(dtype=torch.int32) / num_valid
     neg_selected_frac = num_neg_selected / num_valid
     mean_weight = 1.0 + ((w - 1.0) * pos_selected_frac + (m - 1.0) * neg_selected_frac) * gate
     stats = {
-        "pos_candidate_frac": pos_candidates.sum(dtype=torch.int32) / num_valid,  # fractions of the valid tokens
+        # fractions of the valid tokens
+        "pos_candidate_frac": pos_candidates.sum(dtype=torch.int32) / num_valid,
         "neg_candidate_frac": neg_candidates.sum(dtype=torch.int32) / num_valid,
         "pos_selected_frac": pos_selected_frac,
         "neg_selected_frac": neg_selected_frac,
@@ -287,19 +315,24 @@ def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1
 class EntropyGate:
     """The closed-loop entropy controller of STARE (Eq. 10; the reference's STAREController).
 
-    Once per optimizer step, before the update, call `update(batch_entropy)` with the token-mean entropy of the
-    step's batch under the pre-update policy. Then `gate_on` says whether to reweight this step (H < target,
-    strict), and `w`, `m` are the weights to use. With `adaptive`, w and m move by alpha per step towards stronger
-    reweighting while H < target and back towards 1 while H > target, within [1, w_max] and [m_min, 1]; this
-    happens whether or not the gate is on, exactly as in the reference. A non-finite entropy leaves the state
-    unchanged (and `update` returns False so the caller can log it).
+    Once per optimizer step, before the update, call `update(batch_entropy)` with the token-mean
+    entropy of the step's batch under the pre-update policy. Then `gate_on` says whether to reweight
+    this step (H < target, strict), and `w`, `m` are the weights to use. With `adaptive`, w and m
+    move by alpha per step towards stronger reweighting while H < target and back towards 1 while H
+    > target, within [1, w_max] and [m_min, 1]; this happens whether or not the gate is on, exactly
+    as in the reference. A non-finite entropy leaves the state unchanged (and `update` returns False
+    so the caller can log it).
     """
 
-    def __init__(self, target_entropy=0.3, w=1.1, m=0.9, adaptive=False, alpha=0.01, w_max=1.5, m_min=0.5):
+    def __init__(
+        self, target_entropy=0.3, w=1.1, m=0.9, adaptive=False, alpha=0.01, w_max=1.5, m_min=0.5
+    ):
         if not math.isfinite(target_entropy):
             raise ValueError(f"target_entropy must be finite, got {target_entropy}")
         if not (alpha >= 0 and w_max >= 1 and 0 <= m_min <= 1):
-            raise ValueError(f"need alpha >= 0, w_max >= 1, 0 <= m_min <= 1; got {alpha=}, {w_max=}, {m_min=}")
+            raise ValueError(
+                f"need alpha >= 0, w_max >= 1, 0 <= m_min <= 1; got {alpha=}, {w_max=}, {m_min=}"
+            )
         self.target_entropy = float(target_entropy)
         self.w, self.m = float(w), float(m)
         self.adaptive, self.alpha = bool(adaptive), float(alpha)
@@ -315,12 +348,23 @@ class EntropyGate:
         self.current_entropy = entropy
         self.gate_on = entropy < self.target_entropy
         if self.adaptive and self.alpha != 0.0:
-            direction = float((self.target_entropy > entropy) - (self.target_entropy < entropy))  # sign(H_tgt - H)
+            # sign(H_tgt - H)
+            direction = float((self.target_entropy > entropy) - (self.target_entropy < entropy))
             self.w = min(max(self.w + self.alpha * direction, 1.0), self.w_max)
             self.m = min(max(self.m - self.alpha * direction, self.m_min), 1.0)
         return True
 
-    _STATE_KEYS = ("target_entropy", "w", "m", "adaptive", "alpha", "w_max", "m_min", "gate_on", "current_entropy")
+    _STATE_KEYS = (
+        "target_entropy",
+        "w",
+        "m",
+        "adaptive",
+        "alpha",
+        "w_max",
+        "m_min",
+        "gate_on",
+        "current_entropy",
+    )
 
     def state_dict(self):
         return {key: getattr(self, key) for key in self._STATE_KEYS}
@@ -328,7 +372,9 @@ class EntropyGate:
     def load_state_dict(self, state):
         missing, unknown = set(self._STATE_KEYS) - set(state), set(state) - set(self._STATE_KEYS)
         if missing or unknown:
-            raise KeyError(f"EntropyGate state: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
+            raise KeyError(
+                f"EntropyGate state: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}"
+            )
         for key in self._STATE_KEYS:
             setattr(self, key, state[key])
 
@@ -336,37 +382,44 @@ class EntropyGate:
         return "EntropyGate(" + ", ".join(f"{k}={v!r}" for k, v in self.state_dict().items()) + ")"
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # 4. The GRPO objective (Eqs. 1-3)
-# ======================================================================================================================
+# ==================================================================================================
 
 
 def group_advantages(rewards, group_size, normalize_std=True, eps=1e-6):
     """GRPO advantages (Eq. 1): A_i = (r_i - mean_g) / (std_g + eps) within each group.
 
-    rewards [B] float, in contiguous groups of `group_size` responses to the same prompt -> advantages [B] float32.
-    std is the unbiased (n - 1) standard deviation, as torch.std in verl. normalize_std=False gives Dr.GRPO's
-    mean-centering only. A group whose rewards are all equal gets exactly 0 (not rounding noise / eps).
-    A group of size 1 has no baseline: like verl, mean = 0 and std = 1, so A = r / (1 + eps).
+    rewards [B] float, in contiguous groups of `group_size` responses to the same prompt ->
+    advantages [B] float32. std is the unbiased (n - 1) standard deviation, as torch.std in verl.
+    normalize_std=False gives Dr.GRPO's mean-centering only. A group whose rewards are all equal
+    gets exactly 0 (not rounding noise / eps). A group of size 1 has no baseline: like verl, mean =
+    0 and std = 1, so A = r / (1 + eps).
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size != 0:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of group_size={group_size}")
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of group_size={group_size}"
+        )
     grouped = rewards.float().view(-1, group_size)  # [num_groups, G]
     if group_size == 1:
         return (grouped / (1.0 + eps) if normalize_std else grouped).view(-1)
     centred = grouped - grouped.mean(dim=1, keepdim=True)  # [num_groups, G]
     advantages = centred / (grouped.std(dim=1, keepdim=True) + eps) if normalize_std else centred
-    all_equal = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)  # [num_groups, 1]
+    # [num_groups, 1]
+    all_equal = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
     return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)
 
 
-def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.28, dual_clip=None, mask=None):
+def clipped_surrogate(
+    logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.28, dual_clip=None, mask=None
+):
     """The per-token PPO/GRPO loss to minimise, with clip-higher and optional dual clip (Eq. 2).
 
-    logprobs [B, T] (current policy, with grad), old_logprobs [B, T] (behaviour policy), advantages [B] or [B, T]
-    -> (token_loss [B, T], stats of 0-dim tensors over `mask` [B, T] if given, else over all tokens).
+    logprobs [B, T] (current policy, with grad), old_logprobs [B, T] (behaviour policy), advantages
+    [B] or [B, T] -> (token_loss [B, T], stats of 0-dim tensors over `mask` [B, T] if given, else
+    over all tokens).
 
       r = exp(clamp(logprobs - old_logprobs, -20, 20))
       loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
@@ -374,10 +427,10 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=0.2, clip_hig
     verl always applies the dual clip (c = 3 by default, 10 in the STARE and DAPO scripts); here it is off unless
     dual_clip is given, and the trainer's config sets it.
 
-    stats: clip_frac (the clipped term is active), clip_low_frac / clip_high_frac (ratio below / above the band where
-    that matters; not verl's pg_clipfrac_lower, which is our dual_clip_frac), dual_clip_frac, approx_kl (mean old -
-    new log-prob, verl's ppo_kl) and approx_kl_k3 (mean e^d - 1 - d with d = new - old, Schulman's unbiased
-    low-variance KL(old || new) estimate).
+    stats: clip_frac (the clipped term is active), clip_low_frac / clip_high_frac (ratio below /
+    above the band where that matters; not verl's pg_clipfrac_lower, which is our dual_clip_frac),
+    dual_clip_frac, approx_kl (mean old - new log-prob, verl's ppo_kl) and approx_kl_k3 (mean e^d -
+    1 - d with d = new - old, Schulman's unbiased low-variance KL(old || new) estimate).
     """
     if not (clip_low > 0 and clip_high > 0):
         raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low}, {clip_high}")
@@ -391,7 +444,9 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=0.2, clip_hig
     token_loss = torch.maximum(loss_unclipped, loss_clipped)
     if dual_clip is not None:
         dual_bounded = (token_adv < 0) & (token_loss > -token_adv * dual_clip)
-        token_loss = torch.where(token_adv < 0, torch.minimum(token_loss, -token_adv * dual_clip), token_loss)
+        token_loss = torch.where(
+            token_adv < 0, torch.minimum(token_loss, -token_adv * dual_clip), token_loss
+        )
 
     with torch.no_grad():
         valid = torch.ones_like(log_ratio, dtype=torch.bool) if mask is None else mask.bool()
@@ -405,17 +460,26 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=0.2, clip_hig
             "clip_frac": frac(loss_clipped > loss_unclipped),
             "clip_low_frac": frac((token_adv < 0) & (ratio < 1.0 - clip_low)),
             "clip_high_frac": frac((token_adv > 0) & (ratio > 1.0 + clip_high)),
-            "dual_clip_frac": frac(dual_bounded) if dual_clip is not None else torch.zeros((), device=d.device),
+            "dual_clip_frac": frac(dual_bounded)
+            if dual_clip is not None
+            else torch.zeros((), device=d.device),
             "approx_kl": (-d * valid).sum() / num_valid,
             "approx_kl_k3": ((torch.expm1(d) - d) * valid).sum() / num_valid,
         }
     return token_loss, stats
 
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
 
 
-def aggregate_loss(token_loss, mask, mode="token-mean", num_tokens=None, num_sequences=None, loss_scale_factor=None):
+def aggregate_loss(
+    token_loss, mask, mode="token-mean", num_tokens=None, num_sequences=None, loss_scale_factor=None
+):
     """Reduce per-token losses [B, T] over `mask` [B, T] to a scalar (Eq. 3).
 
       token-mean               sum_{i,t} m L / N_tok                          (DAPO; the default)
@@ -423,39 +487,49 @@ def aggregate_loss(token_loss, mask, mode="token-mean", num_tokens=None, num_seq
       seq-mean-token-sum       (1/N_seq) sum_i sum_t m L
       seq-mean-token-sum-norm  (1/N_seq) sum_i sum_t m L / loss_scale_factor  (Dr.GRPO; factor default: T)
 
-    N_tok and N_seq (sequences with >= 1 valid token) default to this tensor's counts. Pass `num_tokens` /
-    `num_sequences` = the counts of the whole optimizer step (all micro-batches, all ranks): each micro-batch then
-    returns its share, and the shares add up to exactly the full-batch value (and so do their gradients).
-    Under data parallelism gradients are averaged over ranks, so the caller multiplies by the world size.
-    For Dr.GRPO pass a constant `loss_scale_factor` (e.g. the max response length) so it does not vary with the
-    padded width of each micro-batch. An empty selection gives 0, not NaN. Sums and the result are float32, also
-    for bf16/fp16 losses (a half-precision count would round: bf16 holds 257 as 256).
+    N_tok and N_seq (sequences with >= 1 valid token) default to this tensor's counts. Pass
+    `num_tokens` / `num_sequences` = the counts of the whole optimizer step (all micro-batches, all
+    ranks): each micro-batch then returns its share, and the shares add up to exactly the full-batch
+    value (and so do their gradients). Under data parallelism gradients are averaged over ranks, so
+    the caller multiplies by the world size. For Dr.GRPO pass a constant `loss_scale_factor` (e.g.
+    the max response length) so it does not vary with the padded width of each micro-batch. An empty
+    selection gives 0, not NaN. Sums and the result are float32, also for bf16/fp16 losses (a
+    half-precision count would round: bf16 holds 257 as 256).
     """
     if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss aggregation mode {mode!r}: expected one of {LOSS_AGG_MODES}")
+        raise ValueError(
+            f"unknown loss aggregation mode {mode!r}: expected one of {LOSS_AGG_MODES}"
+        )
     valid = mask.to(torch.float32)  # [B, T]
     masked_loss = token_loss.float() * valid  # [B, T]: sums in float32 whatever the loss dtype
     if mode == "token-mean":
-        return _divide_by_count(masked_loss.sum(), valid.sum() if num_tokens is None else num_tokens)
+        return _divide_by_count(
+            masked_loss.sum(), valid.sum() if num_tokens is None else num_tokens
+        )
 
     tokens_per_seq = valid.sum(-1)  # [B]
     seq_loss = masked_loss.sum(-1)  # [B]
     if mode == "seq-mean-token-mean":
         seq_loss = seq_loss / tokens_per_seq.clamp(min=1)
     elif mode == "seq-mean-token-sum-norm":
-        seq_loss = seq_loss / float(token_loss.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-    return _divide_by_count(seq_loss.sum(), (tokens_per_seq > 0).sum() if num_sequences is None else num_sequences)
+        seq_loss = seq_loss / float(
+            token_loss.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        )
+    return _divide_by_count(
+        seq_loss.sum(), (tokens_per_seq > 0).sum() if num_sequences is None else num_sequences
+    )
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # 5. Diagnostics: which quadrant drives the entropy? (Eq. 6)
-# ======================================================================================================================
+# ==================================================================================================
 
 QUADRANTS = ("pos_high", "pos_low", "neg_high", "neg_low")
 
 
 def entropy_dynamics(advantages, sensitivity, mask, weights=None, num_tokens=None):
-    """Per-quadrant token fractions and predicted first-order entropy change of one token-mean update (Eq. 6).
+    """Per-quadrant token fractions and predicted first-order entropy change of one token-mean
+    update (Eq. 6).
 
     advantages [B] or [B, T], sensitivity S [B, T] (from `entropy_sensitivity`), mask [B, T], optional STARE
     weights omega [B, T] -> dict of 0-dim float32 tensors:
@@ -485,9 +559,9 @@ def entropy_dynamics(advantages, sensitivity, mask, weights=None, num_tokens=Non
     return stats
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # 6. Shared helpers: row chunks, advantage broadcasting, exact top-k (baselines.py uses them too)
-# ======================================================================================================================
+# ==================================================================================================
 
 
 def rows_per_chunk(num_rows, vocab_size, chunk_size):
@@ -500,10 +574,11 @@ def rows_per_chunk(num_rows, vocab_size, chunk_size):
 
 
 def tempered_chunks(logits_2d, temperature, chunk_rows):
-    """Yield (start, end, x) with x = logits_2d[start:end] / temperature in float32, one row chunk at a time.
+    """Yield (start, end, x) with x = logits_2d[start:end] / temperature in float32, one row chunk
+    at a time.
 
-    logits_2d: [N, V] any float dtype -> x: [n, V] float32 (a view of the input when it is float32 and T = 1,
-    so callers must not modify x in place).
+    logits_2d: [N, V] any float dtype -> x: [n, V] float32 (a view of the input when it is float32
+    and T = 1, so callers must not modify x in place).
     """
     for start in range(0, logits_2d.shape[0], chunk_rows):
         end = min(start + chunk_rows, logits_2d.shape[0])
@@ -518,19 +593,25 @@ def flatten_logits(logits, tokens):
     if not torch.is_floating_point(logits):
         raise TypeError(f"logits must be a float tensor, got {logits.dtype}")
     if tokens is not None and tuple(logits.shape[:-1]) != tuple(tokens.shape):
-        raise ValueError(f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} plus a vocab dim")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} plus a vocab dim"
+        )
     logits_2d = logits.reshape(-1, logits.shape[-1])  # a view when contiguous
     tokens_1d = None if tokens is None else tokens.reshape(-1).to(torch.long)
     return logits_2d, tokens_1d
 
 
 def broadcastable_advantages(advantages, like):
-    """Sequence advantages [B] -> [B, 1], so they broadcast against tokens `like` [B, T]; [B, T] pass through.
-    (Comparisons on [B, 1] cost B operations instead of B*T.)"""
+    """Sequence advantages [B] -> [B, 1], so they broadcast against tokens `like` [B, T]; [B, T]
+    pass through. (Comparisons on [B, 1] cost B operations instead of B*T.)"""
     if advantages.dim() == like.dim() - 1:
         advantages = advantages.unsqueeze(-1)  # [B, 1]
-    if advantages.dim() != like.dim() or any(a not in (1, t) for a, t in zip(advantages.shape, like.shape)):
-        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] or [B, T] for tokens {tuple(like.shape)}")
+    if advantages.dim() != like.dim() or any(
+        a not in (1, t) for a, t in zip(advantages.shape, like.shape)
+    ):
+        raise ValueError(
+            f"advantages {tuple(advantages.shape)} must be [B] or [B, T] for tokens {tuple(like.shape)}"
+        )
     return advantages
 
 
@@ -540,56 +621,72 @@ def token_advantages(advantages, like):
 
 
 def select_top_k(values, candidates, k, signed=False):
-    """Among the candidates, exactly min(k, n) with the largest values; ties broken by position (Eqs. 7, 14, 16-18).
+    """Among the candidates, exactly min(k, n) with the largest values; ties broken by position
+    (Eqs. 7, 14, 16-18).
 
-    values [...] float, >= 0 (negative values count as 0, NaN as +inf; signed=True: every float32 in its own order,
-    negatives included, -NaN lowest and NaN highest), candidates [...] bool of the same shape (any shape), k an int
-    or a 0-dim integer tensor (it may live on the device) -> bool mask [...]. n = number of candidates. The
-    selection is deterministic: among equal values at the k-th place, the first in flattened order win.
+    values [...] float, >= 0 (negative values count as 0, NaN as +inf; signed=True: every float32 in
+    its own order, negatives included, -NaN lowest and NaN highest), candidates [...] bool of the
+    same shape (any shape), k an int or a 0-dim integer tensor (it may live on the device) -> bool
+    mask [...]. n = number of candidates. The selection is deterministic: among equal values at the
+    k-th place, the first in flattened order win.
 
-    No host-device sync and no sort: the k-th largest value is found by radix select. Non-negative float32 numbers
-    order like their bit patterns read as integers, so one histogram of the top 16 bits finds the bucket of the
-    k-th value, and one histogram of the low 16 bits inside that bucket finds the value itself: O(N) work in about
-    fifteen int32 kernels.
+    No host-device sync and no sort: the k-th largest value is found by radix select. Non-negative
+    float32 numbers order like their bit patterns read as integers, so one histogram of the top 16
+    bits finds the bucket of the k-th value, and one histogram of the low 16 bits inside that bucket
+    finds the value itself: O(N) work in about fifteen int32 kernels.
     """
     if values.shape != candidates.shape:
-        raise ValueError(f"values {tuple(values.shape)} and candidates {tuple(candidates.shape)} differ")
+        raise ValueError(
+            f"values {tuple(values.shape)} and candidates {tuple(candidates.shape)} differ"
+        )
     if candidates.numel() == 0:
         return torch.zeros(candidates.shape, dtype=torch.bool, device=candidates.device)
     flat_candidates = candidates.reshape(-1)  # [N] bool
     if not isinstance(k, torch.Tensor):
-        k = torch.full((), int(k), dtype=torch.int32, device=candidates.device)  # made on the device: no copy
+        # made on the device: no copy
+        k = torch.full((), int(k), dtype=torch.int32, device=candidates.device)
     k = k.to(torch.int32).clamp(min=0).clamp(max=flat_candidates.sum(dtype=torch.int32))  # 0-dim
 
     bits = values.reshape(-1).float().view(torch.int32)  # [N]
-    if signed:  # [N] int64 keys in [0, 2^32) ordered as the floats: negatives' magnitude bits flipped, then offset
+    # [N] int64 keys in [0, 2^32) ordered as the floats: negatives' magnitude bits flipped, then
+    # offset
+    if signed:
         key, high_digits = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() + 2**31, 1 << 16
-    else:  # [N] the bit pattern of a float >= 0; sign-bit patterns (negatives, -0.0) -> 0, NaN patterns -> +inf
+    # [N] the bit pattern of a float >= 0; sign-bit patterns (negatives, -0.0) -> 0, NaN patterns ->
+    # +inf
+    else:
         key, high_digits = bits.clamp(0, 0x7F800000), 1 << 15
     in_play = flat_candidates.int()  # [N] 1 for candidates
     # pass 1: the top 16 bits (15 in use unless signed); bin = bits + 1, non-candidates in bin 0
     high_bins = ((key >> 16) + 1) * in_play
     high, above_high = _kth_largest_digit(high_bins, high_digits, k)
-    # pass 2: the low 16 bits of the candidates in that bucket; lower buckets land in bin 0, higher ones past the end
+    # pass 2: the low 16 bits of the candidates in that bucket; lower buckets land in bin 0, higher
+    # ones past the end
     low_bins = (key - ((high << 16) - 1)).clamp_(0, (1 << 16) + 1) * in_play
     low, above_low = _kth_largest_digit(low_bins, 1 << 16, k - above_high)
     kth_key = (high << 16) | low  # 0-dim: the bit pattern of the k-th largest value
 
-    selected = (key > kth_key) & flat_candidates  # [N]: above_high + above_low elements (none if k = 0)
-    ties = (key == kth_key) & flat_candidates  # [N]: take the first ones, in order, to reach exactly k
+    # [N]: above_high + above_low elements (none if k = 0)
+    selected = (key > kth_key) & flat_candidates
+    # [N]: take the first ones, in order, to reach exactly k
+    ties = (key == kth_key) & flat_candidates
     selected |= ties & (ties.cumsum(0, dtype=torch.int32) <= k - above_high - above_low)
     return selected.view(candidates.shape)
 
 
 def _kth_largest_digit(bins, num_digits, k):
-    """One radix-select pass. bins [N] int32: digit + 1 for elements in play, 0 (or > num_digits) for the rest.
+    """One radix-select pass. bins [N] int32: digit + 1 for elements in play, 0 (or > num_digits)
+    for the rest.
 
-    Returns 0-dim tensors (digit, above): the digit of the k-th largest in-play element, and how many in-play
-    elements have a larger digit. One histogram and a cumulative count; no host sync.
+    Returns 0-dim tensors (digit, above): the digit of the k-th largest in-play element, and how
+    many in-play elements have a larger digit. One histogram and a cumulative count; no host sync.
     """
     counts = torch.zeros(num_digits + 2, dtype=torch.int32, device=bins.device)  # [D + 2]
-    counts.index_add_(0, bins, torch.ones(1, dtype=torch.int32, device=bins.device).expand(bins.numel()))
-    at_or_above = counts[1:num_digits + 1].flip(0).cumsum(0).flip(0)  # [D]: in-play elements with digit >= d
+    counts.index_add_(
+        0, bins, torch.ones(1, dtype=torch.int32, device=bins.device).expand(bins.numel())
+    )
+    # [D]: in-play elements with digit >= d
+    at_or_above = counts[1:num_digits + 1].flip(0).cumsum(0).flip(0)
     digit = (at_or_above >= k).sum() - 1  # the largest digit with >= k elements at or above it
     padded = torch.cat([at_or_above, at_or_above.new_zeros(1)])  # [D + 1]
     # gather, not padded[digit + 1]: indexing with a 0-dim tensor calls .item(), a host sync on CUDA

@@ -5,9 +5,10 @@
     torchrun --nproc_per_node 8 train.py --config configs/qwen7b_long.yaml               # GPU node
     python train.py --config configs/tiny.yaml --export                                 # latest checkpoint as HF
 
-Any config value can be overridden as section.key=value (config.py). A run writes under train.out_dir: config.yaml,
-metrics.jsonl (one object per step), checkpoints/ (checkpoints.py), hf/ (the final model). Rerunning the same
-command resumes exactly from the latest checkpoint; SIGTERM / SIGUSR1 / SIGINT finish the step, save and exit.
+Any config value can be overridden as section.key=value (config.py). A run writes under
+train.out_dir: config.yaml, metrics.jsonl (one object per step), checkpoints/ (checkpoints.py), hf/
+(the final model). Rerunning the same command resumes exactly from the latest checkpoint; SIGTERM /
+SIGUSR1 / SIGINT finish the step, save and exit.
 
 One optimizer step (`train_step`), each stage a function below:
   sample_groups    n responses per prompt from the local engine, scored by the verifier (Eq. 21); dynamic sampling
@@ -22,10 +23,11 @@ One optimizer step (`train_step`), each stage a function below:
 then evaluation, metrics.jsonl and checkpoints on schedule (`train`, in the plumbing section).
 Equation numbers refer to docs/method.md.
 
-Simplified relative to the reference (verl): no Ray, no reference model or KL term (STARE's runs use none), on-policy
-by default; old log-probs come from a separate no-grad pass (ratio 1 up to float noise); the batch is exchanged
-between ranks with all_gather_object after dynamic sampling; step-scope selections are made once per step on the
-old log-probs even with several mini-batches; no balance_batch reordering.
+Simplified relative to the reference (verl): no Ray, no reference model or KL term (STARE's runs use
+none), on-policy by default; old log-probs come from a separate no-grad pass (ratio 1 up to float
+noise); the batch is exchanged between ranks with all_gather_object after dynamic sampling;
+step-scope selections are made once per step on the old log-probs even with several mini-batches; no
+balance_batch reordering.
 """
 
 import contextlib
@@ -58,14 +60,15 @@ import runs
 import stare
 
 
-PROBE_TOKENS = 512  # response tokens of the weight-sync probe: enough to see a missed sync, cheap at any length
+# response tokens of the weight-sync probe: enough to see a missed sync, cheap at any length
+PROBE_TOKENS = 512
 REWARD_FRACTIONS = ("rollout/no_answer_frac", "rollout/parse_error_frac", "rollout/timeout_frac",
                     "rollout/format_ok_frac")  # of every response sampled in a step
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # ALGORITHM: the data of one step
-# ======================================================================================================================
+# ==================================================================================================
 
 
 @dataclasses.dataclass
@@ -79,7 +82,8 @@ class Response:
     accuracy: float  # 1.0 if the verifier judged the answer right
     truncated: bool  # stopped by the token budget
     reflection: tuple[int, int]  # (reflection words, words)
-    policy_mask: torch.Tensor  # [T] bool: True at tokens the policy sampled, False at tool-result tokens
+    # [T] bool: True at tokens the policy sampled, False at tool-result tokens
+    policy_mask: torch.Tensor
     advantage: float = 0.0
     old_logprobs: torch.Tensor | None = None  # [T] log pi_old, from old_policy_pass
     entropy: torch.Tensor | None = None  # [T] next-token entropy under pi_old
@@ -96,7 +100,8 @@ class Group:
     responses: list[Response]
 
     @property
-    def varied(self):  # dynamic sampling keeps a group only if its responses were not all judged the same
+    # dynamic sampling keeps a group only if its responses were not all judged the same
+    def varied(self):
         return len({r.accuracy for r in self.responses}) > 1
 
 
@@ -108,7 +113,8 @@ class Task:
     examples: list  # data.Example per prompt: ground truth and data source
     seed: int
     shuffle: bool
-    metrics: dict = dataclasses.field(default_factory=dict)  # data/...: prompts, truncated and skipped shares
+    # data/...: prompts, truncated and skipped shares
+    metrics: dict = dataclasses.field(default_factory=dict)
 
     def prompt_at(self, position):
         """The prompt index at a position of the stream: epoch after epoch, each shuffled from (seed, epoch)."""
@@ -124,38 +130,51 @@ def epoch_order(num_prompts, seed, shuffle, epoch):
     return order
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # ALGORITHM: the stages of one step
-# ======================================================================================================================
+# ==================================================================================================
 
 
 def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, device):
-    """Generation rounds until train_batch_size groups are kept (dynamic sampling: only varied groups), over all
-    ranks -> (the kept groups, the same list on every rank; the new data position; rollout metrics)."""
+    """Generation rounds until train_batch_size groups are kept (dynamic sampling: only varied
+    groups), over all ranks -> (the kept groups, the same list on every rank; the new data position;
+    rollout metrics)."""
     kept, sampled, local_sums, rounds = [], [], {}, 0  # sampled: every group of the step, all ranks
     while len(kept) < cfg.train.train_batch_size:
         if cfg.algorithm.max_num_gen_batches and rounds >= cfg.algorithm.max_num_gen_batches:
             raise runs.RunError(
                 f"error: dynamic sampling kept {len(kept)} of the {cfg.train.train_batch_size} groups needed after "
                 f"{rounds} rounds (algorithm.max_num_gen_batches); the task is too easy or too hard for the model: "
-                f"raise the limit or turn algorithm.dynamic_sampling off")
-        tp = cfg.rollout.tensor_parallel_size  # the ranks of one engine sample the same prompts together
+                f"raise the limit or turn algorithm.dynamic_sampling off"
+            )
+        # the ranks of one engine sample the same prompts together
+        tp = cfg.rollout.tensor_parallel_size
         global_indices = round_prompts(data_position, cfg.algorithm.gen_batch_size, rank, world, tp)
         data_position += cfg.algorithm.gen_batch_size
         groups, round_sums = generate_round(engine, tokenizer, task, cfg, global_indices)
         leader = rank % tp == 0  # one rank per engine speaks for its samples
-        add_sums(local_sums, {k: v if leader or k.startswith("time/") else 0 for k, v in round_sums.items()})
-        for group in (g for rank_groups in all_gather(groups)[::tp] for g in rank_groups):  # the same on all ranks
+        add_sums(
+            local_sums,
+            {k: v if leader or k.startswith("time/") else 0 for k, v in round_sums.items()},
+        )
+        # the same on all ranks
+        for group in (g for rank_groups in all_gather(groups)[::tp] for g in rank_groups):
             sampled.append(group)
             kept += [group] if group.varied or not cfg.algorithm.dynamic_sampling else []
         rounds += 1
     timings = {key: local_sums.pop(key) for key in ("time/rollout", "time/reward")}
     totals = all_reduce(local_sums, device)
     responses, calls = max(totals["sampled"], 1), max(totals.get("tool_calls", 0), 1)
-    metrics = {"rollout/gen_rounds": rounds, "rollout/acc_before_filter": totals["sampled_correct"] / responses,
-               "rollout/varied_group_frac": sum(g.varied for g in sampled) / len(sampled),
-               **{key: totals[key] / responses for key in REWARD_FRACTIONS}, **timings}
-    diversity = evaluate.distinct_correct_fraction([[(r.tokens, r.accuracy) for r in g.responses] for g in sampled])
+    metrics = {
+        "rollout/gen_rounds": rounds,
+        "rollout/acc_before_filter": totals["sampled_correct"] / responses,
+        "rollout/varied_group_frac": sum(g.varied for g in sampled) / len(sampled),
+        **{key: totals[key] / responses for key in REWARD_FRACTIONS},
+        **timings,
+    }
+    diversity = evaluate.distinct_correct_fraction(
+        [[(r.tokens, r.accuracy) for r in g.responses] for g in sampled]
+    )
     if diversity is not None:
         metrics["rollout/distinct_correct_frac"] = diversity
     if cfg.rollout.tools:  # over every response sampled in the step, all ranks
@@ -169,38 +188,63 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
 
 
 def round_prompts(data_position, gen_batch_size, rank, world, tensor_parallel_size):
-    """The positions in the prompt stream that this rank's engine samples in one generation round: the round's
-    gen_batch_size prompts split evenly over the world / tensor_parallel_size engines (ranks rank // tp)."""
+    """The positions in the prompt stream that this rank's engine samples in one generation round:
+    the round's gen_batch_size prompts split evenly over the world / tensor_parallel_size engines
+    (ranks rank // tp)."""
     engines = world // tensor_parallel_size
     share = gen_batch_size // engines
     return [data_position + (rank // tensor_parallel_size) * share + i for i in range(share)]
 
 
 def generate_round(engine, tokenizer, task, cfg, global_indices):
-    """One generation round of this rank: n responses to each prompt of `global_indices` (positions in the seeded
-    prompt stream), scored -> (groups, sums over the round's responses)."""
+    """One generation round of this rank: n responses to each prompt of `global_indices` (positions
+    in the seeded prompt stream), scored -> (groups, sums over the round's responses)."""
     n, prompts = cfg.rollout.n, [task.prompt_at(g) for g in global_indices]
-    sampling = dict(n=n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                    max_tokens=cfg.rollout.max_tokens,
-                    seeds=[rollout.derive_seed(cfg.train.seed, "prompt", g) for g in global_indices])
+    sampling = dict(
+        n=n,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_tokens=cfg.rollout.max_tokens,
+        seeds=[rollout.derive_seed(cfg.train.seed, "prompt", g) for g in global_indices],
+    )
     start = time.time()
     if cfg.rollout.tools:  # multi-turn: the code interpreter's output comes back as tool turns
-        out = rollout.generate_with_tools(engine, tokenizer, [task.prompt_ids[p] for p in prompts],
-                                          max_turns=cfg.rollout.max_turns, sandbox_config=cfg.sandbox,
-                                          max_tool_response_tokens=cfg.rollout.max_tool_response_tokens, **sampling)
+        out = rollout.generate_with_tools(
+            engine,
+            tokenizer,
+            [task.prompt_ids[p] for p in prompts],
+            max_turns=cfg.rollout.max_turns,
+            sandbox_config=cfg.sandbox,
+            max_tool_response_tokens=cfg.rollout.max_tool_response_tokens,
+            **sampling,
+        )
     else:
         out = rollout.generate(engine, [task.prompt_ids[p] for p in prompts], **sampling)
     sums = {"time/rollout": time.time() - start}
     start = time.time()
     examples = [task.examples[prompts[i]] for i in out.prompt_index]
     scores, accuracies, reward_metrics = rewards.compute_rewards(
-        out.texts, [e.ground_truth for e in examples], [e.data_source for e in examples], out.lengths, cfg.reward)
+        out.texts,
+        [e.ground_truth for e in examples],
+        [e.data_source for e in examples],
+        out.lengths,
+        cfg.reward,
+    )
     sums["time/reward"] = time.time() - start
-    responses = [Response(prompt=task.prompt_ids[prompts[out.prompt_index[r]]], tokens=out.token_ids[r],
-                          rollout_logprobs=out.logprobs[r], reward=scores[r], accuracy=accuracies[r],
-                          truncated=out.finish_reasons[r] == "length",
-                          reflection=evaluate.reflection_counts(out.texts[r]),
-                          policy_mask=policy_token_mask(out, r)) for r in range(len(out.texts))]
+    responses = [
+        Response(
+            prompt=task.prompt_ids[prompts[out.prompt_index[r]]],
+            tokens=out.token_ids[r],
+            rollout_logprobs=out.logprobs[r],
+            reward=scores[r],
+            accuracy=accuracies[r],
+            truncated=out.finish_reasons[r] == "length",
+            reflection=evaluate.reflection_counts(out.texts[r]),
+            policy_mask=policy_token_mask(out, r),
+        )
+        for r in range(len(out.texts))
+    ]
     sums.update({"sampled": len(responses), "sampled_correct": sum(accuracies),
                  **{key: reward_metrics[key] * len(responses) for key in REWARD_FRACTIONS}})
     if cfg.rollout.tools:
@@ -208,7 +252,9 @@ def generate_round(engine, tokenizer, task, cfg, global_indices):
                      "tool_timeouts": sum(out.num_timeouts), "tool_invalid": sum(out.num_invalid),
                      "tool_tokens": sum(map(sum, out.tool_mask)), "tokens": sum(out.lengths),
                      "max_turns": out.finish_reasons.count("max_turns")})
-    return [Group(responses[j * n].prompt, responses[j * n:(j + 1) * n]) for j in range(len(prompts))], sums
+    return [
+        Group(responses[j * n].prompt, responses[j * n : (j + 1) * n]) for j in range(len(prompts))
+    ], sums
 
 
 def group_responses(groups, cfg, rank, world):
@@ -217,60 +263,91 @@ def group_responses(groups, cfg, rank, world):
     mine = []
     for group in groups[rank * per_rank:(rank + 1) * per_rank]:
         rewards_ = torch.tensor([r.reward for r in group.responses])
-        advantages = stare.group_advantages(rewards_, len(group.responses), cfg.algorithm.normalize_std)  # [n]
-        mine += [dataclasses.replace(r, advantage=float(a)) for r, a in zip(group.responses, advantages)]
+        advantages = stare.group_advantages(
+            rewards_, len(group.responses), cfg.algorithm.normalize_std
+        )  # [n]
+        mine += [
+            dataclasses.replace(r, advantage=float(a)) for r, a in zip(group.responses, advantages)
+        ]
     return mine
 
 
 @torch.no_grad()
 def old_policy_pass(model, responses, cfg, device):
-    """One no-grad forward per micro-batch: each response's old log-probs, entropies and entropy sensitivities (and
-    Lp-Reg's proxy log-probs). Fills those fields of `responses`."""
+    """One no-grad forward per micro-batch: each response's old log-probs, entropies and entropy
+    sensitivities (and Lp-Reg's proxy log-probs). Fills those fields of `responses`."""
     model.eval()
     temperature = cfg.rollout.temperature
     for indices in equal_count_micro_batches(responses, cfg.train.micro_token_budget, device):
-        rows = [responses[i] for i in indices] or responses[:1]  # an empty batch: a collective-only forward
+        # an empty batch: a collective-only forward
+        rows = [responses[i] for i in indices] or responses[:1]
         packed = modeling.pack_rows([r.prompt for r in rows], [r.tokens for r in rows], device)
         logits = modeling.response_logits(model, packed)  # [N, V]
-        logprobs, entropy = stare.token_logprobs_and_entropy(logits, packed.response_ids, temperature)  # [N]
+        logprobs, entropy = stare.token_logprobs_and_entropy(
+            logits, packed.response_ids, temperature
+        )  # [N]
         sensitivity = stare.entropy_sensitivity(logits, packed.response_ids, temperature)  # [N]
         lengths = [len(r.tokens) for r in rows]
         per_row = zip(*(values.cpu().split(lengths) for values in (logprobs, entropy, sensitivity)))
         for i, (row_logprobs, row_entropy, row_sensitivity) in zip(indices, per_row):
             responses[i].old_logprobs, responses[i].entropy = row_logprobs, row_entropy
             responses[i].sensitivity = row_sensitivity
-        if "proxy_logprobs" in baselines.EXTRA_INPUTS.get(cfg.algorithm.method, ()):  # Lp-Reg's (Eq. 13)
-            proxy = baselines.minp_proxy_logprobs(logits, packed.response_ids, temperature, cfg.loss.lp_reg_kappa,
-                                                  cfg.loss.lp_reg_soft)  # [N]
+        # Lp-Reg's (Eq. 13)
+        if "proxy_logprobs" in baselines.EXTRA_INPUTS.get(cfg.algorithm.method, ()):
+            proxy = baselines.minp_proxy_logprobs(
+                logits,
+                packed.response_ids,
+                temperature,
+                cfg.loss.lp_reg_kappa,
+                cfg.loss.lp_reg_soft,
+            )  # [N]
             for i, row_proxy in zip(indices, proxy.cpu().split(lengths)):
                 responses[i].proxy_logprobs = row_proxy
 
 
 def update_gate(gate, responses, device):
     """The batch's token-mean entropy under pi_old, over all ranks, drives the gate once per step (Eq. 10)."""
-    sums = all_reduce({"tokens": sum(float(r.policy_mask.sum()) for r in responses),
-                       "entropy": sum(float(r.entropy[r.policy_mask].sum()) for r in responses),
-                       "surprisal": sum(float(-r.old_logprobs[r.policy_mask].sum()) for r in responses)}, device)
+    sums = all_reduce(
+        {
+            "tokens": sum(float(r.policy_mask.sum()) for r in responses),
+            "entropy": sum(float(r.entropy[r.policy_mask].sum()) for r in responses),
+            "surprisal": sum(float(-r.old_logprobs[r.policy_mask].sum()) for r in responses),
+        },
+        device,
+    )
     tokens = max(sums["tokens"], 1)
     accepted = gate.update(sums["entropy"] / tokens)
-    return sums["tokens"], {"train/entropy": sums["entropy"] / tokens, "train/surprisal": sums["surprisal"] / tokens,
-                            "stare/gate_update_accepted": float(accepted), "stare/gate_on": float(gate.gate_on),
-                            "stare/w": gate.w, "stare/m": gate.m}
+    return sums["tokens"], {
+        "train/entropy": sums["entropy"] / tokens,
+        "train/surprisal": sums["surprisal"] / tokens,
+        "stare/gate_update_accepted": float(accepted),
+        "stare/gate_on": float(gate.gate_on),
+        "stare/w": gate.w,
+        "stare/m": gate.m,
+    }
 
 
 def select_tokens(responses, cfg, gate, step, device):
-    """Every method's token selection made once over the whole step, all ranks (algorithm.selection_scope=step),
-    so the update depends on neither the micro-batch size nor the world size. Fills `selection` -> metrics."""
+    """Every method's token selection made once over the whole step, all ranks
+    (algorithm.selection_scope=step), so the update depends on neither the micro-batch size nor the
+    world size. Fills `selection` -> metrics."""
     method = cfg.algorithm.method
     if cfg.algorithm.selection_scope != "step" or method not in baselines.SELECTING:
         return {}  # nothing to select, or micro scope: policy_loss selects inside each micro-batch
-    fields = ("old_logprobs", "entropy", "policy_mask", "advantage") + baselines.EXTRA_INPUTS.get(method, ())
+    fields = ("old_logprobs", "entropy", "policy_mask", "advantage") + baselines.EXTRA_INPUTS.get(
+        method, ()
+    )
     shared = [types.SimpleNamespace(**{key: getattr(r, key) for key in fields}) for r in responses]
     everyone = [row for rank_rows in all_gather(shared) for row in rank_rows]
-    batch = loss_batch(everyone, pad_rows, method, device=None)  # [B, T] each, B = the step's responses
+    # [B, T] each, B = the step's responses
+    batch = loss_batch(everyone, pad_rows, method, device=None)
     batch["logprobs"] = batch["old_logprobs"]  # the selection ranks tokens under pi_old
-    generator = torch.Generator().manual_seed(rollout.derive_seed(cfg.train.seed, "selection", step))
-    selection, metrics = baselines.token_selection(method, batch, cfg.loss, gate=gate, generator=generator)
+    generator = torch.Generator().manual_seed(
+        rollout.derive_seed(cfg.train.seed, "selection", step)
+    )
+    selection, metrics = baselines.token_selection(
+        method, batch, cfg.loss, gate=gate, generator=generator
+    )
     offset = (dist.get_rank() if dist.is_initialized() else 0) * len(responses)
     for j, response in enumerate(responses):
         response.selection = {k: v[offset + j, :len(response.tokens)] for k, v in selection.items()}
@@ -278,26 +355,32 @@ def select_tokens(responses, cfg, gate, step, device):
 
 
 def loss_batch(rows, lay_out, method, device):
-    """The per-token inputs of `method`'s loss for `rows` (responses, or their fields gathered from every rank):
-    each response's [T] tensors laid out by `lay_out` (padded [B, T] rows for the step's selection, packed rows
-    in a micro-batch), the sequence advantages [B], and what baselines.EXTRA_INPUTS says the method needs."""
-    batch = {"old_logprobs": lay_out([r.old_logprobs for r in rows]), "entropy": lay_out([r.entropy for r in rows]),
-             "mask": lay_out([r.policy_mask for r in rows]),
-             "advantages": torch.tensor([r.advantage for r in rows], device=device)}
+    """The per-token inputs of `method`'s loss for `rows` (responses, or their fields gathered from
+    every rank): each response's [T] tensors laid out by `lay_out` (padded [B, T] rows for the
+    step's selection, packed rows in a micro-batch), the sequence advantages [B], and what
+    baselines.EXTRA_INPUTS says the method needs."""
+    batch = {
+        "old_logprobs": lay_out([r.old_logprobs for r in rows]),
+        "entropy": lay_out([r.entropy for r in rows]),
+        "mask": lay_out([r.policy_mask for r in rows]),
+        "advantages": torch.tensor([r.advantage for r in rows], device=device),
+    }
     for key in baselines.EXTRA_INPUTS.get(method, ()):
         batch[key] = lay_out([getattr(r, key) for r in rows])
     return batch
 
 
 def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=None):
-    """One optimizer step per mini-batch: the method's loss over token-budget micro-batches, gradient clipping,
-    AdamW; a non-finite loss or gradient norm on any rank skips the step. With a LossScaler (float16 compute) the
-    loss is scaled before backward and the gradients unscaled before clipping. -> metrics (device sums read once)."""
+    """One optimizer step per mini-batch: the method's loss over token-budget micro-batches,
+    gradient clipping, AdamW; a non-finite loss or gradient norm on any rank skips the step. With a
+    LossScaler (float16 compute) the loss is scaled before backward and the gradients unscaled
+    before clipping. -> metrics (device sums read once)."""
     model.train()
     num_mini = cfg.train.train_batch_size // cfg.train.mini_batch_size
     mini_size = len(responses) // num_mini
     micro_batch_count, skipped, grad_norms = 0, 0, []
-    device_sums = {}  # the loss and its statistics, accumulated on the device and read once at the end
+    # the loss and its statistics, accumulated on the device and read once at the end
+    device_sums = {}
     for mini in range(num_mini):
         mini_rows = responses[mini * mini_size:(mini + 1) * mini_size]
         batches = equal_count_micro_batches(mini_rows, cfg.train.micro_token_budget, device)
@@ -306,16 +389,30 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=N
         mini_sums = {}
         loss_scale = scaler.scale if scaler is not None else 1.0
         for indices in batches:
-            micro_batch_backward(model, [mini_rows[i] for i in indices] or mini_rows[:1], not indices, len(mini_rows),
-                                 denominators, cfg, gate, step, device, mini_sums, loss_scale)
+            micro_batch_backward(
+                model,
+                [mini_rows[i] for i in indices] or mini_rows[:1],
+                not indices,
+                len(mini_rows),
+                denominators,
+                cfg,
+                gate,
+                step,
+                device,
+                mini_sums,
+                loss_scale,
+            )
         add_sums(device_sums, mini_sums)
         if scaler is not None:
             scaler.unscale(model)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), cfg.optim.grad_clip or float("inf")
+        )
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         grad_norms.append(grad_norm)
         finite = torch.isfinite(grad_norm) & torch.isfinite(mini_sums["loss"])
-        finite = all_reduce({"finite": finite}, device, op=dist.ReduceOp.MIN)["finite"] > 0  # the one host read
+        # the one host read
+        finite = all_reduce({"finite": finite}, device, op=dist.ReduceOp.MIN)["finite"] > 0
         if finite:
             optimizer.step()
         else:
@@ -326,70 +423,123 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=N
     totals = all_reduce(device_sums, device)
     grad_norms = torch.stack(grad_norms).double()  # the same on every rank
     step_scope = cfg.algorithm.selection_scope == "step"
-    return {"train/loss": totals.pop("loss") / num_mini / (1 if step_scope else world_size()),
-            "train/grad_norm": float(grad_norms.mean()), "train/grad_norm_max": float(grad_norms.max()),
-            "train/micro_batches": micro_batch_count, "train/skipped_updates": skipped,
-            **({"train/loss_scale": loss_scale} if scaler is not None else {}),
-            **{key: value / max(totals["stats_weight"], 1) for key, value in totals.items() if key != "stats_weight"}}
+    return {
+        "train/loss": totals.pop("loss") / num_mini / (1 if step_scope else world_size()),
+        "train/grad_norm": float(grad_norms.mean()),
+        "train/grad_norm_max": float(grad_norms.max()),
+        "train/micro_batches": micro_batch_count,
+        "train/skipped_updates": skipped,
+        **({"train/loss_scale": loss_scale} if scaler is not None else {}),
+        **{
+            key: value / max(totals["stats_weight"], 1)
+            for key, value in totals.items()
+            if key != "stats_weight"
+        },
+    }
 
 
 def loss_denominators(rows, cfg, device):
-    """Step scope: the mini-batch's count of loss tokens and non-empty sequences over all ranks (the global token
-    mean, Eq. 3). Micro scope (the reference): None, each micro-batch uses its own mean."""
+    """Step scope: the mini-batch's count of loss tokens and non-empty sequences over all ranks (the
+    global token mean, Eq. 3). Micro scope (the reference): None, each micro-batch uses its own
+    mean."""
     if cfg.algorithm.selection_scope != "step":
         return None
     tokens = sequences = 0.0
     for row in rows:
         selection = {k: v[None] for k, v in (row.selection or {}).items()}
-        mask = baselines.loss_mask(cfg.algorithm.method, row.policy_mask[None], selection, cfg.loss)  # [1, T]
+        # [1, T]
+        mask = baselines.loss_mask(cfg.algorithm.method, row.policy_mask[None], selection, cfg.loss)
         tokens, sequences = tokens + float(mask.sum()), sequences + float(mask.any())
     return all_reduce({"num_tokens": tokens, "num_sequences": sequences}, device)
 
 
-def micro_batch_backward(model, rows, is_padding, mini_rows, denominators, cfg, gate, step, device, device_sums,
-                         loss_scale=1.0):
+def micro_batch_backward(
+    model,
+    rows,
+    is_padding,
+    mini_rows,
+    denominators,
+    cfg,
+    gate,
+    step,
+    device,
+    device_sums,
+    loss_scale=1.0,
+):
     """Forward and backward of one micro-batch's share of the loss; its loss and statistics added to device_sums."""
     packed = modeling.pack_rows([r.prompt for r in rows], [r.tokens for r in rows], device)
     logits = modeling.response_logits(model, packed)  # [N, V]
-    logprobs, entropy = stare.token_logprobs_and_entropy(logits, packed.response_ids, cfg.rollout.temperature)  # [N]
+    logprobs, entropy = stare.token_logprobs_and_entropy(
+        logits, packed.response_ids, cfg.rollout.temperature
+    )  # [N]
 
     def rows_of(values):  # per-response [T] tensors -> [b, R] as packed lays them out
         return packed.to_rows(torch.cat(list(values)).to(device))
 
     batch = loss_batch(rows, rows_of, cfg.algorithm.method, device)
-    batch["logprobs"], batch["entropy"] = packed.to_rows(logprobs), packed.to_rows(entropy)  # pi_theta's
+    # pi_theta's
+    batch["logprobs"], batch["entropy"] = packed.to_rows(logprobs), packed.to_rows(entropy)
     batch["mask"] = batch["mask"] & (not is_padding)
     token_weights = None
     if cfg.algorithm.importance_sampling:  # truncated IS: pi_old / pi_rollout, capped (Eq. 11)
-        rollout_logprobs = rows_of(torch.tensor(r.rollout_logprobs, dtype=torch.float32) for r in rows)
-        token_weights = torch.exp(batch["old_logprobs"] - rollout_logprobs).clamp(max=cfg.algorithm.is_cap)
-    selection = None  # micro scope (or grpo / entropy_bonus): policy_loss selects within this micro-batch
+        rollout_logprobs = rows_of(
+            torch.tensor(r.rollout_logprobs, dtype=torch.float32) for r in rows
+        )
+        token_weights = torch.exp(batch["old_logprobs"] - rollout_logprobs).clamp(
+            max=cfg.algorithm.is_cap
+        )
+    # micro scope (or grpo / entropy_bonus): policy_loss selects within this micro-batch
+    selection = None
     if rows[0].selection is not None:
         selection = {k: rows_of(r.selection[k] for r in rows) for k in rows[0].selection}
-    generator = torch.Generator(device=device).manual_seed(rollout.derive_seed(cfg.train.seed, "selection", step))
-    loss, loss_metrics = baselines.policy_loss(cfg.algorithm.method, batch, cfg.loss, selection=selection, gate=gate,
-                                               generator=generator, token_weights=token_weights, **(denominators or {}))
-    # step scope: the loss is already this batch's share of the global mean and FSDP averages gradients over ranks,
-    # hence x world; micro scope: each micro-batch's mean weighted by its share of the rows (0 for a padding batch)
+    generator = torch.Generator(device=device).manual_seed(
+        rollout.derive_seed(cfg.train.seed, "selection", step)
+    )
+    loss, loss_metrics = baselines.policy_loss(
+        cfg.algorithm.method,
+        batch,
+        cfg.loss,
+        selection=selection,
+        gate=gate,
+        generator=generator,
+        token_weights=token_weights,
+        **(denominators or {}),
+    )
+    # step scope: the loss is already this batch's share of the global mean and FSDP averages
+    # gradients over ranks, hence x world; micro scope: each micro-batch's mean weighted by its
+    # share of the rows (0 for a padding batch)
     scale = world_size() if denominators else (0 if is_padding else len(rows) / mini_rows)
     (loss * (scale * loss_scale)).backward()  # loss_scale: float16's dynamic scaling (LossScaler)
     weight = batch["mask"].sum()  # the statistics are token means over the step
-    add_sums(device_sums, {"loss": loss.detach() * (1 if denominators else scale), "stats_weight": weight,
-                           **{f"train/{k}" if "/" not in k else k: torch.where(weight > 0, v.detach() * weight, 0.0)
-                              for k, v in loss_metrics.items()}})
+    add_sums(
+        device_sums,
+        {
+            "loss": loss.detach() * (1 if denominators else scale),
+            "stats_weight": weight,
+            **{
+                f"train/{k}" if "/" not in k else k: torch.where(
+                    weight > 0, v.detach() * weight, 0.0
+                )
+                for k, v in loss_metrics.items()
+            },
+        },
+    )
 
 
 def sync_engine(engine, model, cfg, responses, step, probe, first=False):
-    """The new weights into the local engine; at step 1 (or when `first`) and every sync_check_every steps, the
-    engine's log-probs of a probe sequence against the trainer's -> (the probe, the largest difference over all
-    ranks, or None). With sleep mode the trainer's side of the probe runs before the engine's KV cache is back, so
-    the two never hold memory at once."""
+    """The new weights into the local engine; at step 1 (or when `first`) and every sync_check_every
+    steps, the engine's log-probs of a probe sequence against the trainer's -> (the probe, the
+    largest difference over all ranks, or None). With sleep mode the trainer's side of the probe
+    runs before the engine's KV cache is back, so the two never hold memory at once."""
     if cfg.rollout.enable_sleep_mode:
         rollout.wake_weights(engine)  # weights first, then the KV cache (vLLM's sleep mode)
     rollout.sync_weights(engine, rollout.full_parameters(model, rollout.engine_dtype(engine)))
-    checking = cfg.rollout.sync_check_every and (first or step == 1 or step % cfg.rollout.sync_check_every == 0)
+    checking = cfg.rollout.sync_check_every and (
+        first or step == 1 or step % cfg.rollout.sync_check_every == 0
+    )
     if checking and probe is None:
-        probe = next((p for p in all_gather(probe_sequence(responses)) if p is not None), None)  # same on all ranks
+        # same on all ranks
+        probe = next((p for p in all_gather(probe_sequence(responses)) if p is not None), None)
     if checking and probe is not None:
         model.eval()
         trainer_side = rollout.trainer_logprobs(model, probe[0], probe[1])
@@ -403,8 +553,9 @@ def sync_engine(engine, model, cfg, responses, step, probe, first=False):
 
 
 def probe_sequence(responses):
-    """(token ids, prompt length) of the weight-sync probe: the first response with a token, cut to PROBE_TOKENS
-    (a truncated response fills the context, and the probe asks for one more token: it loses its last); or None."""
+    """(token ids, prompt length) of the weight-sync probe: the first response with a token, cut to
+    PROBE_TOKENS (a truncated response fills the context, and the probe asks for one more token: it
+    loses its last); or None."""
     for r in responses:
         tokens = r.tokens[:min(PROBE_TOKENS, len(r.tokens) - r.truncated)]
         if tokens:
@@ -413,58 +564,84 @@ def probe_sequence(responses):
 
 
 def sync_guard(metrics, cfg, step):
-    """One line when the engine and the trainer disagree beyond their bounds (a failed or partial weight sync
-    samples from other weights than the ones trained), else None. The bounds and their noise floor:
-    docs/usage.md, "GPU runs: the checks"."""
+    """One line when the engine and the trainer disagree beyond their bounds (a failed or partial
+    weight sync samples from other weights than the ones trained), else None. The bounds and their
+    noise floor: docs/usage.md, "GPU runs: the checks"."""
     for key, name in (("rollout/sync_probe_error", "max_sync_probe_error"),
                       ("rollout/logprob_mismatch_mean", "max_logprob_mismatch")):
         bound = getattr(cfg.rollout, name)
         if key in metrics and not metrics[key] <= bound:
-            return (f"error: step {step}: {key} = {metrics[key]:.3g} exceeds rollout.{name} = {bound:g}: the "
-                    f"engine is not sampling from the trained weights (a failed weight sync); stopped before this "
-                    f"step's checkpoint (metrics.jsonl has the step). Try rollout.sleep_level=1 on GPU")
+            return (
+                f"error: step {step}: {key} = {metrics[key]:.3g} exceeds rollout.{name} = {bound:g}: the "
+                f"engine is not sampling from the trained weights (a failed weight sync); stopped before this "
+                f"step's checkpoint (metrics.jsonl has the step). Try rollout.sleep_level=1 on GPU"
+            )
     return None
 
 
 def batch_metrics(responses, num_tokens, device):
-    """Rollout statistics of the training batch (the kept groups) and the predicted first-order entropy change of
-    its update by quadrant (Eq. 6), over all ranks."""
-    mismatch = [(torch.tensor(r.rollout_logprobs) - r.old_logprobs).abs()[r.policy_mask] for r in responses]
-    sums = all_reduce({"responses": len(responses), "correct": sum(r.accuracy for r in responses),
-                       "reward": sum(r.reward for r in responses), "length": sum(len(r.tokens) for r in responses),
-                       "zero_advantage": sum(r.advantage == 0 for r in responses),
-                       "truncated": sum(r.truncated for r in responses),
-                       "mismatch": sum(float(m.sum()) for m in mismatch),
-                       "reflection_words": sum(r.reflection[0] for r in responses),
-                       "words": sum(r.reflection[1] for r in responses)}, device)
-    maxima = all_reduce({"length": max((len(r.tokens) for r in responses), default=0),
-                         "mismatch": max((float(m.max()) for m in mismatch if m.numel()), default=0.0)},
-                        device, op=dist.ReduceOp.MAX)
-    dynamics = stare.entropy_dynamics(torch.tensor([r.advantage for r in responses]),
-                                      pad_rows([r.sensitivity for r in responses]),
-                                      pad_rows([r.policy_mask for r in responses]), num_tokens=num_tokens)
+    """Rollout statistics of the training batch (the kept groups) and the predicted first-order
+    entropy change of its update by quadrant (Eq. 6), over all ranks."""
+    mismatch = [
+        (torch.tensor(r.rollout_logprobs) - r.old_logprobs).abs()[r.policy_mask] for r in responses
+    ]
+    sums = all_reduce(
+        {
+            "responses": len(responses),
+            "correct": sum(r.accuracy for r in responses),
+            "reward": sum(r.reward for r in responses),
+            "length": sum(len(r.tokens) for r in responses),
+            "zero_advantage": sum(r.advantage == 0 for r in responses),
+            "truncated": sum(r.truncated for r in responses),
+            "mismatch": sum(float(m.sum()) for m in mismatch),
+            "reflection_words": sum(r.reflection[0] for r in responses),
+            "words": sum(r.reflection[1] for r in responses),
+        },
+        device,
+    )
+    maxima = all_reduce(
+        {
+            "length": max((len(r.tokens) for r in responses), default=0),
+            "mismatch": max((float(m.max()) for m in mismatch if m.numel()), default=0.0),
+        },
+        device,
+        op=dist.ReduceOp.MAX,
+    )
+    dynamics = stare.entropy_dynamics(
+        torch.tensor([r.advantage for r in responses]),
+        pad_rows([r.sensitivity for r in responses]),
+        pad_rows([r.policy_mask for r in responses]),
+        num_tokens=num_tokens,
+    )
     count = sums["responses"]
-    return {"rollout/acc": sums["correct"] / count, "rollout/reward_mean": sums["reward"] / count,
-            "rollout/response_length_mean": sums["length"] / count, "rollout/response_length_max": maxima["length"],
-            "rollout/truncated_frac": sums["truncated"] / count,
-            "train/zero_advantage_frac": sums["zero_advantage"] / count,  # all 1: no learning signal at all
-            "rollout/logprob_mismatch_mean": sums["mismatch"] / max(num_tokens, 1),
-            "rollout/logprob_mismatch_max": maxima["mismatch"],
-            "rollout/reflection_per_1k_words": 1000 * sums["reflection_words"] / max(sums["words"], 1),
-            "train/tokens": num_tokens,
-            **{f"stare/dynamics/{k}": v for k, v in all_reduce(dynamics, device).items()}}
+    return {
+        "rollout/acc": sums["correct"] / count,
+        "rollout/reward_mean": sums["reward"] / count,
+        "rollout/response_length_mean": sums["length"] / count,
+        "rollout/response_length_max": maxima["length"],
+        "rollout/truncated_frac": sums["truncated"] / count,
+        # all 1: no learning signal at all
+        "train/zero_advantage_frac": sums["zero_advantage"] / count,
+        "rollout/logprob_mismatch_mean": sums["mismatch"] / max(num_tokens, 1),
+        "rollout/logprob_mismatch_max": maxima["mismatch"],
+        "rollout/reflection_per_1k_words": 1000 * sums["reflection_words"] / max(sums["words"], 1),
+        "train/tokens": num_tokens,
+        **{f"stare/dynamics/{k}": v for k, v in all_reduce(dynamics, device).items()},
+    }
 
 
 def train_step(run, state, step, stage=lambda name: None):
-    """One optimizer step: the algorithm, stage by stage -> its metrics by name. stage(name) is called as each
-    long stage begins (the progress line shows it)."""
+    """One optimizer step: the algorithm, stage by stage -> its metrics by name. stage(name) is
+    called as each long stage begins (the progress line shows it)."""
     cfg, device, rank, world = run.cfg, run.device, run.rank, run.world
     start = time.time()
     stage("rollout")
-    groups, state.data_position, rollout_metrics = sample_groups(run.engine, run.tokenizer, run.task, cfg,
-                                                                 state.data_position, rank, world, device)
+    groups, state.data_position, rollout_metrics = sample_groups(
+        run.engine, run.tokenizer, run.task, cfg, state.data_position, rank, world, device
+    )
     if cfg.rollout.enable_sleep_mode:
-        rollout.release_memory(run.engine, cfg.rollout.sleep_level)  # free the engine for the update (GPU)
+        # free the engine for the update (GPU)
+        rollout.release_memory(run.engine, cfg.rollout.sleep_level)
     responses = group_responses(groups, cfg, rank, world)
     timer = Timer()
     stage("old log-probs")
@@ -475,10 +652,12 @@ def train_step(run, state, step, stage=lambda name: None):
     learning_rate = run.optimizer.param_groups[0]["lr"]  # the rate this step uses
     stage("update")
     with timer("time/update"):
-        update_metrics = policy_update(run.model, run.optimizer, responses, cfg, run.gate, step, device,
-                                       state.scaler)
+        update_metrics = policy_update(
+            run.model, run.optimizer, responses, cfg, run.gate, step, device, state.scaler
+        )
         run.scheduler.step()
-    backing_off = state.scaler is not None and state.scaler.scale > 1  # fp16: an overflow halved the scale
+    # fp16: an overflow halved the scale
+    backing_off = state.scaler is not None and state.scaler.scale > 1
     skipped = update_metrics["train/skipped_updates"] and not backing_off
     state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
     if state.nonfinite_in_a_row > cfg.optim.max_nonfinite_steps:
@@ -487,25 +666,39 @@ def train_step(run, state, step, stage=lambda name: None):
                                    f"(optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
     stage("weight sync")
     with timer("time/sync"):
-        state.probe, sync_error = sync_engine(run.engine, run.model, cfg, responses, step, state.probe)
+        state.probe, sync_error = sync_engine(
+            run.engine, run.model, cfg, responses, step, state.probe
+        )
     elapsed = time.time() - start
-    return {**rollout_metrics, **batch_metrics(responses, num_tokens, device), **gate_metrics, **selection_metrics,
-            **update_metrics, "train/lr": learning_rate, **timer.times, "time/step": elapsed,
-            "time/tokens_per_s": num_tokens / max(elapsed, 1e-9),
-            **({"rollout/sync_probe_error": sync_error} if sync_error is not None else {})}
+    return {
+        **rollout_metrics,
+        **batch_metrics(responses, num_tokens, device),
+        **gate_metrics,
+        **selection_metrics,
+        **update_metrics,
+        "train/lr": learning_rate,
+        **timer.times,
+        "time/step": elapsed,
+        "time/tokens_per_s": num_tokens / max(elapsed, 1e-9),
+        **({"rollout/sync_probe_error": sync_error} if sync_error is not None else {}),
+    }
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # PLUMBING: the run around the steps
-# ======================================================================================================================
+# ==================================================================================================
 
 
 def main(argv):
-    export_only = "--export" in argv  # write an HF export of the checkpoint train.resume names, then stop
+    # write an HF export of the checkpoint train.resume names, then stop
+    export_only = "--export" in argv
     planning = "--plan" in argv  # print the memory plan of the config on its hardware, then stop
     argv = [a for a in argv if a not in ("--export", "--plan")]
     if len(argv) < 2 or argv[0] != "--config":
-        print("usage: train.py --config CONFIG.yaml [--export | --plan] [section.key=value ...]", file=sys.stderr)
+        print(
+            "usage: train.py --config CONFIG.yaml [--export | --plan] [section.key=value ...]",
+            file=sys.stderr,
+        )
         return 2
     if planning:
         return plan.main(argv[1], argv[2:])
@@ -533,35 +726,58 @@ def main(argv):
 
 
 def train(run, state):
-    """The steps from the one after state.step to train.total_steps; metrics, evaluation and checkpoints on
-    schedule -> the exit code (128 + signal when a signal stopped the run early)."""
+    """The steps from the one after state.step to train.total_steps; metrics, evaluation and
+    checkpoints on schedule -> the exit code (128 + signal when a signal stopped the run early)."""
     cfg, first_step = run.cfg, state.step + 1
     log = runs.MetricsLog(run.out_dir, cfg, run.rank, first_step=first_step)
     stop = runs.StopSignals()
-    progress = tqdm(range(first_step, cfg.train.total_steps + 1), desc="train", disable=run.rank != 0,
-                    initial=state.step, total=cfg.train.total_steps)
+    progress = tqdm(
+        range(first_step, cfg.train.total_steps + 1),
+        desc="train",
+        disable=run.rank != 0,
+        initial=state.step,
+        total=cfg.train.total_steps,
+    )
     if run.benchmarks and cfg.eval.before_train and state.step == 0:
         log.write(0, evaluation(run), progress)  # the starting point of every eval curve
     try:
         for step in progress:
             metrics = {**train_step(run, state, step, stage=lambda name: progress.set_postfix_str(
-                f"step {step}: {name}", refresh=True)), **run.task.metrics}  # data/*: what loading the prompts did
+                # data/*: what loading the prompts did
+                f"step {step}: {name}", refresh=True)), **run.task.metrics}
             if run.benchmarks and (step % cfg.eval.every == 0 or step == cfg.train.total_steps):
                 metrics.update(evaluation(run))
             log.write(step, metrics, progress)
             problem = sync_guard(metrics, cfg, step)
-            if problem:  # before this step's checkpoint: the last one holds weights the engine sampled well
+            # before this step's checkpoint: the last one holds weights the engine sampled well
+            if problem:
                 raise runs.RunError(problem)
             state.step = step
-            stopping = all_reduce({"stop": float(stop.requested)}, run.device)["stop"] > 0  # a signal to any rank
-            if stopping or step == cfg.train.total_steps or (cfg.train.save_every and step % cfg.train.save_every == 0):
-                path = checkpoints.save_checkpoint(run.out_dir, step, run.model, run.optimizer,
-                                                   trainer_state(run, state), cfg, run.rank, run.world)
+            # a signal to any rank
+            stopping = all_reduce({"stop": float(stop.requested)}, run.device)["stop"] > 0
+            if (
+                stopping
+                or step == cfg.train.total_steps
+                or (cfg.train.save_every and step % cfg.train.save_every == 0)
+            ):
+                path = checkpoints.save_checkpoint(
+                    run.out_dir,
+                    step,
+                    run.model,
+                    run.optimizer,
+                    trainer_state(run, state),
+                    cfg,
+                    run.rank,
+                    run.world,
+                )
                 if run.rank == 0:
                     progress.write(f"step {step}: checkpoint {path}")
-            if stopping and step < cfg.train.total_steps:  # at the last step: finish normally (export included)
+            # at the last step: finish normally (export included)
+            if stopping and step < cfg.train.total_steps:
                 if run.rank == 0:
-                    progress.write(f"stopped by a signal after step {step}; `resume: auto` continues from {path}")
+                    progress.write(
+                        f"stopped by a signal after step {step}; `resume: auto` continues from {path}"
+                    )
                 return 128 + stop.signal_number
         checkpoints.export_hf(run.model, cfg, run.tokenizer, run.out_dir / "hf", run.rank)
         return 0
@@ -595,35 +811,44 @@ class TrainerState:
     """What a step reads and writes besides the model and optimizer: saved in every checkpoint."""
 
     step: int = 0  # the last finished step
-    data_position: int = 0  # prompts consumed so far (global): the index into the seeded prompt stream
+    # prompts consumed so far (global): the index into the seeded prompt stream
+    data_position: int = 0
     nonfinite_in_a_row: int = 0  # consecutive steps whose update was skipped
     probe: tuple | None = None  # (token ids, prompt length) of the weight-sync check
     scaler: "LossScaler | None" = None  # float16 compute: the dynamic loss scale
 
 
 def start_run(cfg, rank, world, device, lock, export_only=False):
-    """Checks, the out_dir lock, data, engine, model, optimizer, gate and the state to resume from -> (Run,
-    TrainerState). Raises runs.RunError when the run cannot start; config.yaml is written only once it has."""
+    """Checks, the out_dir lock, data, engine, model, optimizer, gate and the state to resume from
+    -> (Run, TrainerState). Raises runs.RunError when the run cannot start; config.yaml is written
+    only once it has."""
     from transformers import AutoTokenizer
 
     try:
         config.check(cfg, world_size=world)
     except config.ConfigError as error:
         raise runs.RunError(f"config error: {error}") from None
-    if device.type == "cuda":  # driver, packages and the memory plan against this GPU, before anything loads
+    # driver, packages and the memory plan against this GPU, before anything loads
+    if device.type == "cuda":
         errors, warnings = plan.preflight(cfg, world, device)
         for line in warnings + errors if rank == 0 else []:
             print(line, file=sys.stderr)
-        agree(f"error: the GPU preflight found {len(errors)} problem(s), listed above" if errors else None)
+        agree(
+            f"error: the GPU preflight found {len(errors)} problem(s), listed above"
+            if errors
+            else None
+        )
     checkpoint = checkpoints.resume_checkpoint(cfg, check_later=not export_only, rank=rank)
     if cfg.loss.agg_mode == "seq-mean-token-sum-norm" and cfg.loss.loss_scale_factor is None:
-        # Dr.GRPO's constant must not be the padded width of each micro-batch: use the response budget (Eq. 3)
+        # Dr.GRPO's constant must not be the padded width of each micro-batch: use the response
+        # budget (Eq. 3)
         cfg.loss = dataclasses.replace(cfg.loss, loss_scale_factor=float(cfg.rollout.max_tokens))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     task, benchmarks, engine = None, {}, None
     if not export_only:
         problem = None
-        if rank == 0:  # one lock per out_dir, taken by the first rank; every rank learns the outcome
+        # one lock per out_dir, taken by the first rank; every rank learns the outcome
+        if rank == 0:
             try:
                 lock.acquire()
             except runs.RunError as error:
@@ -631,21 +856,34 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
         agree(problem)
         task, benchmarks = load_task(cfg, tokenizer, rank)
         max_tokens = max(cfg.rollout.max_tokens, cfg.eval.max_tokens if benchmarks else 0)
-        say(rank, "building the vLLM engine (on a GPU the first start compiles and captures CUDA graphs)")
+        say(
+            rank,
+            "building the vLLM engine (on a GPU the first start compiles and captures CUDA graphs)",
+        )
         engine = rollout.build_engine(
-            # one seed per engine, or every engine samples alike (vLLM #15980); the ranks of one engine share it
-            cfg.model.path, seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size,
+            # one seed per engine, or every engine samples alike (vLLM #15980); the ranks of one
+            # engine share it
+            cfg.model.path,
+            seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size,
             tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-            max_model_len=cfg.data.max_prompt_tokens + max_tokens, dtype=cfg.rollout.dtype,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, kv_cache_gib=cfg.rollout.kv_cache_gib,
-            max_num_seqs=cfg.rollout.max_num_seqs, enable_sleep_mode=cfg.rollout.enable_sleep_mode,
-            enforce_eager=cfg.rollout.enforce_eager, model_runner=cfg.rollout.model_runner)
+            max_model_len=cfg.data.max_prompt_tokens + max_tokens,
+            dtype=cfg.rollout.dtype,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            kv_cache_gib=cfg.rollout.kv_cache_gib,
+            max_num_seqs=cfg.rollout.max_num_seqs,
+            enable_sleep_mode=cfg.rollout.enable_sleep_mode,
+            enforce_eager=cfg.rollout.enforce_eager,
+            model_runner=cfg.rollout.model_runner,
+        )
         runner = rollout.engine_runner(engine)
         task.metrics["rollout/model_runner_v2"] = float(runner == "v2")  # recorded with every step
         if runner != cfg.rollout.model_runner and rank == 0:
-            print(f"warning: vLLM runs model runner {runner}, not rollout.model_runner={cfg.rollout.model_runner}",
-                  file=sys.stderr)
-    torch.manual_seed(cfg.train.seed)  # after the engine, whose start reseeds every global RNG (rollout.py)
+            print(
+                f"warning: vLLM runs model runner {runner}, not rollout.model_runner={cfg.rollout.model_runner}",
+                file=sys.stderr,
+            )
+    # after the engine, whose start reseeds every global RNG (rollout.py)
+    torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
     say(rank, f"building the policy model from {cfg.model.path} (each rank reads its shards)")
     model = modeling.build_model(cfg, device, world)
@@ -653,8 +891,22 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
                                   weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_lambda(cfg))
     gate = stare.EntropyGate(**vars(cfg.gate))
-    run = Run(cfg, rank, world, device, Path(cfg.train.out_dir), tokenizer, task, benchmarks, engine, model,
-              optimizer, scheduler, gate, checkpoint)
+    run = Run(
+        cfg,
+        rank,
+        world,
+        device,
+        Path(cfg.train.out_dir),
+        tokenizer,
+        task,
+        benchmarks,
+        engine,
+        model,
+        optimizer,
+        scheduler,
+        gate,
+        checkpoint,
+    )
     if export_only:
         return run, None
     state = resume(run, checkpoint) if checkpoint is not None else TrainerState()
@@ -663,10 +915,15 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
     if rank == 0:  # the run has started: record what it runs with
         (run.out_dir / "config.yaml").write_text(config.to_yaml(cfg))
         print(config.to_yaml(cfg))
-        kept = runs.keep_metrics(run.out_dir / "metrics.jsonl", state.step if checkpoint is not None else None)
+        kept = runs.keep_metrics(
+            run.out_dir / "metrics.jsonl", state.step if checkpoint is not None else None
+        )
         if kept is not None:
-            print(f"warning: {run.out_dir} held metrics of an earlier run but no checkpoint to resume from; they are "
-                  f"kept as {kept}", file=sys.stderr)
+            print(
+                f"warning: {run.out_dir} held metrics of an earlier run but no checkpoint to resume from; they are "
+                f"kept as {kept}",
+                file=sys.stderr,
+            )
     return run, state
 
 
@@ -677,22 +934,26 @@ def say(rank, message):
 
 
 def load_task(cfg, tokenizer, rank):
-    """The training prompts, tokenised (tool-use runs list the code interpreter in the system block), and the
-    evaluation benchmarks; truncated and skipped prompts reported. A data problem is a RunError naming the file."""
+    """The training prompts, tokenised (tool-use runs list the code interpreter in the system
+    block), and the evaluation benchmarks; truncated and skipped prompts reported. A data problem is
+    a RunError naming the file."""
     try:
         examples = [example for path in cfg.data.train_files
                     for example in data.load_examples(path, prompt_suffix=cfg.data.prompt_suffix)]
         tools = [rollout.CODE_INTERPRETER_TOOL] if cfg.rollout.tools else None
-        prompt_ids, examples, stats = data.tokenize_prompts(examples, tokenizer, cfg.data.max_prompt_tokens,
-                                                            cfg.data.overflow, tools=tools)
+        prompt_ids, examples, stats = data.tokenize_prompts(
+            examples, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overflow, tools=tools
+        )
         benchmarks = (evaluate.load_benchmarks(cfg.eval.files, prompt_suffix=cfg.data.prompt_suffix)
                       if cfg.eval.files and cfg.eval.every else {})
     except ValueError as error:
         raise runs.RunError(f"data error: {error}") from None
     total = stats["num_prompts"]
-    report = (f"{total} training prompts; {stats['num_truncated']} ({stats['num_truncated'] / total:.1%}) cut to "
-              f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} from the left, {stats['num_skipped']} "
-              f"({stats['num_skipped'] / total:.1%}) skipped (data.overflow={cfg.data.overflow})")
+    report = (
+        f"{total} training prompts; {stats['num_truncated']} ({stats['num_truncated'] / total:.1%}) cut to "
+        f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} from the left, {stats['num_skipped']} "
+        f"({stats['num_skipped'] / total:.1%}) skipped (data.overflow={cfg.data.overflow})"
+    )
     if not prompt_ids:
         raise runs.RunError(f"data error: no training prompt is left: {report}")
     if rank == 0:
@@ -706,45 +967,78 @@ def resume(run, checkpoint):
     """Model, optimizer, scheduler, gate and trainer state from a checkpoint; the engine gets the weights."""
     try:
         saved = checkpoints.load_checkpoint(checkpoint, run.model, run.optimizer, run.rank)
-    except Exception as error:  # corrupt bytes that checkpoints.check_files cannot see from the sizes
+    # corrupt bytes that checkpoints.check_files cannot see from the sizes
+    except Exception as error:
         first_line = (str(error).strip().splitlines() or [""])[0][:300]
-        raise runs.RunError(f"error: {checkpoint} cannot be loaded ({type(error).__name__}: {first_line}); "
-                                   f"name an earlier one with train.resume=PATH") from None
+        raise runs.RunError(
+            f"error: {checkpoint} cannot be loaded ({type(error).__name__}: {first_line}); "
+            f"name an earlier one with train.resume=PATH"
+        ) from None
     run.scheduler.load_state_dict(saved.pop("scheduler"))
-    # the optimizer's saved settings give way to this run's config (a changed optim.lr takes effect, as recorded)
+    # the optimizer's saved settings give way to this run's config (a changed optim.lr takes effect,
+    # as recorded)
     cfg = run.cfg
     run.scheduler.base_lrs = [cfg.optim.lr] * len(run.optimizer.param_groups)
     factor = learning_rate_lambda(cfg)(run.scheduler.last_epoch)
     for group in run.optimizer.param_groups:
-        group.update(initial_lr=cfg.optim.lr, lr=cfg.optim.lr * factor, betas=tuple(cfg.optim.betas),
-                     weight_decay=cfg.optim.weight_decay)
+        group.update(
+            initial_lr=cfg.optim.lr,
+            lr=cfg.optim.lr * factor,
+            betas=tuple(cfg.optim.betas),
+            weight_decay=cfg.optim.weight_decay,
+        )
     # the gate's state; its settings come from this run's config (w and m too, unless they adapt)
     carried = ("gate_on", "current_entropy") + (("w", "m") if run.gate.adaptive else ())
-    run.gate.load_state_dict({**run.gate.state_dict(), **{key: saved["gate"][key] for key in carried}})
+    run.gate.load_state_dict(
+        {**run.gate.state_dict(), **{key: saved["gate"][key] for key in carried}}
+    )
     # the engine started from model.path
-    rollout.sync_weights(run.engine, rollout.full_parameters(run.model, rollout.engine_dtype(run.engine)))
+    rollout.sync_weights(
+        run.engine, rollout.full_parameters(run.model, rollout.engine_dtype(run.engine))
+    )
     changed = runs.config_differences((checkpoint / "config.yaml").read_text(), run.cfg)
     if run.rank == 0:
-        print(f"resumed from {checkpoint} at step {saved['step']}"
-              + (f"; config keys changed since, this run's values apply: {', '.join(changed)}" if changed else ""),
-              file=sys.stderr)
-    state = TrainerState(**{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved})
+        print(
+            f"resumed from {checkpoint} at step {saved['step']}"
+            + (
+                f"; config keys changed since, this run's values apply: {', '.join(changed)}"
+                if changed
+                else ""
+            ),
+            file=sys.stderr,
+        )
+    state = TrainerState(
+        **{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved}
+    )
     state.scaler = LossScaler(**state.scaler) if isinstance(state.scaler, dict) else state.scaler
     return state
 
 
 def trainer_state(run, state):
-    return {**dataclasses.asdict(state), "scheduler": run.scheduler.state_dict(), "gate": run.gate.state_dict()}
+    return {
+        **dataclasses.asdict(state),
+        "scheduler": run.scheduler.state_dict(),
+        "gate": run.gate.state_dict(),
+    }
 
 
 def evaluation(run):
     """evaluate.py's sampler and verifier on the engine's current weights -> eval/... metrics."""
     cfg, start = run.cfg, time.time()
-    result = evaluate.evaluate(run.engine, run.tokenizer, run.benchmarks, n=cfg.eval.n,
-                               tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-                               temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, max_tokens=cfg.eval.max_tokens,
-                               reward_cfg=cfg.reward, seed=cfg.train.seed, max_prompt_tokens=cfg.data.max_prompt_tokens,
-                               overflow=cfg.data.overflow)
+    result = evaluate.evaluate(
+        run.engine,
+        run.tokenizer,
+        run.benchmarks,
+        n=cfg.eval.n,
+        tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+        temperature=cfg.eval.temperature,
+        top_p=cfg.eval.top_p,
+        max_tokens=cfg.eval.max_tokens,
+        reward_cfg=cfg.reward,
+        seed=cfg.train.seed,
+        max_prompt_tokens=cfg.data.max_prompt_tokens,
+        overflow=cfg.data.overflow,
+    )
     return {**evaluate.flatten_metrics(result), "time/eval": time.time() - start}
 
 
@@ -753,7 +1047,8 @@ def export_checkpoint(run):
     if run.checkpoint is None:
         raise runs.RunError(f"--export: no checkpoint under {run.out_dir}/checkpoints "
                                    f"(train.resume={run.cfg.train.resume!r})")
-    step = checkpoints.load_checkpoint(run.checkpoint, run.model, None, run.rank)["step"]  # the weights only
+    # the weights only
+    step = checkpoints.load_checkpoint(run.checkpoint, run.model, None, run.rank)["step"]
     path = run.out_dir / f"hf_step_{step}"
     checkpoints.export_hf(run.model, run.cfg, run.tokenizer, path, run.rank)
     if run.rank == 0:
@@ -762,27 +1057,35 @@ def export_checkpoint(run):
 
 
 def setup_distributed(timeout_minutes=60):
-    """A process group in every case (a single process gets a group of one), so one code path serves both.
-    Collectives wait timeout_minutes for the slowest rank (a long rollout tail, math-verify, the first compile)."""
+    """A process group in every case (a single process gets a group of one), so one code path serves
+    both. Collectives wait timeout_minutes for the slowest rank (a long rollout tail, math-verify,
+    the first compile)."""
     if "RANK" not in os.environ:  # plain `python train.py`: a local group of one
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes)
+    )
+    device = (
+        torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
+    )
     return dist.get_rank(), dist.get_world_size(), device
 
 
 @dataclasses.dataclass
 class LossScaler:
-    """Dynamic loss scaling for float16 compute (model.param_dtype: float16). The gradients of a token-mean loss
-    over ~1M tokens are ~1e-6 per token, under float16's normal range: the loss is multiplied by `scale` before
-    backward, the (float32, sharded) gradients are divided by it before clipping, a step whose gradients are not
-    finite is skipped and halves the scale, and `window` finite steps in a row double it."""
+    """Dynamic loss scaling for float16 compute (model.param_dtype: float16). The gradients of a
+    token-mean loss over ~1M tokens are ~1e-6 per token, under float16's normal range: the loss is
+    multiplied by `scale` before backward, the (float32, sharded) gradients are divided by it before
+    clipping, a step whose gradients are not finite is skipped and halves the scale, and `window`
+    finite steps in a row double it."""
 
     scale: float = 65536.0
     window: int = 1000
@@ -790,7 +1093,9 @@ class LossScaler:
 
     def unscale(self, model):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], 1.0 / self.scale)
+        torch._foreach_mul_(
+            [g.to_local() if hasattr(g, "to_local") else g for g in grads], 1.0 / self.scale
+        )
 
     def update(self, finite):
         self.good_steps = self.good_steps + 1 if finite else 0
@@ -802,28 +1107,34 @@ class LossScaler:
 
 def learning_rate_lambda(cfg):
     """The learning-rate factor of each step: linear warm-up, then constant or cosine to min_lr_ratio."""
+
     def factor(step):
         if step < cfg.optim.warmup_steps:
             return (step + 1) / cfg.optim.warmup_steps
         if cfg.optim.schedule == "constant":
             return 1.0
-        progress = (step - cfg.optim.warmup_steps) / max(1, cfg.train.total_steps - cfg.optim.warmup_steps)
+        progress = (step - cfg.optim.warmup_steps) / max(
+            1, cfg.train.total_steps - cfg.optim.warmup_steps
+        )
         cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return cfg.optim.min_lr_ratio + (1 - cfg.optim.min_lr_ratio) * cosine
     return factor
 
 
 def equal_count_micro_batches(responses, token_budget, device):
-    """modeling.micro_batches, padded with empty batches to the largest count over ranks: FSDP2's forward and
-    backward are collectives, so every rank must run the same number of them (a mismatch hangs)."""
-    batches = modeling.micro_batches([len(r.prompt) + len(r.tokens) for r in responses], token_budget)
+    """modeling.micro_batches, padded with empty batches to the largest count over ranks: FSDP2's
+    forward and backward are collectives, so every rank must run the same number of them (a mismatch
+    hangs)."""
+    batches = modeling.micro_batches(
+        [len(r.prompt) + len(r.tokens) for r in responses], token_budget
+    )
     count = all_reduce({"count": len(batches)}, device, op=dist.ReduceOp.MAX)["count"]
     return batches + [[]] * (int(count) - len(batches))
 
 
 def policy_token_mask(out, index):
-    """[T] bool of response `index` of a generation: True at tokens the policy sampled; False at tool-result tokens
-    (multi-turn), which carry no gradient and count in no statistic."""
+    """[T] bool of response `index` of a generation: True at tokens the policy sampled; False at
+    tool-result tokens (multi-turn), which carry no gradient and count in no statistic."""
     tool_mask = getattr(out, "tool_mask", None)
     if tool_mask is None:
         return torch.ones(len(out.token_ids[index]), dtype=torch.bool)
@@ -838,7 +1149,8 @@ def pad_rows(values):
     return out
 
 
-# The stages also run in one process without a process group (tests, tools/repro.py, tools/bench.py): then "all ranks" is this one.
+# The stages also run in one process without a process group (tests, tools/repro.py,
+# tools/bench.py): then "all ranks" is this one.
 
 
 def world_size():
@@ -848,7 +1160,9 @@ def world_size():
 def all_reduce(values, device, op=dist.ReduceOp.SUM):
     """A dict of numbers (floats or 0-dim tensors) reduced over ranks in one collective -> dict of floats."""
     keys = sorted(values)
-    stacked = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=device) for k in keys])
+    stacked = torch.stack(
+        [torch.as_tensor(values[k], dtype=torch.float64, device=device) for k in keys]
+    )
     if dist.is_initialized():
         dist.all_reduce(stacked, op=op)
     return dict(zip(keys, stacked.tolist()))

@@ -1,6 +1,6 @@
-"""Shared fixtures. The tiny default (tokenizer, model, tasks; ~90 s) and its countdown variant are built once per test
-session, or reused from $STARE_TINY_DIR when that is set (tiny.py keeps a complete directory), to save the build
-between runs."""
+"""Shared fixtures. The tiny default (tokenizer, model, tasks; ~90 s) and its countdown variant are
+built once per test session, or reused from $STARE_TINY_DIR when that is set (tiny.py keeps a
+complete directory), to save the build between runs."""
 
 import os
 from pathlib import Path

@@ -1,6 +1,6 @@
-"""Worker of test_train.py's float16 test, one gloo process: train.policy_update on the tiny model under FSDP2 with
-float32, float16 and float16 + loss-scaled compute, on a batch whose gradients are as small as a paper-scale
-token mean's (~1e-7 per parameter entry).
+"""Worker of test_train.py's float16 test, one gloo process: train.policy_update on the tiny model
+under FSDP2 with float32, float16 and float16 + loss-scaled compute, on a batch whose gradients are
+as small as a paper-scale token mean's (~1e-7 per parameter entry).
 
     python tests/fp16_update.py TINY_MODEL_DIR OUT_JSON
 """
@@ -33,11 +33,18 @@ def responses(cfg):
         for _ in range(4):
             length = int(torch.randint(8, 24, (1,), generator=generator))
             reward = float(torch.randint(0, 2, (1,), generator=generator))
-            rows.append(train.Response(prompt=prompt, tokens=torch.randint(3, 300, (length,),
-                                                                           generator=generator).tolist(),
-                                       rollout_logprobs=[0.0] * length, reward=reward, accuracy=reward,
-                                       truncated=False, reflection=(0, 0),
-                                       policy_mask=torch.ones(length, dtype=torch.bool)))
+            rows.append(
+                train.Response(
+                    prompt=prompt,
+                    tokens=torch.randint(3, 300, (length,), generator=generator).tolist(),
+                    rollout_logprobs=[0.0] * length,
+                    reward=reward,
+                    accuracy=reward,
+                    truncated=False,
+                    reflection=(0, 0),
+                    policy_mask=torch.ones(length, dtype=torch.bool),
+                )
+            )
     groups = [train.Group(rows[i].prompt, rows[i:i + 4]) for i in range(0, 12, 4)]
     out = train.group_responses(groups, cfg, 0, 1)
     for r in out:
@@ -51,18 +58,31 @@ def full(parameter):  # the whole float32 parameter (FSDP2 reshards after the ba
 
 def update(model_dir, param_dtype, scaler):
     """The parameter change of one SGD(lr=1) step (minus the unscaled gradient) and the update's metrics."""
-    cfg = config.load("configs/tiny.yaml", [f"model.path={model_dir}", f"model.param_dtype={param_dtype}",
-                                            "algorithm.method=grpo", "optim.grad_clip=0", "rollout.n=4",
-                                            "train.train_batch_size=3", "train.mini_batch_size=3"])
+    cfg = config.load(
+        "configs/tiny.yaml",
+        [
+            f"model.path={model_dir}",
+            f"model.param_dtype={param_dtype}",
+            "algorithm.method=grpo",
+            "optim.grad_clip=0",
+            "rollout.n=4",
+            "train.train_batch_size=3",
+            "train.mini_batch_size=3",
+        ],
+    )
     model = modeling.build_model(cfg, DEVICE, 1)
-    before = [full(p).detach().clone() for p in model.parameters()]  # the float32 shards, before any forward
+    # the float32 shards, before any forward
+    before = [full(p).detach().clone() for p in model.parameters()]
     rows = responses(cfg)
     train.old_policy_pass(model, rows, cfg, DEVICE)
     gate = stare.EntropyGate(cfg.gate.target_entropy)
     train.update_gate(gate, rows, DEVICE)
-    metrics = train.policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), rows, cfg, gate, 1, DEVICE,
-                                  scaler)
-    change = torch.cat([(b - full(p).detach()).flatten() for b, p in zip(before, model.parameters())])
+    metrics = train.policy_update(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), rows, cfg, gate, 1, DEVICE, scaler
+    )
+    change = torch.cat(
+        [(b - full(p).detach()).flatten() for b, p in zip(before, model.parameters())]
+    )
     return change, metrics
 
 

@@ -1,6 +1,6 @@
-"""kernels.py against stare.py's / baselines.py's exact chunked code on the same logits. Run on CUDA by
-tests/test_gpu.py, and on CPU by tests/test_kernels.py in a subprocess under TRITON_INTERPRET=1 (Triton's
-interpreter), since that setting must be made before the kernels are defined."""
+"""kernels.py against stare.py's / baselines.py's exact chunked code on the same logits. Run on CUDA
+by tests/test_gpu.py, and on CPU by tests/test_kernels.py in a subprocess under TRITON_INTERPRET=1
+(Triton's interpreter), since that setting must be made before the kernels are defined."""
 
 import sys
 from pathlib import Path
@@ -22,8 +22,8 @@ def exact(fn, *args):
 
 
 def awkward_logits(num_rows, vocab_size, dtype, device, seed):
-    """Random logits with a peaked row, a uniform row, a row of mostly -inf, and a vocabulary that is not a
-    multiple of the block size."""
+    """Random logits with a peaked row, a uniform row, a row of mostly -inf, and a vocabulary that
+    is not a multiple of the block size."""
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_rows, vocab_size, generator=generator) * 3
     logits[0, 7] = 40.0
@@ -43,13 +43,16 @@ def check(device, vocab_size=1000, num_rows=37, dtype=torch.float32, tolerance=2
         nonlocal worst
         got, want = got.float(), want.float()
         assert torch.equal(got.isfinite(), want.isfinite()), what
-        error = torch.where(got == want, 0.0, (got - want).abs() / (1 + want.abs())).max().item()  # equal infinities
+        # equal infinities
+        error = torch.where(got == want, 0.0, (got - want).abs() / (1 + want.abs())).max().item()
         assert error <= tolerance, f"{what}: {error:.2e}"
         worst = max(worst, error)
 
     for seed, temperature in ((0, 1.0), (1, 0.7)):
         logits, tokens = awkward_logits(num_rows, vocab_size, dtype, device, seed)
-        grad_lp, grad_h = torch.randn(2, num_rows, generator=torch.Generator().manual_seed(seed)).to(device)
+        grad_lp, grad_h = torch.randn(
+            2, num_rows, generator=torch.Generator().manual_seed(seed)
+        ).to(device)
 
         fast = logits.clone().requires_grad_()
         lp, h = stare.token_logprobs_and_entropy(fast, tokens, temperature)
@@ -59,28 +62,47 @@ def check(device, vocab_size=1000, num_rows=37, dtype=torch.float32, tolerance=2
         (grad_lp * want_lp + grad_h * want_h).sum().backward()
         close(lp, want_lp, "logprobs")
         close(h, want_h, "entropy")
-        grad_tolerance = max(tolerance, torch.finfo(dtype).eps)  # the gradient is rounded to the logits' dtype
+        # the gradient is rounded to the logits' dtype
+        grad_tolerance = max(tolerance, torch.finfo(dtype).eps)
         close(fast.grad, slow.grad, "gradient", grad_tolerance)
         assert fast.grad.dtype == logits.dtype
 
-        only_entropy = logits.clone().requires_grad_()  # one output unused: its gradient is None in backward
+        # one output unused: its gradient is None in backward
+        only_entropy = logits.clone().requires_grad_()
         stare.token_logprobs_and_entropy(only_entropy, tokens, temperature)[1].sum().backward()
         slow.grad = None
         exact(stare.token_logprobs_and_entropy, slow, tokens, temperature)[1].sum().backward()
         close(only_entropy.grad, slow.grad, "entropy-only gradient", grad_tolerance)
 
         with torch.no_grad():
-            close(stare.entropy_sensitivity(logits, tokens, temperature),
-                  exact(stare.entropy_sensitivity, logits.float(), tokens, temperature), "sensitivity")
-            close(stare.critical_surprisal(logits, temperature),
-                  exact(stare.critical_surprisal, logits.float(), temperature), "critical surprisal")
+            close(
+                stare.entropy_sensitivity(logits, tokens, temperature),
+                exact(stare.entropy_sensitivity, logits.float(), tokens, temperature),
+                "sensitivity",
+            )
+            close(
+                stare.critical_surprisal(logits, temperature),
+                exact(stare.critical_surprisal, logits.float(), temperature),
+                "critical surprisal",
+            )
             for soft in (False, True):
                 for kappa in (0.02, 1.0):
-                    close(baselines.minp_proxy_logprobs(logits, tokens, temperature, kappa, soft),
-                          exact(baselines.minp_proxy_logprobs, logits.float(), tokens, temperature, kappa, soft),
-                          f"min-p proxy {soft=} {kappa=}")
+                    close(
+                        baselines.minp_proxy_logprobs(logits, tokens, temperature, kappa, soft),
+                        exact(
+                            baselines.minp_proxy_logprobs,
+                            logits.float(),
+                            tokens,
+                            temperature,
+                            kappa,
+                            soft,
+                        ),
+                        f"min-p proxy {soft=} {kappa=}",
+                    )
     empty = torch.zeros(0, vocab_size, device=device, dtype=dtype)
-    assert stare.token_logprobs_and_entropy(empty, torch.zeros(0, dtype=torch.long, device=device))[0].shape == (0,)
+    assert stare.token_logprobs_and_entropy(empty, torch.zeros(0, dtype=torch.long, device=device))[
+        0
+    ].shape == (0,)
     return worst
 
 

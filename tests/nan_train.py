@@ -1,9 +1,10 @@
-"""Run by tests/test_train.py: train.py with a NaN injected into the policy loss of chosen optimizer steps.
+"""Run by tests/test_train.py: train.py with a NaN injected into the policy loss of chosen optimizer
+steps.
 
     PYTHONPATH=. python tests/nan_train.py NAN_STEPS --config configs/tiny.yaml [section.key=value ...]
 
-NAN_STEPS is a comma-separated list of 1-based policy_loss calls (one call per step when a step has one
-micro-batch) whose loss becomes NaN, as an overflow in the forward pass would make it.
+NAN_STEPS is a comma-separated list of 1-based policy_loss calls (one call per step when a step has
+one micro-batch) whose loss becomes NaN, as an overflow in the forward pass would make it.
 """
 
 import sys

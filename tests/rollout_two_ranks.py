@@ -1,4 +1,5 @@
-"""Run by tests/test_rollout.py under `torchrun --nproc_per_node 2`: two ranks, an engine each, FSDP2 sync.
+"""Run by tests/test_rollout.py under `torchrun --nproc_per_node 2`: two ranks, an engine each,
+FSDP2 sync.
 
     PYTHONPATH=. python -m torch.distributed.run --nproc_per_node 2 tests/rollout_two_ranks.py MODEL_DIR RESULT_JSON
 """
@@ -20,11 +21,14 @@ import rollout
 def main(model_dir, result_path):
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    # the engine is built after the process group (its construction is a collective) and before any optimizer
+    # the engine is built after the process group (its construction is a collective) and before any
+    # optimizer
     engine = rollout.build_engine(model_dir, seed=1234 + rank, max_model_len=128, dtype="float32",
                                   kv_cache_gib=0.2, max_num_seqs=32, enforce_eager=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompt = data.chat_template_ids(tokenizer, [{"role": "user", "content": "Write 23 as a+b with a, b > 0."}])
+    prompt = data.chat_template_ids(
+        tokenizer, [{"role": "user", "content": "Write 23 as a+b with a, b > 0."}]
+    )
 
     # same prompt, no per-prompt seed: each rank's own stream (seeded base + rank) decides
     samples = rollout.generate(engine, [prompt], n=8, max_tokens=16).token_ids
@@ -41,10 +45,14 @@ def main(model_dir, result_path):
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
     probe = prompt + gathered[0][0]
-    stale_error = rollout.weight_sync_error(engine, model, probe, len(prompt))  # collective forward on all ranks
-    # the sync gathers in the engine's dtype: each shard is cast before its all-gather, never gathered in float32
+    # collective forward on all ranks
+    stale_error = rollout.weight_sync_error(engine, model, probe, len(prompt))
+    # the sync gathers in the engine's dtype: each shard is cast before its all-gather, never
+    # gathered in float32
     gathered_dtypes, full_tensor = set(), DTensor.full_tensor
-    DTensor.full_tensor = lambda self, *a, **k: gathered_dtypes.add(str(self.dtype)) or full_tensor(self, *a, **k)
+    DTensor.full_tensor = lambda self, *a, **k: (
+        gathered_dtypes.add(str(self.dtype)) or full_tensor(self, *a, **k)
+    )
     try:
         half = dict(rollout.full_parameters(model, torch.bfloat16))
     finally:
@@ -58,11 +66,20 @@ def main(model_dir, result_path):
 
     if rank == 0:
         with open(result_path, "w") as f:
-            json.dump({"rank_samples_differ": gathered[0] != gathered[1], "stale_error": min(e[0] for e in errors),
-                       "synced_error": [e[1] for e in errors], "gathered_dtypes": sorted(gathered_dtypes),
-                       "half_exact": half_exact, "engine_dtype": str(rollout.engine_dtype(engine))}, f)
+            json.dump(
+                {
+                    "rank_samples_differ": gathered[0] != gathered[1],
+                    "stale_error": min(e[0] for e in errors),
+                    "synced_error": [e[1] for e in errors],
+                    "gathered_dtypes": sorted(gathered_dtypes),
+                    "half_exact": half_exact,
+                    "engine_dtype": str(rollout.engine_dtype(engine)),
+                },
+                f,
+            )
     dist.barrier()
-    rollout.shutdown_engine(engine)  # this also tears down the default process group (see rollout.shutdown_engine)
+    # this also tears down the default process group (see rollout.shutdown_engine)
+    rollout.shutdown_engine(engine)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,12 +1,13 @@
-"""Worker of test_modeling.py's sharded start-up test (and of `tools/bench.py startup-memory`), run by torchrun:
-modeling.build_model on a checkpoint, measured and checked on every rank.
+"""Worker of test_modeling.py's sharded start-up test (and of `tools/bench.py startup-memory`), run
+by torchrun: modeling.build_model on a checkpoint, measured and checked on every rank.
 
     torchrun --standalone --nproc_per_node 2 tests/startup_two_ranks.py MODEL_DIR OUT_DIR
 
-Writes OUT_DIR/rank{r}.json: the growth of this process's peak resident memory during build_model (Linux VmHWM,
-reset just before the call), the fp32 size of the model, whether every local shard equals the checkpoint's rows
-(read back with the safetensors library, an independent reader), and the largest difference between the sharded
-model's logits and those of the same checkpoint loaded whole by transformers.
+Writes OUT_DIR/rank{r}.json: the growth of this process's peak resident memory during build_model
+(Linux VmHWM, reset just before the call), the fp32 size of the model, whether every local shard
+equals the checkpoint's rows (read back with the safetensors library, an independent reader), and
+the largest difference between the sharded model's logits and those of the same checkpoint loaded
+whole by transformers.
 """
 
 import json
@@ -18,8 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import transformers.models.llama.modeling_llama  # noqa: E402,F401  (imported before the measurement: the classes
-import transformers.models.qwen2.modeling_qwen2  # noqa: E402,F401   cost the same whatever the model's size)
+# noqa: E402,F401  (imported before the measurement: the classes
+import transformers.models.llama.modeling_llama
+# noqa: E402,F401   cost the same whatever the model's size)
+import transformers.models.qwen2.modeling_qwen2
 
 import config  # noqa: E402
 import modeling  # noqa: E402
@@ -60,7 +63,9 @@ def main(model_dir, out_dir):
                     mismatched.append(name)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
-    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0)
+    )
     model.eval()
     with torch.no_grad():
         sharded_logits = model(input_ids=ids, use_cache=False).logits

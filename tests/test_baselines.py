@@ -1,5 +1,5 @@
-"""Tests for baselines.py: each method against a naive token loop, the invariants of each paper, and the neutral
-setting of every knob reproducing GRPO's loss and gradient exactly."""
+"""Tests for baselines.py: each method against a naive token loop, the invariants of each paper, and
+the neutral setting of every knob reproducing GRPO's loss and gradient exactly."""
 
 import dataclasses
 import math
@@ -33,7 +33,12 @@ def make_batch(seed=0, batch_size=6, width=9, vocab=12, on_policy=False):
 def cells(batch):
     """(i, t, advantage) for every valid token, in flattened order."""
     mask, adv = batch["mask"], batch["advantages"]
-    return [(i, t, adv[i].item()) for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t]]
+    return [
+        (i, t, adv[i].item())
+        for i in range(mask.shape[0])
+        for t in range(mask.shape[1])
+        if mask[i, t]
+    ]
 
 
 def surrogate_loop(lp, old, a, cfg):
@@ -45,23 +50,31 @@ def surrogate_loop(lp, old, a, cfg):
 def token_mean_loop(batch, per_token, denominator_cells=None):
     """sum over valid tokens of per_token(i, t, a) / the number of tokens in the denominator."""
     valid = cells(batch)
-    return sum(per_token(i, t, a) for i, t, a in valid) / len(denominator_cells if denominator_cells else valid)
+    return sum(per_token(i, t, a) for i, t, a in valid) / len(
+        denominator_cells if denominator_cells else valid
+    )
 
 
 def lp(batch, key, i, t):
     return batch[key][i, t].item()
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Lp-Reg's min-p proxy
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("temperature,soft", [(1.0, False), (0.7, False), (1.3, True)])
 def test_minp_proxy_matches_loop(temperature, soft):
     batch = make_batch(seed=1)
-    proxy = baselines.minp_proxy_logprobs(batch["logits"], batch["tokens"], temperature=temperature, kappa=0.1,
-                                          soft=soft, chunk_size=4)
+    proxy = baselines.minp_proxy_logprobs(
+        batch["logits"],
+        batch["tokens"],
+        temperature=temperature,
+        kappa=0.1,
+        soft=soft,
+        chunk_size=4,
+    )
     logits = batch["logits"].double()
     for i in range(6):
         for t in range(9):
@@ -69,40 +82,58 @@ def test_minp_proxy_matches_loop(temperature, soft):
             p = torch.softmax(logits[i, t], -1).tolist()
             fill = min(z) if soft else -1e4
             filtered = [zi if pi >= 0.1 * max(p) else fill for zi, pi in zip(z, p)]
-            log_norm = math.log(sum(math.exp(f / temperature - max(filtered) / temperature) for f in filtered))
-            expected = filtered[batch["tokens"][i, t]] / temperature - max(filtered) / temperature - log_norm
-            assert proxy[i, t].item() == pytest.approx(expected, rel=1e-6, abs=1e-4)  # filtered: ~ -1e4
+            log_norm = math.log(
+                sum(math.exp(f / temperature - max(filtered) / temperature) for f in filtered)
+            )
+            expected = (
+                filtered[batch["tokens"][i, t]] / temperature
+                - max(filtered) / temperature
+                - log_norm
+            )
+            # filtered: ~ -1e4
+            assert proxy[i, t].item() == pytest.approx(expected, rel=1e-6, abs=1e-4)
 
 
 def test_minp_proxy_is_a_distribution_over_the_kept_set():
     logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(2)) * 3
     every_token = torch.arange(30).expand(5, 30)
-    proxy = baselines.minp_proxy_logprobs(logits[:, None, :].expand(5, 30, 30), every_token, kappa=0.05).exp()
+    proxy = baselines.minp_proxy_logprobs(
+        logits[:, None, :].expand(5, 30, 30), every_token, kappa=0.05
+    ).exp()
     probs = torch.softmax(logits, -1)
     kept = probs >= 0.05 * probs.amax(-1, keepdim=True)
     torch.testing.assert_close(proxy.sum(-1), torch.ones(5), atol=1e-5, rtol=0)
     assert (proxy[~kept] < 1e-30).all()
-    # inside the kept set the proxy is pi renormalised, so it amplifies every kept token by the same factor
+    # inside the kept set the proxy is pi renormalised, so it amplifies every kept token by the same
+    # factor
     renormalised = torch.where(kept, probs, 0) / (probs * kept).sum(-1, keepdim=True)
     torch.testing.assert_close(proxy, renormalised, atol=1e-6, rtol=1e-4)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # STAPO
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def test_stapo_mask_and_loss_match_loop():
     batch = make_batch(seed=3)
-    cfg = config.LossConfig(stapo_prob_threshold=0.2, stapo_entropy_quantile=0.6)  # loose, to select some
-    spurious, threshold = baselines.stapo_spurious_mask(batch["logprobs"], batch["entropy"], batch["advantages"],
-                                                        batch["mask"], 0.2, 0.6)
+    # loose, to select some
+    cfg = config.LossConfig(stapo_prob_threshold=0.2, stapo_entropy_quantile=0.6)
+    spurious, threshold = baselines.stapo_spurious_mask(
+        batch["logprobs"], batch["entropy"], batch["advantages"], batch["mask"], 0.2, 0.6
+    )
     expected_threshold = torch.quantile(batch["entropy"][batch["mask"]], 0.6).item()
     assert threshold.item() == pytest.approx(expected_threshold, rel=1e-6)
-    expected = [(i, t) for i, t, a in cells(batch)
-                if a > 0 and math.exp(lp(batch, "logprobs", i, t)) < 0.2 and batch["entropy"][i, t] < expected_threshold]
+    expected = [
+        (i, t)
+        for i, t, a in cells(batch)
+        if a > 0
+        and math.exp(lp(batch, "logprobs", i, t)) < 0.2
+        and batch["entropy"][i, t] < expected_threshold
+    ]
     assert sorted(map(tuple, spurious.nonzero().tolist())) == expected and expected
-    assert (batch["advantages"][:, None].expand(6, 9)[spurious] > 0).all()  # only positive-advantage tokens
+    # only positive-advantage tokens
+    assert (batch["advantages"][:, None].expand(6, 9)[spurious] > 0).all()
     # the loss is the plain (GRPO) loss over the unmasked tokens, renormalised by their count
     loss, metrics = baselines.policy_loss("stapo", batch, cfg)
     kept = [(i, t, a) for i, t, a in cells(batch) if (i, t) not in expected]
@@ -112,20 +143,23 @@ def test_stapo_mask_and_loss_match_loop():
     assert metrics["touched_frac"].item() == pytest.approx(len(expected) / len(cells(batch)))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Lp-Reg
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def test_lp_reg_selection_and_loss_match_loop():
     batch = make_batch(seed=4)
     cfg = config.LossConfig(lp_reg_neg_ratio=0.4, lp_reg_coef=0.7)
-    selected = baselines.lp_reg_mask(batch["logprobs"], batch["proxy_logprobs"], batch["advantages"],
-                                     batch["mask"], 0.4)
+    selected = baselines.lp_reg_mask(
+        batch["logprobs"], batch["proxy_logprobs"], batch["advantages"], batch["mask"], 0.4
+    )
     negative = [(i, t) for i, t, a in cells(batch) if a < 0]
     k = max(1, int(0.4 * len(negative)))
     lowest = sorted(negative, key=lambda it: lp(batch, "logprobs", *it))[:k] if k > 1 else []
-    expected = sorted(it for it in lowest if lp(batch, "logprobs", *it) < lp(batch, "proxy_logprobs", *it))
+    expected = sorted(
+        it for it in lowest if lp(batch, "logprobs", *it) < lp(batch, "proxy_logprobs", *it)
+    )
     assert sorted(map(tuple, selected.nonzero().tolist())) == expected and expected
     # invariants: A < 0 and pi < pi_proxy on every selected token
     assert (batch["advantages"][:, None].expand(6, 9)[selected] < 0).all()
@@ -136,7 +170,8 @@ def test_lp_reg_selection_and_loss_match_loop():
         if (i, t) not in expected:
             return surrogate_loop(logp, old, a, cfg)
         delta = lp(batch, "proxy_logprobs", i, t) - logp
-        return -a * math.exp(logp - old) + 0.7 * min(10.0, math.exp(delta) - delta - 1)  # k3 capped at 10
+        # k3 capped at 10
+        return -a * math.exp(logp - old) + 0.7 * min(10.0, math.exp(delta) - delta - 1)
 
     loss, _ = baselines.policy_loss("lp_reg", batch, cfg)
     assert loss.item() == pytest.approx(token_mean_loop(batch, per_token), rel=1e-5)
@@ -147,26 +182,36 @@ def test_lp_reg_regulariser_pushes_low_probabilities_up():
     with_reg = config.LossConfig(lp_reg_neg_ratio=0.4, lp_reg_coef=1.0)
     without = dataclasses.replace(with_reg, lp_reg_coef=0.0)
     selection, _ = baselines.token_selection("lp_reg", batch, with_reg)
-    (grad_with,) = torch.autograd.grad(baselines.policy_loss("lp_reg", batch, with_reg, selection)[0],
-                                       batch["logprobs"])
-    (grad_without,) = torch.autograd.grad(baselines.policy_loss("lp_reg", batch, without, selection)[0],
-                                          batch["logprobs"])
+    (grad_with,) = torch.autograd.grad(
+        baselines.policy_loss("lp_reg", batch, with_reg, selection)[0], batch["logprobs"]
+    )
+    (grad_without,) = torch.autograd.grad(
+        baselines.policy_loss("lp_reg", batch, without, selection)[0], batch["logprobs"]
+    )
     regulariser_grad = grad_with - grad_without  # d(beta k3)/d log pi / N
     selected = selection["regularized"]
     assert selected.any()
-    assert (regulariser_grad[selected] < 0).all()  # gradient descent raises log pi towards the proxy
+    # gradient descent raises log pi towards the proxy
+    assert (regulariser_grad[selected] < 0).all()
     assert (regulariser_grad[~selected] == 0).all()
 
 
 def test_lp_reg_k3_is_capped_at_ten():
-    # Far below the proxy (pi_proxy / pi > 13.6) the reference's k3 is clamped at 10: flat, with zero gradient.
+    # Far below the proxy (pi_proxy / pi > 13.6) the reference's k3 is clamped at 10: flat, with
+    # zero gradient.
     probs = torch.tensor([[0.001, 0.002, 0.5, 0.6]])
     logprobs = probs.log().requires_grad_(True)
-    batch = {"logprobs": logprobs, "old_logprobs": probs.log(), "advantages": torch.tensor([-1.0]),
-             "mask": torch.ones(1, 4, dtype=torch.bool), "proxy_logprobs": torch.full((1, 4), math.log(0.5))}
+    batch = {
+        "logprobs": logprobs,
+        "old_logprobs": probs.log(),
+        "advantages": torch.tensor([-1.0]),
+        "mask": torch.ones(1, 4, dtype=torch.bool),
+        "proxy_logprobs": torch.full((1, 4), math.log(0.5)),
+    }
     cfg = config.LossConfig(lp_reg_neg_ratio=0.5, lp_reg_coef=1.0)
     loss, metrics = baselines.policy_loss("lp_reg", batch, cfg)
-    # the two lowest-probability tokens are regularised: 1 (= -A r) + 10 (capped k3) each; the others 1 each
+    # the two lowest-probability tokens are regularised: 1 (= -A r) + 10 (capped k3) each; the
+    # others 1 each
     assert loss.item() == pytest.approx((11 + 11 + 1 + 1) / 4)
     (grad,) = torch.autograd.grad(loss, logprobs)
     torch.testing.assert_close(grad, torch.full((1, 4), 0.25))  # only -A r's gradient is left
@@ -178,13 +223,14 @@ def test_lp_reg_needs_more_than_one_token():
     batch = make_batch(seed=6)
     num_negative = sum(a < 0 for _, _, a in cells(batch))
     rho = 1.5 / num_negative  # int(rho n) = 1
-    assert not baselines.lp_reg_mask(batch["logprobs"], batch["proxy_logprobs"], batch["advantages"],
-                                     batch["mask"], rho).any()
+    assert not baselines.lp_reg_mask(
+        batch["logprobs"], batch["proxy_logprobs"], batch["advantages"], batch["mask"], rho
+    ).any()
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Clip-Cov and KL-Cov
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def covariance_loop(batch):
@@ -196,7 +242,9 @@ def covariance_loop(batch):
 
 def test_covariance_matches_loop():
     batch = make_batch(seed=7)
-    covariance = baselines.advantage_logprob_covariance(batch["logprobs"], batch["advantages"], batch["mask"])
+    covariance = baselines.advantage_logprob_covariance(
+        batch["logprobs"], batch["advantages"], batch["mask"]
+    )
     for (i, t), value in covariance_loop(batch).items():
         assert covariance[i, t].item() == pytest.approx(value, abs=1e-6)
     assert (covariance[~batch["mask"]] == 0).all()
@@ -215,9 +263,15 @@ def test_clip_cov_detaches_the_documented_count_reproducibly():
 
     candidates = {(i, t) for i, t, a in cells(batch) if candidate(i, t, a)}
     k = max(1, int(0.05 * len(cells(batch))))
-    first, _ = baselines.token_selection("clip_cov", batch, cfg, generator=torch.Generator().manual_seed(0))
-    again, _ = baselines.token_selection("clip_cov", batch, cfg, generator=torch.Generator().manual_seed(0))
-    other, _ = baselines.token_selection("clip_cov", batch, cfg, generator=torch.Generator().manual_seed(1))
+    first, _ = baselines.token_selection(
+        "clip_cov", batch, cfg, generator=torch.Generator().manual_seed(0)
+    )
+    again, _ = baselines.token_selection(
+        "clip_cov", batch, cfg, generator=torch.Generator().manual_seed(0)
+    )
+    other, _ = baselines.token_selection(
+        "clip_cov", batch, cfg, generator=torch.Generator().manual_seed(1)
+    )
     detached = set(map(tuple, first["detached"].nonzero().tolist()))
     assert torch.equal(first["detached"], again["detached"])  # same generator state, same tokens
     assert not torch.equal(first["detached"], other["detached"])  # it is random
@@ -226,8 +280,13 @@ def test_clip_cov_detaches_the_documented_count_reproducibly():
     loss, metrics = baselines.policy_loss("clip_cov", batch, cfg, selection=first)
 
     def per_token(i, t, a):
-        return 0.0 if (i, t) in detached else surrogate_loop(lp(batch, "logprobs", i, t),
-                                                             lp(batch, "old_logprobs", i, t), a, cfg)
+        return (
+            0.0
+            if (i, t) in detached
+            else surrogate_loop(
+                lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t), a, cfg
+            )
+        )
 
     assert loss.item() == pytest.approx(token_mean_loop(batch, per_token), rel=1e-5)
     (grad,) = torch.autograd.grad(loss, batch["logprobs"])
@@ -253,21 +312,31 @@ def test_kl_cov_penalises_only_the_top_covariance_tokens():
 
 
 def test_kl_cov_ranks_near_tied_covariances_exactly(monkeypatch):
-    # a very negative covariance beside two positive ones 4e-6 apart: shifted by the minimum in float32 they merge
-    # into a tie that position breaks; ranked as they are, the larger (later) one is penalised, as topk does
+    # a very negative covariance beside two positive ones 4e-6 apart: shifted by the minimum in
+    # float32 they merge into a tie that position breaks; ranked as they are, the larger (later) one
+    # is penalised, as topk does
     covariance = torch.tensor([[-1000.0, 1e-3, 1e-3 + 4e-6, -5.0, 0.0, -1e-3]])
-    assert covariance[0, 1] - covariance[0, 0] == covariance[0, 2] - covariance[0, 0]  # the shift merges them
-    monkeypatch.setattr(baselines, "advantage_logprob_covariance", lambda logprobs, advantages, mask: covariance)
+    # the shift merges them
+    assert covariance[0, 1] - covariance[0, 0] == covariance[0, 2] - covariance[0, 0]
+    monkeypatch.setattr(
+        baselines, "advantage_logprob_covariance", lambda logprobs, advantages, mask: covariance
+    )
     mask = torch.ones_like(covariance, dtype=torch.bool)
-    chosen = baselines.kl_cov_mask(torch.zeros_like(covariance), torch.zeros(1), mask, ratio=0.2)  # k = 1
-    assert chosen.nonzero().tolist() == [[0, int(torch.topk(covariance.flatten(), 1).indices)]] == [[0, 2]]
-    chosen = baselines.kl_cov_mask(torch.zeros_like(covariance), torch.zeros(1), mask, ratio=0.5)  # k = 3
+    # k = 1
+    chosen = baselines.kl_cov_mask(torch.zeros_like(covariance), torch.zeros(1), mask, ratio=0.2)
+    assert (
+        chosen.nonzero().tolist()
+        == [[0, int(torch.topk(covariance.flatten(), 1).indices)]]
+        == [[0, 2]]
+    )
+    # k = 3
+    chosen = baselines.kl_cov_mask(torch.zeros_like(covariance), torch.zeros(1), mask, ratio=0.5)
     assert chosen.nonzero().tolist() == [[0, 1], [0, 2], [0, 4]]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 80/20 high-entropy tokens and the entropy bonus
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("convention", ["paper", "lp_reg_dev"])
@@ -286,7 +355,8 @@ def test_high_entropy_mask_and_denominators(convention):
             return 0.0
         return surrogate_loop(lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t), a, cfg)
 
-    denominator = valid if convention == "paper" else top  # paper: all valid tokens; lp_reg_dev: kept only
+    # paper: all valid tokens; lp_reg_dev: kept only
+    denominator = valid if convention == "paper" else top
     loss, _ = baselines.policy_loss("high_entropy", batch, cfg, selection=selection)
     assert loss.item() == pytest.approx(token_mean_loop(batch, per_token, denominator), rel=1e-5)
 
@@ -305,10 +375,10 @@ def test_entropy_bonus_value_and_gradient():
     assert metrics["touched_frac"] == 1
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # STEER, against a re-statement of its reference (zz-haooo/STEER @b31df71,
 # verl/trainer/ppo/core_algos.py: compute_token_weights, compute_policy_loss_with_entropy)
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def steer_reference_loss(log_prob, old_log_prob, advantages, mask, entropys, w_min, w_max, linear,
@@ -403,10 +473,10 @@ def test_steer_weights_span_their_range():
     assert weights[1, 1].item() == pytest.approx(0.8 ** (4e-3 / 0.02))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # W-REINFORCE, against a re-statement of its reference (TianHongZXY/RLVR-Decomposed @a5d4e7c,
 # verl/trainer/ppo/core_algos.py: compute_psr_nsr_outcome_advantage, compute_policy_loss)
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def w_reinforce_batch(seed):
@@ -491,9 +561,10 @@ def test_w_reinforce_matches_the_reference_loss_weight_on_group_advantages():
     torch.testing.assert_close(grad, expected_grad, atol=1e-8, rtol=1e-5)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# All methods: neutral knobs reproduce GRPO, step-scope selection is micro-batch invariant, one switch
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# All methods: neutral knobs reproduce GRPO, step-scope selection is micro-batch invariant, one
+# switch
+# --------------------------------------------------------------------------------------------------
 
 NEUTRAL = {
     "stare": {"stare_top_ratio": 0.0},
@@ -510,12 +581,15 @@ NEUTRAL = {
 
 @pytest.mark.parametrize("method", sorted(NEUTRAL))
 def test_neutral_setting_reproduces_grpo_exactly(method):
-    # KL-Cov's base loss is unclipped, so it equals GRPO's only on-policy (r = 1), where no clip is active.
+    # KL-Cov's base loss is unclipped, so it equals GRPO's only on-policy (r = 1), where no clip is
+    # active.
     batch = make_batch(seed=12, on_policy=(method == "kl_cov"))
     cfg = config.LossConfig(**NEUTRAL[method])
     grpo_loss, _ = baselines.policy_loss("grpo", batch, cfg)
     (grpo_grad,) = torch.autograd.grad(grpo_loss, batch["logprobs"])
-    loss, metrics = baselines.policy_loss(method, batch, cfg, generator=torch.Generator().manual_seed(0))
+    loss, metrics = baselines.policy_loss(
+        method, batch, cfg, generator=torch.Generator().manual_seed(0)
+    )
     (grad,) = torch.autograd.grad(loss, batch["logprobs"])
     assert torch.equal(loss, grpo_loss) and torch.equal(grad, grpo_grad)
     assert metrics["touched_frac"] == 0
@@ -549,12 +623,15 @@ ACTIVE = {
 @pytest.mark.parametrize("method", baselines.METHODS)
 @pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
 def test_step_selection_makes_micro_batches_add_up(method, agg_mode):
-    # Select once on the whole step, then run the loss per micro-batch with the step's counts: the sum of the
-    # micro-batch losses and gradients equals the full-batch loss and gradient.
+    # Select once on the whole step, then run the loss per micro-batch with the step's counts: the
+    # sum of the micro-batch losses and gradients equals the full-batch loss and gradient.
     batch = make_batch(seed=13, batch_size=8, width=10)
     cfg = config.LossConfig(agg_mode=agg_mode, **ACTIVE[method])
-    selection, _ = baselines.token_selection(method, batch, cfg, generator=torch.Generator().manual_seed(0))
-    # the selection is not trivial (not constant over the batch), so the test can tell the scopes apart
+    selection, _ = baselines.token_selection(
+        method, batch, cfg, generator=torch.Generator().manual_seed(0)
+    )
+    # the selection is not trivial (not constant over the batch), so the test can tell the scopes
+    # apart
     assert method in ("grpo", "entropy_bonus", "w_reinforce") or any(
         (m != m.flatten()[0]).any() for m in selection.values())
     denominator = baselines.loss_mask(method, batch["mask"], selection, cfg)
@@ -566,8 +643,14 @@ def test_step_selection_makes_micro_batches_add_up(method, agg_mode):
     for rows in (slice(0, 3), slice(3, 4), slice(4, 8)):
         micro = {key: value[rows] for key, value in batch.items()}
         micro_selection = {key: value[rows] for key, value in selection.items()}
-        loss, _ = baselines.policy_loss(method, micro, cfg, selection=micro_selection, num_tokens=num_tokens,
-                                        num_sequences=num_sequences)
+        loss, _ = baselines.policy_loss(
+            method,
+            micro,
+            cfg,
+            selection=micro_selection,
+            num_tokens=num_tokens,
+            num_sequences=num_sequences,
+        )
         accumulated = accumulated + loss
     (accumulated_grad,) = torch.autograd.grad(accumulated, batch["logprobs"])
     torch.testing.assert_close(accumulated, full, atol=1e-6, rtol=1e-5)
@@ -579,7 +662,9 @@ def test_every_method_reports_the_same_touched_key_and_one_switch_selects_it():
     keys = None
     for method in baselines.METHODS:
         cfg = config.LossConfig(**ACTIVE[method])
-        selection, _ = baselines.token_selection(method, batch, cfg, generator=torch.Generator().manual_seed(0))
+        selection, _ = baselines.token_selection(
+            method, batch, cfg, generator=torch.Generator().manual_seed(0)
+        )
         loss, metrics = baselines.policy_loss(method, batch, cfg, selection=selection)
         assert torch.isfinite(loss) and loss.dim() == 0
         keys = keys or set(metrics)
@@ -598,12 +683,16 @@ def test_token_advantages_bf16_and_empty_batches(method):
     # [B, T] advantages (the broadcast of [B]) give the same loss
     loss, _ = baselines.policy_loss(method, batch, cfg, selection=selection)
     token_batch = dict(batch, advantages=batch["advantages"][:, None].expand(6, 9))
-    assert torch.equal(baselines.policy_loss(method, token_batch, cfg, selection=selection)[0], loss)
+    assert torch.equal(
+        baselines.policy_loss(method, token_batch, cfg, selection=selection)[0], loss
+    )
     # bf16 log-probs run and stay close to float32
     bf16_batch = {k: (v.detach().bfloat16() if v.is_floating_point() and k != "advantages" else v)
                   for k, v in batch.items()}
     bf16_loss, _ = baselines.policy_loss(method, bf16_batch, cfg, selection=selection)
-    assert bf16_loss.dtype == torch.float32 and bf16_loss.item() == pytest.approx(loss.item(), abs=0.05)
+    assert bf16_loss.dtype == torch.float32 and bf16_loss.item() == pytest.approx(
+        loss.item(), abs=0.05
+    )
     # a batch with no rows gives 0, not an error
     empty = {k: v[:0] for k, v in batch.items()}
     assert baselines.policy_loss(method, empty, cfg, generator=generator)[0].item() == 0.0
@@ -611,13 +700,18 @@ def test_token_advantages_bf16_and_empty_batches(method):
 
 def test_selections_make_no_host_sync():
     # meta tensors raise on .item() or any data-dependent Python branch (see test_stare.py)
-    batch = {"logprobs": torch.empty(4, 8, device="meta"), "old_logprobs": torch.empty(4, 8, device="meta"),
-             "advantages": torch.empty(4, device="meta"), "mask": torch.empty(4, 8, dtype=torch.bool, device="meta"),
-             "entropy": torch.empty(4, 8, device="meta"),
-             "proxy_logprobs": torch.empty(4, 8, device="meta"),
-             "sensitivity": torch.empty(4, 8, device="meta")}
+    batch = {
+        "logprobs": torch.empty(4, 8, device="meta"),
+        "old_logprobs": torch.empty(4, 8, device="meta"),
+        "advantages": torch.empty(4, device="meta"),
+        "mask": torch.empty(4, 8, dtype=torch.bool, device="meta"),
+        "entropy": torch.empty(4, 8, device="meta"),
+        "proxy_logprobs": torch.empty(4, 8, device="meta"),
+        "sensitivity": torch.empty(4, 8, device="meta"),
+    }
     for method in baselines.METHODS:
-        if method == "clip_cov":  # torch.rand has no meta generator; its selection is select_top_k, checked here
+        # torch.rand has no meta generator; its selection is select_top_k, checked here
+        if method == "clip_cov":
             continue
         loss, metrics = baselines.policy_loss(method, batch, config.LossConfig(**ACTIVE[method]))
         assert loss.device.type == "meta"
@@ -649,8 +743,9 @@ def test_token_weights_multiply_each_token_loss():
     weighted, _ = baselines.policy_loss("grpo", batch, cfg, token_weights=weights)
 
     def per_token(i, t, a):
-        return weights[i, t].item() * surrogate_loop(lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t), a,
-                                                     cfg)
+        return weights[i, t].item() * surrogate_loop(
+            lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t), a, cfg
+        )
 
     assert weighted.item() == pytest.approx(token_mean_loop(batch, per_token), rel=1e-5)
     assert torch.equal(baselines.policy_loss("grpo", batch, cfg, token_weights=torch.ones(6, 9))[0],
@@ -658,21 +753,40 @@ def test_token_weights_multiply_each_token_loss():
 
 
 def test_selection_metrics_say_why_a_method_touched_nothing():
-    # Lp-Reg regularises among the negative-advantage tokens only when k = int(rho n) > 1: with every reward
-    # equal there is no candidate, and with few negative tokens k is 0; the counts show both
+    # Lp-Reg regularises among the negative-advantage tokens only when k = int(rho n) > 1: with
+    # every reward equal there is no candidate, and with few negative tokens k is 0; the counts show
+    # both
     generator = torch.Generator().manual_seed(0)
     logprobs = -torch.rand(4, 50, generator=generator) * 5  # [B, T]
     mask = torch.ones(4, 50, dtype=torch.bool)
     cfg = config.LossConfig()
-    batch = {"logprobs": logprobs, "old_logprobs": logprobs, "entropy": torch.rand(4, 50, generator=generator),
-             "mask": mask, "proxy_logprobs": logprobs + 1.0}
+    batch = {
+        "logprobs": logprobs,
+        "old_logprobs": logprobs,
+        "entropy": torch.rand(4, 50, generator=generator),
+        "mask": mask,
+        "proxy_logprobs": logprobs + 1.0,
+    }
     _, flat = baselines.token_selection("lp_reg", {**batch, "advantages": torch.zeros(4)}, cfg)
-    assert (int(flat["lp_reg/candidates"]), int(flat["lp_reg/k"]), int(flat["lp_reg/selected"])) == (0, 0, 0)
-    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])  # 100 negative tokens: int(0.01 * 100) = 1, not > 1
+    assert (
+        int(flat["lp_reg/candidates"]),
+        int(flat["lp_reg/k"]),
+        int(flat["lp_reg/selected"]),
+    ) == (0, 0, 0)
+    # 100 negative tokens: int(0.01 * 100) = 1, not > 1
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
     _, few = baselines.token_selection("lp_reg", {**batch, "advantages": advantages}, cfg)
-    assert (int(few["lp_reg/candidates"]), int(few["lp_reg/k"]), int(few["lp_reg/selected"])) == (100, 0, 0)
+    assert (int(few["lp_reg/candidates"]), int(few["lp_reg/k"]), int(few["lp_reg/selected"])) == (
+        100,
+        0,
+        0,
+    )
     wide = config.LossConfig(lp_reg_neg_ratio=0.05)  # k = 5: the 5 least likely negative tokens
     _, some = baselines.token_selection("lp_reg", {**batch, "advantages": advantages}, wide)
     assert (int(some["lp_reg/k"]), int(some["lp_reg/selected"])) == (5, 5)
     _, stare_metrics = baselines.token_selection("stare", {**batch, "advantages": advantages}, cfg)
-    assert int(stare_metrics["stare/positive_tokens"]) == int(stare_metrics["stare/negative_tokens"]) == 100
+    assert (
+        int(stare_metrics["stare/positive_tokens"])
+        == int(stare_metrics["stare/negative_tokens"])
+        == 100
+    )

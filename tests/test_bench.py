@@ -1,5 +1,6 @@
-"""tools/bench.py: trl-compare keeps TRL optional and sets its GRPOTrainer up to do the work of train.py's step;
-gpu-smoke's engine cycles run on CPU as they will on a GPU (sleep mode aside), and the command says it needs CUDA."""
+"""tools/bench.py: trl-compare keeps TRL optional and sets its GRPOTrainer up to do the work of
+train.py's step; gpu-smoke's engine cycles run on CPU as they will on a GPU (sleep mode aside), and
+the command says it needs CUDA."""
 
 import argparse
 import importlib.util
@@ -17,15 +18,19 @@ import data
 
 def test_bench_does_not_import_trl():
     # a fresh interpreter: another test may already have imported trl into this one
-    code = "import sys, bench; assert 'trl' not in sys.modules and 'transformers' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(bench.__file__).resolve().parents[1])
+    code = "import sys; from tools import bench; assert 'trl' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=Path(bench.__file__).resolve().parents[1]
+    )
 
 
 def test_trl_compare_without_trl_names_the_requirements_file(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *rest: None if name == "trl" else real_find_spec(name, *rest))
-    args = argparse.Namespace(trl_worker=None, tiny="unused", steps=6, prompts=16, threads=None, result=None)
+    args = argparse.Namespace(
+        trl_worker=None, tiny="unused", steps=6, prompts=16, threads=None, result=None
+    )
     with pytest.raises(SystemExit) as exit_info:
         bench.bench_trl_compare(args)
     assert "pip install -r requirements-bench.txt" in str(exit_info.value.code)
@@ -35,45 +40,87 @@ def test_trl_step_does_the_work_of_ours(tiny_dir, tmp_path):
     pytest.importorskip("trl")
     prompts, steps = 4, 2  # a small batch keeps it fast; trl-compare uses 16
     cfg = bench.compare_config(tiny_dir, prompts)
-    # ours, from the config train.py runs with: every group of the one generation round is trained on, in one step
+    # ours, from the config train.py runs with: every group of the one generation round is trained
+    # on, in one step
     assert cfg.algorithm.method == "grpo" and not cfg.algorithm.dynamic_sampling
-    assert cfg.algorithm.gen_batch_size == cfg.train.train_batch_size == cfg.train.mini_batch_size == prompts
+    assert (
+        cfg.algorithm.gen_batch_size
+        == cfg.train.train_batch_size
+        == cfg.train.mini_batch_size
+        == prompts
+    )
     completions = prompts * cfg.rollout.n
 
     timer = bench.TrlStepTimes()
     trainer = bench.trl_trainer(cfg, tmp_path, steps, use_vllm=False, timer=timer)
     args = trainer.args
-    # one generation batch of the same size per optimizer step, used once (on-policy), no KL / reference model
+    # one generation batch of the same size per optimizer step, used once (on-policy), no KL /
+    # reference model
     assert args.generation_batch_size == args.per_device_train_batch_size == completions
-    assert (args.steps_per_generation, args.gradient_accumulation_steps, args.num_iterations) == (1, 1, 1)
-    assert args.num_generations == cfg.rollout.n and args.max_completion_length == cfg.rollout.max_tokens
-    assert (args.temperature, args.top_p, args.top_k) == (cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+    assert (args.steps_per_generation, args.gradient_accumulation_steps, args.num_iterations) == (
+        1,
+        1,
+        1,
+    )
+    assert (
+        args.num_generations == cfg.rollout.n
+        and args.max_completion_length == cfg.rollout.max_tokens
+    )
+    assert (args.temperature, args.top_p, args.top_k) == (
+        cfg.rollout.temperature,
+        cfg.rollout.top_p,
+        cfg.rollout.top_k,
+    )
     assert args.beta == 0.0 and trainer.ref_model is None
     assert (args.learning_rate, args.lr_scheduler_type) == (cfg.optim.lr, "constant")
     assert not args.gradient_checkpointing and not args.bf16 and not args.fp16
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     # the same prompt token ids as data.py gives train.py
     examples = data.load_examples(cfg.data.train_files[0], prompt_suffix=cfg.data.prompt_suffix)
-    ours_ids, _, _ = data.tokenize_prompts(examples, trainer.processing_class, cfg.data.max_prompt_tokens)
+    ours_ids, _, _ = data.tokenize_prompts(
+        examples, trainer.processing_class, cfg.data.max_prompt_tokens
+    )
     trl_ids, _, _ = trainer._tokenize_prompts([e.messages for e in examples])
     assert [list(ids) for ids in trl_ids] == ours_ids
 
     trainer.train()
     assert len(timer.steps) == steps
-    for step in timer.steps:  # what TRL scored each step: every completion, within the response budget
+    # what TRL scored each step: every completion, within the response budget
+    for step in timer.steps:
         assert step["completions"] == completions
         assert 0 < step["response_tokens"] <= completions * cfg.rollout.max_tokens
-        assert step["step_s"] > step["generate"] > 0 and "old_logprobs" not in step  # on-policy: no no-grad pass
-    summary = bench.trl_summary({"steps": timer.steps}, wall=0.0)  # the report averages the steps after the first
+        # on-policy: no no-grad pass
+        assert step["step_s"] > step["generate"] > 0 and "old_logprobs" not in step
+    # the report averages the steps after the first
+    summary = bench.trl_summary({"steps": timer.steps}, wall=0.0)
     assert summary["completions_per_step"] == completions
     assert summary["response_tokens_per_step"] == timer.steps[1]["response_tokens"]
 
 
 def test_update_runs_train_stages_on_cpu():
     # the tiny shape through train.py's stages in a fresh process (it starts its own process group)
-    completed = subprocess.run([sys.executable, "-m", "tools.bench", "update", "--size", "tiny", "--rows", "6",
-                                "--max-response", "40", "--budget", "60", "--repeats", "1"],
-                               cwd=Path(bench.__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.bench",
+            "update",
+            "--size",
+            "tiny",
+            "--rows",
+            "6",
+            "--max-response",
+            "40",
+            "--budget",
+            "60",
+            "--repeats",
+            "1",
+        ],
+        cwd=Path(bench.__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(completed.stdout.strip().splitlines()[-1])
     assert result["padding_share"] == 0.0 and result["micro_batches"] >= 2
@@ -84,7 +131,8 @@ def test_update_runs_train_stages_on_cpu():
 
 SMOKE_CPU = """
 import json, sys
-import bench, train
+import train
+from tools import bench
 shape = dict(bench.QWEN25["tiny"], head_dim=64, num_attention_heads=2, num_key_value_heads=1, vocab_size=320,
              max_position_embeddings=512)
 directory = bench.smoke_model(sys.argv[1], shape)
@@ -95,25 +143,37 @@ print(json.dumps(bench.engine_cycles(directory, device, cycles=2, sleep=False, k
 
 
 def test_gpu_smoke_engine_cycles_run_on_cpu(tmp_path):
-    # generate -> update -> wake/sync -> probe, twice, with train.py's own functions; a bfloat16 engine against
-    # a float32 trainer on CPU (the GPU adds sleep mode, CUDA graphs and the free-memory readings)
-    completed = subprocess.run([sys.executable, "-c", SMOKE_CPU, str(tmp_path / "model")], capture_output=True,
-                               text=True, timeout=600, cwd=Path(bench.__file__).resolve().parents[1])
+    # generate -> update -> wake/sync -> probe, twice, with train.py's own functions; a bfloat16
+    # engine against a float32 trainer on CPU (the GPU adds sleep mode, CUDA graphs and the
+    # free-memory readings)
+    completed = subprocess.run(
+        [sys.executable, "-c", SMOKE_CPU, str(tmp_path / "model")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(bench.__file__).resolve().parents[1],
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads(completed.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["failures"] == [], report["failures"]
     assert report["runner"] == "v1" and report["engine_dtype"] == "torch.bfloat16"
     assert [c["cycle"] for c in report["cycles"]] == [1, 2]
     for cycle in report["cycles"]:
-        assert 0 < cycle["probe_error"] < 0.05 and cycle["probe_tokens"] > 0  # bf16 rounding, not a missed sync
+        # bf16 rounding, not a missed sync
+        assert 0 < cycle["probe_error"] < 0.05 and cycle["probe_tokens"] > 0
         assert cycle["logprob_mismatch_mean"] < 0.05 and cycle["skipped"] == 0
 
 
 def test_gpu_smoke_without_cuda_says_so_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    completed = subprocess.run([sys.executable, "-m", "tools.bench", "gpu-smoke"], capture_output=True, text=True,
-                               cwd=Path(bench.__file__).resolve().parents[1], timeout=120)
+    completed = subprocess.run(
+        [sys.executable, "-m", "tools.bench", "gpu-smoke"],
+        capture_output=True,
+        text=True,
+        cwd=Path(bench.__file__).resolve().parents[1],
+        timeout=120,
+    )
     assert completed.returncode == 2 and completed.stdout == ""
     assert completed.stderr.strip().splitlines() == [
         'gpu-smoke needs CUDA: run it on a GPU machine (docs/benchmarks.md, "A new GPU machine")']

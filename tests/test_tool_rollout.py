@@ -1,5 +1,6 @@
-"""rollout.generate_with_tools on the real vLLM engine, the real sandbox and tiny.py's tool-use model (the tiny model
-after a short warm-up on code-interpreter conversations). No fake engine, no fake sandbox."""
+"""rollout.generate_with_tools on the real vLLM engine, the real sandbox and tiny.py's tool-use
+model (the tiny model after a short warm-up on code-interpreter conversations). No fake engine, no
+fake sandbox."""
 
 import json
 
@@ -15,7 +16,8 @@ import tiny
 MAX_TURNS = 3
 MAX_TOKENS = 400
 SANDBOX = sandbox.SandboxConfig(timeout_s=5, max_workers=4)
-CALL_HEAD = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": '  # a prefill: the first turn calls
+# a prefill: the first turn calls
+CALL_HEAD = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": '
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +34,25 @@ def tokenizer(model_dir):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     # as in test_rollout.py: float32 (agreement with a transformers forward), eager, 32-token blocks
-    engine = rollout.build_engine(model_dir, seed=0, max_model_len=512, dtype="float32", kv_cache_gib=0.25,
-                                  max_num_seqs=64, enforce_eager=True, block_size=32)
+    engine = rollout.build_engine(
+        model_dir,
+        seed=0,
+        max_model_len=512,
+        dtype="float32",
+        kv_cache_gib=0.25,
+        max_num_seqs=64,
+        enforce_eager=True,
+        block_size=32,
+    )
     yield engine
-    rollout.shutdown_engine(engine)  # and its process group, so that another module can build its own engine
+    # and its process group, so that another module can build its own engine
+    rollout.shutdown_engine(engine)
 
 
 @pytest.fixture(scope="module")
 def examples(tiny_dir):
-    return data.load_examples(tiny_dir / "data" / "mul_test.jsonl", prompt_suffix=None)[:4]  # "What is a*b?"
+    # "What is a*b?"
+    return data.load_examples(tiny_dir / "data" / "mul_test.jsonl", prompt_suffix=None)[:4]
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +78,16 @@ def recorded(engine, tokenizer, prompts):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine, "generate", recording_generate)
         patch.setattr(sandbox, "run_batch", recording_run_batch)
-        out = rollout.generate_with_tools(engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3],
-                                          max_turns=MAX_TURNS, sandbox_config=SANDBOX)
+        out = rollout.generate_with_tools(
+            engine,
+            tokenizer,
+            prompts,
+            n=4,
+            max_tokens=MAX_TOKENS,
+            seeds=[0, 1, 2, 3],
+            max_turns=MAX_TURNS,
+            sandbox_config=SANDBOX,
+        )
     return out, engine_calls, sandbox_calls
 
 
@@ -82,16 +102,22 @@ def runs(mask):
 
 
 def expected_tool_turn(model_text):
-    """The tool turn that must follow a model turn ending in a call, computed independently of rollout.py: the JSON
-    parsed here, the code run in a fresh sandbox, the output wrapped as Qwen2.5's template writes a tool message.
-    -> (prefix, content or None for an invalid call, suffix)."""
+    """The tool turn that must follow a model turn ending in a call, computed independently of
+    rollout.py: the JSON parsed here, the code run in a fresh sandbox, the output wrapped as
+    Qwen2.5's template writes a tool message. -> (prefix, content or None for an invalid call,
+    suffix)."""
     try:  # a call without its opening tag is invalid too (rindex raises ValueError)
-        body = model_text[model_text.rindex("<tool_call>") + len("<tool_call>"):model_text.rindex("</tool_call>")]
+        body = model_text[
+            model_text.rindex("<tool_call>") + len("<tool_call>") : model_text.rindex(
+                "</tool_call>"
+            )
+        ]
         call = json.loads(body)
         assert call["name"] == "code_interpreter"
         content = sandbox.format_result(sandbox.run_code(call["arguments"]["code"], SANDBOX))
     except (ValueError, KeyError, TypeError, AssertionError):
-        content = None  # an invalid call: the content is rollout.py's error message, tested on its own
+        # an invalid call: the content is rollout.py's error message, tested on its own
+        content = None
     return ("<|im_end|>\n<|im_start|>user\n<tool_response>\n", content,
             "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
@@ -101,9 +127,15 @@ def test_conversations_stop_at_different_turns(recorded, tokenizer):
     eos = tokenizer.eos_token_id
     assert out.prompt_index == [i for i in range(4) for _ in range(4)]
     assert len(out.token_ids) == len(out.logprobs) == len(out.tool_mask) == len(out.texts) == 16
-    assert len(set(out.num_turns)) > 1 and max(out.num_calls) > 0  # some answered at once, some after a call
+    # some answered at once, some after a call
+    assert len(set(out.num_turns)) > 1 and max(out.num_calls) > 0
     for i in range(16):
-        ids, reason, turns, calls = out.token_ids[i], out.finish_reasons[i], out.num_turns[i], out.num_calls[i]
+        ids, reason, turns, calls = (
+            out.token_ids[i],
+            out.finish_reasons[i],
+            out.num_turns[i],
+            out.num_calls[i],
+        )
         assert len(ids) == len(out.logprobs[i]) == len(out.tool_mask[i]) <= MAX_TOKENS
         assert reason in ("stop", "length", "max_turns")
         model_runs = [r for r in runs(out.tool_mask[i]) if not r[0]]
@@ -111,12 +143,17 @@ def test_conversations_stop_at_different_turns(recorded, tokenizer):
         if reason == "stop":  # answered: one more model turn than calls, ending on EOS
             assert turns == calls + 1 and ids[-1] == eos
         if reason == "max_turns":  # the last allowed turn made a call, which was not run
-            assert turns == MAX_TURNS and calls == MAX_TURNS - 1 and out.texts[i].endswith("</tool_call>")
+            assert (
+                turns == MAX_TURNS
+                and calls == MAX_TURNS - 1
+                and out.texts[i].endswith("</tool_call>")
+            )
         if reason == "length":
             assert len(ids) == MAX_TOKENS
         assert out.num_errors[i] <= calls and out.num_timeouts[i] <= out.num_errors[i]
         assert out.num_invalid[i] <= out.num_errors[i]
-    # one engine.generate call per turn, over every unfinished conversation; one sandbox batch per turn with calls
+    # one engine.generate call per turn, over every unfinished conversation; one sandbox batch per
+    # turn with calls
     assert len(engine_calls) == max(out.num_turns)
     active = [sum(t > k for t in out.num_turns) for k in range(len(engine_calls))]
     assert [len(seeds) for seeds in engine_calls] == active
@@ -126,7 +163,9 @@ def test_conversations_stop_at_different_turns(recorded, tokenizer):
     for i in range(16):
         last = runs(out.tool_mask[i])[-1]
         if not last[0]:
-            assert out.texts[i] == tokenizer.decode(out.token_ids[i][last[1]:], skip_special_tokens=True)
+            assert out.texts[i] == tokenizer.decode(
+                out.token_ids[i][last[1] :], skip_special_tokens=True
+            )
         assert out.full_texts[i] == tokenizer.decode(out.token_ids[i])
 
 
@@ -134,15 +173,20 @@ def test_tool_mask_marks_exactly_the_tool_turns(recorded, tokenizer):
     out = recorded[0]
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     checked = 0
-    for ids, mask, logprobs, reason in zip(out.token_ids, out.tool_mask, out.logprobs, out.finish_reasons):
+    for ids, mask, logprobs, reason in zip(
+        out.token_ids, out.tool_mask, out.logprobs, out.finish_reasons
+    ):
         pieces = runs(mask)
         assert not pieces[0][0]  # a response starts with the model's turn (no prefill here)
         for k, (is_tool, start, end) in enumerate(pieces):
             if not is_tool:  # the model's own tokens: no part of a tool turn among them
                 assert "<tool_response>" not in tokenizer.decode(ids[start:end])
                 continue
-            # a tool run follows a model turn that ends in a call, and is exactly the tool turn of that call
-            model_text = tokenizer.decode(ids[pieces[k - 1][1]:pieces[k - 1][2]], skip_special_tokens=True)
+            # a tool run follows a model turn that ends in a call, and is exactly the tool turn of
+            # that call
+            model_text = tokenizer.decode(
+                ids[pieces[k - 1][1] : pieces[k - 1][2]], skip_special_tokens=True
+            )
             assert model_text.endswith("</tool_call>")
             prefix, content, suffix = expected_tool_turn(model_text)
             turn, head, tail = ids[start:end], encode(prefix), encode(suffix)
@@ -152,26 +196,36 @@ def test_tool_mask_marks_exactly_the_tool_turns(recorded, tokenizer):
                 assert turn == (expected[:len(turn)] if cut else expected)
                 checked += 1
             else:
-                assert turn[:len(head)] == head[:len(turn)] and (cut or turn[len(turn) - len(tail):] == tail)
+                assert turn[: len(head)] == head[: len(turn)] and (
+                    cut or turn[len(turn) - len(tail) :] == tail
+                )
             assert all(lp == 0.0 for lp in logprobs[start:end])
-            assert cut or (k + 1 < len(pieces) and not pieces[k + 1][0])  # and the model speaks next
+            # and the model speaks next
+            assert cut or (k + 1 < len(pieces) and not pieces[k + 1][0])
     assert checked > 0
 
 
 def test_model_token_logprobs_match_an_independent_forward(recorded, tokenizer, prompts, model_dir):
-    # the sequence a trainer rebuilds, prompt + token_ids, is what the model saw at every turn: a transformers
-    # forward over it (float64 softmax) gives the engine's log-probs at every model token
+    # the sequence a trainer rebuilds, prompt + token_ids, is what the model saw at every turn: a
+    # transformers forward over it (float64 softmax) gives the engine's log-probs at every model
+    # token
     out = recorded[0]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     worst, model_tokens = 0.0, 0
-    for prompt_index, ids, logprobs, mask in zip(out.prompt_index, out.token_ids, out.logprobs, out.tool_mask):
+    for prompt_index, ids, logprobs, mask in zip(
+        out.prompt_index, out.token_ids, out.logprobs, out.tool_mask
+    ):
         prompt = prompts[prompt_index]
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([list(prompt) + ids])).logits[0].double()
-        log_pi = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1, len(prompt) + len(ids) - 1),
-                                               torch.tensor(ids)]
+        log_pi = torch.log_softmax(logits, -1)[
+            torch.arange(len(prompt) - 1, len(prompt) + len(ids) - 1), torch.tensor(ids)
+        ]
         keep = ~torch.tensor(mask)
-        worst = max(worst, (torch.tensor(logprobs, dtype=torch.float64)[keep] - log_pi[keep]).abs().max().item())
+        worst = max(
+            worst,
+            (torch.tensor(logprobs, dtype=torch.float64)[keep] - log_pi[keep]).abs().max().item(),
+        )
         model_tokens += int(keep.sum())
     print(f"max |engine - transformers| over {model_tokens} model tokens = {worst:.2e}")
     assert worst < 1e-4
@@ -179,15 +233,33 @@ def test_model_token_logprobs_match_an_independent_forward(recorded, tokenizer, 
 
 def test_same_seeds_same_responses_whatever_the_batch(recorded, engine, tokenizer, prompts):
     out = recorded[0]
-    again = rollout.generate_with_tools(engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3],
-                                        max_turns=MAX_TURNS, sandbox_config=SANDBOX)
+    again = rollout.generate_with_tools(
+        engine,
+        tokenizer,
+        prompts,
+        n=4,
+        max_tokens=MAX_TOKENS,
+        seeds=[0, 1, 2, 3],
+        max_turns=MAX_TURNS,
+        sandbox_config=SANDBOX,
+    )
     assert again.token_ids == out.token_ids and again.tool_mask == out.tool_mask
     assert again.finish_reasons == out.finish_reasons
-    # a prompt alone samples what it sampled in the batch, although the batch's conversations ended at other turns
-    alone = rollout.generate_with_tools(engine, tokenizer, prompts[2:3], n=4, max_tokens=MAX_TOKENS, seeds=[2],
-                                        max_turns=MAX_TURNS, sandbox_config=SANDBOX)
+    # a prompt alone samples what it sampled in the batch, although the batch's conversations ended
+    # at other turns
+    alone = rollout.generate_with_tools(
+        engine,
+        tokenizer,
+        prompts[2:3],
+        n=4,
+        max_tokens=MAX_TOKENS,
+        seeds=[2],
+        max_turns=MAX_TURNS,
+        sandbox_config=SANDBOX,
+    )
     assert alone.token_ids == out.token_ids[8:12]
-    # the first turn is what rollout.generate samples with the same seed (seed * n + j, vLLM's child seeds)
+    # the first turn is what rollout.generate samples with the same seed (seed * n + j, vLLM's child
+    # seeds)
     single = rollout.generate(engine, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3])
     for i in range(16):
         if out.num_turns[i] == 1 and out.finish_reasons[i] == "stop":
@@ -196,32 +268,64 @@ def test_same_seeds_same_responses_whatever_the_batch(recorded, engine, tokenize
         assert single.token_ids[i][:first] == out.token_ids[i][:first]
 
 
-def test_max_turns_ends_conversations_whose_last_turn_calls(recorded, engine, tokenizer, prompts, monkeypatch):
-    # the same seeds with one turn fewer: every turn samples what it sampled before (a turn's seed does not depend on
-    # max_turns), so the conversations that called twice now end by max_turns, their second call not run
+def test_max_turns_ends_conversations_whose_last_turn_calls(
+    recorded, engine, tokenizer, prompts, monkeypatch
+):
+    # the same seeds with one turn fewer: every turn samples what it sampled before (a turn's seed
+    # does not depend on max_turns), so the conversations that called twice now end by max_turns,
+    # their second call not run
     out, _, sandbox_calls = recorded
     ran = []
     real_run_batch = sandbox.run_batch
-    monkeypatch.setattr(sandbox, "run_batch", lambda codes, config=None: ran.extend(codes) or real_run_batch(codes,
-                                                                                                        config))
-    short = rollout.generate_with_tools(engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3],
-                                        max_turns=MAX_TURNS - 1, sandbox_config=SANDBOX)
-    # (which conversations call twice depends on the warmed-up model, hence on the CPU it was built on)
-    assert ("max_turns" in short.finish_reasons) == any(calls >= MAX_TURNS - 1 for calls in out.num_calls)
+    monkeypatch.setattr(
+        sandbox,
+        "run_batch",
+        lambda codes, config=None: ran.extend(codes) or real_run_batch(codes, config),
+    )
+    short = rollout.generate_with_tools(
+        engine,
+        tokenizer,
+        prompts,
+        n=4,
+        max_tokens=MAX_TOKENS,
+        seeds=[0, 1, 2, 3],
+        max_turns=MAX_TURNS - 1,
+        sandbox_config=SANDBOX,
+    )
+    # (which conversations call twice depends on the warmed-up model, hence on the CPU it was built
+    # on)
+    assert ("max_turns" in short.finish_reasons) == any(
+        calls >= MAX_TURNS - 1 for calls in out.num_calls
+    )
     assert ran == sandbox_calls[0]  # the first turn's calls only
     for i in range(16):
         tool_runs = [r for r in runs(out.tool_mask[i]) if r[0]]
-        if len(tool_runs) < MAX_TURNS - 1:  # its turn MAX_TURNS - 1 did not call (or never came): nothing changes
-            assert short.token_ids[i] == out.token_ids[i] and short.finish_reasons[i] == out.finish_reasons[i]
+        # its turn MAX_TURNS - 1 did not call (or never came): nothing changes
+        if len(tool_runs) < MAX_TURNS - 1:
+            assert (
+                short.token_ids[i] == out.token_ids[i]
+                and short.finish_reasons[i] == out.finish_reasons[i]
+            )
         else:
             _, _, end = [r for r in runs(out.tool_mask[i]) if not r[0]][MAX_TURNS - 2]
-            assert short.finish_reasons[i] == "max_turns" and short.token_ids[i] == out.token_ids[i][:end]
+            assert (
+                short.finish_reasons[i] == "max_turns"
+                and short.token_ids[i] == out.token_ids[i][:end]
+            )
             assert short.num_turns[i] == MAX_TURNS - 1 and short.num_calls[i] == MAX_TURNS - 2
             assert short.texts[i].endswith("</tool_call>")
     # a single turn: no code runs at all
     monkeypatch.setattr(sandbox, "run_batch", lambda codes, config=None: pytest.fail("code ran"))
-    one = rollout.generate_with_tools(engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3],
-                                      max_turns=1, sandbox_config=SANDBOX)
+    one = rollout.generate_with_tools(
+        engine,
+        tokenizer,
+        prompts,
+        n=4,
+        max_tokens=MAX_TOKENS,
+        seeds=[0, 1, 2, 3],
+        max_turns=1,
+        sandbox_config=SANDBOX,
+    )
     assert not any(map(any, one.tool_mask)) and sum(one.num_calls) == 0
     assert [r == "max_turns" for r in one.finish_reasons] == [t > 1 for t in out.num_turns]
     assert "max_turns" in one.finish_reasons  # most first turns call: the single-turn run ends them
@@ -232,24 +336,49 @@ def prefilled(prompts, examples, tokenizer, quote):
     model writes (the warmed-up model does, in context; the call is read from the prefill and the sampled tag).
     quote: '"' makes valid JSON; "'" makes a call that is not JSON, of the same length (the tiny model keeps its
     place in the template by counting characters)."""
-    heads = [CALL_HEAD + quote + "print(" + e.messages[0]["content"].removeprefix("What is ").removesuffix("?") + ")"
-             + quote + "}}\n" for e in examples]
-    return [list(p) + tokenizer.encode(head, add_special_tokens=False) for p, head in zip(prompts, heads)]
+    heads = [
+        CALL_HEAD
+        + quote
+        + "print("
+        + e.messages[0]["content"].removeprefix("What is ").removesuffix("?")
+        + ")"
+        + quote
+        + "}}\n"
+        for e in examples
+    ]
+    return [
+        list(p) + tokenizer.encode(head, add_special_tokens=False)
+        for p, head in zip(prompts, heads)
+    ]
 
 
 @pytest.mark.parametrize("quote", ['"', "'"])
-def test_prefilled_calls_valid_and_invalid(engine, tokenizer, prompts, examples, monkeypatch, quote):
+def test_prefilled_calls_valid_and_invalid(
+    engine, tokenizer, prompts, examples, monkeypatch, quote
+):
     ran = []
     real_run_batch = sandbox.run_batch
-    monkeypatch.setattr(sandbox, "run_batch", lambda codes, config=None: ran.extend(codes) or real_run_batch(codes,
-                                                                                                        config))
-    out = rollout.generate_with_tools(engine, tokenizer, prefilled(prompts[:2], examples, tokenizer, quote), n=2,
-                                      max_tokens=MAX_TOKENS, seeds=[5, 6], max_turns=2, sandbox_config=SANDBOX)
+    monkeypatch.setattr(
+        sandbox,
+        "run_batch",
+        lambda codes, config=None: ran.extend(codes) or real_run_batch(codes, config),
+    )
+    out = rollout.generate_with_tools(
+        engine,
+        tokenizer,
+        prefilled(prompts[:2], examples, tokenizer, quote),
+        n=2,
+        max_tokens=MAX_TOKENS,
+        seeds=[5, 6],
+        max_turns=2,
+        sandbox_config=SANDBOX,
+    )
     close = tokenizer.encode("</tool_call>", add_special_tokens=False)
     prefix = tokenizer.encode(rollout.QWEN_TOOL_TURN[0], add_special_tokens=False)
     for i in range(4):
         ids, mask = out.token_ids[i], out.tool_mask[i]
-        assert runs(mask)[0] == (False, 0, len(close)) and ids[:len(close)] == close  # the model closed the call
+        # the model closed the call
+        assert runs(mask)[0] == (False, 0, len(close)) and ids[:len(close)] == close
         _, start, end = runs(mask)[1]
         assert ids[start:start + len(prefix)] == prefix and out.num_calls[i] == 1
         text = tokenizer.decode(ids[start:end])
@@ -261,25 +390,48 @@ def test_prefilled_calls_valid_and_invalid(engine, tokenizer, prompts, examples,
             assert "<tool_response>\nError: the tool call is not valid JSON (" in text
             assert out.num_invalid[i] == out.num_errors[i] == 1
     codes = [f"print({e.messages[0]['content'][8:-1]})" for e in examples[:2] for _ in range(2)]
-    assert ran == (codes if quote == '"' else [])  # the second turn's calls, if any, end by max_turns: not run
+    # the second turn's calls, if any, end by max_turns: not run
+    assert ran == (codes if quote == '"' else [])
 
 
 def test_token_budget_counts_tool_tokens(engine, tokenizer, prompts, examples):
-    # a budget that ends inside the tool turn: the result is cut to it and the conversation ends by length
-    out = rollout.generate_with_tools(engine, tokenizer, prefilled(prompts[:2], examples, tokenizer, '"'), n=2,
-                                      max_tokens=30, seeds=[5, 6], max_turns=3, sandbox_config=SANDBOX)
+    # a budget that ends inside the tool turn: the result is cut to it and the conversation ends by
+    # length
+    out = rollout.generate_with_tools(
+        engine,
+        tokenizer,
+        prefilled(prompts[:2], examples, tokenizer, '"'),
+        n=2,
+        max_tokens=30,
+        seeds=[5, 6],
+        max_turns=3,
+        sandbox_config=SANDBOX,
+    )
     assert out.finish_reasons == ["length"] * 4 and out.lengths == [30] * 4
-    assert all(mask == [False] * 12 + [True] * 18 for mask in out.tool_mask)  # 12: the model's "</tool_call>"
+    # 12: the model's "</tool_call>"
+    assert all(mask == [False] * 12 + [True] * 18 for mask in out.tool_mask)
     # a budget that ends inside the model's first turn: no tool turn at all
-    out = rollout.generate_with_tools(engine, tokenizer, prompts, n=2, max_tokens=12, seeds=[0, 1, 2, 3],
-                                      max_turns=3, sandbox_config=SANDBOX)
+    out = rollout.generate_with_tools(
+        engine,
+        tokenizer,
+        prompts,
+        n=2,
+        max_tokens=12,
+        seeds=[0, 1, 2, 3],
+        max_turns=3,
+        sandbox_config=SANDBOX,
+    )
     assert max(out.lengths) <= 12 and not any(map(any, out.tool_mask)) and sum(out.num_calls) == 0
-    assert all(r == "stop" or (r == "length" and n == 12) for r, n in zip(out.finish_reasons, out.lengths))
+    assert all(
+        r == "stop" or (r == "length" and n == 12) for r, n in zip(out.finish_reasons, out.lengths)
+    )
     assert "length" in out.finish_reasons  # a call is longer than 12 tokens
 
 
 def test_parse_tool_call():
-    call = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}\n</tool_call>'
+    call = (
+        '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}\n</tool_call>'
+    )
     assert rollout.parse_tool_call("Let me compute. " + call) == ("print(1)", None)
     assert rollout.parse_tool_call(call.replace("\n", "")) == ("print(1)", None)
     as_string = '<tool_call>{"name": "code_interpreter", "arguments": "{\\"code\\": \\"x = 2\\"}"}</tool_call>'
@@ -287,12 +439,27 @@ def test_parse_tool_call():
     # the last opening tag counts: an earlier, abandoned one does not
     assert rollout.parse_tool_call("<tool_call> oops " + call) == ("print(1)", None)
     for text, expected in [
-        ('<tool_call>{"name": "code_interpreter", "arguments": {"code": print(1)}}</tool_call>', "not valid JSON"),
-        ('<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>', "unknown function 'python'"),
+        (
+            '<tool_call>{"name": "code_interpreter", "arguments": {"code": print(1)}}</tool_call>',
+            "not valid JSON",
+        ),
+        (
+            '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>',
+            "unknown function 'python'",
+        ),
         ('<tool_call>["code_interpreter"]</tool_call>', "unknown function None"),
-        ('<tool_call>{"name": "code_interpreter", "arguments": {"cmd": "ls"}}</tool_call>', '{"code"'),
-        ('<tool_call>{"name": "code_interpreter", "arguments": {"code": 3}}</tool_call>', '{"code"'),
-        ('{"name": "code_interpreter", "arguments": {"code": "1"}}</tool_call>', "without <tool_call>"),
+        (
+            '<tool_call>{"name": "code_interpreter", "arguments": {"cmd": "ls"}}</tool_call>',
+            '{"code"',
+        ),
+        (
+            '<tool_call>{"name": "code_interpreter", "arguments": {"code": 3}}</tool_call>',
+            '{"code"',
+        ),
+        (
+            '{"name": "code_interpreter", "arguments": {"code": "1"}}</tool_call>',
+            "without <tool_call>",
+        ),
     ]:
         code, error = rollout.parse_tool_call(text)
         assert code is None and error.startswith("Error: ") and expected in error, (text, error)
@@ -301,8 +468,11 @@ def test_parse_tool_call():
 def test_tool_turn_ids(tokenizer):
     wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in rollout.QWEN_TOOL_TURN]
     ids = rollout.tool_turn_ids(tokenizer, "42\n", wrapper, 100)
-    assert tokenizer.decode(ids) == "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n" \
-                                    "<|im_start|>assistant\n"
+    assert (
+        tokenizer.decode(ids)
+        == "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     # a program printing a control token shows the model its characters, not the token
     ids = rollout.tool_turn_ids(tokenizer, "<|im_end|>", wrapper, 100)
     content = ids[len(wrapper[0]):len(ids) - len(wrapper[1])]
@@ -319,27 +489,43 @@ def test_tool_turn_ids(tokenizer):
 
 
 def test_turn_seeds():
-    assert [rollout.turn_seed(7, 4, j, 0) for j in range(4)] == [28, 29, 30, 31]  # as generate: 7 * 4 + j
+    # as generate: 7 * 4 + j
+    assert [rollout.turn_seed(7, 4, j, 0) for j in range(4)] == [28, 29, 30, 31]
     seeds = {rollout.turn_seed(s, 4, j, t) for s in range(50) for j in range(4) for t in range(5)}
     assert len(seeds) == 50 * 4 * 5 and all(0 <= s < 2**56 for s in seeds)
-    assert rollout.turn_seed(3, 4, 1, 2) == rollout.turn_seed(3, 4, 1, 2)  # a pure function (no Python hash())
+    # a pure function (no Python hash())
+    assert rollout.turn_seed(3, 4, 1, 2) == rollout.turn_seed(3, 4, 1, 2)
 
 
 def test_tool_mask_and_metrics(recorded):
     out = recorded[0]
     assert [len(row) for row in out.tool_mask] == out.lengths == [len(row) for row in out.logprobs]
-    assert all(lp == 0.0 for row, tools in zip(out.logprobs, out.tool_mask) for lp, tool in zip(row, tools) if tool)
+    assert all(
+        lp == 0.0
+        for row, tools in zip(out.logprobs, out.tool_mask)
+        for lp, tool in zip(row, tools)
+        if tool
+    )
     metrics = rollout.tool_metrics(out)
     assert metrics["rollout/tool_calls_mean"] == sum(out.num_calls) / 16
     assert 0 < metrics["rollout/tool_token_frac"] < 1
 
 
 def test_many_long_contexts_in_one_step(engine, tokenizer, prompts):
-    # later turns send long contexts; more prompt tokens than one engine step takes (max_num_batched_tokens, 8192
-    # here) used to split a seeded prompt across steps, which crashes vLLM 0.32 on CPU (see rollout.build_engine)
-    # 24 x ~450 tokens > 8192, all different (a shared prefix would come from the prefix cache)
+    # later turns send long contexts; more prompt tokens than one engine step takes
+    # (max_num_batched_tokens, 8192 here) used to split a seeded prompt across steps, which crashes
+    # vLLM 0.32 on CPU (see rollout.build_engine) 24 x ~450 tokens > 8192, all different (a shared
+    # prefix would come from the prefix cache)
     long = [tokenizer.encode(f"{i:03d}4567\n" * 52, add_special_tokens=False) + list(prompts[i % 4])
             for i in range(24)]
-    out = rollout.generate_with_tools(engine, tokenizer, long, n=1, max_tokens=8, seeds=list(range(24)),
-                                      max_turns=2, sandbox_config=SANDBOX)
+    out = rollout.generate_with_tools(
+        engine,
+        tokenizer,
+        long,
+        n=1,
+        max_tokens=8,
+        seeds=list(range(24)),
+        max_turns=2,
+        sandbox_config=SANDBOX,
+    )
     assert len(out.token_ids) == 24 and all(0 < n <= 8 for n in out.lengths)

@@ -22,12 +22,30 @@ REPO = Path(__file__).resolve().parents[1]
 
 def train_command(tiny_dir, out_dir, *overrides, nproc=1):
     """train.py on the tiny default (torchrun --standalone picks a free port) -> (argv, env)."""
-    base = [f"model.path={tiny_dir / 'model'}", f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
-            "eval.files=[]", f"train.out_dir={out_dir}", "train.total_steps=2",
-            "gate.target_entropy=1.0"]  # above the tiny model's entropy: the gate is on, STARE reweights
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                      "--nproc_per_node", str(nproc)]
-    env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+    base = [
+        f"model.path={tiny_dir / 'model'}",
+        f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
+        "eval.files=[]",
+        f"train.out_dir={out_dir}",
+        "train.total_steps=2",
+        # above the tiny model's entropy: the gate is on, STARE reweights
+        "gate.target_entropy=1.0",
+    ]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+        ]
+    )
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")
+    )
     return launcher + ["train.py", "--config", "configs/tiny.yaml", *base, *overrides], env
 
 
@@ -43,7 +61,8 @@ def read_metrics(out_dir):
 def check_finished(completed, out_dir, steps=2):
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
     metrics = read_metrics(out_dir)
-    assert [m["step"] for m in metrics if m["step"] > 0] == list(range(1, steps + 1))  # step 0: eval before training
+    # step 0: eval before training
+    assert [m["step"] for m in metrics if m["step"] > 0] == list(range(1, steps + 1))
     for record in metrics:
         bad = {k: v for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, bad
@@ -52,17 +71,25 @@ def check_finished(completed, out_dir, steps=2):
 
 @pytest.mark.parametrize("method", baselines.METHODS)
 def test_every_method_trains_end_to_end(method, tiny_dir, tmp_path):
-    completed = run_train(tiny_dir, tmp_path / "run", f"algorithm.method={method}", "rollout.sync_check_every=1",
-                          nproc=2)
+    completed = run_train(
+        tiny_dir,
+        tmp_path / "run",
+        f"algorithm.method={method}",
+        "rollout.sync_check_every=1",
+        nproc=2,
+    )
     metrics = check_finished(completed, tmp_path / "run")
-    assert [p.name for p in checkpoints.list_checkpoints(tmp_path / "run")] == ["step_00000002"]  # the end-of-run checkpoint
+    # the end-of-run checkpoint
+    assert [p.name for p in checkpoints.list_checkpoints(tmp_path / "run")] == ["step_00000002"]
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32)
     assert torch.isfinite(exported(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
     for record in metrics:
-        assert record["rollout/sync_probe_error"] < 1e-4  # the engine holds the weights just trained
+        # the engine holds the weights just trained
+        assert record["rollout/sync_probe_error"] < 1e-4
         assert record["rollout/logprob_mismatch_max"] < 1e-3  # float32 sampler vs trainer
         assert 0 <= record["rollout/acc"] <= 1 and record["train/tokens"] > 0
-        assert 0 < record["rollout/distinct_correct_frac"] <= 1  # some groups are right at this accuracy
+        # some groups are right at this accuracy
+        assert 0 < record["rollout/distinct_correct_frac"] <= 1
         assert record["stare/gate_on"] == 1.0
     if method == "stare":
         assert metrics[0]["train/touched_frac"] > 0 and metrics[0]["stare/pos_selected_frac"] > 0
@@ -71,36 +98,68 @@ def test_every_method_trains_end_to_end(method, tiny_dir, tmp_path):
 
 
 def test_two_ranks_match_one_and_export_loads(tiny_dir, tmp_path):
-    # generation rounds of 16 prompts for 16 varied groups: dynamic sampling needs several rounds per step
-    one = check_finished(run_train(tiny_dir, tmp_path / "one", "algorithm.gen_batch_size=16"), tmp_path / "one")
-    two = check_finished(run_train(tiny_dir, tmp_path / "two", "algorithm.gen_batch_size=16", nproc=2),
-                         tmp_path / "two")
-    # step scope + samples seeded by global prompt index: the first update is the same whatever the world size
-    for key in ("rollout/acc", "train/entropy", "train/loss", "train/grad_norm", "stare/pos_selected_frac"):
+    # generation rounds of 16 prompts for 16 varied groups: dynamic sampling needs several rounds
+    # per step
+    one = check_finished(
+        run_train(tiny_dir, tmp_path / "one", "algorithm.gen_batch_size=16"), tmp_path / "one"
+    )
+    two = check_finished(
+        run_train(tiny_dir, tmp_path / "two", "algorithm.gen_batch_size=16", nproc=2),
+        tmp_path / "two",
+    )
+    # step scope + samples seeded by global prompt index: the first update is the same whatever the
+    # world size
+    for key in (
+        "rollout/acc",
+        "train/entropy",
+        "train/loss",
+        "train/grad_norm",
+        "stare/pos_selected_frac",
+    ):
         assert two[0][key] == pytest.approx(one[0][key], rel=1e-4, abs=1e-7), key
     assert one[0]["rollout/gen_rounds"] == two[0]["rollout/gen_rounds"] >= 2
-    assert one[0]["rollout/acc_before_filter"] < one[0]["rollout/acc"]  # all-wrong groups were dropped
-    positions = [torch.load(checkpoints.list_checkpoints(tmp_path / run)[-1] / "trainer.pt", weights_only=False)["data_position"]
-                 for run in ("one", "two")]
+    # all-wrong groups were dropped
+    assert one[0]["rollout/acc_before_filter"] < one[0]["rollout/acc"]
+    positions = [
+        torch.load(
+            checkpoints.list_checkpoints(tmp_path / run)[-1] / "trainer.pt", weights_only=False
+        )["data_position"]
+        for run in ("one", "two")
+    ]
     assert positions[0] == positions[1] == 16 * sum(m["rollout/gen_rounds"] for m in one)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "hf", dtype=torch.float32)
     initial = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
-    changed = [name for name, p in exported.state_dict().items() if not torch.equal(p, initial.state_dict()[name])]
+    changed = [
+        name
+        for name, p in exported.state_dict().items()
+        if not torch.equal(p, initial.state_dict()[name])
+    ]
     assert len(changed) > len(exported.state_dict()) // 2  # training moved (almost) every weight
 
 
 def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, tmp_path):
-    # rollout.tensor_parallel_size=2 on 2 ranks: one engine, half of the weights and KV cache on each rank; the
-    # ranks sample the same prompts with the same seeds, so the step equals the one-rank step
-    one = check_finished(run_train(tiny_dir, tmp_path / "one", "algorithm.gen_batch_size=16"), tmp_path / "one")
+    # rollout.tensor_parallel_size=2 on 2 ranks: one engine, half of the weights and KV cache on
+    # each rank; the ranks sample the same prompts with the same seeds, so the step equals the
+    # one-rank step
+    one = check_finished(
+        run_train(tiny_dir, tmp_path / "one", "algorithm.gen_batch_size=16"), tmp_path / "one"
+    )
     tp = check_finished(run_train(tiny_dir, tmp_path / "tp", "algorithm.gen_batch_size=16",
                                   "rollout.tensor_parallel_size=2", "hardware.gpus_per_node=2",
                                   "rollout.sync_check_every=1", nproc=2), tmp_path / "tp")
-    for key in ("rollout/acc", "rollout/acc_before_filter", "rollout/gen_rounds", "train/entropy", "train/loss",
-                "train/grad_norm", "stare/pos_selected_frac"):
+    for key in (
+        "rollout/acc",
+        "rollout/acc_before_filter",
+        "rollout/gen_rounds",
+        "train/entropy",
+        "train/loss",
+        "train/grad_norm",
+        "stare/pos_selected_frac",
+    ):
         assert tp[0][key] == pytest.approx(one[0][key], rel=1e-4, abs=1e-6), key
     for record in tp:
-        assert record["rollout/sync_probe_error"] < 1e-4  # both halves of the engine hold the new weights
+        # both halves of the engine hold the new weights
+        assert record["rollout/sync_probe_error"] < 1e-4
     positions = [torch.load(checkpoints.list_checkpoints(tmp_path / run)[-1] / "trainer.pt",
                             weights_only=False)["data_position"] for run in ("one", "tp")]
     assert positions[0] == positions[1]  # each round's prompts were sampled once, not once per rank
@@ -117,7 +176,9 @@ def test_round_prompts_give_each_engine_its_share_once():
 
 
 def test_update_does_not_depend_on_micro_batch_size(tiny_dir, tmp_path):
-    big = check_finished(run_train(tiny_dir, tmp_path / "big", "train.total_steps=1"), tmp_path / "big", steps=1)
+    big = check_finished(
+        run_train(tiny_dir, tmp_path / "big", "train.total_steps=1"), tmp_path / "big", steps=1
+    )
     small = check_finished(run_train(tiny_dir, tmp_path / "small", "train.total_steps=1",
                                      "train.micro_token_budget=256"), tmp_path / "small", steps=1)
     assert small[0]["train/micro_batches"] > big[0]["train/micro_batches"]
@@ -135,9 +196,17 @@ def test_config_errors_exit_before_writing(tmp_path):
 
 
 def test_micro_scope_and_two_mini_batches_on_two_ranks(tiny_dir, tmp_path):
-    # the reference's per-micro-batch selection, two optimizer steps per training step, a small token budget
-    completed = run_train(tiny_dir, tmp_path / "run", "algorithm.selection_scope=micro", "train.mini_batch_size=8",
-                          "train.micro_token_budget=600", "rollout.sync_check_every=1", nproc=2)
+    # the reference's per-micro-batch selection, two optimizer steps per training step, a small
+    # token budget
+    completed = run_train(
+        tiny_dir,
+        tmp_path / "run",
+        "algorithm.selection_scope=micro",
+        "train.mini_batch_size=8",
+        "train.micro_token_budget=600",
+        "rollout.sync_check_every=1",
+        nproc=2,
+    )
     metrics = check_finished(completed, tmp_path / "run")
     for record in metrics:
         assert record["rollout/sync_probe_error"] < 1e-4  # both optimizer steps reached the engine
@@ -203,30 +272,54 @@ def kill_tree(process):
 
 
 def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
-    # everything a step reads from the past: a warm-up + cosine schedule, an adaptive gate, the sync probe, evaluations
-    steps = ["train.total_steps=4", "train.save_every=2", "train.keep_last=1", "optim.warmup_steps=3",
-             "optim.schedule=cosine", "gate.adaptive=true", "gate.alpha=0.1",
-             "rollout.sync_check_every=2", f"eval.files=[{tiny_dir / 'data' / 'sum_test.jsonl'}]", "eval.n=2",
-             "eval.every=2"]
-    full = check_finished(run_train(tiny_dir, tmp_path / "full", *steps, nproc=2), tmp_path / "full", 4)
+    # everything a step reads from the past: a warm-up + cosine schedule, an adaptive gate, the sync
+    # probe, evaluations
+    steps = [
+        "train.total_steps=4",
+        "train.save_every=2",
+        "train.keep_last=1",
+        "optim.warmup_steps=3",
+        "optim.schedule=cosine",
+        "gate.adaptive=true",
+        "gate.alpha=0.1",
+        "rollout.sync_check_every=2",
+        f"eval.files=[{tiny_dir / 'data' / 'sum_test.jsonl'}]",
+        "eval.n=2",
+        "eval.every=2",
+    ]
+    full = check_finished(
+        run_train(tiny_dir, tmp_path / "full", *steps, nproc=2), tmp_path / "full", 4
+    )
 
-    # the same run, killed (SIGKILL, every process) once step 2's checkpoint is written and step 3 is logged
+    # the same run, killed (SIGKILL, every process) once step 2's checkpoint is written and step 3
+    # is logged
     out = tmp_path / "killed"
     command, env = train_command(tiny_dir, out, *steps, nproc=2)
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_until(process, lambda: (out / "checkpoints" / "step_00000002").exists() and logged_steps(out) >= 4)
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_until(
+        process, lambda: (out / "checkpoints" / "step_00000002").exists() and logged_steps(out) >= 4
+    )
     kill_tree(process)
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]
-    assert [m["step"] for m in read_metrics(out)] == [0, 1, 2, 3]  # step 3 was logged, not saved: to be dropped
+    # step 3 was logged, not saved: to be dropped
+    assert [m["step"] for m in read_metrics(out)] == [0, 1, 2, 3]
 
     completed = run_train(tiny_dir, out, *steps, nproc=2)
     assert "resumed from" in completed.stderr and "step_00000002 at step 2" in completed.stderr
     resumed = check_finished(completed, out, 4)
-    assert comparable(resumed) == comparable(full)  # every metric of every step, bitwise (eval and step 0 included)
-    assert len({m["stare/w"] for m in full[1:]}) > 1 and len({m["train/lr"] for m in full[1:]}) > 1  # state moved
+    # every metric of every step, bitwise (eval and step 0 included)
+    assert comparable(resumed) == comparable(full)
+    # state moved
+    assert len({m["stare/w"] for m in full[1:]}) > 1 and len({m["train/lr"] for m in full[1:]}) > 1
     evaluated = [m["step"] for m in full if "eval/sum_test/avg@n" in m]
-    assert evaluated == [0, 2, 4] and all(0 <= m["eval/overall/pass@2"] <= 1 for m in full if m["step"] in evaluated)
-    want = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "hf", dtype=torch.float32).state_dict()
+    assert evaluated == [0, 2, 4] and all(
+        0 <= m["eval/overall/pass@2"] <= 1 for m in full if m["step"] in evaluated
+    )
+    want = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "full" / "hf", dtype=torch.float32
+    ).state_dict()
     got = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).state_dict()
     assert all(torch.equal(got[name], want[name]) for name in want)
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000004"]  # keep_last=1
@@ -234,19 +327,38 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
     # tools/plots.py on these two real runs (training curves, evaluations), overlaid
     from tools import plots
 
-    written = plots.plot_runs([tmp_path / "full", out], tmp_path / "figures", labels=["uninterrupted", "resumed"])
-    assert sorted(p.name for p in written) == ["accuracy.png", "dynamics.png", "entropy.png", "eval.png",
-                                               "length.png", "selection.png"]
+    written = plots.plot_runs(
+        [tmp_path / "full", out], tmp_path / "figures", labels=["uninterrupted", "resumed"]
+    )
+    assert sorted(p.name for p in written) == [
+        "accuracy.png",
+        "dynamics.png",
+        "entropy.png",
+        "eval.png",
+        "length.png",
+        "selection.png",
+    ]
     assert all(p.stat().st_size > 10_000 for p in written)
 
 
 def test_sigterm_saves_a_checkpoint_that_exports(tiny_dir, tmp_path):
     out = tmp_path / "run"
-    args = ["train.py", "--config", "configs/tiny.yaml", f"model.path={tiny_dir / 'model'}",
-            f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]", f"train.out_dir={out}",
-            "train.total_steps=1000", "train.save_every=0"]
-    with open(tmp_path / "console.txt", "w") as console:  # a file, not a pipe nobody reads until the end
-        process = subprocess.Popen([sys.executable] + args, cwd=REPO, stdout=console, stderr=subprocess.STDOUT)
+    args = [
+        "train.py",
+        "--config",
+        "configs/tiny.yaml",
+        f"model.path={tiny_dir / 'model'}",
+        f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
+        "eval.files=[]",
+        f"train.out_dir={out}",
+        "train.total_steps=1000",
+        "train.save_every=0",
+    ]
+    # a file, not a pipe nobody reads until the end
+    with open(tmp_path / "console.txt", "w") as console:
+        process = subprocess.Popen(
+            [sys.executable] + args, cwd=REPO, stdout=console, stderr=subprocess.STDOUT
+        )
         wait_until(process, lambda: logged_steps(out) >= 1)
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=300)
@@ -257,22 +369,37 @@ def test_sigterm_saves_a_checkpoint_that_exports(tiny_dir, tmp_path):
     assert 1 <= step < 1000 and len(read_metrics(out)) == step
     assert "stopped by a signal" in output
 
-    exported = subprocess.run([sys.executable] + args + ["--export"], cwd=REPO, capture_output=True, text=True,
-                              timeout=300)
+    exported = subprocess.run(
+        [sys.executable] + args + ["--export"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert exported.returncode == 0, exported.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(out / f"hf_step_{step}", dtype=torch.float32)
     initial = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
-    assert any(not torch.equal(p, initial.state_dict()[name]) for name, p in model.state_dict().items())
+    assert any(
+        not torch.equal(p, initial.state_dict()[name]) for name, p in model.state_dict().items()
+    )
 
 
 def test_only_complete_checkpoints_count(tmp_path):
     root = tmp_path / "checkpoints"
-    for name, complete in (("step_00000010", True), ("step_00000002", True), (".step_00000020.tmp", True),
-                           ("step_00000030", False), (".step_00000001.deleting", True)):
+    for name, complete in (
+        ("step_00000010", True),
+        ("step_00000002", True),
+        (".step_00000020.tmp", True),
+        ("step_00000030", False),
+        (".step_00000001.deleting", True),
+    ):
         (root / name).mkdir(parents=True)
         if complete:
             (root / name / "trainer.pt").write_bytes(b"")
-    assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000010"]
+    assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == [
+        "step_00000002",
+        "step_00000010",
+    ]
 
 
 def test_metrics_log_writes_jsonl_and_mirrors_to_wandb(tmp_path, monkeypatch):
@@ -302,7 +429,8 @@ def test_metrics_log_writes_jsonl_and_mirrors_to_wandb(tmp_path, monkeypatch):
     log.close()
     assert read_metrics(tmp_path) == [{"step": 3, "rollout/acc": 0.123457, "train/tokens": 7}]
     assert calls[0][0] == "init" and calls[0][1]["config"]["gate"]["w"] == cfg.gate.w
-    assert calls[0][1]["id"] == (tmp_path / "wandb_run_id").read_text() == "abc123"  # a resumed run continues it
+    # a resumed run continues it
+    assert calls[0][1]["id"] == (tmp_path / "wandb_run_id").read_text() == "abc123"
     assert calls[1:] == [("log", 3, {"rollout/acc": 0.123456789, "train/tokens": 7}), ("finish",)]
     assert runs.MetricsLog(tmp_path, cfg, rank=1).file is None  # only rank 0 writes
 
@@ -318,12 +446,30 @@ def checkpoint_weights(checkpoint):
 
 def test_nonfinite_loss_skips_the_step_then_stops_the_run(tiny_dir, tmp_path):
     def run(nan_steps, out, *overrides):
-        args = ["tests/nan_train.py", nan_steps, "--config", "configs/tiny.yaml", f"model.path={tiny_dir / 'model'}",
-                f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]",
-                f"train.out_dir={out}", "train.save_every=1", "train.keep_last=10", "optim.max_nonfinite_steps=2",
-                "train.micro_token_budget=100000", *overrides]  # one micro-batch, so policy_loss call k = step k
-        return subprocess.run([sys.executable] + args, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                              capture_output=True, text=True, timeout=900)
+        args = [
+            "tests/nan_train.py",
+            nan_steps,
+            "--config",
+            "configs/tiny.yaml",
+            f"model.path={tiny_dir / 'model'}",
+            f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
+            "eval.files=[]",
+            f"train.out_dir={out}",
+            "train.save_every=1",
+            "train.keep_last=10",
+            "optim.max_nonfinite_steps=2",
+            # one micro-batch, so policy_loss call k = step k
+            "train.micro_token_budget=100000",
+            *overrides,
+        ]
+        return subprocess.run(
+            [sys.executable] + args,
+            cwd=REPO,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
 
     # one bad step: skipped (no update), counted, and the run goes on
     out = tmp_path / "one"
@@ -331,33 +477,56 @@ def test_nonfinite_loss_skips_the_step_then_stops_the_run(tiny_dir, tmp_path):
     assert completed.returncode == 0, completed.stderr[-4000:]
     metrics = read_metrics(out)
     assert [m["train/skipped_updates"] for m in metrics] == [0, 1, 0]
-    assert not math.isfinite(metrics[1]["train/loss"]) and not math.isfinite(metrics[1]["train/grad_norm"])
-    assert all(math.isfinite(m["train/loss"]) and math.isfinite(m["train/grad_norm"]) for m in (metrics[0], metrics[2]))
+    assert not math.isfinite(metrics[1]["train/loss"]) and not math.isfinite(
+        metrics[1]["train/grad_norm"]
+    )
+    assert all(
+        math.isfinite(m["train/loss"]) and math.isfinite(m["train/grad_norm"])
+        for m in (metrics[0], metrics[2])
+    )
     weights = [checkpoint_weights(out / "checkpoints" / f"step_{s:08d}") for s in (1, 2, 3)]
-    assert all(torch.equal(weights[1][k], weights[0][k]) for k in weights[0])  # step 2 changed nothing
-    assert not all(torch.equal(weights[2][k], weights[1][k]) for k in weights[0])  # step 3 trained again
+    # step 2 changed nothing
+    assert all(torch.equal(weights[1][k], weights[0][k]) for k in weights[0])
+    # step 3 trained again
+    assert not all(torch.equal(weights[2][k], weights[1][k]) for k in weights[0])
 
-    # more bad steps in a row than optim.max_nonfinite_steps: a clear error, the checkpoints before it intact
+    # more bad steps in a row than optim.max_nonfinite_steps: a clear error, the checkpoints before
+    # it intact
     out = tmp_path / "many"
     completed = run("2,3,4,5", out, "train.total_steps=6")
     assert completed.returncode != 0
-    assert "non-finite loss or gradient norm in 3 consecutive steps (optim.max_nonfinite_steps=2)" in completed.stderr
-    assert [p.name for p in checkpoints.list_checkpoints(out)] == [f"step_{s:08d}" for s in (1, 2, 3)]
+    assert (
+        "non-finite loss or gradient norm in 3 consecutive steps (optim.max_nonfinite_steps=2)"
+        in completed.stderr
+    )
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == [
+        f"step_{s:08d}" for s in (1, 2, 3)
+    ]
 
 
 def test_dynamic_sampling_gives_up_with_a_clear_error(tiny_dir, tmp_path):
-    # every group of the tiny sum task is all-wrong or mixed; demanding 16 varied groups from one round of 16 fails
-    completed = run_train(tiny_dir, tmp_path / "run", "algorithm.gen_batch_size=16", "algorithm.max_num_gen_batches=1",
-                          "train.total_steps=1")
+    # every group of the tiny sum task is all-wrong or mixed; demanding 16 varied groups from one
+    # round of 16 fails
+    completed = run_train(
+        tiny_dir,
+        tmp_path / "run",
+        "algorithm.gen_batch_size=16",
+        "algorithm.max_num_gen_batches=1",
+        "train.total_steps=1",
+    )
     assert completed.returncode != 0
-    assert "dynamic sampling kept" in completed.stderr and "algorithm.max_num_gen_batches" in completed.stderr
+    assert (
+        "dynamic sampling kept" in completed.stderr
+        and "algorithm.max_num_gen_batches" in completed.stderr
+    )
 
 
 def test_a_run_refuses_to_mix_with_another_trajectory(tiny_dir, tmp_path):
     out = tmp_path / "run"
     (out / "checkpoints" / "step_00000005").mkdir(parents=True)
     torch.save({"step": 5}, out / "checkpoints" / "step_00000005" / "trainer.pt")
-    completed = run_train(tiny_dir, out, "train.resume=never")  # would start at 0 beside another run's step 5
+    # would start at 0 beside another run's step 5
+    completed = run_train(tiny_dir, out, "train.resume=never")
     assert completed.returncode == 2 and "checkpoints after step 0" in completed.stderr
     completed = run_train(tiny_dir, out, f"train.resume={tmp_path / 'nowhere'}")
     assert completed.returncode == 2 and "is not a complete checkpoint" in completed.stderr
@@ -369,20 +538,39 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tiny_dir, tmp_path):
 
     tiny.build_tiny_tool(tiny_dir)  # reused when complete
     out = tmp_path / "run"
-    # the tiny tool model is never right; DAPO's overlong shaping makes rewards (and so advantages) differ anyway
-    command = [sys.executable, "train.py", "--config", "configs/tiny_tool.yaml", f"model.path={tiny_dir / 'tool_model'}",
-               f"data.train_files=[{tiny_dir / 'data' / 'mul_train.jsonl'}]", f"train.out_dir={out}",
-               "train.total_steps=2", "reward.overlong_buffer_len=300", "reward.max_response_len=400",
-               "rollout.sync_check_every=1", "optim.lr=1e-5"]
+    # the tiny tool model is never right; DAPO's overlong shaping makes rewards (and so advantages)
+    # differ anyway
+    command = [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/tiny_tool.yaml",
+        f"model.path={tiny_dir / 'tool_model'}",
+        f"data.train_files=[{tiny_dir / 'data' / 'mul_train.jsonl'}]",
+        f"train.out_dir={out}",
+        "train.total_steps=2",
+        "reward.overlong_buffer_len=300",
+        "reward.max_response_len=400",
+        "rollout.sync_check_every=1",
+        "optim.lr=1e-5",
+    ]
     completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     metrics = check_finished(completed, out)
-    assert metrics[0]["rollout/tool_calls_mean"] > 0.3 and 0.1 < metrics[0]["rollout/tool_token_frac"] < 0.9
+    assert (
+        metrics[0]["rollout/tool_calls_mean"] > 0.3
+        and 0.1 < metrics[0]["rollout/tool_token_frac"] < 0.9
+    )
     for record in metrics:
         # the loss and every statistic count only the tokens the policy sampled
         responses = 8 * 4  # train_batch_size x n (no dynamic sampling)
-        policy_tokens = record["rollout/response_length_mean"] * responses * (1 - record["rollout/tool_token_frac"])
+        policy_tokens = (
+            record["rollout/response_length_mean"]
+            * responses
+            * (1 - record["rollout/tool_token_frac"])
+        )
         assert record["train/tokens"] == pytest.approx(policy_tokens, abs=0.5)
-        assert record["rollout/logprob_mismatch_max"] < 1e-3  # tool tokens' rollout log-prob is a 0.0 placeholder
+        # tool tokens' rollout log-prob is a 0.0 placeholder
+        assert record["rollout/logprob_mismatch_max"] < 1e-3
         assert record["rollout/sync_probe_error"] < 1e-4 and record["train/grad_norm"] > 0
 
 
@@ -395,8 +583,14 @@ def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
     import train
 
     generator = torch.Generator().manual_seed(0)
-    tool_masks = [[False, False, True, True, True, False, False], [False, True, True, False], [False] * 5]
-    out = types.SimpleNamespace(token_ids=[list(range(10, 10 + len(m))) for m in tool_masks], tool_mask=tool_masks)
+    tool_masks = [
+        [False, False, True, True, True, False, False],
+        [False, True, True, False],
+        [False] * 5,
+    ]
+    out = types.SimpleNamespace(
+        token_ids=[list(range(10, 10 + len(m))) for m in tool_masks], tool_mask=tool_masks
+    )
     policy_masks = [train.policy_token_mask(out, i) for i in range(len(tool_masks))]
     mask = train.pad_rows(policy_masks)
     tool = train.pad_rows([torch.tensor(m) for m in tool_masks])
@@ -405,18 +599,33 @@ def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
 
     shape = tensors["mask"].shape
     logprobs = (-torch.rand(shape, generator=generator) * 3).requires_grad_()
-    batch = {"logprobs": logprobs, "old_logprobs": logprobs.detach() + 0.01 * torch.randn(shape, generator=generator),
-             "entropy": torch.rand(shape, generator=generator), "advantages": torch.tensor([1.0, -1.0, 0.5]),
-             "mask": tensors["mask"]}
-    cfg = config.load("configs/tiny.yaml", ["loss.stare_top_ratio=1.0"])  # select every eligible token
+    batch = {
+        "logprobs": logprobs,
+        "old_logprobs": logprobs.detach() + 0.01 * torch.randn(shape, generator=generator),
+        "entropy": torch.rand(shape, generator=generator),
+        "advantages": torch.tensor([1.0, -1.0, 0.5]),
+        "mask": tensors["mask"],
+    }
+    # select every eligible token
+    cfg = config.load("configs/tiny.yaml", ["loss.stare_top_ratio=1.0"])
     gate = stare.EntropyGate(target_entropy=10.0)  # on
     for method in ("stare", "kl_cov", "high_entropy"):
-        selection, _ = baselines.token_selection(method, batch, cfg.loss, gate=gate, generator=generator)
+        selection, _ = baselines.token_selection(
+            method, batch, cfg.loss, gate=gate, generator=generator
+        )
         for name, chosen in selection.items():
             if chosen.dtype == torch.bool and name != "kept":
                 assert not (chosen & tool).any(), (method, name)  # never a tool token
-        loss, _ = baselines.policy_loss(method, batch, cfg.loss, selection=selection, gate=gate, generator=generator,
-                                        num_tokens=float(tensors["mask"].sum()), num_sequences=3.0)
+        loss, _ = baselines.policy_loss(
+            method,
+            batch,
+            cfg.loss,
+            selection=selection,
+            gate=gate,
+            generator=generator,
+            num_tokens=float(tensors["mask"].sum()),
+            num_sequences=3.0,
+        )
         (gradient,) = torch.autograd.grad(loss, logprobs)
         assert (gradient[tool] == 0).all() and (gradient[tensors["mask"]] != 0).any(), method
 
@@ -425,13 +634,24 @@ def test_the_sync_probe_is_the_prompt_and_at_most_512_response_tokens():
     import train
 
     def response(length, truncated=False):
-        return train.Response(prompt=[1, 2, 3], tokens=list(range(10, 10 + length)),
-                              rollout_logprobs=[0.0] * length, reward=0.0, accuracy=0.0, truncated=truncated,
-                              reflection=(0, 0), policy_mask=torch.ones(length, dtype=torch.bool))
+        return train.Response(
+            prompt=[1, 2, 3],
+            tokens=list(range(10, 10 + length)),
+            rollout_logprobs=[0.0] * length,
+            reward=0.0,
+            accuracy=0.0,
+            truncated=truncated,
+            reflection=(0, 0),
+            policy_mask=torch.ones(length, dtype=torch.bool),
+        )
 
     assert train.PROBE_TOKENS == 512
-    assert train.probe_sequence([response(0), response(17_000)]) == ([1, 2, 3] + list(range(10, 522)), 3)
-    # a truncated response filled the context: the probe asks for one more token, so it drops the last
+    assert train.probe_sequence([response(0), response(17_000)]) == (
+        [1, 2, 3] + list(range(10, 522)),
+        3,
+    )
+    # a truncated response filled the context: the probe asks for one more token, so it drops the
+    # last
     assert train.probe_sequence([response(5, truncated=True)]) == ([1, 2, 3, 10, 11, 12, 13], 3)
     assert train.probe_sequence([response(1, truncated=True), response(0)]) is None
 
@@ -448,33 +668,57 @@ def random_responses(generator, groups=3, n=4, vocab=300):
         for k in range(n):
             length = int(torch.randint(1, 12, (1,), generator=generator))
             tokens = torch.randint(3, vocab, (length,), generator=generator).tolist()
-            reward = float(k % 2) if k < 2 else float(torch.randint(0, 2, (1,), generator=generator))
-            responses.append(train.Response(prompt=prompt, tokens=tokens, rollout_logprobs=[0.0] * length,
-                                            reward=reward, accuracy=reward, truncated=False, reflection=(0, 0),
-                                            policy_mask=torch.ones(length, dtype=torch.bool)))
+            reward = (
+                float(k % 2) if k < 2 else float(torch.randint(0, 2, (1,), generator=generator))
+            )
+            responses.append(
+                train.Response(
+                    prompt=prompt,
+                    tokens=tokens,
+                    rollout_logprobs=[0.0] * length,
+                    reward=reward,
+                    accuracy=reward,
+                    truncated=False,
+                    reflection=(0, 0),
+                    policy_mask=torch.ones(length, dtype=torch.bool),
+                )
+            )
         out.append(train.Group(prompt, responses))
     return out
 
 
 @pytest.mark.parametrize("budget", [8, 10_000])  # one row per micro-batch, or all rows in one
 def test_stages_give_the_log_probs_and_the_update_of_an_independent_computation(tiny_dir, budget):
-    # the stages in one process (no process group): old_policy_pass against a forward of each row alone, and
-    # policy_update's GRPO step against the closed-form gradient at ratio 1, -sum A_i grad log pi / N_tokens
+    # the stages in one process (no process group): old_policy_pass against a forward of each row
+    # alone, and policy_update's GRPO step against the closed-form gradient at ratio 1, -sum A_i
+    # grad log pi / N_tokens
     import config
     import stare
     import train
 
-    cfg = config.load("configs/tiny.yaml", ["algorithm.method=grpo", "optim.grad_clip=0",
-                                            f"train.micro_token_budget={budget}", "train.train_batch_size=3",
-                                            "train.mini_batch_size=3", "rollout.n=4"])
+    cfg = config.load(
+        "configs/tiny.yaml",
+        [
+            "algorithm.method=grpo",
+            "optim.grad_clip=0",
+            f"train.micro_token_budget={budget}",
+            "train.train_batch_size=3",
+            "train.mini_batch_size=3",
+            "rollout.n=4",
+        ],
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
-    responses = train.group_responses(random_responses(torch.Generator().manual_seed(budget)), cfg, 0, 1)
+    responses = train.group_responses(
+        random_responses(torch.Generator().manual_seed(budget)), cfg, 0, 1
+    )
     train.old_policy_pass(model, responses, cfg, torch.device("cpu"))
 
     reference_loss = 0.0
     for r in responses:
-        logits = reference(input_ids=torch.tensor([r.prompt + r.tokens])).logits[0, len(r.prompt) - 1:-1]  # [T, V]
+        logits = reference(input_ids=torch.tensor([r.prompt + r.tokens])).logits[
+            0, len(r.prompt) - 1 : -1
+        ]  # [T, V]
         logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.tokens)[:, None])[:, 0]
         entropy = torch.distributions.Categorical(logits=logits.detach()).entropy()
         assert torch.allclose(r.old_logprobs, logprobs.detach(), atol=1e-5)
@@ -488,9 +732,12 @@ def test_stages_give_the_log_probs_and_the_update_of_an_independent_computation(
     assert gate_metrics["train/entropy"] == pytest.approx(
         float(torch.cat([r.entropy for r in responses]).mean()), rel=1e-6)
     before = [p.detach().clone() for p in model.parameters()]
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the parameter change is minus the gradient
+    # the parameter change is minus the gradient
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     metrics = train.policy_update(model, optimizer, responses, cfg, gate, 1, torch.device("cpu"))
-    assert metrics["train/skipped_updates"] == 0 and (metrics["train/micro_batches"] > 1) == (budget == 8)
+    assert metrics["train/skipped_updates"] == 0 and (metrics["train/micro_batches"] > 1) == (
+        budget == 8
+    )
     for old, new, ref in zip(before, model.parameters(), reference.parameters()):
         # float32: a parameter minus its updated value keeps ~1e-7 of the parameter's size
         assert (old - new.detach() - ref.grad).abs().max() <= 1e-5 * ref.grad.abs().max() + 1e-6
@@ -515,12 +762,16 @@ def test_bad_starts_fail_fast_in_one_line_and_leave_the_run_as_it_was(tiny_dir, 
         assert completed.returncode == 2 and message in completed.stderr, completed.stderr[-2000:]
         assert "Traceback" not in completed.stderr and time.time() - start < 120
         assert (out / "config.yaml").read_text() == "the earlier run's config\n"
-        assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n' and not (out / "run.lock").exists()
+        assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n' and not (
+            out / "run.lock"
+        ).exists()
 
 
 def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path):
     out = tmp_path / "run"
-    check_finished(run_train(tiny_dir, out, "train.total_steps=1", "train.save_every=1"), out, steps=1)
+    check_finished(
+        run_train(tiny_dir, out, "train.total_steps=1", "train.save_every=1"), out, steps=1
+    )
     completed = run_train(tiny_dir, out, "optim.lr=1e-4")
     metrics = check_finished(completed, out)
     assert [m["train/lr"] for m in metrics] == [pytest.approx(3e-4), pytest.approx(1e-4)]
@@ -528,14 +779,18 @@ def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path):
     assert "lr: 0.0001" in (out / "config.yaml").read_text()
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The GPU-only paths, checked as far as CPU allows: the sync guard, float16 loss scaling, the collective timeout
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# The GPU-only paths, checked as far as CPU allows: the sync guard, float16 loss scaling, the
+# collective timeout
+# --------------------------------------------------------------------------------------------------
 
 
-def test_the_sync_probe_runs_at_step_one_and_a_broken_bound_stops_the_run_in_one_line(tiny_dir, tmp_path):
+def test_the_sync_probe_runs_at_step_one_and_a_broken_bound_stops_the_run_in_one_line(
+    tiny_dir, tmp_path
+):
     # tiny.yaml checks every 5th step: step 1 is checked all the same (the first sync of the run)
-    first, second = check_finished(run_train(tiny_dir, tmp_path / "ok"), tmp_path / "ok")  # steps 1 and 2
+    # steps 1 and 2
+    first, second = check_finished(run_train(tiny_dir, tmp_path / "ok"), tmp_path / "ok")
     assert first["rollout/sync_probe_error"] < 1e-4 and "rollout/sync_probe_error" not in second
     assert first["rollout/model_runner_v2"] == 0.0  # the V1 runner, as rollout.model_runner asks
 
@@ -547,20 +802,36 @@ def test_the_sync_probe_runs_at_step_one_and_a_broken_bound_stops_the_run_in_one
     assert line.startswith("error: step 1: rollout/logprob_mismatch_mean = ")
     assert "exceeds rollout.max_logprob_mismatch = 1e-12" in line
     logged = read_metrics(out)
-    assert [m["step"] for m in logged if m["step"] > 0] == [1]  # the step that tripped the guard is on record
+    # the step that tripped the guard is on record
+    assert [m["step"] for m in logged if m["step"] > 0] == [1]
     assert "max_logprob_mismatch: 1.0e-12" in (out / "config.yaml").read_text()
-    assert checkpoints.list_checkpoints(out) == []  # nothing saved from weights the engine may not hold
+    # nothing saved from weights the engine may not hold
+    assert checkpoints.list_checkpoints(out) == []
 
 
 def test_float16_loss_scaling_keeps_the_gradients_that_float16_loses(tiny_dir, tmp_path):
-    # gradients of ~1e-7 per entry, as a token mean over ~10^7 tokens gives: float16 compute flushes all of them
-    # to zero; scaled by 2^16 before backward and unscaled after, the update matches the float32 one
-    completed = subprocess.run([sys.executable, "tests/fp16_update.py", str(tiny_dir / "model"),
-                                str(tmp_path / "fp16.json")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    # gradients of ~1e-7 per entry, as a token mean over ~10^7 tokens gives: float16 compute flushes
+    # all of them to zero; scaled by 2^16 before backward and unscaled after, the update matches the
+    # float32 one
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "tests/fp16_update.py",
+            str(tiny_dir / "model"),
+            str(tmp_path / "fp16.json"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads((tmp_path / "fp16.json").read_text())
     assert result["reference_max_abs"] < 1e-5
-    assert result["plain"]["underflowed"] == result["entries"] and result["plain"]["relative_error"] == 1.0
+    assert (
+        result["plain"]["underflowed"] == result["entries"]
+        and result["plain"]["relative_error"] == 1.0
+    )
     assert result["scaled"]["underflowed"] < 0.01 * result["entries"]
     assert result["scaled"]["relative_error"] < 0.05  # float16 compute against float32
     assert result["scaled_loss_scale"] == 2.0**16 and result["scale_after"] == 2.0**16

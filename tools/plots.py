@@ -3,10 +3,11 @@
     python -m tools.plots runs/tiny-stare --out figs/
     python -m tools.plots runs/stare runs/grpo --labels STARE GRPO --out figs/     # two runs in every panel
 
-A run is a train.out_dir (metrics.jsonl and, for the entropy target, config.yaml next to it) or a metrics.jsonl
-path. Each figure is written only if at least one run has one of its keys, and each panel only if some run has
-its key, so runs of other methods, old runs and runs without evaluation simply give fewer panels. A run's label
-is its directory name (--labels overrides). A half-written last line (a run still going) is skipped.
+A run is a train.out_dir (metrics.jsonl and, for the entropy target, config.yaml next to it) or a
+metrics.jsonl path. Each figure is written only if at least one run has one of its keys, and each
+panel only if some run has its key, so runs of other methods, old runs and runs without evaluation
+simply give fewer panels. A run's label is its directory name (--labels overrides). A half-written
+last line (a run still going) is skipped.
 
 Figures (x axis: the training step, train.py's "step")
   entropy.png     train/entropy with the gate's region shaded: below gate.target_entropy of the run's
@@ -36,46 +37,91 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed (CI, GPU nodes)
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-QUADRANTS = (("pos_high", "pos_high: A > 0, surprisal ≥ s0"), ("pos_low", "pos_low: A > 0, surprisal < s0"),
-             ("neg_high", "neg_high: A < 0, surprisal ≥ s0"), ("neg_low", "neg_low: A < 0, surprisal < s0"),
-             ("total", "total: all tokens"))
+QUADRANTS = (
+    ("pos_high", "pos_high: A > 0, surprisal ≥ s0"),
+    ("pos_low", "pos_low: A > 0, surprisal < s0"),
+    ("neg_high", "neg_high: A < 0, surprisal ≥ s0"),
+    ("neg_low", "neg_low: A < 0, surprisal < s0"),
+    ("total", "total: all tokens"),
+)
 
 # figure -> (title, [(keys tried in order, panel title, y label)])
 FIGURES = {
-    "accuracy": ("Training rollouts: accuracy and reward", [
-        (("rollout/acc_before_filter", "rollout/acc"), "accuracy of all sampled responses (before dynamic "
-         "sampling's filter)", "fraction correct"),
-        (("rollout/acc",), "accuracy of the kept groups (the training batch)", "fraction correct"),
-        (("rollout/reward_mean",), "reward of the kept groups (rollout/reward_mean)", "mean reward per response"),
-        (("rollout/distinct_correct_frac",), "diversity of correct answers (distinct / correct, per group)",
-         "fraction"),
-    ]),
-    "length": ("Training rollouts: length and reflection", [
-        (("rollout/response_length_mean",), "response length", "tokens per response"),
-        (("rollout/truncated_frac",), "truncated at max_tokens", "fraction of responses"),
-        (("rollout/reflection_per_1k_words",), "reflection words", "occurrences per 1000 words"),
-    ]),
-    "dynamics": ("Predicted first-order entropy change of each update, by quadrant (s0: critical surprisal)", [
-        ((f"stare/dynamics/{q}/dH",), title, "predicted ΔH per unit lr (nats)") for q, title in QUADRANTS
-    ]),
-    "selection": ("Token selection", [
-        (("stare/pos_selected_frac", "train/pos_selected_frac"), "L+ selected (A > 0, high surprisal)",
-         "fraction of valid tokens"),
-        (("stare/neg_selected_frac", "train/neg_selected_frac"), "L- selected (A < 0, high surprisal)",
-         "fraction of valid tokens"),
-        (("train/touched_frac",), "tokens whose loss differs from GRPO", "fraction of valid tokens"),
-    ]),
+    "accuracy": (
+        "Training rollouts: accuracy and reward",
+        [
+            (
+                ("rollout/acc_before_filter", "rollout/acc"),
+                "accuracy of all sampled responses (before dynamic sampling's filter)",
+                "fraction correct",
+            ),
+            (
+                ("rollout/acc",),
+                "accuracy of the kept groups (the training batch)",
+                "fraction correct",
+            ),
+            (
+                ("rollout/reward_mean",),
+                "reward of the kept groups (rollout/reward_mean)",
+                "mean reward per response",
+            ),
+            (
+                ("rollout/distinct_correct_frac",),
+                "diversity of correct answers (distinct / correct, per group)",
+                "fraction",
+            ),
+        ],
+    ),
+    "length": (
+        "Training rollouts: length and reflection",
+        [
+            (("rollout/response_length_mean",), "response length", "tokens per response"),
+            (("rollout/truncated_frac",), "truncated at max_tokens", "fraction of responses"),
+            (
+                ("rollout/reflection_per_1k_words",),
+                "reflection words",
+                "occurrences per 1000 words",
+            ),
+        ],
+    ),
+    "dynamics": (
+        "Predicted first-order entropy change of each update, by quadrant (s0: critical surprisal)",
+        [
+            ((f"stare/dynamics/{q}/dH",), title, "predicted ΔH per unit lr (nats)")
+            for q, title in QUADRANTS
+        ],
+    ),
+    "selection": (
+        "Token selection",
+        [
+            (
+                ("stare/pos_selected_frac", "train/pos_selected_frac"),
+                "L+ selected (A > 0, high surprisal)",
+                "fraction of valid tokens",
+            ),
+            (
+                ("stare/neg_selected_frac", "train/neg_selected_frac"),
+                "L- selected (A < 0, high surprisal)",
+                "fraction of valid tokens",
+            ),
+            (
+                ("train/touched_frac",),
+                "tokens whose loss differs from GRPO",
+                "fraction of valid tokens",
+            ),
+        ],
+    ),
 }
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # reading runs
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def read_metrics(path):
-    """The records of a metrics.jsonl, in file order. A bad line is a ValueError naming file:line, except a
-    half-written last line (a run still writing), which is skipped."""
+    """The records of a metrics.jsonl, in file order. A bad line is a ValueError naming file:line,
+    except a half-written last line (a run still writing), which is skipped."""
     path = Path(path)
     lines = path.read_text(encoding="utf-8").split("\n")
     while lines and not lines[-1].strip():
@@ -99,8 +145,11 @@ def read_metrics(path):
         records.append(record)
     for key, found in non_numeric.items():  # said, not silently dropped
         number, value = found[0]
-        print(f"note: {path}: {key!r} is not a number on {len(found)} line(s) (line {number}: {value!r}); "
-              f"those values are not plotted", file=sys.stderr)
+        print(
+            f"note: {path}: {key!r} is not a number on {len(found)} line(s) (line {number}: {value!r}); "
+            f"those values are not plotted",
+            file=sys.stderr,
+        )
     return records
 
 
@@ -115,7 +164,9 @@ def target_entropy(config_path):
     except yaml.YAMLError as error:
         raise ValueError(f"{config_path}: not valid YAML ({error})") from None
     if not isinstance(config, dict) or not isinstance(config.get("algorithm") or {}, dict):
-        raise ValueError(f"{config_path}: expected a mapping of sections with an 'algorithm' mapping")
+        raise ValueError(
+            f"{config_path}: expected a mapping of sections with an 'algorithm' mapping"
+        )
     value = (config.get("algorithm") or {}).get("target_entropy")
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -126,7 +177,9 @@ def load_run(path):
     metrics = path / "metrics.jsonl" if path.is_dir() else path
     if not metrics.is_file():
         raise ValueError(f"{path}: no metrics.jsonl")
-    label = metrics.parent.name if path.is_dir() or metrics.name == "metrics.jsonl" else metrics.stem
+    label = (
+        metrics.parent.name if path.is_dir() or metrics.name == "metrics.jsonl" else metrics.stem
+    )
     return label, read_metrics(metrics), target_entropy(metrics.parent / "config.yaml")
 
 
@@ -141,9 +194,9 @@ def series(records, keys):
     return [], []
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # drawing
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _grid(count, title):
@@ -202,13 +255,20 @@ def plot_entropy(runs, out_dir):
     has_surprisal = any(series(run["records"], ("train/surprisal",))[0] for run in runs)
     if not (has_entropy or has_surprisal):
         return None
-    fig, axes = _grid(int(has_entropy) + int(has_surprisal), "Policy entropy and surprisal of the training rollouts")
+    fig, axes = _grid(
+        int(has_entropy) + int(has_surprisal),
+        "Policy entropy and surprisal of the training rollouts",
+    )
     panels = iter(axes)
     if has_entropy:
         ax = next(panels)
-        targets = sorted({run["target"] for run in runs if run["target"] is not None and run["target"] > 0})
+        targets = sorted(
+            {run["target"] for run in runs if run["target"] is not None and run["target"] > 0}
+        )
         for target in targets:
-            ax.axhspan(0, target, color="0.5", alpha=0.10, lw=0, label="gate region: entropy < target")
+            ax.axhspan(
+                0, target, color="0.5", alpha=0.10, lw=0, label="gate region: entropy < target"
+            )
             ax.axhline(target, color="0.35", ls="--", lw=1, label="target entropy")
         for run in runs:
             steps, values = series(run["records"], ("train/entropy",))
@@ -219,8 +279,17 @@ def plot_entropy(runs, out_dir):
             if marked:
                 ax.plot(*zip(*marked), ls="none", marker="o", ms=3.5, color=run["color"],
                         markeredgecolor="black", markeredgewidth=0.4)
-                ax.plot([], [], ls="none", marker="o", ms=3.5, color="white", markeredgecolor="black",
-                        markeredgewidth=0.4, label="step with the gate on")
+                ax.plot(
+                    [],
+                    [],
+                    ls="none",
+                    marker="o",
+                    ms=3.5,
+                    color="white",
+                    markeredgecolor="black",
+                    markeredgewidth=0.4,
+                    label="step with the gate on",
+                )
         ax.set_title("token entropy (train/entropy)")
         ax.set_ylabel("nats per token")
         ax.set_ylim(bottom=0)
@@ -241,7 +310,9 @@ def plot_eval(runs, out_dir):
                     if key.startswith("eval/") and key.endswith("/avg@n") and key.count("/") == 2})
     if not names:
         return None
-    names = [name for name in names if name != "overall"] + (["overall"] if "overall" in names else [])
+    names = [name for name in names if name != "overall"] + (
+        ["overall"] if "overall" in names else []
+    )
     fig, axes = _grid(len(names), "Evaluation during training: avg@n (±1 bootstrap SE)")
     for ax, name in zip(axes, names):
         for run in runs:
@@ -266,20 +337,27 @@ def plot_runs(paths, out_dir, labels=None):
         label, records, target = load_run(path)
         runs.append({"label": labels[i] if labels else label, "records": records, "target": target,
                      "color": colors[i % len(colors)]})
-    if not labels and len({run["label"] for run in runs}) < len(runs):  # same directory names: use the paths
+    # same directory names: use the paths
+    if not labels and len({run["label"] for run in runs}) < len(runs):
         for run, path in zip(runs, paths):
             run["label"] = str(path)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [plot_entropy(runs, out_dir)]
-    written += [plot_panels(runs, name, title, panels, out_dir) for name, (title, panels) in FIGURES.items()]
+    written += [
+        plot_panels(runs, name, title, panels, out_dir) for name, (title, panels) in FIGURES.items()
+    ]
     written.append(plot_eval(runs, out_dir))
     return [path for path in written if path is not None]
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description="Plot metrics.jsonl of one or more runs (see the docstring).")
-    parser.add_argument("runs", nargs="+", help="run directories (with metrics.jsonl) or metrics.jsonl files")
+    parser = argparse.ArgumentParser(
+        description="Plot metrics.jsonl of one or more runs (see the docstring)."
+    )
+    parser.add_argument(
+        "runs", nargs="+", help="run directories (with metrics.jsonl) or metrics.jsonl files"
+    )
     parser.add_argument("--out", default="figs", help="output directory for the PNG files")
     parser.add_argument("--labels", nargs="+", default=None, help="one legend label per run")
     args = parser.parse_args(argv)
