@@ -662,8 +662,8 @@ def train_step(run, state, step, stage=lambda name: None):
     state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
     if state.nonfinite_in_a_row > cfg.optim.max_nonfinite_steps:
         raise runs.RunError(f"error: step {step}: non-finite loss or gradient norm in "
-                                   f"{state.nonfinite_in_a_row} consecutive steps "
-                                   f"(optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
+                            f"{state.nonfinite_in_a_row} consecutive steps "
+                            f"(optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
     stage("weight sync")
     with timer("time/sync"):
         state.probe, sync_error = sync_engine(
@@ -1046,7 +1046,7 @@ def export_checkpoint(run):
     """`train.py --config C --export`: the checkpoint train.resume names as an HF model in out_dir/hf_step_N."""
     if run.checkpoint is None:
         raise runs.RunError(f"--export: no checkpoint under {run.out_dir}/checkpoints "
-                                   f"(train.resume={run.cfg.train.resume!r})")
+                            f"(train.resume={run.cfg.train.resume!r})")
     # the weights only
     step = checkpoints.load_checkpoint(run.checkpoint, run.model, None, run.rank)["step"]
     path = run.out_dir / f"hf_step_{step}"
