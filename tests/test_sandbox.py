@@ -18,6 +18,7 @@ import pytest
 
 import sandbox
 
+LANDLOCK = sandbox._landlock_abi() > 0  # "process" mode confines the code's files only where Landlock exists
 FAST = dict(timeout_s=2.0, cpu_s=2, memory_mb=512, max_processes=8, max_file_mb=8, max_output_bytes=4096)
 
 
@@ -502,8 +503,9 @@ def test_kill_everything_stays_in_its_namespace(mode_config):
 
 def test_writing_outside(mode_config):
     mode, config = mode_config
-    if mode == "process":
-        pytest.skip("documented: in 'process' mode world-writable places stay writable")
+    if mode == "process" and not LANDLOCK:
+        pytest.skip("documented: in 'process' mode without Landlock world-writable places stay writable")
+    private = ["/tmp", "/dev/shm"] if mode == "namespaces" else ["."]  # its own tmpfs, bound on /dev/shm too
     targets = [tempfile.mkdtemp(), tempfile.mkdtemp(dir="/var/tmp"), os.path.dirname(os.path.abspath(__file__))]
     for target in targets[:2]:
         os.chmod(target, 0o777)  # writable by anyone: only the sandbox can stop it
@@ -517,8 +519,8 @@ def test_writing_outside(mode_config):
                     print('wrote', d)
                 except OSError as e:
                     print('refused', e.errno)
-            open('/tmp/' + {name!r}, 'w').write('x')  # its own tmpfs
-            open('/dev/shm/' + {name!r}, 'w').write('x')  # the same
+            for d in {private!r}:
+                open(os.path.join(d, {name!r}), 'w').write('x')
             print('private ok')
         """, config)
         assert "wrote" not in result.output and result.output.count("refused") == 3
@@ -590,11 +592,15 @@ def test_cannot_regain_privileges(mode_config):
             print('setuid worked')
         except OSError:  # EPERM, or EINVAL where that uid is not mapped at all
             print('refused')
-        print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])
+        import ctypes  # capget(2), as /proc may be out of reach
+        header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()
+        if ctypes.CDLL(None).capget(header, data):
+            raise SystemExit('capget failed')
+        print(list(data))
     """, config)
-    refused, capabilities = result.output.split()
+    refused, capabilities = result.output.split(maxsplit=1)
     assert refused == "refused"
-    assert int(capabilities, 16) == 0, "capabilities survived"
+    assert eval(capabilities) == [0] * 6, "capabilities survived"
 
 
 def test_no_nested_user_namespaces(mode_config):
@@ -624,6 +630,93 @@ def test_no_files_left_behind(mode_config):
     """, config)  # run() checks that tmp_root is empty again
     assert result.error == "timeout"
     assert set(os.listdir(tempfile.gettempdir())) - before == set()
+
+
+# ------------------------------------------------------------------------------- what the code sees of the host
+
+@pytest.fixture
+def root_only_file():
+    """A file that only its owner may read (0600), in a directory anyone may traverse (0711), outside the sandbox."""
+    directory = tempfile.mkdtemp(prefix="sandbox-secret-", dir="/var/tmp")
+    os.chmod(directory, 0o711)
+    path = os.path.join(directory, "secret.txt")
+    with open(path, "w") as f:
+        f.write("hunter2")
+    os.chmod(path, 0o600)
+    yield path
+    shutil.rmtree(directory)
+
+
+def test_the_host_is_out_of_sight(mode_config, root_only_file):
+    """Issue 22: code that looks for the host's files, network interfaces, mounts and boot id."""
+    mode, config = mode_config
+    checkout = os.path.dirname(sandbox._THIS_FILE)
+    attempts = {
+        "secret": f"read({root_only_file!r})",
+        "secret via /proc/self/root": f"read('/proc/self/root' + {root_only_file!r})",
+        "/root": "os.listdir('/root')",
+        "/home": "os.listdir('/home')",
+        "checkout": f"os.listdir({checkout!r})",
+        "its .git": f"read({checkout + '/.git'!r})",  # a directory, or a worktree's file
+        "/sys/class/net": "os.listdir('/sys/class/net')",
+        "mountinfo": "read('/proc/self/mountinfo')",
+        "boot id": "read('/proc/sys/kernel/random/boot_id')",
+    }
+    code = "import os\ndef read(path):\n    with open(path) as f:\n        return f.read()\n"
+    for name, expression in attempts.items():
+        code += f"try:\n    print({name!r}, repr({expression}))\nexcept OSError as e:\n"
+        code += f"    print({name!r}, type(e).__name__)\n"
+    result = run(code, config, timeout_s=10)
+    lines = result.output.splitlines()
+    assert len(lines) == len(attempts), result.output
+    seen = {name: line[len(name) + 1:] for name, line in zip(attempts, lines)}
+
+    if mode == "namespaces":  # nothing of the host but the interpreter's files, under their own names
+        view = sandbox._view(config.python, config.network)
+        targets = [target for _, target in view["binds"]] + list(view["links"])
+
+        def listing(directory):  # what the sandbox's root shows there: the next component of each target
+            names = {t[len(directory) + 1:].split("/")[0] for t in targets if t.startswith(directory + "/")}
+            return repr(sorted(names)) if names else "FileNotFoundError"
+
+        for name in ("secret", "secret via /proc/self/root", "its .git", "/sys/class/net", "boot id"):
+            assert seen[name] == "FileNotFoundError", (name, seen[name])
+        for name, directory in (("/root", "/root"), ("/home", "/home"), ("checkout", checkout)):
+            assert (repr(sorted(eval(seen[name]))) if seen[name].startswith("[") else seen[name]) == listing(
+                directory), (name, seen[name])
+        mounts = [line.split() for line in eval(seen["mountinfo"]).splitlines()]
+        devices = {f"/dev/{n}" for n in ("null", "zero", "full", "random", "urandom") if os.path.exists(f"/dev/{n}")}
+        assert {fields[4] for fields in mounts} == {"/", "/tmp", "/dev/shm", "/proc", *devices,
+                                                    *(target for _, target in view["binds"])}
+        for host_path in (checkout, os.path.dirname(root_only_file), "/home", "/sys", config.tmp_root):
+            assert host_path not in seen["mountinfo"], host_path
+    elif LANDLOCK:  # nothing of the host can be opened but the interpreter's files
+        for name in attempts:
+            assert seen[name] == "PermissionError", (name, seen[name])
+    else:  # file permissions only: what `nobody` (or the trainer's user) may read, the host's /sys and /proc
+        if os.geteuid() == 0:
+            assert seen["secret"] == seen["secret via /proc/self/root"] == "PermissionError"
+        assert eval(seen["/sys/class/net"]) == os.listdir("/sys/class/net")
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            assert eval(seen["boot id"]) == f.read()
+
+
+def test_control_characters_are_stripped(mode_config):
+    _, config = mode_config
+    noisy = r"'a\x1b[31mred\x1b[0m\x00b\r\nc\rd\te\x1b]0;title\x07f\x07\x7f\x9b2J\n'"
+    result = run(f"""
+        import sys
+        sys.stdout.write({noisy})
+        sys.stdout.flush()
+        sys.stdout.buffer.write(b'\\xff\\xfe ok\\n')
+    """, config)
+    assert result.output == "aredb\nc\nd\tef\n\ufffd\ufffd ok\n"
+    assert result.output_bytes == len(eval(noisy).encode()) + 6  # counted as written
+    # the same in both kept halves of a long output
+    result = run(f"import sys\nsys.stdout.write({noisy})\nprint('.' * 10000)\nsys.stdout.write({noisy})",
+                 config)
+    assert result.truncated
+    assert result.output.startswith("aredb\nc\nd\tef\n...") and result.output.endswith("...\naredb\nc\nd\tef\n")
 
 
 # ------------------------------------------------------------------------------------------- the trainer is safe
