@@ -18,7 +18,7 @@ import pytest
 
 import sandbox
 
-LANDLOCK = sandbox._landlock_abi() > 0  # "process" mode confines the code's files only where Landlock exists
+LANDLOCK = sandbox._landlock_abi() > 0  # "process" mode confines files only where Landlock exists
 FAST = dict(timeout_s=2.0, cpu_s=2, memory_mb=512, max_processes=8, max_file_mb=8, max_output_bytes=4096)
 
 
@@ -63,7 +63,7 @@ def batch(codes, config, **overrides):
 
 
 def runner_processes():
-    """Pids of sandboxed interpreters still alive (their command line names the runner with --run)."""
+    """Pids of sandboxed interpreters still alive (their command line: the runner, --run)."""
     markers = [path.encode() + b"\0--run" for path in (sandbox._THIS_FILE, sandbox._RUNNER)]
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -99,7 +99,7 @@ def test_private_working_directory(mode_config):
     cwd, home, tmpdir, listing = result.output.split(" ", 3)
     assert cwd == home == tmpdir
     if mode == "namespaces":
-        assert cwd == "/tmp"  # its own tmpfs, where only the interpreter's files from the host's /tmp reappear
+        assert cwd == "/tmp"  # its own tmpfs; only the interpreter's files in the host's /tmp show
         binds = sandbox._view(config.python, config.network)["binds"]
         needed = {target.split("/")[2] for _, target in binds if target.startswith("/tmp/")}
         assert sorted(eval(listing)) == sorted({"main.py", *needed})
@@ -349,8 +349,8 @@ def test_host_unix_sockets_are_unreachable(mode_config, host_unix_server):
     assert result.error == "exception" and "connected" not in result.output
     assert "PermissionError: [Errno 1] Operation not permitted" in result.output  # socket() itself
     assert _accepted(server) == []
-    # network=True shares the host's sockets, as documented, wherever the sandbox can see the socket's file (in
-    # "namespaces" mode it sees no file of the host but the interpreter's: only abstract sockets)
+    # network=True shares the host's sockets, as documented, wherever the sandbox can see the
+    # socket's file (in "namespaces" mode no file of the host but the interpreter's: abstract only)
     shared = run(code, config, network=True).output
     if _out_of_sight(mode_config[0], address):
         assert "FileNotFoundError" in shared and _accepted(server) == []
@@ -400,7 +400,7 @@ def test_no_way_around_the_socket_filter(mode_config, host_unix_server):
     assert [line.rsplit(" refused ", 1)[0] for line in lines] == attempts, result.output
     for line in lines:  # EPERM from the filter; the pair's connect and sendto fail on their own (EISCONN, or
         name, errno = line.rsplit(" refused ", 1)  # ECONNREFUSED where the lookup fails first)
-        # ENOENT where the socket's file is out of the sandbox's sight (every one in "namespaces" mode)
+        # ENOENT where the socket's file is out of sight (every one in "namespaces" mode)
         assert int(errno) in ((106, 111, 2) if name.startswith("pair ") else (1,)), line
     assert _accepted(server) == []
 
@@ -504,8 +504,8 @@ def test_kill_everything_stays_in_its_namespace(mode_config):
 def test_writing_outside(mode_config):
     mode, config = mode_config
     if mode == "process" and not LANDLOCK:
-        pytest.skip("documented: in 'process' mode without Landlock world-writable places stay writable")
-    private = ["/tmp", "/dev/shm"] if mode == "namespaces" else ["."]  # its own tmpfs, bound on /dev/shm too
+        pytest.skip("documented: 'process' mode without Landlock leaves world-writable places")
+    private = ["/tmp", "/dev/shm"] if mode == "namespaces" else ["."]  # its tmpfs (also /dev/shm)
     targets = [tempfile.mkdtemp(), tempfile.mkdtemp(dir="/var/tmp"), os.path.dirname(os.path.abspath(__file__))]
     for target in targets[:2]:
         os.chmod(target, 0o777)  # writable by anyone: only the sandbox can stop it
@@ -632,11 +632,11 @@ def test_no_files_left_behind(mode_config):
     assert set(os.listdir(tempfile.gettempdir())) - before == set()
 
 
-# ------------------------------------------------------------------------------- what the code sees of the host
+# ------------------------------------------------------------------- what the code sees of the host
 
 @pytest.fixture
 def root_only_file():
-    """A file that only its owner may read (0600), in a directory anyone may traverse (0711), outside the sandbox."""
+    """A file only its owner may read (0600), in a directory anyone may traverse (0711), outside."""
     directory = tempfile.mkdtemp(prefix="sandbox-secret-", dir="/var/tmp")
     os.chmod(directory, 0o711)
     path = os.path.join(directory, "secret.txt")
@@ -671,29 +671,33 @@ def test_the_host_is_out_of_sight(mode_config, root_only_file):
     assert len(lines) == len(attempts), result.output
     seen = {name: line[len(name) + 1:] for name, line in zip(attempts, lines)}
 
-    if mode == "namespaces":  # nothing of the host but the interpreter's files, under their own names
+    if mode == "namespaces":  # of the host only the interpreter's files, under their own names
         view = sandbox._view(config.python, config.network)
         targets = [target for _, target in view["binds"]] + list(view["links"])
 
-        def listing(directory):  # what the sandbox's root shows there: the next component of each target
-            names = {t[len(directory) + 1:].split("/")[0] for t in targets if t.startswith(directory + "/")}
-            return repr(sorted(names)) if names else "FileNotFoundError"
+        def listing(directory):  # what the sandbox shows there: each target's next component
+            names = {t[len(directory) + 1:].split("/")[0]
+                     for t in targets if t.startswith(directory + "/")}
+            return sorted(names) if names else "FileNotFoundError"
 
-        for name in ("secret", "secret via /proc/self/root", "its .git", "/sys/class/net", "boot id"):
+        for name in ("secret", "secret via /proc/self/root", "its .git", "/sys/class/net",
+                     "boot id"):
             assert seen[name] == "FileNotFoundError", (name, seen[name])
         for name, directory in (("/root", "/root"), ("/home", "/home"), ("checkout", checkout)):
-            assert (repr(sorted(eval(seen[name]))) if seen[name].startswith("[") else seen[name]) == listing(
-                directory), (name, seen[name])
+            shown = sorted(eval(seen[name])) if seen[name].startswith("[") else seen[name]
+            assert shown == listing(directory), (name, seen[name])
         mounts = [line.split() for line in eval(seen["mountinfo"]).splitlines()]
-        devices = {f"/dev/{n}" for n in ("null", "zero", "full", "random", "urandom") if os.path.exists(f"/dev/{n}")}
+        devices = {f"/dev/{n}" for n in ("null", "zero", "full", "random", "urandom")
+                   if os.path.exists(f"/dev/{n}")}
         assert {fields[4] for fields in mounts} == {"/", "/tmp", "/dev/shm", "/proc", *devices,
                                                     *(target for _, target in view["binds"])}
-        for host_path in (checkout, os.path.dirname(root_only_file), "/home", "/sys", config.tmp_root):
+        for host_path in (checkout, os.path.dirname(root_only_file), "/home", "/sys",
+                          config.tmp_root):
             assert host_path not in seen["mountinfo"], host_path
     elif LANDLOCK:  # nothing of the host can be opened but the interpreter's files
         for name in attempts:
             assert seen[name] == "PermissionError", (name, seen[name])
-    else:  # file permissions only: what `nobody` (or the trainer's user) may read, the host's /sys and /proc
+    else:  # file permissions only: what `nobody` (or the trainer's user) may read, /sys, /proc
         if os.geteuid() == 0:
             assert seen["secret"] == seen["secret via /proc/self/root"] == "PermissionError"
         assert eval(seen["/sys/class/net"]) == os.listdir("/sys/class/net")
@@ -704,19 +708,20 @@ def test_the_host_is_out_of_sight(mode_config, root_only_file):
 def test_control_characters_are_stripped(mode_config):
     _, config = mode_config
     noisy = r"'a\x1b[31mred\x1b[0m\x00b\r\nc\rd\te\x1b]0;title\x07f\x07\x7f\x9b2J\n'"
+    clean = "aredb\nc\nd\tef\n"
     result = run(f"""
         import sys
         sys.stdout.write({noisy})
         sys.stdout.flush()
         sys.stdout.buffer.write(b'\\xff\\xfe ok\\n')
     """, config)
-    assert result.output == "aredb\nc\nd\tef\n\ufffd\ufffd ok\n"
+    assert result.output == clean + "\ufffd\ufffd ok\n"
     assert result.output_bytes == len(eval(noisy).encode()) + 6  # counted as written
     # the same in both kept halves of a long output
-    result = run(f"import sys\nsys.stdout.write({noisy})\nprint('.' * 10000)\nsys.stdout.write({noisy})",
-                 config)
+    code = f"import sys\nsys.stdout.write({noisy})\nprint('.' * 10000)\nsys.stdout.write({noisy})"
+    result = run(code, config)
     assert result.truncated
-    assert result.output.startswith("aredb\nc\nd\tef\n...") and result.output.endswith("...\naredb\nc\nd\tef\n")
+    assert result.output.startswith(clean + "...") and result.output.endswith("...\n" + clean)
 
 
 # ------------------------------------------------------------------------------------------- the trainer is safe
