@@ -661,6 +661,8 @@ def test_the_host_is_out_of_sight(mode_config, root_only_file):
         "/sys/class/net": "os.listdir('/sys/class/net')",
         "mountinfo": "read('/proc/self/mountinfo')",
         "boot id": "read('/proc/sys/kernel/random/boot_id')",
+        "other runs": f"os.listdir({config.tmp_root!r})",  # where "process" mode makes directories
+        "PID 1": "read('/proc/1/cmdline')",  # "namespaces": the reaper, once L's copy
     }
     code = "import os\ndef read(path):\n    with open(path) as f:\n        return f.read()\n"
     for name, expression in attempts.items():
@@ -681,7 +683,7 @@ def test_the_host_is_out_of_sight(mode_config, root_only_file):
             return sorted(names) if names else "FileNotFoundError"
 
         for name in ("secret", "secret via /proc/self/root", "its .git", "/sys/class/net",
-                     "boot id"):
+                     "boot id", "other runs"):
             assert seen[name] == "FileNotFoundError", (name, seen[name])
         for name, directory in (("/root", "/root"), ("/home", "/home"), ("checkout", checkout)):
             shown = sorted(eval(seen[name])) if seen[name].startswith("[") else seen[name]
@@ -694,10 +696,13 @@ def test_the_host_is_out_of_sight(mode_config, root_only_file):
         for host_path in (checkout, os.path.dirname(root_only_file), "/home", "/sys",
                           config.tmp_root):
             assert host_path not in seen["mountinfo"], host_path
+        assert eval(seen["PID 1"]).split("\0") == [view["python"], "-I", "-S", "-B", sandbox._RUNNER,
+                                                    "--reap", ""]
     elif LANDLOCK:  # nothing of the host can be opened but the interpreter's files
         for name in attempts:
             assert seen[name] == "PermissionError", (name, seen[name])
     else:  # file permissions only: what `nobody` (or the trainer's user) may read, /sys, /proc
+        assert seen["PID 1"] != "FileNotFoundError"  # the host's init
         if os.geteuid() == 0:
             assert seen["secret"] == seen["secret via /proc/self/root"] == "PermissionError"
         assert eval(seen["/sys/class/net"]) == os.listdir("/sys/class/net")
