@@ -703,7 +703,8 @@ def _start_init(spec):
 
 
 def _reap_forever():
-    """PID 1 of the sandbox: reap orphans until killed. No signal handlers, so nothing inside can kill it."""
+    """PID 1 of the sandbox: reap orphans until killed. No signal handlers: nothing inside can kill
+    it."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
     while True:

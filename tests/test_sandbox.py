@@ -696,8 +696,8 @@ def test_the_host_is_out_of_sight(mode_config, root_only_file):
         for host_path in (checkout, os.path.dirname(root_only_file), "/home", "/sys",
                           config.tmp_root):
             assert host_path not in seen["mountinfo"], host_path
-        assert eval(seen["PID 1"]).split("\0") == [view["python"], "-I", "-S", "-B", sandbox._RUNNER,
-                                                    "--reap", ""]
+        reaper = [view["python"], "-I", "-S", "-B", sandbox._RUNNER, "--reap", ""]
+        assert eval(seen["PID 1"]).split("\0") == reaper
     elif LANDLOCK:  # nothing of the host can be opened but the interpreter's files
         for name in attempts:
             assert seen[name] == "PermissionError", (name, seen[name])
