@@ -640,7 +640,8 @@ def _inside_namespaces(code, runner, spec):
     with open(f"{root}/tmp/main.py", "wb") as f:
         f.write(code)
 
-    init = _child(_start_init, spec)  # the first child of an unshare(CLONE_NEWPID) process is PID 1
+    _blank_command_line()  # C's, so PID 1's
+    init = _child(_reap_forever)  # the first child of an unshare(CLONE_NEWPID) process is PID 1
     code_pid = _child(_code_process, spec)
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)  # so the trainer sees EOF as soon as the code's side is gone
@@ -688,24 +689,26 @@ def _remount_all_readonly():
                 raise
 
 
-def _start_init(spec):
-    """PID 1: exec the reaper from inside the new root, so that its command line, which the code may
-    read in /proc/1/cmdline, is no longer L's (the checkout's path, the spec)."""
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # if C dies, so does PID 1, and with it the namespace
-    os.chroot(_NEW_ROOT)  # the root PID 2 pivots into
-    os.chdir("/")
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.closerange(3, 1 << 16)
-    python = spec["view"]["python"]
-    os.execve(python, [python, "-I", "-S", "-B", _RUNNER, "--reap"], {})
+def _blank_command_line():
+    """Overwrite this process's arguments with NULs: PID 1, forked from C, would show L's (the
+    checkout's path, the spec) to the code in /proc/1/cmdline. (Cheaper than exec'ing a reaper
+    inside the new root: a third interpreter start is +50% per run.)"""
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()  # from field 3 on
+    arg_start, arg_end = int(fields[45]), int(fields[46])  # fields 48 and 49
+    with open("/proc/self/mem", "r+b", buffering=0) as mem:
+        mem.seek(arg_start)
+        mem.write(bytes(arg_end - arg_start))
 
 
 def _reap_forever():
     """PID 1 of the sandbox: reap orphans until killed. No signal handlers: nothing inside can kill
     it."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # if C dies, so does PID 1, and with it the namespace
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
     while True:
         try:
@@ -835,8 +838,6 @@ if __name__ == "__main__":
         _launch(json.loads(sys.argv[2]))
     elif sys.argv[1:2] == ["--run"]:
         _run_user_code()
-    elif sys.argv[1:2] == ["--reap"]:
-        _reap_forever()
     else:  # python sandbox.py [FILE | -]: run a file (or stdin) as the model's code would be, print the tool turn
         source = sys.stdin.read() if sys.argv[1:] in ([], ["-"]) else open(sys.argv[1]).read()
         print(f"[sandbox: {isolation()} isolation]", file=sys.stderr)

@@ -662,7 +662,7 @@ def test_the_host_is_out_of_sight(mode_config, root_only_file):
         "mountinfo": "read('/proc/self/mountinfo')",
         "boot id": "read('/proc/sys/kernel/random/boot_id')",
         "other runs": f"os.listdir({config.tmp_root!r})",  # where "process" mode makes directories
-        "PID 1": "read('/proc/1/cmdline')",  # "namespaces": the reaper, once L's copy
+        "PID 1": "sorted(set(read('/proc/1/cmdline')))",  # "namespaces": the reaper, a copy of L
     }
     code = "import os\ndef read(path):\n    with open(path) as f:\n        return f.read()\n"
     for name, expression in attempts.items():
@@ -696,8 +696,7 @@ def test_the_host_is_out_of_sight(mode_config, root_only_file):
         for host_path in (checkout, os.path.dirname(root_only_file), "/home", "/sys",
                           config.tmp_root):
             assert host_path not in seen["mountinfo"], host_path
-        reaper = [view["python"], "-I", "-S", "-B", sandbox._RUNNER, "--reap", ""]
-        assert eval(seen["PID 1"]).split("\0") == reaper
+        assert eval(seen["PID 1"]) == ["\0"]  # blanked
     elif LANDLOCK:  # nothing of the host can be opened but the interpreter's files
         for name in attempts:
             assert seen[name] == "PermissionError", (name, seen[name])
