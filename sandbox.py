@@ -8,15 +8,19 @@ text the model sees in its tool turn comes back.
 
     echo 'import os; print(os.getppid())' | python sandbox.py    # try it: prints "0" under "namespaces"
 
-Whatever the code does, the trainer neither hangs nor crashes: run_code never raises, returns within timeout_s (plus
-up to 2 s when the clean-up has to be forced), and nothing a run started outlives it. Each execution is a fresh
-isolated interpreter in a private working directory, with the limits of SandboxConfig. Isolation has two modes:
-"namespaces" (Linux user, mount, PID, IPC and network namespaces: a read-only view of the host, a private tmpfs,
-no process outside visible) and "process" (the best-effort fallback where user namespaces are forbidden). With
-network=False a seccomp filter takes every socket away in both modes, so the code reaches no socket of the host,
-IP or Unix, abstract or on disk. Neither mode is a virtual machine: for code you would not run on the host
-yourself, run the sandboxes under gVisor or in a VM. What each mode contains and what it does not, the process
-tree, the socket filter, every limit and every Result.error value: docs/sandbox.md.
+Whatever the code does, the trainer neither hangs nor crashes: run_code never raises, returns within
+timeout_s (plus up to 2 s when the clean-up has to be forced), and nothing a run started outlives
+it. Each execution is a fresh isolated interpreter in a private working directory, with the limits
+of SandboxConfig. Isolation has two modes: "namespaces" (Linux user, mount, PID, IPC, UTS, cgroup
+and network namespaces: of the host's files only the interpreter's, read-only, and a private tmpfs;
+no process outside visible) and "process" (the best-effort fallback where user namespaces are
+forbidden: Landlock, where the kernel has it, lets the code open only the interpreter's files and
+its own directory). The output loses terminal escape sequences and control characters. With
+network=False a seccomp filter takes every socket away in both modes, so the code reaches no socket
+of the host, IP or Unix, abstract or on disk. Neither mode is a virtual machine: for code you would
+not run on the host yourself, run the sandboxes under gVisor or in a VM. What each mode contains and
+what it does not, the process tree, the socket filter, every limit and every Result.error value:
+docs/sandbox.md.
 """
 
 import ctypes
@@ -69,7 +73,7 @@ class SandboxConfig:
 
 @dataclasses.dataclass
 class Result:
-    output: str  # stdout+stderr as the model will see it (truncated in the middle if long)
+    output: str  # stdout+stderr as the model sees it (controls removed, cut in the middle if long)
     ok: bool  # the code exited with status 0 in time
     error: str  # "" if ok, else timeout | cpu | memory | syntax | exception | exit_code | killed | sandbox
     message: str  # one line describing the error, "" if ok (deterministic: no timings, no paths)
@@ -144,20 +148,71 @@ def _python(config):
     return os.path.abspath(python)
 
 
+_RUNNER = "/sandbox/sandbox.py"  # "namespaces" mode: the runner's path inside (a copy of this file)
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # libraries, tools
+# The few files of /etc an interpreter and its libraries read: the loader's cache, the time zone,
+# the name-service switch (no passwd: a two-line one is written), certificates; with network=True
+# the resolver's too.
+_ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "nsswitch.conf",
+        "protocols", "services", "mime.types", "alternatives", "ssl/certs", "ssl/openssl.cnf",
+        "ca-certificates")
+_ETC_NETWORK = ("resolv.conf", "hosts", "host.conf", "gai.conf")
+_VIEWS: dict[tuple[str, bool], dict] = {}
+_VIEWS_LOCK = threading.Lock()
+
+
+def _view(python, network):
+    """What the sandbox shows of the host's files: {"python": the interpreter's path there,
+    "binds": [[host path, path inside], ...] (read-only), "links": {path inside: symlink target}}.
+    "namespaces" mode builds its root from it, "process" mode its Landlock rules. Asks the
+    interpreter once for its prefixes and sys.path (site's .pth files included, as the runner sees
+    them)."""
+    with _VIEWS_LOCK:
+        if (python, network) in _VIEWS:
+            return _VIEWS[python, network]
+    # The interpreter by its real directory: a venv reached through a symlink (a checkout's .venv)
+    # then needs no path of that checkout. Not its real file: a venv's python is a symlink itself.
+    inside = os.path.join(os.path.realpath(os.path.dirname(python)), os.path.basename(python))
+    probe = ("import json, sys; "
+             "print(json.dumps([sys.base_prefix, sys.base_exec_prefix, *sys.path]))")
+    said = subprocess.run([inside, "-I", "-c", probe], capture_output=True, text=True, timeout=60,
+                          cwd="/", env={"LANG": "C.UTF-8"}, check=True).stdout
+    bin_dir = os.path.dirname(inside)
+    venv_files = [os.path.join(d, "pyvenv.cfg") for d in (bin_dir, os.path.dirname(bin_dir))]
+    wanted = [*json.loads(said), bin_dir, os.path.dirname(os.path.realpath(inside)), *venv_files]
+    links = {p: os.readlink(p) for p in _SYSTEM_DIRS if os.path.islink(p)}
+    wanted += [p for p in _SYSTEM_DIRS if p not in links]
+    kept = []  # real paths, none inside another, nor "/" (the whole host)
+    for real in sorted({os.path.realpath(p) for p in wanted if p and os.path.exists(p)} - {"/"}):
+        if not any(real.startswith(k + "/") for k in kept):
+            kept.append(real)
+    binds = [[p, p] for p in kept]
+    for name in _ETC + (_ETC_NETWORK if network else ()):
+        if os.path.exists(f"/etc/{name}"):
+            binds.append([os.path.realpath(f"/etc/{name}"), f"/etc/{name}"])
+    view = {"python": inside, "binds": binds, "links": links}
+    with _VIEWS_LOCK:
+        _VIEWS[python, network] = view
+    return view
+
+
 def _run(code, config, mode):
     start = time.monotonic()
     python = _python(config)
+    view = _view(python, config.network)
     workdir = None
     if mode == "process":
         workdir = tempfile.mkdtemp(prefix="stare-sandbox-", dir=config.tmp_root or None)
         if os.geteuid() == 0:
             os.chown(workdir, _NOBODY, _NOBODY)
     home = workdir or "/tmp"
-    env = {"PATH": f"{os.path.dirname(python)}:/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home,
+    bin_dir = os.path.dirname(view["python"] if mode == "namespaces" else python)
+    env = {"PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home,
            "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     spec = {"mode": mode, "python": python, "workdir": workdir, "network": config.network, "trainer_pid": os.getpid(),
             "cpu_s": int(config.cpu_s), "memory_mb": int(config.memory_mb),
-            "max_processes": int(config.max_processes), "max_file_mb": int(config.max_file_mb)}
+            "max_processes": int(config.max_processes), "max_file_mb": int(config.max_file_mb),
+            "view": view}
     proc = None
     try:
         with tempfile.TemporaryFile() as code_file:  # the launcher reads the code from stdin, then closes it
@@ -220,13 +275,29 @@ def _has_exited(pid):
 
 def _join_output(head, tail, total, limit):
     if total <= limit:
-        return head.decode("utf-8", "replace"), False
+        return _text(head), False
     keep_tail = limit // 2
     keep_head = limit - keep_tail
     omitted = total - keep_head - keep_tail
-    text = (head[:keep_head].decode("utf-8", "replace") + f"\n[... {omitted} bytes of output omitted ...]\n"
-            + bytes(tail[len(tail) - keep_tail:]).decode("utf-8", "replace"))
+    text = (_text(head[:keep_head]) + f"\n[... {omitted} bytes of output omitted ...]\n"
+            + _text(bytes(tail[len(tail) - keep_tail:])))
     return text, True
+
+
+# Terminal escape sequences: CSI (ESC [ or its one-byte form), strings (OSC, DCS, ...: to BEL, ST or
+# the end of the line), and the two-character kind (ESC 7, ESC ( B).
+_ESCAPES = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?"
+                      r"|\x1b[\]PX^_][^\x07\x1b\n]*(?:\x07|\x1b\\)?"
+                      r"|\x1b[ -/]*[0-~]?")
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but \t and \n, DEL, C1
+
+
+def _text(data):
+    r"""The code's bytes as the model's text: invalid UTF-8 as U+FFFD, \r\n and a lone \r (a
+    progress bar's redraw) as \n, escape sequences and every other control character removed; \t and
+    \n stay."""
+    text = data.decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n")
+    return _CONTROLS.sub("", _ESCAPES.sub("", text))
 
 
 def _classify(status, output, config):
@@ -269,15 +340,18 @@ def _remove_tree(path):
 # The sandbox side: everything below runs in the launcher and its children, never in the trainer.
 # ----------------------------------------------------------------------------------------------------------------
 
-_CLONE_NEWNS, _CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = (
-    0x00020000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
+_CLONE_NEWNS, _CLONE_NEWCGROUP, _CLONE_NEWUTS = 0x20000, 0x2000000, 0x4000000
+_CLONE_NEWIPC = 0x8000000
+_CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+_MNT_DETACH = 2
+_NR_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41}  # glibc has no wrapper
+_NEW_ROOT = "/tmp"  # where C builds the sandbox's root, later PID 2's "/": any directory does
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
 _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE = 1 << 10, 1 << 11, 1 << 12, 1 << 14, 1 << 18
 _MS_RELATIME, _MS_STRICTATIME = 1 << 21, 1 << 24
 _MOUNT_OPTION_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noatime": _MS_NOATIME,
                        "nodiratime": _MS_NODIRATIME, "relatime": _MS_RELATIME}
 _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECCOMP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 24, 22, 36, 38
-_CAP_DAC_READ_SEARCH = 2
 # The seccomp filter of network=False (see "Sockets" in the module docstring). Per machine: the AUDIT_ARCH value the
 # kernel reports for its native 64-bit syscalls, and the numbers of socket and socketpair there. io_uring_setup is 425
 # on every architecture.
@@ -311,13 +385,17 @@ def _launch(spec):
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # a SIGINT from the code is a plain death, not a traceback here
     code = sys.stdin.buffer.read()
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    with open(_THIS_FILE, "rb") as f:  # as the trainer's user: "namespaces" mode copies it inside
+        runner = f.read()
     try:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # if the trainer dies, the run dies (and the chain below)
         if os.getppid() != spec["trainer_pid"]:
             raise RuntimeError("the trainer is gone")
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # orphans of the run, setsid() or not, become our children
-        start = _start_in_namespaces if spec["mode"] == "namespaces" else _start_as_process
-        child = start(code, spec)
+        if spec["mode"] == "namespaces":
+            child = _start_in_namespaces(code, runner, spec)
+        else:
+            child = _start_as_process(code, spec)
         signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
         _, status = os.waitpid(child, 0)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the child is reaped: its pid is not ours to kill any more
@@ -388,8 +466,67 @@ def _start_as_process(code, spec):
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # if L dies (the code can clear this: best effort)
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries grant nothing; lets an unprivileged user add a filter
         _set_limits(spec, nproc=_count_tasks(os.getuid()) + spec["max_processes"])
-        _exec_runner(spec)
+        _restrict_files(spec)
+        _exec_runner(spec, spec["python"], _THIS_FILE)
     return _child(code_process)
+
+
+# Landlock ("process" mode): the rights of path_beneath rules (<linux/landlock.h>) and the syscall
+# numbers, the same on every architecture.
+_LL_EXECUTE, _LL_WRITE_FILE, _LL_READ_FILE, _LL_READ_DIR, _LL_TRUNCATE = 1, 2, 4, 8, 1 << 14
+_LL_ALL_ABI1 = 0x1FFF  # every right of ABI 1: read, write, execute, list, make and remove
+_NR_LANDLOCK_CREATE_RULESET, _NR_LANDLOCK_ADD_RULE, _NR_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+
+
+def _landlock_abi():
+    """The kernel's Landlock ABI version; 0 where there is none (an old kernel, not enabled, or
+    refused by seccomp)."""
+    try:
+        return _landlock(_NR_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
+                         ctypes.c_uint32(1))  # LANDLOCK_CREATE_RULESET_VERSION
+    except OSError:
+        return 0
+
+
+def _restrict_files(spec):
+    """ "process" mode, where Landlock exists: the code may open for reading only the interpreter's
+    files (those "namespaces" mode binds) and the runner, for writing only its directory, /dev/shm
+    and a few devices. The rest (the checkout, home directories, /proc, /sys, other runs) is EACCES
+    whatever its permissions; stat() still works: Landlock checks opening, not looking up."""
+    abi = _landlock_abi()
+    if abi == 0:
+        return  # best effort: the mode's documented fallback
+    handled = _LL_ALL_ABI1 | (_LL_TRUNCATE if abi >= 3 else 0)
+    device = _LL_READ_FILE | _LL_WRITE_FILE | (handled & _LL_TRUNCATE)
+    file_rights = _LL_EXECUTE | device
+    read = _LL_EXECUTE | _LL_READ_FILE | _LL_READ_DIR
+    rules = [(source, read) for source, _ in spec["view"]["binds"]] + [(_THIS_FILE, read)]
+    rules += [(spec["workdir"], handled), ("/dev/shm", handled)]  # multiprocessing's semaphores
+    rules += [(f"/dev/{name}", device) for name in ("null", "zero", "full", "random", "urandom")]
+    ruleset = _landlock(_NR_LANDLOCK_CREATE_RULESET, struct.pack("=Q", handled), ctypes.c_size_t(8),
+                        ctypes.c_uint32(0))
+    for path, rights in rules:
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        if not os.path.isdir(f"/proc/self/fd/{fd}"):
+            rights &= file_rights  # a file takes only file rights
+        _landlock(_NR_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(1),  # PATH_BENEATH
+                  struct.pack("=Qi", rights, fd), ctypes.c_uint32(0))
+        os.close(fd)
+    _landlock(_NR_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0))
+    os.close(ruleset)
+
+
+def _landlock(nr, *args):
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    result = libc.syscall(ctypes.c_long(nr), *args)
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"landlock syscall {nr}: {os.strerror(errno)}")
+    return result
 
 
 def _count_tasks(uid):
@@ -405,7 +542,7 @@ def _count_tasks(uid):
     return count
 
 
-def _start_in_namespaces(code, spec):
+def _start_in_namespaces(code, runner, spec):
     """ "namespaces" mode: fork the namespace owner C and write its uid/gid maps from out here (only the parent
     namespace can map `nobody` for a root trainer); C does the rest in _inside_namespaces. Returns C's pid."""
     ready_r, ready_w = os.pipe()
@@ -418,7 +555,8 @@ def _start_in_namespaces(code, spec):
         os.setpgid(0, 0)  # a group of its own: kill(0, ...) from the code cannot reach L
         if uid == 0:
             os.setgroups([])  # no supplementary groups (a non-root user cannot drop them; they stay)
-        flags = _CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWIPC
+        flags = (_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
+                 | _CLONE_NEWCGROUP)
         _libc("unshare", flags if spec["network"] else flags | _CLONE_NEWNET)
         os.write(ready_w, b"u")
         if os.read(go_r, 1) != b"m":
@@ -426,14 +564,17 @@ def _start_in_namespaces(code, spec):
         os.setresgid(0, 0, 0)  # uid 0 inside: `nobody` outside for a root trainer, else the trainer's user
         os.setresuid(0, 0, 0)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
-        _inside_namespaces(code, spec)
+        _inside_namespaces(code, runner, spec)
 
     pid = _child(owner)
     os.close(ready_w)
     os.close(go_r)
     if os.read(ready_r, 1) == b"u":
         try:
-            if uid == 0:  # 0 inside = nobody outside; root mapped (as 1) only so its files stay readable
+            # 0 inside = nobody outside. Root mapped (as 1) only so that C can reach the
+            # interpreter through root's directories (/root/.pyenv) to bind it; the code has no
+            # capability at all.
+            if uid == 0:
                 maps = {"uid_map": f"0 {_NOBODY} 1\n1 0 1\n", "gid_map": f"0 {_NOBODY} 1\n1 0 1\n"}
             else:
                 maps = {"setgroups": "deny", "uid_map": f"0 {uid} 1\n", "gid_map": f"0 {gid} 1\n"}
@@ -448,33 +589,58 @@ def _start_in_namespaces(code, spec):
     return pid
 
 
-def _inside_namespaces(code, spec):
-    """C: make the filesystem read-only but a private tmpfs, start PID 1 and the code (PID 2), wait for the code,
-    kill PID 1 (the kernel then kills everything left in the namespace), exit as the code did."""
+def _inside_namespaces(code, runner, spec):
+    """C: build the sandbox's root (a tmpfs with read-only binds of what the interpreter needs, a
+    private tmpfs on /tmp, a few devices), start PID 1 and the code (PID 2, which moves into that
+    root), wait for the code, kill PID 1 (the kernel then kills everything left in the namespace),
+    exit as the code did."""
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here propagates back to the host
-    _remount_all_readonly()
-    # The tmpfs hides the host's /tmp, so first hold on to what the sandbox itself needs from there, if anything:
-    # this file and the interpreter (L runs the configured one, so these sys values are its own).
-    needed = {_THIS_FILE, sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(spec["python"]),
-              os.path.dirname(os.path.realpath(spec["python"]))}
-    needed = {p for p in needed if p.startswith("/tmp/") and not any(p.startswith(q + "/") for q in needed)}
-    held = {path: os.open(path, os.O_PATH) for path in needed}
-    _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV,
+    view = spec["view"]
+    # Opened first, as the new root's tmpfs may cover them (a host /tmp); fds of this mount
+    # namespace, as a bind's source must be. None reaches PID 1 or survives the exec.
+    held = [(os.open(src, os.O_PATH | os.O_CLOEXEC), target) for src, target in view["binds"]]
+    root = _NEW_ROOT
+    _mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=4m,nr_inodes=4096,mode=0755")
+    os.mkdir(f"{root}/tmp")
+    _mount("tmpfs", f"{root}/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV,
            f"size={spec['max_file_mb']}m,nr_inodes=16384,mode=0755")
-    for path, fd in sorted(held.items()):  # bound back, read-only as their source
+    for path, target in view["links"].items():
+        os.symlink(target, root + path)
+    for fd, target in sorted(held, key=lambda held: held[1]):
+        where = root + target
         if os.path.isdir(f"/proc/self/fd/{fd}"):
-            os.makedirs(path, exist_ok=True)
+            os.makedirs(where, exist_ok=True)
         else:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            open(path, "w").close()
-        _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
-    if os.path.isdir("/dev/shm") and not os.path.islink("/dev/shm"):
-        _mount("/tmp", "/dev/shm", None, _MS_BIND)  # multiprocessing's semaphores live there
-    if not spec["network"] and os.path.isdir("/run") and not os.path.islink("/run"):
-        _mount("tmpfs", "/run", "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k")
-    with open("/tmp/main.py", "wb") as f:
+            os.makedirs(os.path.dirname(where), exist_ok=True)
+            open(where, "a").close()
+        _mount(f"/proc/self/fd/{fd}", where, None, _MS_BIND | _MS_REC)  # read-only in PID 2
+        os.close(fd)
+    os.makedirs(f"{root}/dev/shm")
+    _mount(f"{root}/tmp", f"{root}/dev/shm", None, _MS_BIND)  # multiprocessing's semaphores
+    for name in ("null", "zero", "full", "random", "urandom"):
+        if os.path.exists(f"/dev/{name}"):
+            open(f"{root}/dev/{name}", "w").close()
+            _mount(f"/dev/{name}", f"{root}/dev/{name}", None, _MS_BIND)
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        os.symlink(f"/proc/self/fd/{fd}", f"{root}/dev/{name}")
+    os.symlink("/proc/self/fd", f"{root}/dev/fd")
+    os.makedirs(f"{root}/etc", exist_ok=True)
+    with open(f"{root}/etc/passwd", "w") as f:  # who uid 0 is (getpass, ~); no user of the host
+        f.write("root:x:0:0:root:/tmp:/usr/sbin/nologin\n"
+                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+    with open(f"{root}/etc/group", "w") as f:
+        f.write("root:x:0:\nnogroup:x:65534:\n")
+    with open(f"{root}/etc/hostname", "w") as f:
+        f.write("sandbox\n")
+    _libc("sethostname", b"sandbox", ctypes.c_size_t(7))  # its own UTS namespace, not the host's
+    os.mkdir(f"{root}/proc")
+    os.mkdir(f"{root}/sandbox")
+    with open(f"{root}{_RUNNER}", "wb") as f:
+        f.write(runner)
+    with open(f"{root}/tmp/main.py", "wb") as f:
         f.write(code)
 
+    _blank_command_line()  # C's, so PID 1's
     init = _child(_reap_forever)  # the first child of an unshare(CLONE_NEWPID) process is PID 1
     code_pid = _child(_code_process, spec)
     null = os.open(os.devnull, os.O_WRONLY)
@@ -486,15 +652,33 @@ def _inside_namespaces(code, spec):
     _exit_like(status)
 
 
+def _mount_proc(target):
+    """A /proc of the PID namespace with its processes only (subset=pid, Linux 5.8+: no /proc/sys,
+    so no boot id, no kernel command line, disks or swaps), or an empty one where the kernel refuses
+    (e.g. in Docker, where parts of the host's /proc are masked)."""
+    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    try:
+        _mount("proc", target, "proc", flags)
+        try:
+            with open(f"{target}/sys/user/max_user_namespaces", "w") as f:  # this namespace's limit
+                f.write("0")  # no nested user namespaces, a kernel exploit's usual first step
+        finally:
+            _libc("umount2", target.encode(), 0)
+        _mount("proc", target, "proc", flags, "subset=pid")
+    except OSError:
+        _mount("tmpfs", target, "tmpfs", _MS_RDONLY | flags, "size=4k")
+
+
 def _remount_all_readonly():
-    """Remount every mount point read-only, keeping its other (possibly locked) flags."""
+    """Remount every mount point of the sandbox's root read-only but the scratch tmpfs, /proc and
+    the device files, keeping the other (possibly locked) flags."""
     with open("/proc/self/mountinfo") as f:
         mounts = [line.split() for line in f]
     for fields in mounts:
         mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
         options = fields[5].split(",")
-        if "ro" in options or mount_point == "/proc" or mount_point.startswith("/proc/"):
-            continue  # already read-only / replaced by a fresh /proc below
+        if "ro" in options or mount_point in ("/tmp", "/proc") or mount_point.startswith("/dev/"):
+            continue
         flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | sum(_MOUNT_OPTION_FLAGS.get(o, 0) for o in options)
         if "noatime" not in options and "relatime" not in options:
             flags |= _MS_STRICTATIME
@@ -505,9 +689,22 @@ def _remount_all_readonly():
                 raise
 
 
+def _blank_command_line():
+    """Overwrite this process's arguments with NULs: PID 1, forked from C, would show L's (the
+    checkout's path, the spec) to the code in /proc/1/cmdline. (Cheaper than exec'ing a reaper
+    inside the new root: a third interpreter start is +50% per run.)"""
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()  # from field 3 on
+    arg_start, arg_end = int(fields[45]), int(fields[46])  # fields 48 and 49
+    with open("/proc/self/mem", "r+b", buffering=0) as mem:
+        mem.seek(arg_start)
+        mem.write(bytes(arg_end - arg_start))
+
+
 def _reap_forever():
-    """PID 1 of the sandbox: reap orphans until killed. No signal handlers, so nothing inside can kill it."""
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # if C dies, so does PID 1, and with it the whole namespace
+    """PID 1 of the sandbox: reap orphans until killed. No signal handlers: nothing inside can kill
+    it."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # if C dies, so does PID 1, and with it the namespace
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -523,27 +720,24 @@ def _reap_forever():
 
 
 def _code_process(spec):
-    """PID 2, still our code: a /proc for this PID namespace, no capabilities, the limits, then exec the runner."""
-    try:
-        _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    except OSError:  # e.g. in Docker, where parts of the host /proc are masked
-        _mount("tmpfs", "/proc", "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k")
-    try:
-        with open("/proc/sys/user/max_user_namespaces", "w") as f:  # this namespace's own limit, not the host's
-            f.write("0")  # no nested user namespaces, the usual first step of a kernel exploit
-    except OSError:
-        pass  # no /proc of its own (see above): best effort
+    """PID 2, still our code: a /proc for this PID namespace, into the new root (the host's
+    detached), all of it read-only but /tmp, no capabilities, the limits, then exec the runner."""
+    _mount_proc(f"{_NEW_ROOT}/proc")  # while the host's /proc is in sight: the kernel requires one
+    os.chdir(_NEW_ROOT)
+    _libc("syscall", ctypes.c_long(_NR_PIVOT_ROOT[os.uname().machine]), b".", b".")
+    _libc("umount2", b".", _MNT_DETACH)  # the host's root, stacked on ours by pivot_root(".", ".")
+    os.chdir("/")
+    _remount_all_readonly()
     os.chdir("/tmp")
     for cap in range(64):
-        if cap != _CAP_DAC_READ_SEARCH:
-            try:
-                _prctl(_PR_CAPBSET_DROP, cap)
-            except OSError as e:
-                if e.errno != 22:  # EINVAL: past the kernel's last capability
-                    raise
+        try:
+            _prctl(_PR_CAPBSET_DROP, cap)
+        except OSError as e:
+            if e.errno != 22:  # EINVAL: past the kernel's last capability
+                raise
     _prctl(_PR_SET_NO_NEW_PRIVS, 1)
     _set_limits(spec, nproc=spec["max_processes"] + 2)  # + the namespace owner and PID 1, same user
-    _exec_runner(spec)
+    _exec_runner(spec, spec["view"]["python"], _RUNNER)
 
 
 def _set_limits(spec, nproc):
@@ -560,13 +754,12 @@ def _set_limits(spec, nproc):
         resource.setrlimit(which, (soft, hard))
 
 
-def _exec_runner(spec):
+def _exec_runner(spec, python, runner):
     """Close every other file descriptor, install the socket filter unless network=True, exec the runner."""
     os.closerange(3, 1 << 16)
     if not spec["network"]:
         _install_socket_filter()
-    python = spec["python"]
-    os.execve(python, [python, "-I", "-B", _THIS_FILE, "--run"], dict(os.environ))
+    os.execve(python, [python, "-I", "-B", runner, "--run"], dict(os.environ))
 
 
 def _socket_filter(machine):
