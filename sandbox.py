@@ -1,7 +1,7 @@
-"""sandbox.py: the code interpreter of multi-turn tool-use rollouts. The model writes Python, this runs it, and the
-text the model sees in its tool turn comes back.
+"""sandbox.py: the code interpreter of multi-turn tool-use rollouts. The model writes Python, this
+runs it, and the text the model sees in its tool turn comes back.
 
-    results = sandbox.run_batch(codes, sandbox.SandboxConfig(timeout_s=10))  # in order, max_workers at a time
+    results = sandbox.run_batch(codes, config.SandboxConfig(timeout_s=10))  # in order, max_workers at a time
     turn = sandbox.format_result(results[0])  # the output, then one "Error: ..." line if the run failed
     result = sandbox.run_code("print(1)")     # one execution
     sandbox.isolation()                       # "namespaces" or "process": what this machine allows (below)
@@ -11,7 +11,7 @@ text the model sees in its tool turn comes back.
 Whatever the code does, the trainer neither hangs nor crashes: run_code never raises, returns within
 timeout_s (plus up to 2 s when the clean-up has to be forced), and nothing a run started outlives
 it. Each execution is a fresh isolated interpreter in a private working directory, with the limits
-of SandboxConfig. Isolation has two modes: "namespaces" (Linux user, mount, PID, IPC, UTS, cgroup
+of config.SandboxConfig. Isolation has two modes: "namespaces" (Linux user, mount, PID, IPC, UTS, cgroup
 and network namespaces: of the host's files only the interpreter's, read-only, and a private tmpfs;
 no process outside visible) and "process" (the best-effort fallback where user namespaces are
 forbidden: Landlock, where the kernel has it, lets the code open only the interpreter's files and
@@ -44,40 +44,21 @@ import warnings
 
 _THIS_FILE = os.path.abspath(__file__)
 _NOBODY = 65534  # the identity code runs under when the trainer is root
-_EXIT_SYNTAX, _EXIT_EXCEPTION, _EXIT_MEMORY, _EXIT_SETUP = 211, 212, 213, 214  # the runner's reserved exit codes
-_STOP_GRACE_S = 2.0  # after a timeout, how long the launcher gets to clean up before it is SIGKILLed
-
-
-@dataclasses.dataclass
-class SandboxConfig:
-    timeout_s: float = 10.0  # wall clock per execution; then the code and all it started are killed
-    cpu_s: int = 10  # CPU seconds per process (RLIMIT_CPU)
-    memory_mb: int = 1024  # address space per process (RLIMIT_AS); numpy + sympy need ~170 MB
-    max_processes: int = 8  # processes + threads, the code's own included (RLIMIT_NPROC in its user namespace)
-    max_file_mb: int = 32  # largest file (RLIMIT_FSIZE); in "namespaces" mode also the whole private tmpfs
-    max_output_bytes: int = 8192  # stdout+stderr kept: the first and the last half, the middle dropped
-    max_workers: int = 8  # concurrent executions in run_batch
-    network: bool = False  # True: the code shares the host network
-    python: str = ""  # interpreter for the code; "" = the trainer's own (sys.executable)
-    isolation: str = "auto"  # auto | namespaces | process (see the module docstring)
-    tmp_root: str = ""  # "process" mode: where private directories are made; "" = tempfile.gettempdir()
-
-    def __post_init__(self):
-        if self.isolation not in ("auto", "namespaces", "process"):
-            raise ValueError(f"isolation must be auto, namespaces or process, not {self.isolation!r}")
-        for name in ("timeout_s", "cpu_s", "memory_mb", "max_processes", "max_file_mb", "max_output_bytes",
-                     "max_workers"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, not {getattr(self, name)!r}")
+# the runner's reserved exit codes
+_EXIT_SYNTAX, _EXIT_EXCEPTION, _EXIT_MEMORY, _EXIT_SETUP = 211, 212, 213, 214
+# after a timeout, how long the launcher gets to clean up before it is SIGKILLed
+_STOP_GRACE_S = 2.0
 
 
 @dataclasses.dataclass
 class Result:
     output: str  # stdout+stderr as the model sees it (controls removed, cut in the middle if long)
     ok: bool  # the code exited with status 0 in time
-    error: str  # "" if ok, else timeout | cpu | memory | syntax | exception | exit_code | killed | sandbox
+    # "" if ok, else timeout | cpu | memory | syntax | exception | exit_code | killed | sandbox
+    error: str
     message: str  # one line describing the error, "" if ok (deterministic: no timings, no paths)
-    exit_code: int | None  # the process status: >= 0 an exit code, < 0 a signal; None if killed at timeout
+    # the process status: >= 0 an exit code, < 0 a signal; None if killed at timeout
+    exit_code: int | None
     duration_s: float  # wall clock of the whole execution
     truncated: bool  # output was cut to max_output_bytes
     output_bytes: int  # bytes the code wrote in total
@@ -93,55 +74,80 @@ def format_result(result: Result) -> str:
     return text + result.message
 
 
-def run_batch(codes: list[str], config: SandboxConfig | None = None) -> list[Result]:
+def _default_config():
+    """config.SandboxConfig(): imported only here, since this file also runs alone as the launcher
+    and the runner (`python -I -S sandbox.py`), where the project and its packages are out of
+    reach."""
+    from config import SandboxConfig
+
+    return SandboxConfig()
+
+
+def run_batch(codes: list[str], config=None) -> list[Result]:
     """Run every code, at most config.max_workers at a time (one thread per subprocess); results in input order."""
     from concurrent.futures import ThreadPoolExecutor
 
-    config = config or SandboxConfig()
+    config = config or _default_config()
     if not codes:
         return []
     isolation(config)  # probe once, before the threads race for it
-    with ThreadPoolExecutor(max_workers=min(config.max_workers, len(codes)), thread_name_prefix="sandbox") as pool:
+    with ThreadPoolExecutor(
+        max_workers=min(config.max_workers, len(codes)), thread_name_prefix="sandbox"
+    ) as pool:
         return list(pool.map(lambda code: run_code(code, config), codes))
 
 
-def run_code(code: str, config: SandboxConfig | None = None) -> Result:
+def run_code(code: str, config=None) -> Result:
     """Run one piece of code in a fresh sandbox. Never raises, returns within about config.timeout_s."""
-    config = config or SandboxConfig()
+    config = config or _default_config()
     try:
         return _run(code, config, isolation(config))
     except Exception as e:  # a sandbox bug or a machine problem; the trainer carries on
-        return Result("", False, "sandbox", f"Error: sandbox failure ({type(e).__name__}: {e})", None, 0.0,
-                      False, 0)
+        return Result(
+            "",
+            False,
+            "sandbox",
+            f"Error: sandbox failure ({type(e).__name__}: {e})",
+            None,
+            0.0,
+            False,
+            0,
+        )
 
 
 _MODES: dict[tuple[str, bool], str] = {}
 _MODES_LOCK = threading.Lock()
 
 
-def isolation(config: SandboxConfig | None = None) -> str:
+def isolation(config=None) -> str:
     """The mode run_code uses for this config: "namespaces" or "process". "auto" probes once per (python, network)."""
-    config = config or SandboxConfig()
+    config = config or _default_config()
     if config.isolation != "auto":
         return config.isolation
     key = (_python(config), config.network)
     with _MODES_LOCK:
         if key not in _MODES:
-            probe = dataclasses.replace(config, timeout_s=30.0, cpu_s=10, memory_mb=max(config.memory_mb, 256))
+            probe = dataclasses.replace(
+                config, timeout_s=30.0, cpu_s=10, memory_mb=max(config.memory_mb, 256)
+            )
             try:
                 said = format_result(_run("print('sandbox ok')", probe, "namespaces"))
             except Exception as e:
                 said = f"{type(e).__name__}: {e}"
             _MODES[key] = "namespaces" if said == "sandbox ok\n" else "process"
             if _MODES[key] == "process":
-                warnings.warn("sandbox: user namespaces are not available here, falling back to best-effort "
-                              f"'process' isolation (see sandbox.py). The probe said: {said!r}", stacklevel=2)
+                warnings.warn(
+                    "sandbox: user namespaces are not available here, falling back to best-effort "
+                    f"'process' isolation (see sandbox.py). The probe said: {said!r}",
+                    stacklevel=2,
+                )
         return _MODES[key]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The trainer side: start the launcher, read its output with a bound, kill its process group, classify.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# The trainer side: start the launcher, read its output with a bound, kill its process group,
+# classify.
+# --------------------------------------------------------------------------------------------------
 
 def _python(config):
     python = shutil.which(config.python or sys.executable) or config.python
@@ -207,20 +213,43 @@ def _run(code, config, mode):
             os.chown(workdir, _NOBODY, _NOBODY)
     home = workdir or "/tmp"
     bin_dir = os.path.dirname(view["python"] if mode == "namespaces" else python)
-    env = {"PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home,
-           "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    spec = {"mode": mode, "python": python, "workdir": workdir, "network": config.network, "trainer_pid": os.getpid(),
-            "cpu_s": int(config.cpu_s), "memory_mb": int(config.memory_mb),
-            "max_processes": int(config.max_processes), "max_file_mb": int(config.max_file_mb),
-            "view": view}
+    env = {
+        "PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": home,
+        "TMPDIR": home,
+        "LANG": "C.UTF-8",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+    spec = {
+        "mode": mode,
+        "python": python,
+        "workdir": workdir,
+        "network": config.network,
+        "trainer_pid": os.getpid(),
+        "cpu_s": int(config.cpu_s),
+        "memory_mb": int(config.memory_mb),
+        "max_processes": int(config.max_processes),
+        "max_file_mb": int(config.max_file_mb),
+        "view": view,
+    }
     proc = None
     try:
-        with tempfile.TemporaryFile() as code_file:  # the launcher reads the code from stdin, then closes it
+        # the launcher reads the code from stdin, then closes it
+        with tempfile.TemporaryFile() as code_file:
             code_file.write(code.encode("utf-8", "replace"))
             code_file.seek(0)
-            proc = subprocess.Popen([python, "-I", "-S", "-B", _THIS_FILE, "--launch", json.dumps(spec)],
-                                    stdin=code_file, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                    cwd="/", start_new_session=True, close_fds=True)
+            proc = subprocess.Popen(
+                [python, "-I", "-S", "-B", _THIS_FILE, "--launch", json.dumps(spec)],
+                stdin=code_file,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd="/",
+                start_new_session=True,
+                close_fds=True,
+            )
         head, tail, total, timed_out = _read_bounded(proc.stdout.fileno(), start + config.timeout_s,
                                                      config.max_output_bytes)
         if timed_out:  # ask the launcher to kill and reap everything, then give it a moment
@@ -230,8 +259,9 @@ def _run(code, config, mode):
                 time.sleep(0.01)
     finally:
         if proc is not None:
-            # Before reaping the launcher, so that its pid (the group's id) cannot have been reused: normally a
-            # no-op, else it kills the launcher and what is left in its group (see "The process tree").
+            # Before reaping the launcher, so that its pid (the group's id) cannot have been reused:
+            # normally a no-op, else it kills the launcher and what is left in its group (see "The
+            # process tree").
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -243,7 +273,9 @@ def _run(code, config, mode):
     output, truncated = _join_output(head, tail, total, config.max_output_bytes)
     status = None if timed_out else proc.returncode
     error, message = _classify(status, output, config)
-    return Result(output, error == "", error, message, status, time.monotonic() - start, truncated, total)
+    return Result(
+        output, error == "", error, message, status, time.monotonic() - start, truncated, total
+    )
 
 
 def _read_bounded(fd, deadline, limit):
@@ -270,7 +302,8 @@ def _read_bounded(fd, deadline, limit):
 
 
 def _has_exited(pid):
-    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None  # without reaping it
+    # without reaping it
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
 def _join_output(head, tail, total, limit):
@@ -326,8 +359,9 @@ def _classify(status, output, config):
 
 
 def _remove_tree(path):
-    """Delete a run's private directory, whatever permissions the code left inside (its files are the trainer's
-    own, or it runs as root). Directories are made accessible top-down before rmtree; symlinks are not followed."""
+    """Delete a run's private directory, whatever permissions the code left inside (its files are
+    the trainer's own, or it runs as root). Directories are made accessible top-down before rmtree;
+    symlinks are not followed."""
     os.chmod(path, 0o700)
     for root, dirs, _ in os.walk(path):
         for name in dirs:
@@ -336,9 +370,9 @@ def _remove_tree(path):
     shutil.rmtree(path)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The sandbox side: everything below runs in the launcher and its children, never in the trainer.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 _CLONE_NEWNS, _CLONE_NEWCGROUP, _CLONE_NEWUTS = 0x20000, 0x2000000, 0x4000000
 _CLONE_NEWIPC = 0x8000000
@@ -347,14 +381,32 @@ _MNT_DETACH = 2
 _NR_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41}  # glibc has no wrapper
 _NEW_ROOT = "/tmp"  # where C builds the sandbox's root, later PID 2's "/": any directory does
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
-_MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE = 1 << 10, 1 << 11, 1 << 12, 1 << 14, 1 << 18
+_MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE = (
+    1 << 10,
+    1 << 11,
+    1 << 12,
+    1 << 14,
+    1 << 18,
+)
 _MS_RELATIME, _MS_STRICTATIME = 1 << 21, 1 << 24
-_MOUNT_OPTION_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noatime": _MS_NOATIME,
-                       "nodiratime": _MS_NODIRATIME, "relatime": _MS_RELATIME}
-_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECCOMP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 24, 22, 36, 38
-# The seccomp filter of network=False (see "Sockets" in the module docstring). Per machine: the AUDIT_ARCH value the
-# kernel reports for its native 64-bit syscalls, and the numbers of socket and socketpair there. io_uring_setup is 425
-# on every architecture.
+_MOUNT_OPTION_FLAGS = {
+    "nosuid": _MS_NOSUID,
+    "nodev": _MS_NODEV,
+    "noexec": _MS_NOEXEC,
+    "noatime": _MS_NOATIME,
+    "nodiratime": _MS_NODIRATIME,
+    "relatime": _MS_RELATIME,
+}
+(
+    _PR_SET_PDEATHSIG,
+    _PR_CAPBSET_DROP,
+    _PR_SET_SECCOMP,
+    _PR_SET_CHILD_SUBREAPER,
+    _PR_SET_NO_NEW_PRIVS,
+) = 1, 24, 22, 36, 38
+# The seccomp filter of network=False (see "Sockets" in the module docstring). Per machine: the
+# AUDIT_ARCH value the kernel reports for its native 64-bit syscalls, and the numbers of socket and
+# socketpair there. io_uring_setup is 425 on every architecture.
 _SECCOMP_SYSCALLS = {"x86_64": (0xC000003E, 41, 53), "aarch64": (0xC00000B7, 198, 199),
                      "riscv64": (0xC00000F3, 198, 199)}
 _NR_IO_URING_SETUP = 425
@@ -371,34 +423,48 @@ def _libc(name, *args):
 
 
 def _prctl(option, value):
-    _libc("prctl", option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    _libc(
+        "prctl",
+        option,
+        ctypes.c_ulong(value),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+    )
 
 
 def _mount(source, target, fstype, flags, data=None):
     encode = lambda s: None if s is None else s.encode()  # noqa: E731
-    _libc("mount", encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data))
+    _libc(
+        "mount", encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)
+    )
 
 
 def _launch(spec):
-    """The launcher L: the trainer's child and session leader. Start the code, wait for it, kill and reap whatever
-    it left, exit as it did. SIGTERM from the trainer (the deadline) kills the code first."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a SIGINT from the code is a plain death, not a traceback here
+    """The launcher L: the trainer's child and session leader. Start the code, wait for it, kill and
+    reap whatever it left, exit as it did. SIGTERM from the trainer (the deadline) kills the code
+    first."""
+    # a SIGINT from the code is a plain death, not a traceback here
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     code = sys.stdin.buffer.read()
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     with open(_THIS_FILE, "rb") as f:  # as the trainer's user: "namespaces" mode copies it inside
         runner = f.read()
     try:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # if the trainer dies, the run dies (and the chain below)
+        # if the trainer dies, the run dies (and the chain below)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != spec["trainer_pid"]:
             raise RuntimeError("the trainer is gone")
-        _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # orphans of the run, setsid() or not, become our children
+        # orphans of the run, setsid() or not, become our children
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
         if spec["mode"] == "namespaces":
             child = _start_in_namespaces(code, runner, spec)
         else:
             child = _start_as_process(code, spec)
         signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
         _, status = os.waitpid(child, 0)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the child is reaped: its pid is not ours to kill any more
+        # the child is reaped: its pid is not ours to kill any more
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except Exception as e:
         print(f"sandbox launcher: {type(e).__name__}: {e}", flush=True)
         status = _EXIT_SETUP << 8
@@ -407,8 +473,8 @@ def _launch(spec):
 
 
 def _kill_descendants():
-    """SIGKILL and reap every child until there is none. As a subreaper we inherit every orphaned descendant, so
-    then nothing the run started is alive anywhere."""
+    """SIGKILL and reap every child until there is none. As a subreaper we inherit every orphaned
+    descendant, so then nothing the run started is alive anywhere."""
     me = str(os.getpid())
     while True:
         for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -463,8 +529,10 @@ def _start_as_process(code, spec):
             os.setgroups([])
             os.setresgid(_NOBODY, _NOBODY, _NOBODY)
             os.setresuid(_NOBODY, _NOBODY, _NOBODY)
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # if L dies (the code can clear this: best effort)
-        _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries grant nothing; lets an unprivileged user add a filter
+        # if L dies (the code can clear this: best effort)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        # setuid binaries grant nothing; lets an unprivileged user add a filter
+        _prctl(_PR_SET_NO_NEW_PRIVS, 1)
         _set_limits(spec, nproc=_count_tasks(os.getuid()) + spec["max_processes"])
         _restrict_files(spec)
         _exec_runner(spec, spec["python"], _THIS_FILE)
@@ -543,8 +611,9 @@ def _count_tasks(uid):
 
 
 def _start_in_namespaces(code, runner, spec):
-    """ "namespaces" mode: fork the namespace owner C and write its uid/gid maps from out here (only the parent
-    namespace can map `nobody` for a root trainer); C does the rest in _inside_namespaces. Returns C's pid."""
+    """"namespaces" mode: fork the namespace owner C and write its uid/gid maps from out here (only
+    the parent namespace can map `nobody` for a root trainer); C does the rest in
+    _inside_namespaces. Returns C's pid."""
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     uid, gid = os.geteuid(), os.getegid()
@@ -554,14 +623,16 @@ def _start_in_namespaces(code, runner, spec):
         os.close(go_w)
         os.setpgid(0, 0)  # a group of its own: kill(0, ...) from the code cannot reach L
         if uid == 0:
-            os.setgroups([])  # no supplementary groups (a non-root user cannot drop them; they stay)
+            # no supplementary groups (a non-root user cannot drop them; they stay)
+            os.setgroups([])
         flags = (_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
                  | _CLONE_NEWCGROUP)
         _libc("unshare", flags if spec["network"] else flags | _CLONE_NEWNET)
         os.write(ready_w, b"u")
         if os.read(go_r, 1) != b"m":
             raise RuntimeError("the launcher could not write the uid/gid maps")
-        os.setresgid(0, 0, 0)  # uid 0 inside: `nobody` outside for a root trainer, else the trainer's user
+        # uid 0 inside: `nobody` outside for a root trainer, else the trainer's user
+        os.setresgid(0, 0, 0)
         os.setresuid(0, 0, 0)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
         _inside_namespaces(code, runner, spec)
@@ -679,7 +750,12 @@ def _remount_all_readonly():
         options = fields[5].split(",")
         if "ro" in options or mount_point in ("/tmp", "/proc") or mount_point.startswith("/dev/"):
             continue
-        flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | sum(_MOUNT_OPTION_FLAGS.get(o, 0) for o in options)
+        flags = (
+            _MS_REMOUNT
+            | _MS_BIND
+            | _MS_RDONLY
+            | sum(_MOUNT_OPTION_FLAGS.get(o, 0) for o in options)
+        )
         if "noatime" not in options and "relatime" not in options:
             flags |= _MS_STRICTATIME
         try:
@@ -763,21 +839,25 @@ def _exec_runner(spec, python, runner):
 
 
 def _socket_filter(machine):
-    """The seccomp BPF program of network=False for this machine (os.uname().machine), or None if there is none:
-    socket() and io_uring_setup() fail with EPERM, socketpair() only gets an AF_UNIX stream pair, every syscall of
-    a foreign ABI (x86's int 0x80, x32) fails with EPERM, everything else is allowed."""
-    if machine not in _SECCOMP_SYSCALLS or sys.maxsize < 2**32:  # a 32-bit interpreter would make foreign calls
+    """The seccomp BPF program of network=False for this machine (os.uname().machine), or None if
+    there is none: socket() and io_uring_setup() fail with EPERM, socketpair() only gets an AF_UNIX
+    stream pair, every syscall of a foreign ABI (x86's int 0x80, x32) fails with EPERM, everything
+    else is allowed."""
+    # a 32-bit interpreter would make foreign calls
+    if machine not in _SECCOMP_SYSCALLS or sys.maxsize < 2**32:
         return None
     arch, nr_socket, nr_socketpair = _SECCOMP_SYSCALLS[machine]
-    load, jeq, jge, and_, ret = 0x20, 0x15, 0x35, 0x54, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE|K, BPF_ALU|AND|K, RET|K
-    # seccomp_data: nr at 0, arch at 4, args[i] at 16 + 8 i (the low 32 bits first: these machines are little-endian,
-    # and the kernel reads these int arguments from the low 32 bits only).
+    # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE|K, BPF_ALU|AND|K, RET|K
+    load, jeq, jge, and_, ret = 0x20, 0x15, 0x35, 0x54, 0x06
+    # seccomp_data: nr at 0, arch at 4, args[i] at 16 + 8 i (the low 32 bits first: these machines
+    # are little-endian, and the kernel reads these int arguments from the low 32 bits only).
     program = [(load, None, None, 4),
                (jeq, 0, "deny", arch),
                (load, None, None, 0),
                *([(jge, "deny", 0, _X32_SYSCALL_BIT)] if machine == "x86_64" else []),
                (jeq, "deny", 0, nr_socket),
-               (jeq, "deny", 0, _NR_IO_URING_SETUP),  # its operations include socket and connect, unfiltered
+               # its operations include socket and connect, unfiltered
+               (jeq, "deny", 0, _NR_IO_URING_SETUP),
                (jeq, 0, "allow", nr_socketpair),
                (load, None, None, 16),  # socketpair's domain
                (jeq, 0, "deny", _AF_UNIX),
@@ -785,8 +865,12 @@ def _socket_filter(machine):
                (and_, None, None, ~(_SOCK_NONBLOCK | _SOCK_CLOEXEC) & 0xFFFFFFFF),
                (jeq, "allow", "deny", _SOCK_STREAM)]
     targets = {"allow": len(program), "deny": len(program) + 1}
-    program += [(ret, None, None, _SECCOMP_RET_ALLOW), (ret, None, None, _SECCOMP_RET_ERRNO | _EPERM)]
-    jump = lambda i, t: 0 if t is None else t if isinstance(t, int) else targets[t] - i - 1  # noqa: E731
+    program += [
+        (ret, None, None, _SECCOMP_RET_ALLOW),
+        (ret, None, None, _SECCOMP_RET_ERRNO | _EPERM),
+    ]
+    # noqa: E731
+    jump = lambda i, t: 0 if t is None else t if isinstance(t, int) else targets[t] - i - 1
     return b"".join(struct.pack("=HBBI", code, jump(i, jt), jump(i, jf), k)
                     for i, (code, jt, jf, k) in enumerate(program))
 
@@ -796,26 +880,36 @@ def _install_socket_filter():
     machine = os.uname().machine
     program = _socket_filter(machine)
     if program is None:
-        raise RuntimeError(f"no seccomp filter for this machine ({machine}, {8 * struct.calcsize('P')}-bit "
-                           "interpreter), so network=False cannot be enforced (see sandbox.py)")
+        raise RuntimeError(
+            f"no seccomp filter for this machine ({machine}, {8 * struct.calcsize('P')}-bit "
+            "interpreter), so network=False cannot be enforced (see sandbox.py)"
+        )
 
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     instructions = ctypes.create_string_buffer(program, len(program))
     fprog = SockFprog(len(program) // 8, ctypes.addressof(instructions))
-    _libc("prctl", _PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(fprog), ctypes.c_ulong(0),
-          ctypes.c_ulong(0))
+    _libc(
+        "prctl",
+        _PR_SET_SECCOMP,
+        ctypes.c_ulong(_SECCOMP_MODE_FILTER),
+        ctypes.byref(fprog),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+    )
 
 
 def _run_user_code():
     """The runner, in the sandboxed interpreter: compile main.py, run it as __main__, report how it ended."""
-    sys.stdout.reconfigure(line_buffering=True)  # prints reach the trainer even if the code is killed later
+    # prints reach the trainer even if the code is killed later
+    sys.stdout.reconfigure(line_buffering=True)
     with open("main.py", "rb") as f:
         source = f.read()
     try:
         code = compile(source, "main.py", "exec")
-    except Exception as e:  # SyntaxError, ValueError (null bytes), RecursionError/MemoryError (deep nesting)
+    # SyntaxError, ValueError (null bytes), RecursionError/MemoryError (deep nesting)
+    except Exception as e:
         traceback.print_exception(type(e), e, None)
         sys.stderr.flush()
         os._exit(_EXIT_SYNTAX)
@@ -827,9 +921,11 @@ def _run_user_code():
         exec(code, main.__dict__)
     except SystemExit:
         raise
-    except BaseException as e:  # noqa: B036 - report every uncaught exception, like the interpreter does
+    # noqa: B036 - report every uncaught exception, like the interpreter does
+    except BaseException as e:
         sys.stdout.flush()
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # without this runner's frame
+        # without this runner's frame
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
         sys.exit(_EXIT_MEMORY if isinstance(e, MemoryError) else _EXIT_EXCEPTION)
 
 
@@ -838,7 +934,9 @@ if __name__ == "__main__":
         _launch(json.loads(sys.argv[2]))
     elif sys.argv[1:2] == ["--run"]:
         _run_user_code()
-    else:  # python sandbox.py [FILE | -]: run a file (or stdin) as the model's code would be, print the tool turn
+    # python sandbox.py [FILE | -]: run a file (or stdin) as the model's code would be, print the
+    # tool turn
+    else:
         source = sys.stdin.read() if sys.argv[1:] in ([], ["-"]) else open(sys.argv[1]).read()
         print(f"[sandbox: {isolation()} isolation]", file=sys.stderr)
         text = format_result(run_code(source))

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import config
 import data
 import rollout
 import sandbox
@@ -15,7 +16,7 @@ import tiny
 
 MAX_TURNS = 3
 MAX_TOKENS = 400
-SANDBOX = sandbox.SandboxConfig(timeout_s=5, max_workers=4)
+SANDBOX = config.SandboxConfig(timeout_s=5, max_workers=4)
 # a prefill: the first turn calls
 CALL_HEAD = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": '
 
