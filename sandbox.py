@@ -1,26 +1,20 @@
 """sandbox.py: the code interpreter of multi-turn tool-use rollouts. The model writes Python, this
 runs it, and the text the model sees in its tool turn comes back.
 
-    results = sandbox.run_batch(codes, config.SandboxConfig(timeout_s=10))  # in order, max_workers at a time
-    turn = sandbox.format_result(results[0])  # the output, then one "Error: ..." line if the run failed
-    result = sandbox.run_code("print(1)")     # one execution
-    sandbox.isolation()                       # "namespaces" or "process": what this machine allows (below)
+    cfg = config.SandboxConfig(timeout_s=10)
+    results = sandbox.run_batch(codes, cfg)   # in order, cfg.max_workers at a time
+    turn = sandbox.format_result(results[0])  # the output, then an "Error: ..." line if it failed
+    result = sandbox.run_code("print(1)")     # one execution, with config.SandboxConfig()
+    sandbox.isolation()                       # "namespaces" or "process": what this machine allows
 
-    echo 'import os; print(os.getppid())' | python sandbox.py    # try it: prints "0" under "namespaces"
+    echo 'import os; print(os.getppid())' | python sandbox.py   # prints "0" under "namespaces"
 
-Whatever the code does, the trainer neither hangs nor crashes: run_code never raises, returns within
-timeout_s (plus up to 2 s when the clean-up has to be forced), and nothing a run started outlives
-it. Each execution is a fresh isolated interpreter in a private working directory, with the limits
-of config.SandboxConfig. Isolation has two modes: "namespaces" (Linux user, mount, PID, IPC, UTS, cgroup
-and network namespaces: of the host's files only the interpreter's, read-only, and a private tmpfs;
-no process outside visible) and "process" (the best-effort fallback where user namespaces are
-forbidden: Landlock, where the kernel has it, lets the code open only the interpreter's files and
-its own directory). The output loses terminal escape sequences and control characters. With
-network=False a seccomp filter takes every socket away in both modes, so the code reaches no socket
-of the host, IP or Unix, abstract or on disk. Neither mode is a virtual machine: for code you would
-not run on the host yourself, run the sandboxes under gVisor or in a VM. What each mode contains and
-what it does not, the process tree, the socket filter, every limit and every Result.error value:
-docs/sandbox.md.
+run_code never raises and returns within about timeout_s; nothing a run started outlives it. Each
+execution is a fresh interpreter in a private directory, isolated by Linux user namespaces
+("namespaces") or, where those are forbidden, best effort ("process", with Landlock where the
+kernel has it), under config.SandboxConfig's limits, and with network=False a seccomp filter takes
+every socket away. Not a virtual machine. What each mode guarantees and what it does not, every
+limit and every Result.error value: docs/sandbox.md.
 """
 
 import ctypes
@@ -65,7 +59,8 @@ class Result:
 
 
 def format_result(result: Result) -> str:
-    """The tool turn's text: the output, then one error line if the run failed ("(no output)" if there is none)."""
+    """The tool turn's text: the output, then one error line if the run failed ("(no output)" if
+    there is none)."""
     text = result.output
     if result.ok:
         return text if text else "(no output)"
@@ -84,7 +79,8 @@ def _default_config():
 
 
 def run_batch(codes: list[str], config=None) -> list[Result]:
-    """Run every code, at most config.max_workers at a time (one thread per subprocess); results in input order."""
+    """Run every code, at most config.max_workers at a time (one thread per subprocess); results in
+    input order."""
     from concurrent.futures import ThreadPoolExecutor
 
     config = config or _default_config()
@@ -98,7 +94,8 @@ def run_batch(codes: list[str], config=None) -> list[Result]:
 
 
 def run_code(code: str, config=None) -> Result:
-    """Run one piece of code in a fresh sandbox. Never raises, returns within about config.timeout_s."""
+    """Run one piece of code in a fresh sandbox. Never raises, returns within about
+    config.timeout_s."""
     config = config or _default_config()
     try:
         return _run(code, config, isolation(config))
@@ -120,7 +117,8 @@ _MODES_LOCK = threading.Lock()
 
 
 def isolation(config=None) -> str:
-    """The mode run_code uses for this config: "namespaces" or "process". "auto" probes once per (python, network)."""
+    """The mode run_code uses for this config: "namespaces" or "process". "auto" probes once per
+    (python, network)."""
     config = config or _default_config()
     if config.isolation != "auto":
         return config.isolation
@@ -404,7 +402,7 @@ _MOUNT_OPTION_FLAGS = {
     _PR_SET_CHILD_SUBREAPER,
     _PR_SET_NO_NEW_PRIVS,
 ) = 1, 24, 22, 36, 38
-# The seccomp filter of network=False (see "Sockets" in the module docstring). Per machine: the
+# The seccomp filter of network=False (docs/sandbox.md, "Sockets"). Per machine: the
 # AUDIT_ARCH value the kernel reports for its native 64-bit syscalls, and the numbers of socket and
 # socketpair there. io_uring_setup is 425 on every architecture.
 _SECCOMP_SYSCALLS = {"x86_64": (0xC000003E, 41, 53), "aarch64": (0xC00000B7, 198, 199),
@@ -598,7 +596,8 @@ def _landlock(nr, *args):
 
 
 def _count_tasks(uid):
-    """Processes + threads of this real uid now (what RLIMIT_NPROC counts in the initial user namespace)."""
+    """Processes + threads of this real uid now (what RLIMIT_NPROC counts in the initial user
+    namespace)."""
     count = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -831,7 +830,8 @@ def _set_limits(spec, nproc):
 
 
 def _exec_runner(spec, python, runner):
-    """Close every other file descriptor, install the socket filter unless network=True, exec the runner."""
+    """Close every other file descriptor, install the socket filter unless network=True, exec the
+    runner."""
     os.closerange(3, 1 << 16)
     if not spec["network"]:
         _install_socket_filter()
@@ -876,7 +876,8 @@ def _socket_filter(machine):
 
 
 def _install_socket_filter():
-    """Install _socket_filter for this process and all it execs and starts (needs no_new_privs, set before)."""
+    """Install _socket_filter for this process and all it execs and starts (needs no_new_privs, set
+    before)."""
     machine = os.uname().machine
     program = _socket_filter(machine)
     if program is None:
@@ -901,7 +902,8 @@ def _install_socket_filter():
 
 
 def _run_user_code():
-    """The runner, in the sandboxed interpreter: compile main.py, run it as __main__, report how it ended."""
+    """The runner, in the sandboxed interpreter: compile main.py, run it as __main__, report how it
+    ended."""
     # prints reach the trainer even if the code is killed later
     sys.stdout.reconfigure(line_buffering=True)
     with open("main.py", "rb") as f:
