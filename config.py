@@ -265,7 +265,7 @@ class SandboxConfig:
     max_workers: int = 8  # concurrent executions in run_batch
     network: bool = False  # True: the code shares the host network
     python: str = ""  # interpreter for the code; "" = the trainer's own (sys.executable)
-    isolation: str = "auto"  # auto | namespaces | process (see the module docstring)
+    isolation: str = "auto"  # auto | namespaces | process (docs/sandbox.md)
     tmp_root: str = ""  # "process" mode: where private directories are made; "" = tempfile.gettempdir()
 
     def __post_init__(self):
