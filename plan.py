@@ -16,7 +16,8 @@ calibrated against measured peaks: docs/benchmarks.md, "Memory plan". What only 
 measured by `tools/bench.py gpu-smoke`.
 
 The JSON line holds `fits`, `phases`, `kv_cache_gib`, `kv_full_length_sequences`,
-`requests_per_round`, `host_gib_per_node`, `problems` and `suggestion`, in GiB (2^30 bytes) per GPU.
+`requests_per_round`, `host_gib_per_node`, `problems` and `suggestion`; sizes are GiB (2^30
+bytes) per GPU.
 
 Symbols: N parameters, W ranks, t = rollout.tensor_parallel_size, G the GPU's memory,
 u = rollout.gpu_memory_utilization, b_c / b_r / b_e the bytes of the compute, reduce and engine
