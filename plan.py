@@ -10,10 +10,44 @@ config names (the `hardware` section), 2 when not, with the change of one knob t
 run checks the same plan against its own device before it loads anything (train.py,
 `device_problem`).
 
-Every number is a formula of the architecture and the config; the formulas, their constants and how
-they were calibrated against measured peaks are in docs/benchmarks.md, "Memory plan". What only a
-GPU settles (CUDA-graph memory, the engine's non-torch memory) is a named constant here, measured by
-`tools/bench.py gpu-smoke`.
+Every number is a formula of the architecture and the config, below; how the formulas were
+calibrated against measured peaks: docs/benchmarks.md, "Memory plan". What only a GPU settles
+(CUDA-graph memory, the engine's non-torch memory, the CUDA context) is a named constant here,
+measured by `tools/bench.py gpu-smoke`.
+
+The JSON line holds `fits`, `phases`, `kv_cache_gib`, `kv_full_length_sequences`,
+`requests_per_round`, `host_gib_per_node`, `problems` and `suggestion`; sizes are GiB (2^30
+bytes) per GPU.
+
+Symbols: N parameters, W ranks, t = rollout.tensor_parallel_size, G the GPU's memory,
+u = rollout.gpu_memory_utilization, b_c / b_r / b_e the bytes of the compute, reduce and engine
+dtypes ("auto" runs a float32 checkpoint in bf16), d hidden size, L layers, q = heads * head_dim,
+k = KV heads * head_dim, I the MLP width, V the vocabulary, ctx = data.max_prompt_tokens + the
+longest response, T = max(train.micro_token_budget, the longest row).
+
+Terms:
+  engine          u G on GPU; on CPU engine weights + activations + rollout.kv_cache_gib
+  engine weights  N b_e / t
+  activations     max(ENGINE_BATCH_TOKENS, ctx) (q + 2k + 2I + 2d) b_e / t + 2 max_num_seqs V 4
+  KV cache        u G - engine weights - activations - CUDA_GRAPH_GIB (0 with enforce_eager)
+                  - ENGINE_NON_TORCH_GIB; one full-length sequence takes
+                  ctx 2 L ceil(KV heads / t) head_dim b_e
+  engine asleep   CUDA_GRAPH_GIB + 0.25
+  trainer         4N/W parameters, + 8N/W AdamW moments, + 4N/W gradients during the update
+  update batch    the gathered root unit and 2 layers in b_c; a layer's gradient in b_c + b_r;
+                  activations T (L d b_c + A) with checkpointing, T L A without, where
+                  A = b_c (5d + 4q + 3k + 4I) + 8d bytes per token and layer; logits and their
+                  gradient 2 T V b_c
+  sync probe      max(the largest parameter, V d b_e; the probe's forward: gathered units
+                  + (prompt + 512) A + 2 * 512 V b_c)
+  context         CUDA_CONTEXT_GIB per process (0 on CPU)
+  host per node   ranks * HOST_PROCESS_GIB, + (4 + b_c) N on the first node
+
+Phases: startup = engine + 4N/W + context; rollout = engine + 12N/W + context; update = engine
+asleep (or engine) + 16N/W + update batch + context; sync_probe = engine weights + engine asleep
+(or engine) + 12N/W + sync probe batch + context. A phase fits below the free memory less HEADROOM
+of the GPU; the KV cache must hold one full-length sequence, and ctx must not exceed
+max_position_embeddings.
 """
 
 import dataclasses
@@ -139,7 +173,7 @@ def max_model_len(cfg, evaluating=None):
 def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
     """The plan of `cfg` on `world_size` ranks (default: the hardware section's) of gpu_gib each
     (default: the hardware section's), of which free_gib are free (default: all) -> dict of GiB (see
-    the module docstring; every key is described in docs/benchmarks.md, "Memory plan")."""
+    the module docstring, which describes every key)."""
     hw = cfg.hardware
     world = world_size or hw.nodes * hw.gpus_per_node
     gpu_gib = hw.gpu_gib if gpu_gib is None else gpu_gib

@@ -11,7 +11,7 @@ rewards, the whole step).
     python -m tools.bench startup-memory   [--ranks 2] [--tied]        (a random ~0.25B Qwen2, gloo ranks on CPU)
     python -m tools.bench gpu-smoke        [--out runs/gpu_smoke.json] [--runner v1] [--sleep-level 2]      (CUDA)
 
-What each subcommand counts, its options' meaning and the measured numbers: docs/benchmarks.md.
+What each subcommand counts and the measured numbers: docs/benchmarks.md.
 """
 
 import argparse
