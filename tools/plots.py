@@ -24,11 +24,15 @@ Figures (x axis: the training step, train.py's "step")
                   whose loss differs from GRPO's); train/<key> is read where a run logs the selection there.
   eval.png        eval/<benchmark>/avg@n for every benchmark and overall, with ±1 bootstrap SE bars when
                   eval/<benchmark>/avg@n_se is logged.
+
+The reproduction in miniature's figures (compare.png, sweep.png, payoff.png) are drawn here too, by
+plot_compare, plot_sweep and plot_payoff, from what tools/repro.py gathers over seeds.
 """
 
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -349,6 +353,172 @@ def plot_runs(paths, out_dir, labels=None):
     ]
     written.append(plot_eval(runs, out_dir))
     return [path for path in written if path is not None]
+
+
+# --------------------------------------------------------------------------------------------------
+# The reproduction in miniature's figures (tools/repro.py): seed mean +- SE over runs
+# --------------------------------------------------------------------------------------------------
+
+
+def mean_and_se(values):
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return float("nan"), float("nan")
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
+    return statistics.mean(values), se
+
+
+def smoothed(values, window=10):
+    """Trailing moving average that skips None."""
+    out = []
+    for i in range(len(values)):
+        recent = [v for v in values[max(0, i - window + 1):i + 1] if v is not None]
+        out.append(statistics.mean(recent) if recent else float("nan"))
+    return out
+
+
+def plot_compare(groups, target_entropy, path):
+    """groups: {label: [records per seed]} -> one figure, three panels, seed mean +- SE, 10-step moving average."""
+    panels = [
+        ("train/entropy", "token entropy"),
+        ("rollout/distinct_correct_frac", "distinct correct / correct"),
+        ("rollout/acc_before_filter", "accuracy (all samples)"),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for (key, title), ax in zip(panels, axes):
+        for label, runs in groups.items():
+            touched = [r.get("train/touched_frac", 0.0) for records in runs for r in records]
+            # e.g. STAPO at this scale: its curves are GRPO's
+            if label != "grpo" and not any(touched):
+                label += " (changed no token: = grpo)"
+            curves = [smoothed([r.get(key) for r in records]) for records in runs]
+            length = min(map(len, curves))
+            steps = list(range(1, length + 1))
+            columns = [[c[i] for c in curves] for i in range(length)]
+            means, ses = zip(*[mean_and_se(col) for col in columns])
+            ses = [0.0 if math.isnan(s) else s for s in ses]
+            line, = ax.plot(steps, means, label=label, lw=1.4)
+            ax.fill_between(
+                steps,
+                [m - s for m, s in zip(means, ses)],
+                [m + s for m, s in zip(means, ses)],
+                color=line.get_color(),
+                alpha=0.2,
+                lw=0,
+            )
+        if key == "train/entropy":
+            ax.axhline(target_entropy, color="gray", ls="--", lw=1, label="gate target")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(sweep, grpo, target_entropy, path):
+    """sweep: {P: {W: group summary}}, grpo: group summary -> final entropy / distinct-correct / accuracy vs W."""
+    panels = [
+        ("entropy", "final token entropy"),
+        ("distinct_correct_frac", "final distinct correct / correct"),
+        ("acc_before_filter", "final accuracy"),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for (key, title), ax in zip(panels, axes):
+        for top_ratio, by_w in sorted(sweep["runs"].items()):
+            ws = sorted(by_w)
+            means = [by_w[w][key]["mean"] for w in ws]
+            ses = [by_w[w][key]["se"] if not math.isnan(by_w[w][key]["se"]) else 0.0 for w in ws]
+            line = ax.errorbar(
+                ws,
+                means,
+                yerr=ses,
+                marker="o",
+                ms=4,
+                capsize=3,
+                label=f"STARE O1, P = {top_ratio:g}",
+            )
+            found = sweep["critical"][top_ratio]
+            if key == "entropy" and found["measured"] is not None:
+                ax.axvline(found["measured"], color=line[0].get_color(), ls=":", lw=1.2)
+            if key == "entropy" and found["predicted"] is not None:
+                ax.axvline(found["predicted"], color=line[0].get_color(), ls="-.", lw=1.2)
+        mean, se = grpo[key]["mean"], grpo[key]["se"]
+        se = 0.0 if math.isnan(se) else se
+        ax.axhspan(mean - se, mean + se, color="black", alpha=0.15, lw=0)
+        ax.axhline(mean, color="black", lw=1, label="GRPO (STARE off)")
+        if key == "entropy":
+            ax.axhline(target_entropy, color="gray", ls="--", lw=1, label="gate target")
+            level = next(iter(sweep["critical"].values()))["entropy_level"]
+            ax.axhline(level, color="gray", ls=":", lw=1, label="level defining W_c")
+        ax.set_xscale("log")
+        ws = sorted({w for by_w in sweep["runs"].values() for w in by_w})
+        ax.set_xticks(ws, [f"{w:g}" for w in ws])
+        ax.minorticks_off()
+        ax.set_xlabel("W (weight on L+), log scale")
+        ax.set_title(
+            title
+            + ("\n(dotted: measured W_c, dash-dot: first-order W_c)" if key == "entropy" else "")
+        )
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_payoff(runs, summary, ks, steps, target_entropy, path):
+    """Four panels, seed mean +- SE: training entropy per step; held-out pass@1 and pass@max(k) per
+    evaluation; held-out pass@k against k at the end of training (and before it, the same model for
+    every setting)."""
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    for name, seeds in runs.items():
+        curves = [smoothed([r.get("train/entropy") for r in records]) for records, _ in seeds]
+        columns = [[c[i] for c in curves] for i in range(min(map(len, curves)))]
+        means, ses = zip(*[mean_and_se(col) for col in columns])
+        line, = axes[0].plot(range(1, len(means) + 1), means, label=name, lw=1.3)
+        color = line.get_color()
+        for ax, key in ((axes[1], "heldout/pass@1"), (axes[2], f"heldout/pass@{ks[-1]}")):
+            eval_steps = sorted(seeds[0][1])
+            stats = [mean_and_se([heldout[s][key] for _, heldout in seeds]) for s in eval_steps]
+            ax.errorbar(
+                eval_steps,
+                [m for m, _ in stats],
+                yerr=[0 if math.isnan(e) else e for _, e in stats],
+                color=color,
+                marker="o",
+                ms=3,
+                capsize=2,
+                lw=1.2,
+            )
+        final = [summary[name][f"heldout/pass@{k}"] for k in ks]
+        axes[3].errorbar(
+            ks,
+            [f["mean"] for f in final],
+            yerr=[0 if math.isnan(f["se"]) else f["se"] for f in final],
+            color=color,
+            marker="o",
+            ms=3,
+            capsize=2,
+            lw=1.2,
+            label=name,
+        )
+    before = [
+        statistics.mean(heldout[0][f"heldout/pass@{k}"] for _, heldout in next(iter(runs.values())))
+        for k in ks
+    ]
+    axes[3].plot(ks, before, color="gray", ls="--", lw=1, label="before training")
+    axes[0].axhline(target_entropy, color="gray", ls="--", lw=1, label="gate target")
+    axes[0].set(title="token entropy (training batches), log scale", xlabel="step", yscale="log")
+    axes[1].set(title="held-out pass@1 (avg@n)", xlabel="step")
+    axes[2].set(title=f"held-out pass@{ks[-1]}", xlabel="step")
+    axes[3].set(title=f"held-out pass@k after {steps} steps", xlabel="k", xscale="log")
+    axes[3].set_xticks(ks, [str(k) for k in ks])
+    axes[3].minorticks_off()
+    axes[0].legend(fontsize=8)
+    axes[3].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv):

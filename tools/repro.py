@@ -55,6 +55,7 @@ import rewards
 import rollout
 import stare
 import train
+from tools import plots
 
 TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
@@ -390,14 +391,6 @@ def final_values(records, window):
     return result
 
 
-def mean_and_se(values):
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
-        return float("nan"), float("nan")
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
-    return statistics.mean(values), se
-
-
 def crossing(xs, ys, level):
     """The first x at which the piecewise-linear curve through (xs, ys) (xs increasing) reaches `level` from
     below; None if it never does, xs[0] if it starts there."""
@@ -432,7 +425,7 @@ def summarize_group(records_by_seed, window):
     finals = [final_values(records, window) for records in records_by_seed]
     summary = {}
     for key in FINAL_KEYS:
-        mean, se = mean_and_se([f[key] for f in finals])
+        mean, se = plots.mean_and_se([f[key] for f in finals])
         summary[key.split("/")[-1]] = {"mean": mean, "se": se, "per_seed": [f[key] for f in finals]}
     updates = [[r for r in records if "train/touched_frac" in r] for records in records_by_seed]
     summary["per_seed"] = {
@@ -443,95 +436,6 @@ def summarize_group(records_by_seed, window):
         "seconds": [round(sum(r["time/step"] for r in records), 1) for records in records_by_seed],
     }
     return summary
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Figures
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def smoothed(values, window=10):
-    """Trailing moving average that skips None."""
-    out = []
-    for i in range(len(values)):
-        recent = [v for v in values[max(0, i - window + 1):i + 1] if v is not None]
-        out.append(statistics.mean(recent) if recent else float("nan"))
-    return out
-
-
-def plot_compare(groups, target_entropy, path):
-    """groups: {label: [records per seed]} -> one figure, three panels, seed mean +- SE, 10-step moving average."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [("train/entropy", "token entropy"), ("rollout/distinct_correct_frac", "distinct correct / correct"),
-              ("rollout/acc_before_filter", "accuracy (all samples)")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for (key, title), ax in zip(panels, axes):
-        for label, runs in groups.items():
-            touched = [r.get("train/touched_frac", 0.0) for records in runs for r in records]
-            if label != "grpo" and not any(touched):  # e.g. STAPO at this scale: its curves are GRPO's
-                label += " (changed no token: = grpo)"
-            curves = [smoothed([r.get(key) for r in records]) for records in runs]
-            length = min(map(len, curves))
-            steps = list(range(1, length + 1))
-            columns = [[c[i] for c in curves] for i in range(length)]
-            means, ses = zip(*[mean_and_se(col) for col in columns])
-            ses = [0.0 if math.isnan(s) else s for s in ses]
-            line, = ax.plot(steps, means, label=label, lw=1.4)
-            ax.fill_between(steps, [m - s for m, s in zip(means, ses)], [m + s for m, s in zip(means, ses)],
-                            color=line.get_color(), alpha=0.2, lw=0)
-        if key == "train/entropy":
-            ax.axhline(target_entropy, color="gray", ls="--", lw=1, label="gate target")
-        ax.set_title(title)
-        ax.set_xlabel("step")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_sweep(sweep, grpo, target_entropy, path):
-    """sweep: {P: {W: group summary}}, grpo: group summary -> final entropy / distinct-correct / accuracy vs W."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [("entropy", "final token entropy"), ("distinct_correct_frac", "final distinct correct / correct"),
-              ("acc_before_filter", "final accuracy")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for (key, title), ax in zip(panels, axes):
-        for top_ratio, by_w in sorted(sweep["runs"].items()):
-            ws = sorted(by_w)
-            means = [by_w[w][key]["mean"] for w in ws]
-            ses = [by_w[w][key]["se"] if not math.isnan(by_w[w][key]["se"]) else 0.0 for w in ws]
-            line = ax.errorbar(ws, means, yerr=ses, marker="o", ms=4, capsize=3, label=f"STARE O1, P = {top_ratio:g}")
-            found = sweep["critical"][top_ratio]
-            if key == "entropy" and found["measured"] is not None:
-                ax.axvline(found["measured"], color=line[0].get_color(), ls=":", lw=1.2)
-            if key == "entropy" and found["predicted"] is not None:
-                ax.axvline(found["predicted"], color=line[0].get_color(), ls="-.", lw=1.2)
-        mean, se = grpo[key]["mean"], grpo[key]["se"]
-        se = 0.0 if math.isnan(se) else se
-        ax.axhspan(mean - se, mean + se, color="black", alpha=0.15, lw=0)
-        ax.axhline(mean, color="black", lw=1, label="GRPO (STARE off)")
-        if key == "entropy":
-            ax.axhline(target_entropy, color="gray", ls="--", lw=1, label="gate target")
-            level = next(iter(sweep["critical"].values()))["entropy_level"]
-            ax.axhline(level, color="gray", ls=":", lw=1, label="level defining W_c")
-        ax.set_xscale("log")
-        ws = sorted({w for by_w in sweep["runs"].values() for w in by_w})
-        ax.set_xticks(ws, [f"{w:g}" for w in ws])
-        ax.minorticks_off()
-        ax.set_xlabel("W (weight on L+), log scale")
-        ax.set_title(title + ("\n(dotted: measured W_c, dash-dot: first-order W_c)" if key == "entropy" else ""))
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -562,7 +466,7 @@ def paired_difference(values, baseline):
     either value is NaN (e.g. no correct answer to measure the diversity of) is left out of the statistics."""
     diffs = [v - b for v, b in zip(values, baseline)]
     finite = [d for d in diffs if not math.isnan(d)]
-    mean, se = mean_and_se(finite)
+    mean, se = plots.mean_and_se(finite)
     return {"mean": mean, "paired_se": se, "bootstrap_se": evaluate.bootstrap_se(finite) if finite else math.nan,
             "seeds_above": sum(d > 0 for d in finite), "seeds_below": sum(d < 0 for d in finite), "per_seed": diffs}
 
@@ -575,9 +479,9 @@ def heldout_comparison(runs, steps, ks):
     keys = [f"heldout/pass@{k}" for k in ks] + ["heldout/distinct_correct_frac", "heldout/solved_frac"]
     per_setting = {}
     for name, seeds in runs.items():
-        values = {"entropy_mean": [mean_and_se([r.get("train/entropy", math.nan) for r in records])[0]
+        values = {"entropy_mean": [plots.mean_and_se([r.get("train/entropy", math.nan) for r in records])[0]
                                    for records, _ in seeds],  # steps without an update (no varied group) skipped
-                  "entropy_final": [mean_and_se([r.get("train/entropy", math.nan) for r in records[-20:]])[0]
+                  "entropy_final": [plots.mean_and_se([r.get("train/entropy", math.nan) for r in records[-20:]])[0]
                                     for records, _ in seeds]}
         for key in keys:
             finals = [heldout[steps].get(key) for _, heldout in seeds]
@@ -587,52 +491,12 @@ def heldout_comparison(runs, steps, ks):
     for name, values in per_setting.items():
         summary[name] = {}
         for key, per_seed in values.items():
-            mean, se = mean_and_se(per_seed)
+            mean, se = plots.mean_and_se(per_seed)
             entry = {"mean": mean, "se": se, "per_seed": per_seed}
             if name != "grpo":
                 entry["minus_grpo"] = paired_difference(per_seed, per_setting["grpo"][key])
             summary[name][key] = entry
     return summary
-
-
-def plot_payoff(runs, summary, ks, steps, target_entropy, path):
-    """Four panels, seed mean +- SE: training entropy per step; held-out pass@1 and pass@max(k) per evaluation;
-    held-out pass@k against k at the end of training (and before it, the same model for every setting)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
-    for name, seeds in runs.items():
-        curves = [smoothed([r.get("train/entropy") for r in records]) for records, _ in seeds]
-        columns = [[c[i] for c in curves] for i in range(min(map(len, curves)))]
-        means, ses = zip(*[mean_and_se(col) for col in columns])
-        line, = axes[0].plot(range(1, len(means) + 1), means, label=name, lw=1.3)
-        color = line.get_color()
-        for ax, key in ((axes[1], "heldout/pass@1"), (axes[2], f"heldout/pass@{ks[-1]}")):
-            eval_steps = sorted(seeds[0][1])
-            stats = [mean_and_se([heldout[s][key] for _, heldout in seeds]) for s in eval_steps]
-            ax.errorbar(eval_steps, [m for m, _ in stats], yerr=[0 if math.isnan(e) else e for _, e in stats],
-                        color=color, marker="o", ms=3, capsize=2, lw=1.2)
-        final = [summary[name][f"heldout/pass@{k}"] for k in ks]
-        axes[3].errorbar(ks, [f["mean"] for f in final], yerr=[0 if math.isnan(f["se"]) else f["se"] for f in final],
-                         color=color, marker="o", ms=3, capsize=2, lw=1.2, label=name)
-    before = [statistics.mean(heldout[0][f"heldout/pass@{k}"] for _, heldout in next(iter(runs.values())))
-              for k in ks]
-    axes[3].plot(ks, before, color="gray", ls="--", lw=1, label="before training")
-    axes[0].axhline(target_entropy, color="gray", ls="--", lw=1, label="gate target")
-    axes[0].set(title="token entropy (training batches), log scale", xlabel="step", yscale="log")
-    axes[1].set(title="held-out pass@1 (avg@n)", xlabel="step")
-    axes[2].set(title=f"held-out pass@{ks[-1]}", xlabel="step")
-    axes[3].set(title=f"held-out pass@k after {steps} steps", xlabel="k", xscale="log")
-    axes[3].set_xticks(ks, [str(k) for k in ks])
-    axes[3].minorticks_off()
-    axes[0].legend(fontsize=8)
-    axes[3].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def run_payoff(args, out, workers):
@@ -681,11 +545,11 @@ def run_payoff(args, out, workers):
         name: min(bonuses, key=lambda bonus: abs(summary["runs"][bonus]["entropy_mean"]["mean"]
                                                  - summary["runs"][name]["entropy_mean"]["mean"]), default=None)
         for name in settings if name.startswith("stare")}
-    summary["before_training"] = {key: mean_and_se([heldout[0][key] for _, heldout in runs["grpo"]])[0]
+    summary["before_training"] = {key: plots.mean_and_se([heldout[0][key] for _, heldout in runs["grpo"]])[0]
                                   for key in runs["grpo"][0][1][0] if key != "step"}
     summary["seconds_this_invocation"] = round(time.time() - started, 1)
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
-    plot_payoff(runs, summary["runs"], ks, args.steps, args.target_entropy, root / "payoff.png")
+    plots.plot_payoff(runs, summary["runs"], ks, args.steps, args.target_entropy, root / "payoff.png")
     print_heldout(summary["runs"], ks)
     for name, bonus in summary["entropy_matched_bonus"].items():
         print(f"entropy-matched to {name}: {bonus}")
@@ -815,14 +679,14 @@ def main(argv):
     summary = {"settings": {**vars(args), "runs": len(jobs)}}
     compare_groups = {name: seeds_of("compare", name) for name in compare_names}
     summary["compare"] = {name: summarize_group(runs, args.final_window) for name, runs in compare_groups.items()}
-    plot_compare(compare_groups, args.target_entropy, out / "compare.png")
+    plots.plot_compare(compare_groups, args.target_entropy, out / "compare.png")
     if args.eval_every:  # the comparison's held-out evaluations, paired with GRPO's
         heldout_runs = {name: [(records, read_heldout(str(run_dirs["compare", name]).format(seed=seed)))
                                for records, seed in zip(compare_groups[name], args.seeds)]
                         for name in compare_names}
         ks = evaluate.ks_for(args.eval_n)
         summary["compare_heldout"] = heldout_comparison(heldout_runs, args.steps, ks)
-        plot_payoff(heldout_runs, summary["compare_heldout"], ks, args.steps, args.target_entropy,
+        plots.plot_payoff(heldout_runs, summary["compare_heldout"], ks, args.steps, args.target_entropy,
                     out / "compare_heldout.png")
     if args.part in ("all", "sweep"):
         grpo = summary["compare"]["grpo"]
@@ -838,7 +702,7 @@ def main(argv):
             sweep["critical"][p] = {"measured": measured,
                                     "entropy_level": level, "predicted": predicted, "dH_grpo": dh_grpo,
                                     "dH_lplus": dh_lplus, "batches": batches}
-        plot_sweep(sweep, grpo, args.target_entropy, out / "sweep.png")
+        plots.plot_sweep(sweep, grpo, args.target_entropy, out / "sweep.png")
         summary["sweep"] = {"critical": {f"{p:g}": v for p, v in sweep["critical"].items()},
                             "runs": {f"P={p:g}": {f"W={w:g}": v for w, v in by_w.items()}
                                      for p, by_w in sweep["runs"].items()}}
