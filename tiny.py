@@ -419,7 +419,7 @@ BUILD_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_T
 # default warm-up steps) under BUILD_ENV with torch 2.13.0+cpu and transformers 5.19.0; a default
 # build that differs says so loudly
 REFERENCE_SHA256 = {
-    "model": "",
+    "model": "830092b6290c17ff51896542c3c255cd8a1bedbfaf3c848f03e30564de899de0",
     "countdown_model": "",
 }
 
