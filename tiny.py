@@ -46,6 +46,12 @@ the model where RL has something to learn: sampling at temperature 1 it answers 
 add prompts correctly (exact arithmetic is what a 0.5M-parameter model learns slowly; the numbers are kept small
 so that a minute of training gets there).
 
+Reproducible bytes: every build runs under BUILD_ENV (one thread, ATen's AVX2 kernels, MKL's COMPATIBLE branch;
+in a child process when the caller was not started under it), so that the same code builds the same
+model.safetensors on any x86 CPU with AVX2. tiny.json, countdown.json and tool.json record its sha256
+(model_sha256), tiny.py prints it, and a default build that is not REFERENCE_SHA256 says so; why, and what is not
+guaranteed: docs/results.md, "Which model a result came from".
+
 The prompts go through data.py exactly as a user's data would (plain {"problem", "answer"} rows and the chat
 template), so the warm-up trains on the very token sequences the trainer will later sample from. They carry no
 STARE suffix (load with prompt_suffix=None): on a CPU every prompt token costs time, and the tiny model cannot read.
