@@ -426,7 +426,7 @@ BUILD_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_T
 # build that differs says so loudly
 REFERENCE_SHA256 = {
     "model": "830092b6290c17ff51896542c3c255cd8a1bedbfaf3c848f03e30564de899de0",
-    "countdown_model": "",
+    "countdown_model": "e890958b0ecfb68c19b9ebce171a9998d02a458c03d5a7f808884e792bf30df4",
 }
 
 
