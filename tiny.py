@@ -46,15 +46,25 @@ the model where RL has something to learn: sampling at temperature 1 it answers 
 add prompts correctly (exact arithmetic is what a 0.5M-parameter model learns slowly; the numbers are kept small
 so that a minute of training gets there).
 
+Reproducible bytes: every build runs under BUILD_ENV (one thread, ATen's AVX2 kernels, MKL's COMPATIBLE branch;
+in a child process when the caller was not started under it), so that the same code builds the same
+model.safetensors on any x86 CPU with AVX2. tiny.json, countdown.json and tool.json record its sha256
+(model_sha256), tiny.py prints it, and a default build that is not REFERENCE_SHA256 says so; why, and what is not
+guaranteed: docs/results.md, "Which model a result came from".
+
 The prompts go through data.py exactly as a user's data would (plain {"problem", "answer"} rows and the chat
 template), so the warm-up trains on the very token sequences the trainer will later sample from. They carry no
 STARE suffix (load with prompt_suffix=None): on a CPU every prompt token costs time, and the tiny model cannot read.
 """
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -363,6 +373,9 @@ def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False):
     summary_path = out_dir / "countdown.json"
     if summary_path.exists() and not force:  # written last, so its presence means the variant is complete
         return json.loads(summary_path.read_text())
+    if not build_here():
+        return run_pinned("build_tiny_countdown", out_dir=str(out_dir), seed=seed,
+                          warmup_steps=warmup_steps, force=force)
     tokenizer, model = load_default(out_dir, seed)
     start = time.time()
     splits, solutions = make_countdown_splits(seed=seed)
@@ -375,12 +388,15 @@ def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False):
         choice = rng.choice(solutions[tuple(map(int, digits.split(","))), int(target)])
         return answer_sequence(tokenizer, prompt_ids[i], f"\\boxed{{{choice}}}")
 
-    final_loss = warmup(model, tokenizer, rows, prompt_ids, warmup_steps, seed=seed, sequence=sequence)
-    rates = {}
-    for name in splits:
-        split_rows, split_prompts = load_split(out_dir / "data", name, tokenizer)
-        rates[name], samples = sampled_success_rate(model, tokenizer, split_rows, split_prompts, seed=seed)
-    save_variant(model, out_dir, "countdown_model")
+    with build_numerics():
+        final_loss = warmup(model, tokenizer, rows, prompt_ids, warmup_steps, seed=seed,
+                            sequence=sequence)
+        rates = {}
+        for name in splits:
+            split_rows, split_prompts = load_split(out_dir / "data", name, tokenizer)
+            rates[name], samples = sampled_success_rate(model, tokenizer, split_rows,
+                                                        split_prompts, seed=seed)
+        save_variant(model, out_dir, "countdown_model")
     counts = [len(solutions[key]) for key in solutions]
     summary = {"model_dir": str(out_dir / "countdown_model"), "data_dir": str(out_dir / "data"),
                "train_prompts": len(splits["countdown_train"]), "test_prompts": len(splits["countdown_test"]),
@@ -389,7 +405,112 @@ def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False):
                "warmup_steps": warmup_steps, "warmup_final_loss": round(final_loss, 4),
                **{f"{name}_success_rate_t1": round(rate, 3) for name, rate in rates.items()},
                "test_samples": samples[:8], "seconds": round(time.time() - start, 1), "seed": seed}
+    base_default = json.loads((out_dir / "tiny.json").read_text())["warmup_steps"] == 800
+    check_reference(summary, "countdown_model", seed == 0 and warmup_steps == 1500 and base_default)
     summary_path.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The same model bytes on every x86 CPU (docs/results.md, "Which model a result came from")
+# ----------------------------------------------------------------------------------------------------------------------
+
+# The numerics every build runs under. float32 sums round differently in another order, and the
+# order follows the kernel: ATen picks 8-wide AVX2 or 16-wide AVX-512 loops by CPU; MKL's GEMM picks
+# its code path by CPU (its AVX2/AVX-512 reproducible branches are Intel-only; COMPATIBLE, SSE2, is
+# the one meant to hold on AMD too) and may split work by thread count. torch and MKL read these
+# once, at start-up: hence a child process (run_pinned).
+BUILD_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
+             "MKL_NUM_THREADS": "1"}
+# sha256 of model.safetensors as `python tiny.py --out runs/tiny --countdown` builds it (seed 0,
+# default warm-up steps) under BUILD_ENV with torch 2.13.0+cpu and transformers 5.19.0; a default
+# build that differs says so loudly
+REFERENCE_SHA256 = {
+    "model": "830092b6290c17ff51896542c3c255cd8a1bedbfaf3c848f03e30564de899de0",
+    "countdown_model": "e890958b0ecfb68c19b9ebce171a9998d02a458c03d5a7f808884e792bf30df4",
+}
+
+
+def file_sha256(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def can_pin():
+    """Whether this CPU runs BUILD_ENV's kernels: x86-64 with AVX2 and FMA (Intel since 2013, AMD
+    since 2015)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return {"avx2", "fma"} <= flags
+
+
+def pinned():
+    """Whether this process runs under BUILD_ENV (set before torch started: ATen's kernels say so)."""
+    return (all(os.environ.get(key) == value for key, value in BUILD_ENV.items())
+            and torch.backends.cpu.get_cpu_capability() == "AVX2")
+
+
+def run_pinned(name, **kwargs):
+    """tiny.<name>(**kwargs), run in a child process under BUILD_ENV -> its result (a JSON-able
+    dict). Progress goes to stderr as usual; the child's last stdout line is the result."""
+    code = f"import json, sys, tiny; print(json.dumps(tiny.{name}(**json.loads(sys.argv[1]))))"
+    here = str(Path(__file__).resolve().parent)
+    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, **BUILD_ENV, "PYTHONPATH": path, "STARE_TINY_PINNED_CHILD": "1"}
+    completed = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], env=env,
+                               stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def build_here():
+    """True: build in this process (under BUILD_ENV, or on a CPU that cannot be pinned, with a
+    warning); False: the caller builds through run_pinned instead."""
+    if pinned():
+        return True
+    if os.environ.get("STARE_TINY_PINNED_CHILD"):  # still not pinned in the child: never fork again
+        raise RuntimeError("tiny.py: BUILD_ENV did not take effect (ATen runs "
+                           f"{torch.backends.cpu.get_cpu_capability()} kernels)")
+    if can_pin():
+        return False
+    print("tiny.py: WARNING: this CPU has no AVX2+FMA, so the build cannot run under BUILD_ENV; "
+          "the model will differ from REFERENCE_SHA256 and from every committed result",
+          file=sys.stderr)
+    return True
+
+
+@contextlib.contextmanager
+def build_numerics():
+    """One intra-op thread and deterministic algorithms for the build, restored afterwards (a
+    pinned process may still have called torch.set_num_threads)."""
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def check_reference(summary, name, default_settings):
+    """Record the built model's sha256 and numerics in its summary; say loudly when a build with
+    the default settings is not the reference."""
+    summary["model_sha256"] = file_sha256(Path(summary["model_dir"]) / "model.safetensors")
+    summary["build_env"] = {**{key: os.environ.get(key) for key in BUILD_ENV},
+                            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                            "torch": torch.__version__}
+    expected = REFERENCE_SHA256.get(name)
+    if default_settings and expected and summary["model_sha256"] != expected:
+        print(f"tiny.py: WARNING: {summary['model_dir']}/model.safetensors has sha256 "
+              f"{summary['model_sha256']}, not the reference {expected}: results made with it "
+              "will not match the committed ones (docs/results.md, \"Which model a result came "
+              "from\")", file=sys.stderr)
     return summary
 
 
@@ -404,27 +525,34 @@ def build_tiny(out_dir, seed=0, warmup_steps=800, force=False):
     summary_path = out_dir / "tiny.json"
     if summary_path.exists() and not force:  # written last, so its presence means the directory is complete
         return json.loads(summary_path.read_text())
+    if not build_here():
+        return run_pinned("build_tiny", out_dir=str(out_dir), seed=seed,
+                          warmup_steps=warmup_steps, force=force)
     from transformers import AutoTokenizer
 
     start = time.time()
-    built_tokenizer = build_tokenizer()
-    model = build_model(built_tokenizer, seed=seed)
-    built_tokenizer.save_pretrained(out_dir / "model")
-    model.config.save_pretrained(out_dir / "model")  # config.json first: it makes AutoTokenizer pick Qwen2Tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(out_dir / "model")  # exactly what the trainer and vLLM will load
-    splits = make_splits(seed=seed)
-    (out_dir / "data").mkdir(parents=True, exist_ok=True)
-    for name, rows in splits.items():
-        data.save_jsonl(rows, out_dir / "data" / f"{name}.jsonl")
-    loaded = {name: load_split(out_dir / "data", name, tokenizer) for name in splits}
-    train_rows = loaded["sum_train"][0] + loaded["add_train"][0]
-    train_prompts = loaded["sum_train"][1] + loaded["add_train"][1]
-    final_loss = warmup(model, tokenizer, train_rows, train_prompts, warmup_steps, seed=seed)
-    # several samples per prompt: the sum splits have only 16 and 4 prompts
-    sum_train_rate, _ = sampled_success_rate(model, tokenizer, *(x * 4 for x in loaded["sum_train"]), seed=seed)
-    sum_rate, sum_samples = sampled_success_rate(model, tokenizer, *(x * 16 for x in loaded["sum_test"]), seed=seed)
-    add_rate, _ = sampled_success_rate(model, tokenizer, *loaded["add_test"], seed=seed)
-    model.save_pretrained(out_dir / "model")
+    with build_numerics():
+        built_tokenizer = build_tokenizer()
+        model = build_model(built_tokenizer, seed=seed)
+        built_tokenizer.save_pretrained(out_dir / "model")
+        # config.json first: it makes AutoTokenizer pick Qwen2Tokenizer
+        model.config.save_pretrained(out_dir / "model")
+        tokenizer = AutoTokenizer.from_pretrained(out_dir / "model")  # what the trainer will load
+        splits = make_splits(seed=seed)
+        (out_dir / "data").mkdir(parents=True, exist_ok=True)
+        for name, rows in splits.items():
+            data.save_jsonl(rows, out_dir / "data" / f"{name}.jsonl")
+        loaded = {name: load_split(out_dir / "data", name, tokenizer) for name in splits}
+        train_rows = loaded["sum_train"][0] + loaded["add_train"][0]
+        train_prompts = loaded["sum_train"][1] + loaded["add_train"][1]
+        final_loss = warmup(model, tokenizer, train_rows, train_prompts, warmup_steps, seed=seed)
+        # several samples per prompt: the sum splits have only 16 and 4 prompts
+        sum_train_rate, _ = sampled_success_rate(model, tokenizer,
+                                                 *(x * 4 for x in loaded["sum_train"]), seed=seed)
+        sum_rate, sum_samples = sampled_success_rate(model, tokenizer,
+                                                     *(x * 16 for x in loaded["sum_test"]), seed=seed)
+        add_rate, _ = sampled_success_rate(model, tokenizer, *loaded["add_test"], seed=seed)
+        model.save_pretrained(out_dir / "model")
     summary = {
         "model_dir": str(out_dir / "model"), "data_dir": str(out_dir / "data"),
         "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": model.config.vocab_size,
@@ -433,6 +561,7 @@ def build_tiny(out_dir, seed=0, warmup_steps=800, force=False):
         "add_test_success_rate_t1": round(add_rate, 3),
         "sum_test_samples": sum_samples[:8], "seconds": round(time.time() - start, 1), "seed": seed,
     }
+    check_reference(summary, "model", seed == 0 and warmup_steps == 800)
     summary_path.write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -464,6 +593,9 @@ def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False):
     summary_path = out_dir / "tool.json"
     if summary_path.exists() and not force:  # written last, so its presence means the variant is complete
         return json.loads(summary_path.read_text())
+    if not build_here():
+        return run_pinned("build_tiny_tool", out_dir=str(out_dir), seed=seed,
+                          warmup_steps=warmup_steps, force=force)
     tokenizer, model = load_default(out_dir, seed)
     start = time.time()
     for name, rows in make_tool_splits(seed=seed).items():
@@ -475,15 +607,17 @@ def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False):
         turns = tool_warmup_turns(rows[i]["problem"], rows[i]["answer"], rng)
         return tool_warmup_sequence(tokenizer, prompt_ids[i], turns, wrapper)
 
-    final_loss = warmup(model, tokenizer, rows, prompt_ids, warmup_steps, batch_size=8, seed=seed,
-                        sequence=sequence)
-    test_rows, test_prompts = load_split(out_dir / "data", "mul_test", tokenizer)
-    rates, turns = first_turn_calls(model, tokenizer, test_rows, test_prompts, seed=seed)
-    save_variant(model, out_dir, "tool_model")
+    with build_numerics():
+        final_loss = warmup(model, tokenizer, rows, prompt_ids, warmup_steps, batch_size=8, seed=seed,
+                            sequence=sequence)
+        test_rows, test_prompts = load_split(out_dir / "data", "mul_test", tokenizer)
+        rates, turns = first_turn_calls(model, tokenizer, test_rows, test_prompts, seed=seed)
+        save_variant(model, out_dir, "tool_model")
     summary = {"model_dir": str(out_dir / "tool_model"), "data_dir": str(out_dir / "data"),
                "warmup_steps": warmup_steps, "warmup_final_loss": round(final_loss, 4), "shapes": TOOL_SHAPES,
                **{f"first_turn_{k}_t1": round(v, 3) for k, v in rates.items()}, "first_turn_samples": turns[:4],
                "seconds": round(time.time() - start, 1), "seed": seed}
+    check_reference(summary, "tool_model", False)  # the tool variant has no committed results to match
     summary_path.write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -517,11 +651,16 @@ def main():
     if args.data_only:
         print(json.dumps(write_data(args.out, args.seed), indent=2))
         return
-    print(json.dumps(build_tiny(args.out, args.seed, args.warmup_steps, args.force), indent=2))
+    built = [build_tiny(args.out, args.seed, args.warmup_steps, args.force)]
     if args.tool:
-        print(json.dumps(build_tiny_tool(args.out, args.seed, force=args.force), indent=2))
+        built.append(build_tiny_tool(args.out, args.seed, force=args.force))
     if args.countdown:
-        print(json.dumps(build_tiny_countdown(args.out, args.seed, force=args.force), indent=2))
+        built.append(build_tiny_countdown(args.out, args.seed, force=args.force))
+    for summary in built:
+        print(json.dumps(summary, indent=2))
+    for summary in built:  # what a result made with these models should name (repro.py records them too)
+        sha = summary.get("model_sha256", "(not recorded: built before tiny.py recorded it)")
+        print(f"{summary['model_dir']}/model.safetensors sha256 {sha}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 critical W against entropy_dynamics, and a short run end to end through train.py's stages."""
 
 import copy
+import hashlib
 import json
 import math
 import statistics
@@ -135,6 +136,15 @@ def test_short_runs_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
     assert [path.stat().st_mtime_ns for path in runs] == before
     assert repro.main(argv[:-2] + ["--final-window", "2", "--target-entropy", "9"]) == 0  # other settings: rerun
     assert all(path.stat().st_mtime_ns != old for path, old in zip(runs, before))
+    # the summary names the starting model by content, and a run made from another model is rerun
+    sha = hashlib.sha256((tiny_dir / "model" / "model.safetensors").read_bytes()).hexdigest()
+    assert json.loads((tmp_path / "summary.json").read_text())["model_sha256"] == {"sum": sha}
+    record = tmp_path / "compare" / "grpo_seed0" / "repro.json"
+    assert json.loads(record.read_text())["model_sha256"] == sha
+    record.write_text(json.dumps({**json.loads(record.read_text()), "model_sha256": "0" * 64}))
+    before = [path.stat().st_mtime_ns for path in runs]
+    assert repro.main(argv[:-2] + ["--final-window", "2", "--target-entropy", "9"]) == 0
+    assert [path.stat().st_mtime_ns != old for path, old in zip(runs, before)] == [True, False]
 
 
 def test_heldout_summary_against_subset_enumeration():
@@ -200,6 +210,8 @@ def test_payoff_quick_variant(countdown_dir, tmp_path, capsys):
     assert set(summary["entropy_matched_bonus"]) == {name for name in settings if name.startswith("stare")}
     assert set(summary["entropy_matched_bonus"].values()) == {"entropy_bonus_0.05"}
     assert (tmp_path / "payoff" / "payoff.png").stat().st_size > 0
+    sha = hashlib.sha256((countdown_dir / "countdown_model" / "model.safetensors").read_bytes()).hexdigest()
+    assert summary["model_sha256"] == {"countdown": sha}
     assert "paired difference from GRPO" in capsys.readouterr().out
     # a subset of the settings: GRPO comes along, and complete runs are read back, not rerun
     metrics = tmp_path / "payoff" / "lp_reg_seed0" / "metrics.jsonl"

@@ -113,6 +113,30 @@ def load_task(tiny_dir, tokenizer, max_prompt_tokens, split="sum_train"):
     return (torch.tensor(prompt_ids), [e.ground_truth for e in examples], [e.data_source for e in examples])
 
 
+def model_sha256(tiny_dir, task):
+    """sha256 of the task's starting model.safetensors: what every result names (as tiny.py
+    prints it)."""
+    import hashlib
+
+    path = Path(tiny_dir) / TASKS[task][0] / "model.safetensors"
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_model(tiny_dir, task):
+    """{task: sha256} of the task's starting model, with a loud warning when it is not tiny.py's
+    reference build: the committed results would then not be reproduced."""
+    import tiny
+
+    found = model_sha256(tiny_dir, task)
+    expected = tiny.REFERENCE_SHA256.get(TASKS[task][0])
+    if expected and found != expected:
+        print(f"WARNING: {Path(tiny_dir) / TASKS[task][0]}/model.safetensors has sha256 {found},"
+              f" not tiny.py's reference {expected}: these runs cannot reproduce the committed "
+              "results (docs/results.md, \"Which model a result came from\")",
+              file=sys.stderr)
+    return {task: found}
+
+
 def load_model(tiny_dir, task="sum", attn_implementation=modeling.ATTENTION):
     """The task's tiny model in float32, with train.py's attention (the packed rows of old_policy_pass and
     policy_update then cost no [L, L] mask)."""
@@ -260,8 +284,10 @@ def train_run(spec, tiny_dir, out_dir):
     order = torch.Generator().manual_seed(rollout.derive_seed(spec.seed, "repro", "prompts"))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(config.to_yaml(cfg))  # the objective's settings (tools/plots.py reads the target)
-    (out_dir / "repro.json").write_text(json.dumps(spec_record(spec)))  # the run's own: batch, steps, swept P
+    # the objective's settings (tools/plots.py reads the target)
+    (out_dir / "config.yaml").write_text(config.to_yaml(cfg))
+    # the run's own: batch, steps, swept P, the starting model's sha256
+    (out_dir / "repro.json").write_text(json.dumps(spec_record(spec, tiny_dir)))
     heldout_log = out_dir / "heldout.jsonl"
     heldout_log.unlink(missing_ok=True)
 
@@ -336,9 +362,11 @@ def read_records(path):
     return records
 
 
-def spec_record(spec):
-    """A RunSpec as the JSON a run directory keeps: a rerun reuses the directory only if it matches."""
-    return json.loads(json.dumps(dataclasses.asdict(spec)))
+def spec_record(spec, tiny_dir):
+    """A RunSpec and its starting model's sha256 as the JSON a run directory keeps: a rerun reuses
+    the directory only if it matches (a run from another model is rerun, not mixed in)."""
+    record = json.loads(json.dumps(dataclasses.asdict(spec)))
+    return {**record, "model_sha256": model_sha256(tiny_dir, spec.task)}
 
 
 def _run_in_worker(job):
@@ -360,7 +388,8 @@ def run_all(jobs, workers):
         metrics, record = Path(out_dir) / "metrics.jsonl", Path(out_dir) / "repro.json"
         heldout = Path(out_dir) / "heldout.jsonl"
         evaluations = read_records(heldout) if heldout.exists() else []
-        complete = (metrics.exists() and record.exists() and json.loads(record.read_text()) == spec_record(spec)
+        complete = (metrics.exists() and record.exists()
+                    and json.loads(record.read_text()) == spec_record(spec, tiny_dir)
                     and len(read_records(metrics)) >= spec.steps
                     and (not spec.eval_every or (evaluations and evaluations[-1]["step"] == spec.steps)))
         if not complete:
@@ -539,6 +568,7 @@ def run_payoff(args, out, workers):
                    for seed in args.seeds] for name in settings}
     ks = evaluate.ks_for(args.eval_n)
     summary = {"settings": {**vars(args), "tiny": str(args.tiny), "out": str(args.out)},
+               "model_sha256": check_model(args.tiny, args.task),  # the starting model, by content
                "prediction": prediction, "runs": heldout_comparison(runs, args.steps, ks)}
     bonuses = [name for name in settings if name.startswith("entropy_bonus")]
     summary["entropy_matched_bonus"] = {  # per STARE setting, the bonus whose mean entropy comes closest to it
@@ -553,6 +583,7 @@ def run_payoff(args, out, workers):
     print_heldout(summary["runs"], ks)
     for name, bonus in summary["entropy_matched_bonus"].items():
         print(f"entropy-matched to {name}: {bonus}")
+    print(f"starting model sha256 {summary['model_sha256']}")
     print(f"{summary['seconds_this_invocation']:.0f} s (runs already complete were read back)")
     return summary
 
@@ -633,6 +664,7 @@ def main(argv):
     tiny.build_tiny(args.tiny)  # each reused when complete
     if args.task == "countdown":
         tiny.build_tiny_countdown(args.tiny)
+    check_model(args.tiny, args.task)  # warned before the runs, not only in the summary
     out = Path(args.out)
     workers = args.workers or max(1, min(len(os.sched_getaffinity(0)), 8))
     if args.part == "payoff":
@@ -676,7 +708,8 @@ def main(argv):
     def seeds_of(part, name):
         return [results[str(run_dirs[part, name]).format(seed=seed)] for seed in args.seeds]
 
-    summary = {"settings": {**vars(args), "runs": len(jobs)}}
+    summary = {"settings": {**vars(args), "runs": len(jobs)},
+               "model_sha256": check_model(args.tiny, args.task)}  # the starting model, by content
     compare_groups = {name: seeds_of("compare", name) for name in compare_names}
     summary["compare"] = {name: summarize_group(runs, args.final_window) for name, runs in compare_groups.items()}
     plots.plot_compare(compare_groups, args.target_entropy, out / "compare.png")
@@ -739,6 +772,7 @@ def print_summary(summary):
     if "compare_heldout" in summary:
         print("held-out prompts, after the last step:")
         print_heldout(summary["compare_heldout"], evaluate.ks_for(summary["settings"]["eval_n"]))
+    print(f"starting model sha256 {summary['model_sha256']}")
     print(f"{summary['seconds_this_invocation']:.0f} s (runs already complete were read back)")
 
 
