@@ -1,4 +1,5 @@
-"""tiny.py: the offline tiny default: a tokenizer, a tiny Qwen2 model and two verifiable tasks, made from nothing.
+"""tiny.py: the offline tiny default: a tokenizer, a tiny Qwen2 model and two verifiable tasks, made
+from nothing.
 
     python tiny.py --out runs/tiny          # reuses the directory when it is complete
     python tiny.py --out runs/tiny --tool   # + the tool-use variant (the default first if missing)
@@ -17,7 +18,8 @@ Nothing here downloads anything. It writes:
                                              by math-verify ("tiny_add").
     runs/tiny/tiny.json       what was built: sizes, warm-up loss, sampled success rate at temperature 1
 
-and, with --tool (build_tiny_tool), the tool-use variant next to it, leaving the files above as they are:
+and, with --tool (build_tiny_tool), the tool-use variant next to it, leaving the files above as they
+are:
 
     runs/tiny/data/mul_{train,test}.jsonl    "What is a*b?" for a 3-digit a and a 2-digit b (512 / 64 prompts),
                                              checked by math-verify ("tiny_mul"): too long to do in one's head
@@ -39,12 +41,13 @@ and, with --countdown (build_tiny_countdown), a search task next to it:
                               ~94% of test prompts; what RL can add is finding the combination more often
     runs/tiny/countdown.json  what was built, with those success rates
 
-Why the "sum" task: with a unique answer, entropy must fall as accuracy rises, so no method can show an exploration
-effect. With many correct answers, plain GRPO tends to collapse onto a few of them, while an entropy-stabilising
-method keeps them diverse, which a tiny run can show. A short supervised warm-up on random correct answers puts
-the model where RL has something to learn: sampling at temperature 1 it answers ~15% of sum prompts and ~40% of
-add prompts correctly (exact arithmetic is what a 0.5M-parameter model learns slowly; the numbers are kept small
-so that a minute of training gets there).
+Why the "sum" task: with a unique answer, entropy must fall as accuracy rises, so no method can show
+an exploration effect. With many correct answers, plain GRPO tends to collapse onto a few of them,
+while an entropy-stabilising method keeps them diverse, which a tiny run can show. A short
+supervised warm-up on random correct answers puts the model where RL has something to learn:
+sampling at temperature 1 it answers ~15% of sum prompts and ~40% of add prompts correctly (exact
+arithmetic is what a 0.5M-parameter model learns slowly; the numbers are kept small so that a minute
+of training gets there).
 
 Reproducible bytes: every build runs under BUILD_ENV (one thread, ATen's AVX2 kernels, MKL's COMPATIBLE branch;
 in a child process when the caller was not started under it), so that the same code builds the same
@@ -52,9 +55,10 @@ model.safetensors on any x86 CPU with AVX2. tiny.json, countdown.json and tool.j
 (model_sha256), tiny.py prints it, and a default build that is not REFERENCE_SHA256 says so; why, and what is not
 guaranteed: docs/results.md, "Which model a result came from".
 
-The prompts go through data.py exactly as a user's data would (plain {"problem", "answer"} rows and the chat
-template), so the warm-up trains on the very token sequences the trainer will later sample from. They carry no
-STARE suffix (load with prompt_suffix=None): on a CPU every prompt token costs time, and the tiny model cannot read.
+The prompts go through data.py exactly as a user's data would (plain {"problem", "answer"} rows and
+the chat template), so the warm-up trains on the very token sequences the trainer will later sample
+from. They carry no STARE suffix (load with prompt_suffix=None): on a CPU every prompt token costs
+time, and the tiny model cannot read.
 """
 
 import argparse
@@ -73,33 +77,48 @@ import torch
 import data
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Qwen's chat template, reduced to what the tasks use (system messages pass through like any other role)
+# Qwen's chat template, reduced to what the tasks use (system messages pass through like any other
+# role)
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-MODEL_SIZE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+MODEL_SIZE = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=512,
+)
 
 
 def build_tokenizer():
-    """A byte-level BPE tokenizer with no merges, i.e. one token per byte (256) plus Qwen's three special tokens.
+    """A byte-level BPE tokenizer with no merges, i.e. one token per byte (256) plus Qwen's three
+    special tokens.
 
-    Why this shape: transformers 5 loads any checkpoint whose config says model_type "qwen2" with Qwen2Tokenizer,
-    which rebuilds Qwen's own pipeline (regex split + byte-level mapping) around the saved vocabulary and merges.
-    A byte-level vocabulary without merges is character-level under that pipeline, so the tokenizer built here,
-    the one transformers loads and the one vLLM loads all produce the same ids (tests/test_tiny.py checks it).
+    Why this shape: transformers 5 loads any checkpoint whose config says model_type "qwen2" with
+    Qwen2Tokenizer, which rebuilds Qwen's own pipeline (regex split + byte-level mapping) around the
+    saved vocabulary and merges. A byte-level vocabulary without merges is character-level under
+    that pipeline, so the tokenizer built here, the one transformers loads and the one vLLM loads
+    all produce the same ids (tests/test_tiny.py checks it).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    byte_alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # 256 printable stand-ins for the bytes
+    # 256 printable stand-ins for the bytes
+    byte_alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + byte_alphabet)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        additional_special_tokens=SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS,
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -109,33 +128,49 @@ def build_model(tokenizer, seed=0):
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    vocab_size = 64 * ((len(tokenizer) + 63) // 64)  # padded like real checkpoints (Qwen2.5: 151,936 rows)
+    # padded like real checkpoints (Qwen2.5: 151,936 rows)
+    vocab_size = 64 * ((len(tokenizer) + 63) // 64)
     eos_id, pad_id = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = Qwen2Config(vocab_size=vocab_size, bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id,
-                         tie_word_embeddings=False, dtype="float32", **MODEL_SIZE)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+        **MODEL_SIZE,
+    )
     model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=pad_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=pad_id
+    )
     return model
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The tasks
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def sum_task_rows(numbers):
-    return [{"problem": f"Write {n} as a+b with a, b > 0.", "answer": str(n), "data_source": "tiny_sum"}
-            for n in numbers]
+    return [
+        {"problem": f"Write {n} as a+b with a, b > 0.", "answer": str(n), "data_source": "tiny_sum"}
+        for n in numbers
+    ]
 
 
 def add_task_rows(pairs):
-    return [{"problem": f"What is {a}+{b}?", "answer": str(a + b), "data_source": "tiny_add"} for a, b in pairs]
+    return [
+        {"problem": f"What is {a}+{b}?", "answer": str(a + b), "data_source": "tiny_add"}
+        for a, b in pairs
+    ]
 
 
 def warmup_response(row, rng):
-    """A correct answer for the warm-up: a random split a + b = N with a single-digit a (sum task; two-digit
-    subtraction is beyond a model this small in a minute of training, and 9 answers per prompt are plenty to see
-    diversity collapse or survive), or the sum itself (add task). Any a + b = N scores 1 later."""
+    """A correct answer for the warm-up: a random split a + b = N with a single-digit a (sum task;
+    two-digit subtraction is beyond a model this small in a minute of training, and 9 answers per
+    prompt are plenty to see diversity collapse or survive), or the sum itself (add task). Any a + b
+    = N scores 1 later."""
     n = int(row["answer"])
     if row["data_source"] == "tiny_sum":
         a = rng.randint(1, 9)
@@ -160,17 +195,25 @@ def make_splits(seed=0, num_test=64):
     }
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Supervised warm-up
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def load_split(data_dir, name, tokenizer):
     """A split as the trainer sees it: (rows as dicts, prompt token ids)."""
     examples = data.load_examples(Path(data_dir) / f"{name}.jsonl", prompt_suffix=None)
-    prompt_ids, _, _ = data.tokenize_prompts(examples, tokenizer, max_prompt_tokens=512, overflow="error")
-    rows = [{"answer": e.ground_truth, "data_source": e.data_source, "problem": e.messages[-1]["content"]}
-            for e in examples]
+    prompt_ids, _, _ = data.tokenize_prompts(
+        examples, tokenizer, max_prompt_tokens=512, overflow="error"
+    )
+    rows = [
+        {
+            "answer": e.ground_truth,
+            "data_source": e.data_source,
+            "problem": e.messages[-1]["content"],
+        }
+        for e in examples
+    ]
     return rows, prompt_ids
 
 
@@ -180,12 +223,16 @@ def answer_sequence(tokenizer, prompt_ids, response):
     return prompt_ids + response_ids, [-100] * len(prompt_ids) + response_ids
 
 
-def warmup(model, tokenizer, rows, prompt_ids, steps, batch_size=32, lr=3e-3, seed=0, sequence=None):
-    """Teacher-force random correct responses after each prompt (loss on response tokens only). Returns the mean
-    loss of the last 50 steps. sequence(i, rng) -> (ids, labels) makes one training sequence for row i; the default
-    is prompt + a random correct answer (warmup_response) + EOS."""
+def warmup(
+    model, tokenizer, rows, prompt_ids, steps, batch_size=32, lr=3e-3, seed=0, sequence=None
+):
+    """Teacher-force random correct responses after each prompt (loss on response tokens only).
+    Returns the mean loss of the last 50 steps. sequence(i, rng) -> (ids, labels) makes one training
+    sequence for row i; the default is prompt + a random correct answer (warmup_response) + EOS."""
     if sequence is None:
-        sequence = lambda i, rng: answer_sequence(tokenizer, prompt_ids[i], warmup_response(rows[i], rng))  # noqa: E731
+        sequence = lambda i, rng: answer_sequence(
+            tokenizer, prompt_ids[i], warmup_response(rows[i], rng)
+        )  # noqa: E731
     rng = random.Random(seed)
     by_task = {}
     for i, row in enumerate(rows):
@@ -193,11 +240,14 @@ def warmup(model, tokenizer, rows, prompt_ids, steps, batch_size=32, lr=3e-3, se
     tasks = sorted(by_task)
     pad_id = tokenizer.pad_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * (1 - s / steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 50) * (1 - s / steps)
+    )
     model.train()
     recent = []
     for step in range(steps):
-        batch = [rng.choice(by_task[rng.choice(tasks)]) for _ in range(batch_size)]  # the tasks in equal shares
+        # the tasks in equal shares
+        batch = [rng.choice(by_task[rng.choice(tasks)]) for _ in range(batch_size)]
         sequences, labels = [], []
         for i in batch:
             ids, label_ids = sequence(i, rng)
@@ -224,15 +274,25 @@ def sample_responses(model, tokenizer, prompt_ids, temperature, max_new_tokens, 
     torch.manual_seed(seed)
     width = max(map(len, prompt_ids))
     pad_id = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids])  # left padding for generate
+    # left padding for generate
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids])
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-    output = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=temperature,
-                            top_k=0, top_p=1.0, max_new_tokens=max_new_tokens)
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+    )
     return tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
 
 
 @torch.no_grad()
-def sampled_success_rate(model, tokenizer, rows, prompt_ids, temperature=1.0, max_new_tokens=16, seed=0):
+def sampled_success_rate(
+    model, tokenizer, rows, prompt_ids, temperature=1.0, max_new_tokens=16, seed=0
+):
     """Fraction of prompts whose sampled response (HF generate, temperature 1) the task's verifier accepts."""
     import config
     import rewards
@@ -244,23 +304,33 @@ def sampled_success_rate(model, tokenizer, rows, prompt_ids, temperature=1.0, ma
     return sum(accuracies) / len(accuracies), responses
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The tool-use variant: multiplication, which the tiny model cannot do in its head but can hand to the interpreter
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# The tool-use variant: multiplication, which the tiny model cannot do in its head but can hand to
+# the interpreter
+# --------------------------------------------------------------------------------------------------
 
 MUL_SOURCE = "tiny_mul"
-TOOL_SHAPES = {"direct": 0.2, "one_call": 0.6, "two_calls": 0.2}  # the warm-up's mix of conversation shapes
+# the warm-up's mix of conversation shapes
+TOOL_SHAPES = {"direct": 0.2, "one_call": 0.6, "two_calls": 0.2}
 
 
 def mul_task_rows(pairs):
-    return [{"problem": f"What is {a}*{b}?", "answer": str(a * b), "data_source": MUL_SOURCE} for a, b in pairs]
+    return [
+        {"problem": f"What is {a}*{b}?", "answer": str(a * b), "data_source": MUL_SOURCE}
+        for a, b in pairs
+    ]
 
 
 def make_tool_splits(seed=0, num_train=512, num_test=64):
     """Deterministic, disjoint train/test splits of "What is a*b?" with a 3-digit a and a 2-digit b."""
     rng = random.Random(seed)
-    pairs = rng.sample([(a, b) for a in range(100, 1000) for b in range(10, 100)], num_train + num_test)
-    return {"mul_train": mul_task_rows(pairs[num_test:]), "mul_test": mul_task_rows(sorted(pairs[:num_test]))}
+    pairs = rng.sample(
+        [(a, b) for a in range(100, 1000) for b in range(10, 100)], num_train + num_test
+    )
+    return {
+        "mul_train": mul_task_rows(pairs[num_test:]),
+        "mul_test": mul_task_rows(sorted(pairs[:num_test])),
+    }
 
 
 def tool_call_text(code):
@@ -272,12 +342,17 @@ def tool_call_text(code):
 
 
 def tool_warmup_turns(problem, answer, rng):
-    """A warm-up conversation for "What is a*b?" as [(text, is_tool_output)]: a guess at the product (direct), or a
-    call printing a*b, its output and the answer copied from it (one_call), or a second call checking b*a first
-    (two_calls). The mix (TOOL_SHAPES) makes a sampled response stop after 1, 2 or 3 model turns."""
+    """A warm-up conversation for "What is a*b?" as [(text, is_tool_output)]: a guess at the product
+    (direct), or a call printing a*b, its output and the answer copied from it (one_call), or a
+    second call checking b*a first (two_calls). The mix (TOOL_SHAPES) makes a sampled response stop
+    after 1, 2 or 3 model turns."""
     a, b = problem.removeprefix("What is ").removesuffix("?").split("*")
     shape = rng.choices(list(TOOL_SHAPES), weights=list(TOOL_SHAPES.values()))[0]
-    codes = {"direct": [], "one_call": [f"print({a}*{b})"], "two_calls": [f"print({a}*{b})", f"print({b}*{a})"]}
+    codes = {
+        "direct": [],
+        "one_call": [f"print({a}*{b})"],
+        "two_calls": [f"print({a}*{b})", f"print({b}*{a})"],
+    }
     turns = []
     for code in codes[shape]:
         turns += [(tool_call_text(code), False), (answer, True)]  # the program prints the product
@@ -285,8 +360,8 @@ def tool_warmup_turns(problem, answer, rng):
 
 
 def tool_warmup_sequence(tokenizer, prompt_ids, turns, wrapper):
-    """(ids, labels) of one warm-up conversation, built with the rollout's own tool-turn ids; tool outputs get
-    label -100 (not trained: the model does not write them)."""
+    """(ids, labels) of one warm-up conversation, built with the rollout's own tool-turn ids; tool
+    outputs get label -100 (not trained: the model does not write them)."""
     import rollout
 
     ids, labels = list(prompt_ids), [-100] * len(prompt_ids)
@@ -301,32 +376,48 @@ def tool_warmup_sequence(tokenizer, prompt_ids, turns, wrapper):
 
 
 @torch.no_grad()
-def first_turn_calls(model, tokenizer, rows, prompt_ids, temperature=1.0, max_new_tokens=96, seed=0):
-    """Sample each prompt's first model turn (HF generate) and sort it: -> fractions of turns that make a call, that
-    make a valid call, and whose code is exactly print(a*b) for the prompt's a*b; and the sampled turns."""
+def first_turn_calls(
+    model, tokenizer, rows, prompt_ids, temperature=1.0, max_new_tokens=96, seed=0
+):
+    """Sample each prompt's first model turn (HF generate) and sort it: -> fractions of turns that
+    make a call, that make a valid call, and whose code is exactly print(a*b) for the prompt's a*b;
+    and the sampled turns."""
     import rollout
 
-    turns = [text.split(rollout.TOOL_CALL_CLOSE)[0] + rollout.TOOL_CALL_CLOSE if rollout.TOOL_CALL_CLOSE in text
-             else text for text in sample_responses(model, tokenizer, prompt_ids, temperature, max_new_tokens, seed)]
-    calls = [rollout.parse_tool_call(t)[0] if t.endswith(rollout.TOOL_CALL_CLOSE) else None for t in turns]
-    expected = [f"print({row['problem'].removeprefix('What is ').removesuffix('?')})" for row in rows]
+    turns = [
+        text.split(rollout.TOOL_CALL_CLOSE)[0] + rollout.TOOL_CALL_CLOSE
+        if rollout.TOOL_CALL_CLOSE in text
+        else text
+        for text in sample_responses(
+            model, tokenizer, prompt_ids, temperature, max_new_tokens, seed
+        )
+    ]
+    calls = [
+        rollout.parse_tool_call(t)[0] if t.endswith(rollout.TOOL_CALL_CLOSE) else None
+        for t in turns
+    ]
+    expected = [
+        f"print({row['problem'].removeprefix('What is ').removesuffix('?')})" for row in rows
+    ]
     count = len(turns)
     return {"call_rate": sum(t.endswith(rollout.TOOL_CALL_CLOSE) for t in turns) / count,
             "valid_call_rate": sum(c is not None for c in calls) / count,
             "exact_code_rate": sum(c == e for c, e in zip(calls, expected)) / count}, turns
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The countdown variant: a search task, where the right combination for a prompt must be found by trying
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# The countdown variant: a search task, where the right combination for a prompt must be found by
+# trying
+# --------------------------------------------------------------------------------------------------
 
 COUNTDOWN_SOURCE = "tiny_countdown"
 COUNTDOWN_TARGETS = range(10, 100)  # two digits: every prompt tokenises to the same length
 
 
 def countdown_solutions():
-    """{(digits sorted, target): sorted solution strings}: every way of writing three digits 1..9 in some order with
-    + - * between them (no parentheses, usual precedence) whose value lies in COUNTDOWN_TARGETS."""
+    """{(digits sorted, target): sorted solution strings}: every way of writing three digits 1..9 in
+    some order with + - * between them (no parentheses, usual precedence) whose value lies in
+    COUNTDOWN_TARGETS."""
     import itertools
 
     import rewards
@@ -349,8 +440,9 @@ def countdown_rows(keys):
 
 
 def make_countdown_splits(seed=0, num_test=64):
-    """Train/test splits of the countdown task, disjoint in their digit triples: a test prompt's three digits appear
-    in no training prompt, so solving it takes arithmetic that transfers, not a memorised answer."""
+    """Train/test splits of the countdown task, disjoint in their digit triples: a test prompt's
+    three digits appear in no training prompt, so solving it takes arithmetic that transfers, not a
+    memorised answer."""
     solutions = countdown_solutions()
     by_digits = {}
     for digits, target in solutions:
@@ -361,17 +453,24 @@ def make_countdown_splits(seed=0, num_test=64):
     while len(test) < num_test:
         test += by_digits[triples.pop()]
     test = sorted(test[:num_test])
-    train = [key for key in solutions if key not in set(test) and key[0] not in {d for d, _ in test}]
-    return {"countdown_train": countdown_rows(train), "countdown_test": countdown_rows(test)}, solutions
+    train = [
+        key for key in solutions if key not in set(test) and key[0] not in {d for d, _ in test}
+    ]
+    return {
+        "countdown_train": countdown_rows(train),
+        "countdown_test": countdown_rows(test),
+    }, solutions
 
 
 def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False):
     """Create (or reuse) the countdown variant next to the tiny default (built first if needed):
-    data/countdown_{train,test}.jsonl and countdown_model/, the tiny model after a warm-up on random correct
-    solutions of the training prompts. Returns the summary dict written to countdown.json."""
+    data/countdown_{train,test}.jsonl and countdown_model/, the tiny model after a warm-up on random
+    correct solutions of the training prompts. Returns the summary dict written to
+    countdown.json."""
     out_dir = Path(out_dir)
     summary_path = out_dir / "countdown.json"
-    if summary_path.exists() and not force:  # written last, so its presence means the variant is complete
+    # written last, so its presence means the variant is complete
+    if summary_path.exists() and not force:
         return json.loads(summary_path.read_text())
     if not build_here():
         return run_pinned("build_tiny_countdown", out_dir=str(out_dir), seed=seed,
@@ -398,22 +497,32 @@ def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False):
                                                         split_prompts, seed=seed)
         save_variant(model, out_dir, "countdown_model")
     counts = [len(solutions[key]) for key in solutions]
-    summary = {"model_dir": str(out_dir / "countdown_model"), "data_dir": str(out_dir / "data"),
-               "train_prompts": len(splits["countdown_train"]), "test_prompts": len(splits["countdown_test"]),
-               "solutions_per_prompt": {"min": min(counts), "median": sorted(counts)[len(counts) // 2],
-                                        "max": max(counts)},
-               "warmup_steps": warmup_steps, "warmup_final_loss": round(final_loss, 4),
-               **{f"{name}_success_rate_t1": round(rate, 3) for name, rate in rates.items()},
-               "test_samples": samples[:8], "seconds": round(time.time() - start, 1), "seed": seed}
+    summary = {
+        "model_dir": str(out_dir / "countdown_model"),
+        "data_dir": str(out_dir / "data"),
+        "train_prompts": len(splits["countdown_train"]),
+        "test_prompts": len(splits["countdown_test"]),
+        "solutions_per_prompt": {
+            "min": min(counts),
+            "median": sorted(counts)[len(counts) // 2],
+            "max": max(counts),
+        },
+        "warmup_steps": warmup_steps,
+        "warmup_final_loss": round(final_loss, 4),
+        **{f"{name}_success_rate_t1": round(rate, 3) for name, rate in rates.items()},
+        "test_samples": samples[:8],
+        "seconds": round(time.time() - start, 1),
+        "seed": seed,
+    }
     base_default = json.loads((out_dir / "tiny.json").read_text())["warmup_steps"] == 800
     check_reference(summary, "countdown_model", seed == 0 and warmup_steps == 1500 and base_default)
     summary_path.write_text(json.dumps(summary, indent=2))
     return summary
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The same model bytes on every x86 CPU (docs/results.md, "Which model a result came from")
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 # The numerics every build runs under. float32 sums round differently in another order, and the
 # order follows the kernel: ATen picks 8-wide AVX2 or 16-wide AVX-512 loops by CPU; MKL's GEMM picks
@@ -514,16 +623,17 @@ def check_reference(summary, name, default_settings):
     return summary
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The command
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def build_tiny(out_dir, seed=0, warmup_steps=800, force=False):
     """Create (or reuse) the tiny default under out_dir; returns the summary dict written to tiny.json."""
     out_dir = Path(out_dir)
     summary_path = out_dir / "tiny.json"
-    if summary_path.exists() and not force:  # written last, so its presence means the directory is complete
+    # written last, so its presence means the directory is complete
+    if summary_path.exists() and not force:
         return json.loads(summary_path.read_text())
     if not build_here():
         return run_pinned("build_tiny", out_dir=str(out_dir), seed=seed,
@@ -549,17 +659,24 @@ def build_tiny(out_dir, seed=0, warmup_steps=800, force=False):
         # several samples per prompt: the sum splits have only 16 and 4 prompts
         sum_train_rate, _ = sampled_success_rate(model, tokenizer,
                                                  *(x * 4 for x in loaded["sum_train"]), seed=seed)
-        sum_rate, sum_samples = sampled_success_rate(model, tokenizer,
-                                                     *(x * 16 for x in loaded["sum_test"]), seed=seed)
+        sum_rate, sum_samples = sampled_success_rate(
+            model, tokenizer, *(x * 16 for x in loaded["sum_test"]), seed=seed
+        )
         add_rate, _ = sampled_success_rate(model, tokenizer, *loaded["add_test"], seed=seed)
         model.save_pretrained(out_dir / "model")
     summary = {
-        "model_dir": str(out_dir / "model"), "data_dir": str(out_dir / "data"),
-        "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": model.config.vocab_size,
-        "warmup_steps": warmup_steps, "warmup_final_loss": round(final_loss, 4),
-        "sum_train_success_rate_t1": round(sum_train_rate, 3), "sum_test_success_rate_t1": round(sum_rate, 3),
+        "model_dir": str(out_dir / "model"),
+        "data_dir": str(out_dir / "data"),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": model.config.vocab_size,
+        "warmup_steps": warmup_steps,
+        "warmup_final_loss": round(final_loss, 4),
+        "sum_train_success_rate_t1": round(sum_train_rate, 3),
+        "sum_test_success_rate_t1": round(sum_rate, 3),
         "add_test_success_rate_t1": round(add_rate, 3),
-        "sum_test_samples": sum_samples[:8], "seconds": round(time.time() - start, 1), "seed": seed,
+        "sum_test_samples": sum_samples[:8],
+        "seconds": round(time.time() - start, 1),
+        "seed": seed,
     }
     check_reference(summary, "model", seed == 0 and warmup_steps == 800)
     summary_path.write_text(json.dumps(summary, indent=2))
@@ -584,14 +701,16 @@ def save_variant(model, out_dir, name):
 
 
 def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False):
-    """Create (or reuse) the tool-use variant next to the tiny default (built first if needed): data/mul_{train,
-    test}.jsonl and tool_model/, the tiny model after a warm-up on tool conversations. Returns the summary dict
-    written to tool.json. The tiny default's own files are left as they are."""
+    """Create (or reuse) the tool-use variant next to the tiny default (built first if needed):
+    data/mul_{train, test}.jsonl and tool_model/, the tiny model after a warm-up on tool
+    conversations. Returns the summary dict written to tool.json. The tiny default's own files are
+    left as they are."""
     import rollout
 
     out_dir = Path(out_dir)
     summary_path = out_dir / "tool.json"
-    if summary_path.exists() and not force:  # written last, so its presence means the variant is complete
+    # written last, so its presence means the variant is complete
+    if summary_path.exists() and not force:
         return json.loads(summary_path.read_text())
     if not build_here():
         return run_pinned("build_tiny_tool", out_dir=str(out_dir), seed=seed,
@@ -608,24 +727,45 @@ def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False):
         return tool_warmup_sequence(tokenizer, prompt_ids[i], turns, wrapper)
 
     with build_numerics():
-        final_loss = warmup(model, tokenizer, rows, prompt_ids, warmup_steps, batch_size=8, seed=seed,
-                            sequence=sequence)
+        final_loss = warmup(
+            model,
+            tokenizer,
+            rows,
+            prompt_ids,
+            warmup_steps,
+            batch_size=8,
+            seed=seed,
+            sequence=sequence,
+        )
         test_rows, test_prompts = load_split(out_dir / "data", "mul_test", tokenizer)
         rates, turns = first_turn_calls(model, tokenizer, test_rows, test_prompts, seed=seed)
         save_variant(model, out_dir, "tool_model")
-    summary = {"model_dir": str(out_dir / "tool_model"), "data_dir": str(out_dir / "data"),
-               "warmup_steps": warmup_steps, "warmup_final_loss": round(final_loss, 4), "shapes": TOOL_SHAPES,
-               **{f"first_turn_{k}_t1": round(v, 3) for k, v in rates.items()}, "first_turn_samples": turns[:4],
-               "seconds": round(time.time() - start, 1), "seed": seed}
-    check_reference(summary, "tool_model", False)  # the tool variant has no committed results to match
+    summary = {
+        "model_dir": str(out_dir / "tool_model"),
+        "data_dir": str(out_dir / "data"),
+        "warmup_steps": warmup_steps,
+        "warmup_final_loss": round(final_loss, 4),
+        "shapes": TOOL_SHAPES,
+        **{f"first_turn_{k}_t1": round(v, 3) for k, v in rates.items()},
+        "first_turn_samples": turns[:4],
+        "seconds": round(time.time() - start, 1),
+        "seed": seed,
+    }
+    # the tool variant has no committed results to match
+    check_reference(summary, "tool_model", False)
     summary_path.write_text(json.dumps(summary, indent=2))
     return summary
 
 
 def write_data(out_dir, seed=0):
-    """The tasks' prompt files only (out_dir/data/*.jsonl: sum, add, mul, countdown), in seconds and without
-    building or training a model: the data to try another model on (docs/usage.md, "A small real model")."""
-    splits = {**make_splits(seed=seed), **make_tool_splits(seed=seed), **make_countdown_splits(seed=seed)[0]}
+    """The tasks' prompt files only (out_dir/data/*.jsonl: sum, add, mul, countdown), in seconds and
+    without building or training a model: the data to try another model on (docs/usage.md, "A small
+    real model")."""
+    splits = {
+        **make_splits(seed=seed),
+        **make_tool_splits(seed=seed),
+        **make_countdown_splits(seed=seed)[0],
+    }
     (Path(out_dir) / "data").mkdir(parents=True, exist_ok=True)
     for name, rows in splits.items():
         data.save_jsonl(rows, Path(out_dir) / "data" / f"{name}.jsonl")
@@ -633,21 +773,33 @@ def write_data(out_dir, seed=0):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/tiny", help="directory to create (reused if complete)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", default="runs/tiny", help="directory to create (reused if complete)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-steps", type=int, default=800)
-    parser.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
-    parser.add_argument("--tool", action="store_true", help="also build the tool-use variant (tool_model/, mul_*)")
+    parser.add_argument(
+        "--force", action="store_true", help="rebuild even if the directory is complete"
+    )
+    parser.add_argument(
+        "--tool", action="store_true", help="also build the tool-use variant (tool_model/, mul_*)"
+    )
     parser.add_argument("--countdown", action="store_true",
                         help="also build the countdown variant (countdown_model/, countdown_*)")
-    parser.add_argument("--data-only", action="store_true", help="write the tasks' data files only (no model)")
+    parser.add_argument(
+        "--data-only", action="store_true", help="write the tasks' data files only (no model)"
+    )
     args = parser.parse_args()
     if args.warmup_steps < 0:
         parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     existing = next(p for p in [Path(args.out), *Path(args.out).parents] if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        parser.error(f"--out {args.out}: cannot create or write it ({existing} is not a writable directory)")
+        parser.error(
+            f"--out {args.out}: cannot create or write it ({existing} is not a writable directory)"
+        )
     if args.data_only:
         print(json.dumps(write_data(args.out, args.seed), indent=2))
         return
@@ -658,7 +810,8 @@ def main():
         built.append(build_tiny_countdown(args.out, args.seed, force=args.force))
     for summary in built:
         print(json.dumps(summary, indent=2))
-    for summary in built:  # what a result made with these models should name (repro.py records them too)
+    # what a result made with these models should name (repro.py records them too)
+    for summary in built:
         sha = summary.get("model_sha256", "(not recorded: built before tiny.py recorded it)")
         print(f"{summary['model_dir']}/model.safetensors sha256 {sha}")
 

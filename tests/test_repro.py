@@ -1,5 +1,6 @@
-"""tools/repro.py: its sampler against independent computations (a full forward per row, the softmax), the first-order
-critical W against entropy_dynamics, and a short run end to end through train.py's stages."""
+"""tools/repro.py: its sampler against independent computations (a full forward per row, the
+softmax), the first-order critical W against entropy_dynamics, and a short run end to end through
+train.py's stages."""
 
 import copy
 import hashlib
@@ -31,34 +32,52 @@ def test_sampler_logprobs_mask_and_first_token_distribution(random_tiny):
     eos_model = copy.deepcopy(model)  # EOS made likely, so that responses end at many lengths
     with torch.no_grad():
         eos_model.lm_head.weight[eos] *= 6.0
-    tokens, mask, logprobs = repro.sample(eos_model, prompts, 16, 12, eos, pad, torch.Generator().manual_seed(0))
+    tokens, mask, logprobs = repro.sample(
+        eos_model, prompts, 16, 12, eos, pad, torch.Generator().manual_seed(0)
+    )
     assert tokens.shape == mask.shape == logprobs.shape and tokens.shape[0] == 32
     lengths = mask.sum(1)
-    assert lengths.min() < tokens.shape[1] and (lengths > 1).any()  # some stop early, not all at once
-    for row in range(32):  # masked positions: a prefix, ending at the first EOS (included) or at max_tokens
+    # some stop early, not all at once
+    assert lengths.min() < tokens.shape[1] and (lengths > 1).any()
+    # masked positions: a prefix, ending at the first EOS (included) or at max_tokens
+    for row in range(32):
         length = int(lengths[row])
-        assert mask[row, :length].all() and not mask[row, length:].any() and (tokens[row, length:] == pad).all()
+        assert (
+            mask[row, :length].all()
+            and not mask[row, length:].any()
+            and (tokens[row, length:] == pad).all()
+        )
         ends = (tokens[row, :length] == eos).nonzero()
         assert (len(ends) == 0 and length == 12) or ends.flatten().tolist() == [length - 1]
     if (tokens == eos).any(1).all():  # every row ended: the tensors stop at the longest response
         assert tokens.shape[1] == int(lengths.max())
-    # the sampler's log-probs are those of a full forward of each [prompt; response] row, at the sampled tokens
+    # the sampler's log-probs are those of a full forward of each [prompt; response] row, at the
+    # sampled tokens
     with torch.no_grad():
         for row in range(32):
             length = int(lengths[row])
             sequence = torch.cat([prompts[row // 16], tokens[row, :length]])[None]
-            forward = torch.log_softmax(eos_model(input_ids=sequence).logits[0, prompts.shape[1] - 1:-1], -1)
+            forward = torch.log_softmax(
+                eos_model(input_ids=sequence).logits[0, prompts.shape[1] - 1 : -1], -1
+            )
             want = forward.gather(-1, tokens[row, :length, None])[:, 0]
-            assert torch.allclose(logprobs[row, :length], want, atol=1e-5) and (logprobs[row, length:] == 0).all()
+            assert (
+                torch.allclose(logprobs[row, :length], want, atol=1e-5)
+                and (logprobs[row, length:] == 0).all()
+            )
     # all rows stop at EOS -> the width is the longest response, not max_tokens
     with torch.no_grad():
         eos_model.lm_head.weight[eos] *= 5.0
-    short, short_mask, _ = repro.sample(eos_model, prompts, 16, 200, eos, pad, torch.Generator().manual_seed(0))
+    short, short_mask, _ = repro.sample(
+        eos_model, prompts, 16, 200, eos, pad, torch.Generator().manual_seed(0)
+    )
     assert short.shape[1] == int(short_mask.sum(1).max()) < 200
 
     # first tokens of many samples follow the softmax: every frequency within 5 standard errors
     samples = 4000
-    first, _, _ = repro.sample(model, prompts[:1], samples, 1, eos, pad, torch.Generator().manual_seed(2))
+    first, _, _ = repro.sample(
+        model, prompts[:1], samples, 1, eos, pad, torch.Generator().manual_seed(2)
+    )
     with torch.no_grad():
         probs = torch.softmax(model(input_ids=prompts[:1]).logits[0, -1], -1)
     counts = torch.bincount(first[:, 0], minlength=probs.numel()).float() / samples
@@ -72,7 +91,8 @@ def test_critical_w_cancels_the_first_order_entropy_change():
     sensitivity = torch.randn(16, 9, generator=generator)
     logprobs = -torch.rand(16, 9, generator=generator) * 4
     mask = torch.rand(16, 9, generator=generator) > 0.2
-    # make GRPO's drift negative and the top-surprisal positive tokens raise entropy (the case where W* exists)
+    # make GRPO's drift negative and the top-surprisal positive tokens raise entropy (the case where
+    # W* exists)
     surprisal = -logprobs
     sensitivity = torch.where(surprisal > 2.5, sensitivity.abs(), -sensitivity.abs())
     dh_grpo, dh_lplus, w_star = repro.critical_w(advantages, sensitivity, logprobs, mask, 0.2)
@@ -93,28 +113,59 @@ def test_crossing_and_predicted_critical_w_by_hand():
     assert repro.crossing([1, 2], [0.1, 0.2], 0.3) is None
     batches = [{"train/entropy": 0.2, "repro/dH_grpo": -0.02, "repro/dH_lplus@0.1": 0.01},
                {"train/entropy": 0.22, "repro/dH_grpo": -0.04, "repro/dH_lplus@0.1": 0.03},
-               {"train/entropy": 0.5, "repro/dH_grpo": -9.0, "repro/dH_lplus@0.1": 1.0}]  # outside the band
+               # outside the band
+               {"train/entropy": 0.5, "repro/dH_grpo": -9.0, "repro/dH_lplus@0.1": 1.0}]
     w_c, dh_grpo, dh_lplus, count = repro.predicted_critical_w([batches[:1], batches[1:]], 0.2, 0.1)
     assert count == 2 and dh_grpo == pytest.approx(-0.03) and dh_lplus == pytest.approx(0.02)
     assert w_c == pytest.approx(1 + 0.03 / 0.02)
     flipped = [{**b, "repro/dH_lplus@0.1": -b["repro/dH_lplus@0.1"]} for b in batches]
-    assert repro.predicted_critical_w([flipped], 0.2, 0.1)[0] is None  # amplifying L+ lowers entropy: no W_c
+    # amplifying L+ lowers entropy: no W_c
+    assert repro.predicted_critical_w([flipped], 0.2, 0.1)[0] is None
     assert repro.predicted_critical_w([batches], 0.2, 0.05)[3] == 0  # no batch logged this P
 
 
 def test_short_runs_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
-    """Three steps of GRPO and of STARE (gate always on) on the tiny default through main(): metrics, held-out
-    evaluations, summary and figures are written, the same seed gives GRPO and STARE the same first batch, the
-    comparison's stare_o1 (a sweep point) is not run twice, and a second call reruns nothing."""
-    argv = ["--tiny", str(tiny_dir), "--out", str(tmp_path), "--methods", "grpo", "stare_o1", "--ws", "4", "--ps", "0.05",
-            "--seeds", "0", "--steps", "3", "--prompts-per-step", "4", "--target-entropy", "10", "--workers", "1",
-            "--final-window", "2"]
+    """Three steps of GRPO and of STARE (gate always on) on the tiny default through main():
+    metrics, held-out evaluations, summary and figures are written, the same seed gives GRPO and
+    STARE the same first batch, the comparison's stare_o1 (a sweep point) is not run twice, and a
+    second call reruns nothing."""
+    argv = [
+        "--tiny",
+        str(tiny_dir),
+        "--out",
+        str(tmp_path),
+        "--methods",
+        "grpo",
+        "stare_o1",
+        "--ws",
+        "4",
+        "--ps",
+        "0.05",
+        "--seeds",
+        "0",
+        "--steps",
+        "3",
+        "--prompts-per-step",
+        "4",
+        "--target-entropy",
+        "10",
+        "--workers",
+        "1",
+        "--final-window",
+        "2",
+    ]
     assert repro.main(argv) == 0
     grpo = repro.read_records(tmp_path / "compare" / "grpo_seed0" / "metrics.jsonl")
     stare_run = repro.read_records(tmp_path / "sweep" / "stare_o1_w4_p0.05_seed0" / "metrics.jsonl")
     assert [r["step"] for r in grpo] == [r["step"] for r in stare_run] == [1, 2, 3]
-    for key in ("train/kept_groups", "rollout/acc_before_filter", "rollout/distinct_correct_frac", "train/entropy"):
-        assert grpo[0].get(key) == stare_run[0].get(key)  # same model, seed and prompts: the same first batch
+    for key in (
+        "train/kept_groups",
+        "rollout/acc_before_filter",
+        "rollout/distinct_correct_frac",
+        "train/entropy",
+    ):
+        # same model, seed and prompts: the same first batch
+        assert grpo[0].get(key) == stare_run[0].get(key)
     assert all(r["stare/gate_on"] == 1.0 for r in stare_run)
     updated = [r for r in stare_run if "train/loss" in r]
     assert updated and all(r["train/touched_frac"] > 0 for r in updated)  # L+ was reweighted
@@ -122,19 +173,25 @@ def test_short_runs_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "compare").iterdir()) == ["grpo_seed0"]
     assert summary["compare"]["stare_o1"] == summary["sweep"]["runs"]["P=0.05"]["W=4"]
     assert summary["settings"]["runs"] == 2 and "0.05" in summary["sweep"]["critical"]
-    assert (tmp_path / "compare.png").stat().st_size > 0 and (tmp_path / "sweep.png").stat().st_size > 0
-    # the held-out sum prompts, evaluated before training and after the last step, the same samples before it
+    assert (tmp_path / "compare.png").stat().st_size > 0 and (
+        tmp_path / "sweep.png"
+    ).stat().st_size > 0
+    # the held-out sum prompts, evaluated before training and after the last step, the same samples
+    # before it
     heldout = [repro.read_heldout(tmp_path / "compare" / "grpo_seed0"),
                repro.read_heldout(tmp_path / "sweep" / "stare_o1_w4_p0.05_seed0")]
     assert [sorted(h) for h in heldout] == [[0, 3], [0, 3]] and heldout[0][0] == heldout[1][0]
-    assert summary["compare_heldout"]["stare_o1"]["heldout/pass@64"]["per_seed"] == [heldout[1][3]["heldout/pass@64"]]
+    assert summary["compare_heldout"]["stare_o1"]["heldout/pass@64"]["per_seed"] == [
+        heldout[1][3]["heldout/pass@64"]
+    ]
     assert (tmp_path / "compare_heldout.png").stat().st_size > 0
     runs = [tmp_path / "compare" / "grpo_seed0" / "metrics.jsonl",
             tmp_path / "sweep" / "stare_o1_w4_p0.05_seed0" / "metrics.jsonl"]
     before = [path.stat().st_mtime_ns for path in runs]
     assert repro.main(argv) == 0  # complete runs are read back, not rerun
     assert [path.stat().st_mtime_ns for path in runs] == before
-    assert repro.main(argv[:-2] + ["--final-window", "2", "--target-entropy", "9"]) == 0  # other settings: rerun
+    # other settings: rerun
+    assert repro.main(argv[:-2] + ["--final-window", "2", "--target-entropy", "9"]) == 0
     assert all(path.stat().st_mtime_ns != old for path, old in zip(runs, before))
     # the summary names the starting model by content, and a run made from another model is rerun
     sha = hashlib.sha256((tiny_dir / "model" / "model.safetensors").read_bytes()).hexdigest()
@@ -148,23 +205,30 @@ def test_short_runs_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
 
 
 def test_heldout_summary_against_subset_enumeration():
-    """pass@k of each prompt = the fraction of its k-subsets of samples holding a correct one, counted by brute
-    force; avg@n, the solved fraction and the diversity of correct answers by hand."""
+    """pass@k of each prompt = the fraction of its k-subsets of samples holding a correct one,
+    counted by brute force; avg@n, the solved fraction and the diversity of correct answers by
+    hand."""
     import itertools
 
     n = 6
     correct = [[1, 0, 0, 1, 0, 0], [0] * 6, [1] * 6, [0, 0, 0, 0, 0, 1]]
-    groups = [[((i % 2,), float(c)) for i, c in enumerate(row)] for row in correct]  # two distinct answers
+    # two distinct answers
+    groups = [[((i % 2,), float(c)) for i, c in enumerate(row)] for row in correct]
     metrics = repro.heldout_summary(groups, n)
     for k in (1, 2, 4, 6):
-        by_hand = [statistics.mean(any(row[i] for i in subset) for subset in itertools.combinations(range(n), k))
-                   for row in correct]
+        by_hand = [
+            statistics.mean(
+                any(row[i] for i in subset) for subset in itertools.combinations(range(n), k)
+            )
+            for row in correct
+        ]
         assert metrics[f"heldout/pass@{k}"] == pytest.approx(statistics.mean(by_hand))
     assert set(metrics) == {f"heldout/pass@{k}" for k in (1, 2, 4, 6)} | {
         "heldout/avg@6", "heldout/solved_frac", "heldout/distinct_correct_frac"}
     assert metrics["heldout/avg@6"] == pytest.approx(9 / 24)
     assert metrics["heldout/solved_frac"] == 0.75
-    # correct answers of the solved prompts: (0,) and (1,) -> 2/2; (0,) and (1,) thrice each -> 2/6; (1,) -> 1/1
+    # correct answers of the solved prompts: (0,) and (1,) -> 2/2; (0,) and (1,) thrice each -> 2/6;
+    # (1,) -> 1/1
     assert metrics["heldout/distinct_correct_frac"] == pytest.approx((2 / 2 + 2 / 6 + 1 / 1) / 3)
 
 
@@ -174,17 +238,40 @@ def test_paired_difference_by_hand():
     assert diff["mean"] == pytest.approx(0.4 / 3)
     assert diff["paired_se"] == pytest.approx(statistics.stdev([0.2, 0.3, -0.1]) / math.sqrt(3))
     assert (diff["seeds_above"], diff["seeds_below"]) == (2, 1)
-    with_nan = repro.paired_difference([0.5, math.nan, 0.7, 0.4], [0.3, 0.1, 0.4, 0.5])  # a seed with nothing to measure
-    assert with_nan["mean"] == pytest.approx(diff["mean"]) and with_nan["paired_se"] == pytest.approx(diff["paired_se"])
+    # a seed with nothing to measure
+    with_nan = repro.paired_difference([0.5, math.nan, 0.7, 0.4], [0.3, 0.1, 0.4, 0.5])
+    assert with_nan["mean"] == pytest.approx(diff["mean"]) and with_nan[
+        "paired_se"
+    ] == pytest.approx(diff["paired_se"])
 
 
 def test_payoff_quick_variant(countdown_dir, tmp_path, capsys):
-    """The payoff comparison in miniature (one seed, 4 steps, 8 samples per held-out prompt): every setting is
-    evaluated on the held-out prompts before training (the same model and samples for all), every 2 steps and at
-    the end; pass@k rises with k, and the summary pairs each setting with GRPO."""
-    argv = ["--tiny", str(countdown_dir), "--out", str(tmp_path), "--part", "payoff", "--seeds", "0", "--steps", "4",
-            "--eval-every", "2", "--eval-n", "8", "--entropy-coefs", "0.05", "--prompts-per-step", "4",
-            "--workers", "1"]
+    """The payoff comparison in miniature (one seed, 4 steps, 8 samples per held-out prompt): every
+    setting is evaluated on the held-out prompts before training (the same model and samples for
+    all), every 2 steps and at the end; pass@k rises with k, and the summary pairs each setting with
+    GRPO."""
+    argv = [
+        "--tiny",
+        str(countdown_dir),
+        "--out",
+        str(tmp_path),
+        "--part",
+        "payoff",
+        "--seeds",
+        "0",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--eval-n",
+        "8",
+        "--entropy-coefs",
+        "0.05",
+        "--prompts-per-step",
+        "4",
+        "--workers",
+        "1",
+    ]
     assert repro.main(argv) == 0
     summary = json.loads((tmp_path / "payoff" / "summary.json").read_text())
     settings = ["grpo", "stare_paper", "stare_holding", "lp_reg", "entropy_bonus_0.05"]
@@ -195,11 +282,14 @@ def test_payoff_quick_variant(countdown_dir, tmp_path, capsys):
     for name in settings:
         heldout = repro.read_heldout(tmp_path / "payoff" / f"{name}_seed0")
         assert sorted(heldout) == [0, 2, 4]
-        assert initial is None or heldout[0] == initial  # paired: the same model and samples before training
+        # paired: the same model and samples before training
+        assert initial is None or heldout[0] == initial
         initial = heldout[0]
         for record in heldout.values():
             passes = [record[f"heldout/pass@{k}"] for k in (1, 2, 4, 8)]
-            assert passes == sorted(passes) and record["heldout/pass@1"] == pytest.approx(record["heldout/avg@8"])
+            assert passes == sorted(passes) and record["heldout/pass@1"] == pytest.approx(
+                record["heldout/avg@8"]
+            )
             assert record["heldout/pass@8"] == pytest.approx(record["heldout/solved_frac"])
         final = summary["runs"][name]["heldout/pass@8"]
         assert final["per_seed"] == [heldout[4]["heldout/pass@8"]]
@@ -207,10 +297,14 @@ def test_payoff_quick_variant(countdown_dir, tmp_path, capsys):
     lp_reg = summary["runs"]["lp_reg"]["heldout/pass@1"]
     grpo = summary["runs"]["grpo"]["heldout/pass@1"]
     assert lp_reg["minus_grpo"]["mean"] == pytest.approx(lp_reg["mean"] - grpo["mean"])
-    assert set(summary["entropy_matched_bonus"]) == {name for name in settings if name.startswith("stare")}
+    assert set(summary["entropy_matched_bonus"]) == {
+        name for name in settings if name.startswith("stare")
+    }
     assert set(summary["entropy_matched_bonus"].values()) == {"entropy_bonus_0.05"}
     assert (tmp_path / "payoff" / "payoff.png").stat().st_size > 0
-    sha = hashlib.sha256((countdown_dir / "countdown_model" / "model.safetensors").read_bytes()).hexdigest()
+    sha = hashlib.sha256(
+        (countdown_dir / "countdown_model" / "model.safetensors").read_bytes()
+    ).hexdigest()
     assert summary["model_sha256"] == {"countdown": sha}
     assert "paired difference from GRPO" in capsys.readouterr().out
     # a subset of the settings: GRPO comes along, and complete runs are read back, not rerun

@@ -15,9 +15,10 @@ import tiny
 
 
 def test_summary_and_starting_success_rates(tiny_dir):
-    summary = json.loads((tiny_dir / "tiny.json").read_text())  # (its build time is recorded there, not asserted)
-    # the regime where RL has something to learn: some, not most, sampled answers correct (loose bounds: a CPU
-    # that tiny.BUILD_ENV cannot pin builds another model)
+    # (its build time is recorded there, not asserted)
+    summary = json.loads((tiny_dir / "tiny.json").read_text())
+    # the regime where RL has something to learn: some, not most, sampled answers correct (loose
+    # bounds: a CPU that tiny.BUILD_ENV cannot pin builds another model)
     assert 0.08 <= summary["sum_train_success_rate_t1"] <= 0.7
     assert 0.1 <= summary["add_test_success_rate_t1"] <= 0.7
     assert summary["sum_test_success_rate_t1"] <= 0.7  # held-out N: harder, often lower
@@ -26,7 +27,8 @@ def test_summary_and_starting_success_rates(tiny_dir):
 
 
 def test_saved_tokenizer_matches_the_built_one(tiny_dir):
-    # transformers loads a qwen2 checkpoint's tokenizer as Qwen2Tokenizer; it must give the very same ids
+    # transformers loads a qwen2 checkpoint's tokenizer as Qwen2Tokenizer; it must give the very
+    # same ids
     loaded = AutoTokenizer.from_pretrained(tiny_dir / "model")
     built = tiny.build_tokenizer()
     assert type(loaded).__name__ == "Qwen2Tokenizer"
@@ -39,16 +41,22 @@ def test_saved_tokenizer_matches_the_built_one(tiny_dir):
     ids = data.chat_template_ids(loaded, messages)
     assert ids == data.chat_template_ids(built, messages)
     assert loaded.decode(ids) == expected
-    assert ids.count(loaded.convert_tokens_to_ids("<|im_start|>")) == 2  # special tokens are single ids
+    # special tokens are single ids
+    assert ids.count(loaded.convert_tokens_to_ids("<|im_start|>")) == 2
 
 
 def test_model_shape(tiny_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
     config = model.config
-    assert config.model_type == "qwen2" and config.head_dim == 64  # vLLM's CPU attention needs head_dim >= 64
+    # vLLM's CPU attention needs head_dim >= 64
+    assert config.model_type == "qwen2" and config.head_dim == 64
     assert config.hidden_size == config.num_attention_heads * config.head_dim
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "model")
-    assert config.eos_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert (
+        config.eos_token_id
+        == tokenizer.eos_token_id
+        == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    )
     assert config.vocab_size >= len(tokenizer)
 
 
@@ -64,20 +72,29 @@ def test_splits_are_disjoint_and_verifiable(tiny_dir):
     for examples in splits.values():
         rows = [{"answer": e.ground_truth, "data_source": e.data_source} for e in examples]
         responses = [tiny.warmup_response(row, rng) for row in rows]
-        _, accuracies, _ = rewards.compute_rewards(responses, [r["answer"] for r in rows],
-                                                   [r["data_source"] for r in rows], [0] * len(rows),
-                                                   config.RewardConfig())
+        _, accuracies, _ = rewards.compute_rewards(
+            responses,
+            [r["answer"] for r in rows],
+            [r["data_source"] for r in rows],
+            [0] * len(rows),
+            config.RewardConfig(),
+        )
         assert all(a == 1.0 for a in accuracies)
         wrong = [f"\\boxed{{{int(r['answer']) + 1}}}" for r in rows]
-        _, accuracies, _ = rewards.compute_rewards(wrong, [r["answer"] for r in rows],
-                                                   [r["data_source"] for r in rows], [0] * len(rows),
-                                                   config.RewardConfig())
+        _, accuracies, _ = rewards.compute_rewards(
+            wrong,
+            [r["answer"] for r in rows],
+            [r["data_source"] for r in rows],
+            [0] * len(rows),
+            config.RewardConfig(),
+        )
         assert not any(accuracies)
 
 
 def test_tool_variant(tiny_dir):
     summary = tiny.build_tiny_tool(tiny_dir)
-    assert summary["first_turn_valid_call_rate_t1"] >= 0.3  # ~0.7: the warm-up taught the call format
+    # ~0.7: the warm-up taught the call format
+    assert summary["first_turn_valid_call_rate_t1"] >= 0.3
     assert tiny.build_tiny_tool(tiny_dir) == summary  # reused
     train, test = (data.load_examples(tiny_dir / "data" / f"mul_{split}.jsonl", prompt_suffix=None)
                    for split in ("train", "test"))
@@ -85,10 +102,15 @@ def test_tool_variant(tiny_dir):
     for e in train[:20]:
         a, b = e.messages[0]["content"].removeprefix("What is ").removesuffix("?").split("*")
         assert e.ground_truth == str(int(a) * int(b)) and e.data_source == "tiny_mul"
-    # a warm-up conversation: trained on the model's turns only; its tool turns are the rollout's own ids
+    # a warm-up conversation: trained on the model's turns only; its tool turns are the rollout's
+    # own ids
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tool_model")
     wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in rollout.QWEN_TOOL_TURN]
-    turns = [(tiny.tool_call_text("print(347*29)"), False), ("10063", True), ("\\boxed{10063}", False)]
+    turns = [
+        (tiny.tool_call_text("print(347*29)"), False),
+        ("10063", True),
+        ("\\boxed{10063}", False),
+    ]
     prompt = data.chat_template_ids(tokenizer, [{"role": "user", "content": "What is 347*29?"}])
     ids, labels = tiny.tool_warmup_sequence(tokenizer, prompt, turns, wrapper)
     call = tokenizer.encode(turns[0][0], add_special_tokens=False)
@@ -97,33 +119,54 @@ def test_tool_variant(tiny_dir):
     assert ids == prompt + call + tool + answer
     assert labels == [-100] * len(prompt) + call + [-100] * len(tool) + answer
     assert rollout.parse_tool_call(turns[0][0]) == ("print(347*29)", None)
-    _, accuracies, _ = rewards.compute_rewards([turns[-1][0]], ["10063"], ["tiny_mul"], [0], config.RewardConfig())
+    _, accuracies, _ = rewards.compute_rewards(
+        [turns[-1][0]], ["10063"], ["tiny_mul"], [0], config.RewardConfig()
+    )
     assert accuracies == [1.0]
 
 
 def test_countdown_variant(countdown_dir):
     summary = tiny.build_tiny_countdown(countdown_dir)
     assert tiny.build_tiny_countdown(countdown_dir) == summary  # reused
-    # well below saturation on both splits, so that RL has something to find (loose bounds, as above)
+    # well below saturation on both splits, so that RL has something to find (loose bounds, as
+    # above)
     assert 0.03 <= summary["countdown_train_success_rate_t1"] <= 0.5
     assert summary["countdown_test_success_rate_t1"] <= 0.5
-    splits = {split: data.load_examples(countdown_dir / "data" / f"countdown_{split}.jsonl", prompt_suffix=None)
-              for split in ("train", "test")}
-    digits = {split: {e.ground_truth.split("=")[0] for e in examples} for split, examples in splits.items()}
-    assert len(splits["test"]) == 64 and not digits["train"] & digits["test"]  # held out by digit triple
+    splits = {
+        split: data.load_examples(
+            countdown_dir / "data" / f"countdown_{split}.jsonl", prompt_suffix=None
+        )
+        for split in ("train", "test")
+    }
+    digits = {
+        split: {e.ground_truth.split("=")[0] for e in examples}
+        for split, examples in splits.items()
+    }
+    # held out by digit triple
+    assert len(splits["test"]) == 64 and not digits["train"] & digits["test"]
     tokenizer = AutoTokenizer.from_pretrained(countdown_dir / "countdown_model")
-    for examples in splits.values():  # fixed-width prompts: the miniature batches them without padding
+    # fixed-width prompts: the miniature batches them without padding
+    for examples in splits.values():
         assert len({len(data.chat_template_ids(tokenizer, e.messages)) for e in examples}) == 1
-    # the solutions, against an independent enumeration (Python's eval over every order and operator pair)
+    # the solutions, against an independent enumeration (Python's eval over every order and operator
+    # pair)
     solutions = tiny.countdown_solutions()
     rng = random.Random(0)
     for example in rng.sample(splits["train"], 30) + splits["test"]:
         numbers, target = example.ground_truth.split("=")
         a, b, c = numbers.split(",")
-        found = {f"{x}{o1}{y}{o2}{z}" for x, y, z in {(a, b, c), (a, c, b), (b, a, c), (b, c, a), (c, a, b), (c, b, a)}
-                 for o1 in "+-*" for o2 in "+-*" if eval(f"{x}{o1}{y}{o2}{z}") == int(target)}
+        found = {
+            f"{x}{o1}{y}{o2}{z}"
+            for x, y, z in {(a, b, c), (a, c, b), (b, a, c), (b, c, a), (c, a, b), (c, b, a)}
+            for o1 in "+-*"
+            for o2 in "+-*"
+            if eval(f"{x}{o1}{y}{o2}{z}") == int(target)
+        }
         assert set(solutions[tuple(map(int, (a, b, c))), int(target)]) == found
-        assert all(rewards.verify_countdown(f"\\boxed{{{s}}}", example.ground_truth) == (True, "ok") for s in found)
+        assert all(
+            rewards.verify_countdown(f"\\boxed{{{s}}}", example.ground_truth) == (True, "ok")
+            for s in found
+        )
 
 
 def test_data_only_writes_the_tasks_without_a_model(tiny_dir, tmp_path):
@@ -132,20 +175,42 @@ def test_data_only_writes_the_tasks_without_a_model(tiny_dir, tmp_path):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    completed = subprocess.run([sys.executable, "tiny.py", "--out", str(tmp_path / "d"), "--data-only"], cwd=repo,
-                               capture_output=True, text=True, timeout=120)
+    completed = subprocess.run(
+        [sys.executable, "tiny.py", "--out", str(tmp_path / "d"), "--data-only"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert not (tmp_path / "d" / "model").exists()
     written = sorted(p.name for p in (tmp_path / "d" / "data").iterdir())
-    assert written == ["add_test.jsonl", "add_train.jsonl", "countdown_test.jsonl", "countdown_train.jsonl",
-                       "mul_test.jsonl", "mul_train.jsonl", "sum_test.jsonl", "sum_train.jsonl"]
+    assert written == [
+        "add_test.jsonl",
+        "add_train.jsonl",
+        "countdown_test.jsonl",
+        "countdown_train.jsonl",
+        "mul_test.jsonl",
+        "mul_train.jsonl",
+        "sum_test.jsonl",
+        "sum_train.jsonl",
+    ]
     for name in ("add_train.jsonl", "sum_test.jsonl"):  # the very files the full build writes
-        assert (tmp_path / "d" / "data" / name).read_bytes() == (tiny_dir / "data" / name).read_bytes()
+        assert (tmp_path / "d" / "data" / name).read_bytes() == (
+            tiny_dir / "data" / name
+        ).read_bytes()
     (tmp_path / "a_file").write_text("")
-    for argv, message in ((["--out", str(tmp_path / "a_file" / "x")], "is not a writable directory"),
-                          (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1")):
-        bad = subprocess.run([sys.executable, "tiny.py", *argv], cwd=repo, capture_output=True, text=True,
-                             timeout=120)
+    for argv, message in (
+        (["--out", str(tmp_path / "a_file" / "x")], "is not a writable directory"),
+        (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
+    ):
+        bad = subprocess.run(
+            [sys.executable, "tiny.py", *argv],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert bad.returncode == 2 and message in bad.stderr
 
 
@@ -169,7 +234,8 @@ def test_build_is_the_same_bytes_under_other_thread_counts_and_kernels(tmp_path)
     """A reduced build (20 warm-up steps) in two processes: one thread; two threads with ATen's
     generic kernels (as another CPU picks other kernels). model.safetensors must be the same bytes
     in both. Without tiny.BUILD_ENV the second differs (the thread count alone did not change the
-    bytes on a 2-core AMD EPYC; the kernels did: docs/results.md, "Which model a result came from")."""
+    bytes on a 2-core AMD EPYC; the kernels did: docs/results.md, "Which model a result came
+    from")."""
     import os
     import subprocess
     import sys
@@ -178,8 +244,10 @@ def test_build_is_the_same_bytes_under_other_thread_counts_and_kernels(tmp_path)
     if not tiny.can_pin():
         pytest.skip("no AVX2+FMA x86 CPU: tiny.py builds unpinned here (docs/results.md)")
     repo = Path(__file__).resolve().parents[1]
-    callers = {"1 thread": {"OMP_NUM_THREADS": "1"},
-               "2 threads, generic kernels": {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "default"}}
+    callers = {
+        "1 thread": {"OMP_NUM_THREADS": "1"},
+        "2 threads, generic kernels": {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "default"},
+    }
     clean = {key: value for key, value in os.environ.items() if key not in tiny.BUILD_ENV}
     seen = {}
     for name, env in callers.items():

@@ -827,7 +827,7 @@ def test_float16_loss_scaling_keeps_the_gradients_that_float16_loses(tiny_dir, t
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads((tmp_path / "fp16.json").read_text())
-    assert result["reference_max_abs"] < 1e-5
+    assert result["reference_max_abs"] < 1e-4  # the premise: a tiny update (entries ~1e-7 to 1e-5)
     assert (
         result["plain"]["underflowed"] == result["entries"]
         and result["plain"]["relative_error"] == 1.0

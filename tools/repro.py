@@ -1,5 +1,5 @@
-"""tools/repro.py: the paper's entropy effect in miniature: GRPO vs STARE (and STAPO, Lp-Reg, an entropy bonus) on the
-tiny default, on CPU, and whether held entropy pays back on held-out prompts.
+"""tools/repro.py: the paper's entropy effect in miniature: GRPO vs STARE (and STAPO, Lp-Reg, an
+entropy bonus) on the tiny default, on CPU, and whether held entropy pays back on held-out prompts.
 
     python tiny.py --out runs/tiny && python -m tools.repro --tiny runs/tiny --out runs/repro     # compare + sweep
     python -m tools.repro --tiny runs/tiny --out runs/repro --part compare --methods grpo stare_o1 stapo
@@ -28,11 +28,12 @@ Parts, under --out:
 Each run writes metrics.jsonl with train.py's metric names (tools/plots.py draws them), heldout.jsonl and its config.yaml;
 a complete run is not rerun.
 
-Training goes through train.py's stages (group_responses, old_policy_pass, update_gate, select_tokens,
-policy_update, batch_metrics) in one process; only sampling differs: a batched KV-cache loop over the same
-transformers model instead of a vLLM engine (whose start-up and weight sync dominate a step at this size), on-policy.
-Dynamic sampling drops groups whose answers were all judged alike but does not resample to refill the batch; a
-step without a varied group makes no update. Distinct-correct compares token sequences.
+Training goes through train.py's stages (group_responses, old_policy_pass, update_gate,
+select_tokens, policy_update, batch_metrics) in one process; only sampling differs: a batched
+KV-cache loop over the same transformers model instead of a vLLM engine (whose start-up and weight
+sync dominate a step at this size), on-policy. Dynamic sampling drops groups whose answers were all
+judged alike but does not resample to refill the batch; a step without a varied group makes no
+update. Distinct-correct compares token sequences.
 """
 
 import argparse
@@ -59,13 +60,16 @@ from tools import plots
 
 TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
-# The comparison's runs: name -> loss settings (method + LossConfig fields); STARE's gate target is --target-entropy.
-# "stare_o1"/"stare_c2" use the strength the sweep finds above the threshold; "stare_paper" is the paper's W = 1.1.
+# The comparison's runs: name -> loss settings (method + LossConfig fields); STARE's gate target is
+# --target-entropy. "stare_o1"/"stare_c2" use the strength the sweep finds above the threshold;
+# "stare_paper" is the paper's W = 1.1.
 COMPARE_RUNS = {
     "grpo": dict(method="grpo"),
     "stare_paper": dict(method="stare", stare_variant="O1", stare_w=1.1, stare_top_ratio=0.1),
     "stare_o1": dict(method="stare", stare_variant="O1", stare_w=4.0, stare_top_ratio=0.05),
-    "stare_c2": dict(method="stare", stare_variant="C2", stare_w=4.0, stare_m=0.5, stare_top_ratio=0.05),
+    "stare_c2": dict(
+        method="stare", stare_variant="C2", stare_w=4.0, stare_m=0.5, stare_top_ratio=0.05
+    ),
     "stapo": dict(method="stapo"),
     "lp_reg": dict(method="lp_reg"),
 }
@@ -82,18 +86,21 @@ class RunSpec:
     prompts_per_step: int = 16
     target_entropy: float = 0.2
     lr: float | None = None  # None: configs/tiny.yaml's
-    predict_ps: tuple = (0.1,)  # the P values whose first-order W* every step logs (repro/w_critical@P)
+    # the P values whose first-order W* every step logs (repro/w_critical@P)
+    predict_ps: tuple = (0.1,)
     task: str = "sum"  # a key of TASKS
-    eval_every: int = 0  # held-out evaluation before step 1, every eval_every steps and after the last (0: none)
+    # held-out evaluation before step 1, every eval_every steps and after the last (0: none)
+    eval_every: int = 0
     eval_n: int = 64  # samples per held-out prompt
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The task and the model
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
-# task -> (model directory, training split, held-out split) under the tiny directory (tiny.py builds them)
+# task -> (model directory, training split, held-out split) under the tiny directory (tiny.py builds
+# them)
 TASKS = {"sum": ("model", "sum_train", "sum_test"),
          "countdown": ("countdown_model", "countdown_train", "countdown_test")}
 
@@ -101,16 +108,23 @@ TASKS = {"sum": ("model", "sum_train", "sum_test"),
 def load_task(tiny_dir, tokenizer, max_prompt_tokens, split="sum_train"):
     """One split of a task's prompts -> (prompt ids [P, Lp] long, ground truths, data sources).
 
-    The prompts of each task differ only in numbers of fixed width, so they tokenise to the same length and batch
-    without padding; a prompt set where that fails is an error here rather than silently padded."""
+    The prompts of each task differ only in numbers of fixed width, so they tokenise to the same
+    length and batch without padding; a prompt set where that fails is an error here rather than
+    silently padded."""
     path = Path(tiny_dir) / "data" / f"{split}.jsonl"
     examples = data.load_examples(path, prompt_suffix=None)
     prompt_ids, examples, _ = data.tokenize_prompts(examples, tokenizer, max_prompt_tokens, "error")
     lengths = sorted({len(p) for p in prompt_ids})
     if len(lengths) != 1:
-        raise ValueError(f"{path}: tools/repro.py batches prompts without padding and needs equal prompt lengths, "
-                         f"got lengths {lengths}")
-    return (torch.tensor(prompt_ids), [e.ground_truth for e in examples], [e.data_source for e in examples])
+        raise ValueError(
+            f"{path}: tools/repro.py batches prompts without padding and needs equal prompt lengths, "
+            f"got lengths {lengths}"
+        )
+    return (
+        torch.tensor(prompt_ids),
+        [e.ground_truth for e in examples],
+        [e.data_source for e in examples],
+    )
 
 
 def model_sha256(tiny_dir, task):
@@ -138,23 +152,28 @@ def check_model(tiny_dir, task):
 
 
 def load_model(tiny_dir, task="sum", attn_implementation=modeling.ATTENTION):
-    """The task's tiny model in float32, with train.py's attention (the packed rows of old_policy_pass and
-    policy_update then cost no [L, L] mask)."""
+    """The task's tiny model in float32, with train.py's attention (the packed rows of
+    old_policy_pass and policy_update then cost no [L, L] mask)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(Path(tiny_dir) / TASKS[task][0], dtype=torch.float32,
-                                                attn_implementation=attn_implementation)
+    return AutoModelForCausalLM.from_pretrained(
+        Path(tiny_dir) / TASKS[task][0],
+        dtype=torch.float32,
+        attn_implementation=attn_implementation,
+    )
 
 
 @torch.no_grad()
 def sample(model, prompts, n, max_tokens, eos_id, pad_id, generator, temperature=1.0):
-    """n responses per prompt, sampled token by token from the model's tempered softmax (no top-p/top-k).
+    """n responses per prompt, sampled token by token from the model's tempered softmax (no
+    top-p/top-k).
 
-    prompts [P, Lp] long (equal lengths) -> (tokens [P*n, T] long, mask [P*n, T] bool, logprobs [P*n, T] float32),
-    rows grouped by prompt (prompt i owns rows i*n .. i*n+n-1). A response ends at eos_id, which it includes (the
-    policy chose it; vLLM's token_ids include it too); later positions hold pad_id, mask False. logprobs are the
-    tempered log-probs of the sampled tokens (0 where masked), as vLLM reports them. The prompt is prefilled once
-    and its KV cache repeated n times; every row then costs one token per forward."""
+    prompts [P, Lp] long (equal lengths) -> (tokens [P*n, T] long, mask [P*n, T] bool, logprobs
+    [P*n, T] float32), rows grouped by prompt (prompt i owns rows i*n .. i*n+n-1). A response ends
+    at eos_id, which it includes (the policy chose it; vLLM's token_ids include it too); later
+    positions hold pad_id, mask False. logprobs are the tempered log-probs of the sampled tokens (0
+    where masked), as vLLM reports them. The prompt is prefilled once and its KV cache repeated n
+    times; every row then costs one token per forward."""
     out = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     cache.batch_repeat_interleave(n)
@@ -176,47 +195,85 @@ def sample(model, prompts, n, max_tokens, eos_id, pad_id, generator, temperature
         if bool(finished.all()):
             width = t + 1
             break
-        next_logits = model(input_ids=tokens[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+        next_logits = model(
+            input_ids=tokens[:, t : t + 1], past_key_values=cache, use_cache=True
+        ).logits[:, -1]
     return tokens[:, :width], mask[:, :width], sampled_logprobs[:, :width]
 
 
 def sample_groups(model, tokenizer, prompts, truths, sources, cfg, generator):
     """n responses to each prompt ([G, Lp]) from the in-process sampler, scored -> train.Group list."""
     n = cfg.rollout.n
-    tokens, mask, logprobs = sample(model, prompts, n, cfg.rollout.max_tokens, tokenizer.eos_token_id,
-                                    tokenizer.pad_token_id, generator, cfg.rollout.temperature)
+    tokens, mask, logprobs = sample(
+        model,
+        prompts,
+        n,
+        cfg.rollout.max_tokens,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        generator,
+        cfg.rollout.temperature,
+    )
     lengths = mask.sum(1).tolist()
     responses = [tokens[r, :length].tolist() for r, length in enumerate(lengths)]
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    scores, accuracies, _ = rewards.compute_rewards(texts, [t for t in truths for _ in range(n)],
-                                                    [s for s in sources for _ in range(n)], lengths, cfg.reward)
-    rows = [train.Response(prompt=prompts[r // n].tolist(), tokens=responses[r],
-                           rollout_logprobs=logprobs[r, :lengths[r]].tolist(), reward=scores[r],
-                           accuracy=accuracies[r],
-                           truncated=lengths[r] == cfg.rollout.max_tokens
-                           and responses[r][-1] != tokenizer.eos_token_id,
-                           reflection=evaluate.reflection_counts(texts[r]),
-                           policy_mask=torch.ones(lengths[r], dtype=torch.bool)) for r in range(len(responses))]
+    scores, accuracies, _ = rewards.compute_rewards(
+        texts,
+        [t for t in truths for _ in range(n)],
+        [s for s in sources for _ in range(n)],
+        lengths,
+        cfg.reward,
+    )
+    rows = [
+        train.Response(
+            prompt=prompts[r // n].tolist(),
+            tokens=responses[r],
+            rollout_logprobs=logprobs[r, : lengths[r]].tolist(),
+            reward=scores[r],
+            accuracy=accuracies[r],
+            truncated=lengths[r] == cfg.rollout.max_tokens
+            and responses[r][-1] != tokenizer.eos_token_id,
+            reflection=evaluate.reflection_counts(texts[r]),
+            policy_mask=torch.ones(lengths[r], dtype=torch.bool),
+        )
+        for r in range(len(responses))
+    ]
     return [train.Group(rows[g * n].prompt, rows[g * n:(g + 1) * n]) for g in range(len(prompts))]
 
 
 @torch.no_grad()
-def heldout_metrics(model, tokenizer, prompts, truths, sources, cfg, n, generator, prompts_per_batch=16):
-    """n samples for each held-out prompt ([P, Lp]) at the rollout temperature, scored -> {"heldout/...": value}:
-    avg@n (mean accuracy), unbiased pass@k for k in evaluate.ks_for(n) (per prompt, then the mean over prompts),
-    the fraction of prompts solved by at least one sample, and the diversity of the correct answers
-    (evaluate.distinct_correct_fraction, None when nothing is correct)."""
+def heldout_metrics(
+    model, tokenizer, prompts, truths, sources, cfg, n, generator, prompts_per_batch=16
+):
+    """n samples for each held-out prompt ([P, Lp]) at the rollout temperature, scored ->
+    {"heldout/...": value}: avg@n (mean accuracy), unbiased pass@k for k in evaluate.ks_for(n) (per
+    prompt, then the mean over prompts), the fraction of prompts solved by at least one sample, and
+    the diversity of the correct answers (evaluate.distinct_correct_fraction, None when nothing is
+    correct)."""
     model.eval()
     groups = []
     for start in range(0, len(prompts), prompts_per_batch):
         batch = slice(start, start + prompts_per_batch)
-        tokens, mask, _ = sample(model, prompts[batch], n, cfg.rollout.max_tokens, tokenizer.eos_token_id,
-                                 tokenizer.pad_token_id, generator, cfg.rollout.temperature)
+        tokens, mask, _ = sample(
+            model,
+            prompts[batch],
+            n,
+            cfg.rollout.max_tokens,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            generator,
+            cfg.rollout.temperature,
+        )
         lengths = mask.sum(1).tolist()
         responses = [tokens[r, :length].tolist() for r, length in enumerate(lengths)]
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        _, accuracies, _ = rewards.compute_rewards(texts, [t for t in truths[batch] for _ in range(n)],
-                                                   [s for s in sources[batch] for _ in range(n)], lengths, cfg.reward)
+        _, accuracies, _ = rewards.compute_rewards(
+            texts,
+            [t for t in truths[batch] for _ in range(n)],
+            [s for s in sources[batch] for _ in range(n)],
+            lengths,
+            cfg.reward,
+        )
         groups += [list(zip(responses[p * n:(p + 1) * n], accuracies[p * n:(p + 1) * n]))
                    for p in range(len(texts) // n)]
     return heldout_summary(groups, n)
@@ -227,25 +284,32 @@ def heldout_summary(groups, n):
     correct_counts = [int(sum(accuracy > 0 for _, accuracy in group)) for group in groups]
     metrics = {f"heldout/avg@{n}": statistics.mean(c / n for c in correct_counts)}
     for k in evaluate.ks_for(n):
-        metrics[f"heldout/pass@{k}"] = statistics.mean(evaluate.pass_at_k(n, c, k) for c in correct_counts)
+        metrics[f"heldout/pass@{k}"] = statistics.mean(
+            evaluate.pass_at_k(n, c, k) for c in correct_counts
+        )
     metrics["heldout/solved_frac"] = statistics.mean(c > 0 for c in correct_counts)
     metrics["heldout/distinct_correct_frac"] = evaluate.distinct_correct_fraction(groups)
     return metrics
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # One run
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def critical_w(advantages, sensitivity, logprobs, mask, top_ratio):
-    """The first-order prediction for O1 (module docstring): (dH_grpo, dH_L+, W*) for one batch, 0-dim tensors.
+    """The first-order prediction for O1 (module docstring): (dH_grpo, dH_L+, W*) for one batch,
+    0-dim tensors.
 
-    advantages [B], sensitivity/logprobs [B, T], mask [B, T]. W* is NaN when it does not exist (dH_L+ <= 0, or
-    GRPO's own drift is not negative: nothing to cancel)."""
+    advantages [B], sensitivity/logprobs [B, T], mask [B, T]. W* is NaN when it does not exist
+    (dH_L+ <= 0, or GRPO's own drift is not negative: nothing to cancel)."""
     grpo = stare.entropy_dynamics(advantages, sensitivity, mask)["total/dH"]
-    doubled, _ = stare.stare_weights(logprobs, advantages, mask, "O1", top_ratio, w=2.0, gate_on=True)  # 2 on L+
-    lplus = stare.entropy_dynamics(advantages, sensitivity, mask, weights=doubled)["total/dH"] - grpo
+    doubled, _ = stare.stare_weights(
+        logprobs, advantages, mask, "O1", top_ratio, w=2.0, gate_on=True
+    )  # 2 on L+
+    lplus = (
+        stare.entropy_dynamics(advantages, sensitivity, mask, weights=doubled)["total/dH"] - grpo
+    )
     exists = (lplus > 0) & (grpo < 0)
     w_star = torch.where(exists, 1.0 - grpo / lplus.clamp(min=1e-12), torch.full((), float("nan")))
     return grpo, lplus, w_star
@@ -254,25 +318,36 @@ def critical_w(advantages, sensitivity, logprobs, mask, top_ratio):
 def run_config(spec):
     """configs/tiny.yaml with the run's loss settings, gate target, seed and steps: the settings train.py would use."""
     keys = {"stare_w": "gate.w", "stare_m": "gate.m"}  # STARE's weights live in the gate section
-    overrides = [f"{keys.get(key, 'loss.' + key)}={value}" for key, value in spec.loss.items() if key != "method"]
-    overrides += [f"algorithm.method={spec.loss['method']}", f"gate.target_entropy={spec.target_entropy}",
-                  f"train.seed={spec.seed}", f"train.total_steps={spec.steps}"]
+    overrides = [
+        f"{keys.get(key, 'loss.' + key)}={value}"
+        for key, value in spec.loss.items()
+        if key != "method"
+    ]
+    overrides += [
+        f"algorithm.method={spec.loss['method']}",
+        f"gate.target_entropy={spec.target_entropy}",
+        f"train.seed={spec.seed}",
+        f"train.total_steps={spec.steps}",
+    ]
     if spec.lr is not None:
         overrides.append(f"optim.lr={spec.lr}")
     return config.load(TINY_CONFIG, overrides)
 
 
 def train_run(spec, tiny_dir, out_dir):
-    """Train one run of the miniature through train.py's stages; writes out_dir/config.yaml, out_dir/metrics.jsonl
-    (one line per step, as it goes) and, with spec.eval_every, out_dir/heldout.jsonl (one line per held-out
-    evaluation, step 0 being the model before training); returns the list of per-step metric dicts."""
+    """Train one run of the miniature through train.py's stages; writes out_dir/config.yaml,
+    out_dir/metrics.jsonl (one line per step, as it goes) and, with spec.eval_every,
+    out_dir/heldout.jsonl (one line per held-out evaluation, step 0 being the model before
+    training); returns the list of per-step metric dicts."""
     from transformers import AutoTokenizer
 
     cfg = run_config(spec)
     cpu = torch.device("cpu")
     model_dir, train_split, heldout_split = TASKS[spec.task]
     tokenizer = AutoTokenizer.from_pretrained(Path(tiny_dir) / model_dir)
-    prompts, truths, sources = load_task(tiny_dir, tokenizer, cfg.data.max_prompt_tokens, train_split)
+    prompts, truths, sources = load_task(
+        tiny_dir, tokenizer, cfg.data.max_prompt_tokens, train_split
+    )
     heldout_task = load_task(tiny_dir, tokenizer, cfg.data.max_prompt_tokens, heldout_split)
     torch.manual_seed(spec.seed)
     model = load_model(tiny_dir, spec.task, cfg.model.attn_implementation)
@@ -291,10 +366,16 @@ def train_run(spec, tiny_dir, out_dir):
     heldout_log = out_dir / "heldout.jsonl"
     heldout_log.unlink(missing_ok=True)
 
-    def evaluate_heldout(step):  # the same samples' seed for every method of a seed: paired comparisons
+    # the same samples' seed for every method of a seed: paired comparisons
+    def evaluate_heldout(step):
         if spec.eval_every and (step % spec.eval_every == 0 or step == spec.steps):
-            generator = torch.Generator().manual_seed(rollout.derive_seed(spec.seed, "repro", "heldout", step))
-            record = {"step": step, **heldout_metrics(model, tokenizer, *heldout_task, cfg, spec.eval_n, generator)}
+            generator = torch.Generator().manual_seed(
+                rollout.derive_seed(spec.seed, "repro", "heldout", step)
+            )
+            record = {
+                "step": step,
+                **heldout_metrics(model, tokenizer, *heldout_task, cfg, spec.eval_n, generator),
+            }
             with open(heldout_log, "a") as log:
                 log.write(json.dumps(record) + "\n")
 
@@ -303,25 +384,37 @@ def train_run(spec, tiny_dir, out_dir):
     with open(out_dir / "metrics.jsonl", "w") as log:
         for step in range(1, spec.steps + 1):
             start = time.time()
-            chosen = torch.cat([torch.randperm(len(prompts), generator=order)
-                                for _ in range(-(-spec.prompts_per_step // len(prompts)))])[:spec.prompts_per_step]
+            chosen = torch.cat(
+                [
+                    torch.randperm(len(prompts), generator=order)
+                    for _ in range(-(-spec.prompts_per_step // len(prompts)))
+                ]
+            )[: spec.prompts_per_step]
             model.eval()
             groups = sample_groups(model, tokenizer, prompts[chosen], [truths[p] for p in chosen],
                                    [sources[p] for p in chosen], cfg, sampler)
-            kept = [group for group in groups if group.varied]  # train.py's filter, without refilling the batch
+            # train.py's filter, without refilling the batch
+            kept = [group for group in groups if group.varied]
             sampled = [r for group in groups for r in group.responses]
-            metrics = {"step": step, "rollout/acc_before_filter": statistics.mean(r.accuracy for r in sampled),
-                       "rollout/distinct_correct_frac": evaluate.distinct_correct_fraction(
-                           [[(r.tokens, r.accuracy) for r in group.responses] for group in groups]),
-                       "rollout/response_length_mean": statistics.mean(len(r.tokens) for r in sampled),
-                       "train/kept_groups": len(kept)}
+            metrics = {
+                "step": step,
+                "rollout/acc_before_filter": statistics.mean(r.accuracy for r in sampled),
+                "rollout/distinct_correct_frac": evaluate.distinct_correct_fraction(
+                    [[(r.tokens, r.accuracy) for r in group.responses] for group in groups]
+                ),
+                "rollout/response_length_mean": statistics.mean(len(r.tokens) for r in sampled),
+                "train/kept_groups": len(kept),
+            }
             if kept:  # else no update, as train.py would resample (tools/repro.py does not)
-                responses = train.group_responses(kept, cfg, rank=0, world=1)  # train.py's stages, in its order
+                # train.py's stages, in its order
+                responses = train.group_responses(kept, cfg, rank=0, world=1)
                 train.old_policy_pass(model, responses, cfg, cpu)
                 num_tokens, gate_metrics = train.update_gate(gate, responses, cpu)
                 metrics.update(gate_metrics)
                 metrics.update(train.select_tokens(responses, cfg, gate, step, cpu))
-                metrics.update(train.policy_update(model, optimizer, responses, cfg, gate, step, cpu))
+                metrics.update(
+                    train.policy_update(model, optimizer, responses, cfg, gate, step, cpu)
+                )
                 metrics.update(train.batch_metrics(responses, num_tokens, cpu))
                 metrics.update(critical_w_metrics(responses, spec.predict_ps))
             metrics["stare/gate_on"] = float(gate.gate_on)
@@ -341,14 +434,20 @@ def critical_w_metrics(responses, predict_ps):
     metrics = {}
     for top_ratio in predict_ps:
         dh_grpo, dh_lplus, w_star = critical_w(advantages, sensitivity, logprobs, mask, top_ratio)
-        metrics.update({"repro/dH_grpo": float(dh_grpo), f"repro/dH_lplus@{top_ratio:g}": float(dh_lplus),
-                        f"repro/w_critical@{top_ratio:g}": float(w_star)})
+        metrics.update(
+            {
+                "repro/dH_grpo": float(dh_grpo),
+                f"repro/dH_lplus@{top_ratio:g}": float(dh_lplus),
+                f"repro/w_critical@{top_ratio:g}": float(w_star),
+            }
+        )
     return metrics
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Many runs: a process pool, one thread per run (a 2x128 model does not use two cores well in one process)
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Many runs: a process pool, one thread per run (a 2x128 model does not use two cores well in one
+# process)
+# --------------------------------------------------------------------------------------------------
 
 
 def read_records(path):
@@ -378,9 +477,10 @@ def _run_in_worker(job):
 
 
 def run_all(jobs, workers):
-    """Run every (spec, tiny_dir, out_dir) job that out_dir does not already hold complete, with the same RunSpec
-    (so an interrupted `tools/repro.py` reruns only the unfinished runs, each from its first step; changed settings rerun
-    everything they touch), `workers` at a time; returns {out_dir: the first spec.steps records}."""
+    """Run every (spec, tiny_dir, out_dir) job that out_dir does not already hold complete, with the
+    same RunSpec (so an interrupted `tools/repro.py` reruns only the unfinished runs, each from its
+    first step; changed settings rerun everything they touch), `workers` at a time; returns
+    {out_dir: the first spec.steps records}."""
     from tqdm import tqdm
 
     todo = []
@@ -388,10 +488,13 @@ def run_all(jobs, workers):
         metrics, record = Path(out_dir) / "metrics.jsonl", Path(out_dir) / "repro.json"
         heldout = Path(out_dir) / "heldout.jsonl"
         evaluations = read_records(heldout) if heldout.exists() else []
-        complete = (metrics.exists() and record.exists()
-                    and json.loads(record.read_text()) == spec_record(spec, tiny_dir)
-                    and len(read_records(metrics)) >= spec.steps
-                    and (not spec.eval_every or (evaluations and evaluations[-1]["step"] == spec.steps)))
+        complete = (
+            metrics.exists()
+            and record.exists()
+            and json.loads(record.read_text()) == spec_record(spec, tiny_dir)
+            and len(read_records(metrics)) >= spec.steps
+            and (not spec.eval_every or (evaluations and evaluations[-1]["step"] == spec.steps))
+        )
         if not complete:
             todo.append((spec, tiny_dir, out_dir))
     if todo:
@@ -401,12 +504,15 @@ def run_all(jobs, workers):
                 progress.set_postfix_str(f"{spec.name} seed {spec.seed}: {seconds:.0f} s")
                 progress.update()
         progress.close()
-    return {str(out_dir): read_records(Path(out_dir) / "metrics.jsonl")[:spec.steps] for spec, _, out_dir in jobs}
+    return {
+        str(out_dir): read_records(Path(out_dir) / "metrics.jsonl")[: spec.steps]
+        for spec, _, out_dir in jobs
+    }
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Summaries: final values, the measured and the predicted critical strength
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 FINAL_KEYS = ("train/entropy", "rollout/distinct_correct_frac", "rollout/acc_before_filter")
 
@@ -421,8 +527,8 @@ def final_values(records, window):
 
 
 def crossing(xs, ys, level):
-    """The first x at which the piecewise-linear curve through (xs, ys) (xs increasing) reaches `level` from
-    below; None if it never does, xs[0] if it starts there."""
+    """The first x at which the piecewise-linear curve through (xs, ys) (xs increasing) reaches
+    `level` from below; None if it never does, xs[0] if it starts there."""
     for i, (x, y) in enumerate(zip(xs, ys)):
         if y >= level:
             if i == 0:
@@ -449,8 +555,9 @@ def predicted_critical_w(grpo_runs, target_entropy, top_ratio, band=0.25):
 
 
 def summarize_group(records_by_seed, window):
-    """Final values (seed mean, SE, per seed) and, per seed, how the run got there: the first step with the gate on,
-    the fraction of steps with it on, the mean fraction of tokens whose loss differs from GRPO's, the wall time."""
+    """Final values (seed mean, SE, per seed) and, per seed, how the run got there: the first step
+    with the gate on, the fraction of steps with it on, the mean fraction of tokens whose loss
+    differs from GRPO's, the wall time."""
     finals = [final_values(records, window) for records in records_by_seed]
     summary = {}
     for key in FINAL_KEYS:
@@ -458,27 +565,36 @@ def summarize_group(records_by_seed, window):
         summary[key.split("/")[-1]] = {"mean": mean, "se": se, "per_seed": [f[key] for f in finals]}
     updates = [[r for r in records if "train/touched_frac" in r] for records in records_by_seed]
     summary["per_seed"] = {
-        "first_gate_on_step": [next((r["step"] for r in records if r["stare/gate_on"]), None)
-                               for records in records_by_seed],
-        "gate_on_frac": [statistics.mean(r["stare/gate_on"] for r in records) for records in records_by_seed],
-        "touched_frac": [statistics.mean(r["train/touched_frac"] for r in rows) if rows else 0.0 for rows in updates],
+        "first_gate_on_step": [
+            next((r["step"] for r in records if r["stare/gate_on"]), None)
+            for records in records_by_seed
+        ],
+        "gate_on_frac": [
+            statistics.mean(r["stare/gate_on"] for r in records) for records in records_by_seed
+        ],
+        "touched_frac": [
+            statistics.mean(r["train/touched_frac"] for r in rows) if rows else 0.0
+            for rows in updates
+        ],
         "seconds": [round(sum(r["time/step"] for r in records), 1) for records in records_by_seed],
     }
     return summary
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The payoff comparison: does held entropy pay back on held-out prompts?
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-# name -> loss settings. "stare_predicted" gets its stare_w from the first-order analysis of the GRPO runs of the same
-# comparison (predicted_critical_w at its stare_top_ratio); "entropy_bonus" runs once per --entropy-coefs value, and
-# the summary names, for each STARE setting, the coefficient whose mean entropy came closest to its own.
+# name -> loss settings. "stare_predicted" gets its stare_w from the first-order analysis of the
+# GRPO runs of the same comparison (predicted_critical_w at its stare_top_ratio); "entropy_bonus"
+# runs once per --entropy-coefs value, and the summary names, for each STARE setting, the
+# coefficient whose mean entropy came closest to its own.
 PAYOFF_RUNS = {
     "grpo": dict(method="grpo"),
     "stare_paper": COMPARE_RUNS["stare_paper"],
     "stare_predicted": dict(method="stare", stare_variant="O1", stare_top_ratio=0.05),
-    "stare_holding": COMPARE_RUNS["stare_o1"],  # the strength that held the sum task's entropy at the target
+    # the strength that held the sum task's entropy at the target
+    "stare_holding": COMPARE_RUNS["stare_o1"],
     "lp_reg": dict(method="lp_reg"),
     "entropy_bonus": dict(method="entropy_bonus"),
 }
@@ -490,28 +606,45 @@ def read_heldout(run_dir):
 
 
 def paired_difference(values, baseline):
-    """Per-seed differences values[i] - baseline[i] -> mean, paired standard error (SD / sqrt(seeds)), bootstrap
-    standard error of the mean (evaluate.bootstrap_se), and how many seeds are above / below zero. A seed where
-    either value is NaN (e.g. no correct answer to measure the diversity of) is left out of the statistics."""
+    """Per-seed differences values[i] - baseline[i] -> mean, paired standard error (SD /
+    sqrt(seeds)), bootstrap standard error of the mean (evaluate.bootstrap_se), and how many seeds
+    are above / below zero. A seed where either value is NaN (e.g. no correct answer to measure the
+    diversity of) is left out of the statistics."""
     diffs = [v - b for v, b in zip(values, baseline)]
     finite = [d for d in diffs if not math.isnan(d)]
     mean, se = plots.mean_and_se(finite)
-    return {"mean": mean, "paired_se": se, "bootstrap_se": evaluate.bootstrap_se(finite) if finite else math.nan,
-            "seeds_above": sum(d > 0 for d in finite), "seeds_below": sum(d < 0 for d in finite), "per_seed": diffs}
+    return {
+        "mean": mean,
+        "paired_se": se,
+        "bootstrap_se": evaluate.bootstrap_se(finite) if finite else math.nan,
+        "seeds_above": sum(d > 0 for d in finite),
+        "seeds_below": sum(d < 0 for d in finite),
+        "per_seed": diffs,
+    }
 
 
 def heldout_comparison(runs, steps, ks):
-    """runs: {setting: [(metrics records, held-out records by step) per seed]}, "grpo" among them -> per setting:
-    the training entropy (mean over all steps, and over the last 20), the held-out pass@k (k in ks), solved and
-    distinct-correct fractions after `steps` (seed means, SE, per seed), and each one's paired difference from
-    GRPO's."""
-    keys = [f"heldout/pass@{k}" for k in ks] + ["heldout/distinct_correct_frac", "heldout/solved_frac"]
+    """runs: {setting: [(metrics records, held-out records by step) per seed]}, "grpo" among them ->
+    per setting: the training entropy (mean over all steps, and over the last 20), the held-out
+    pass@k (k in ks), solved and distinct-correct fractions after `steps` (seed means, SE, per
+    seed), and each one's paired difference from GRPO's."""
+    keys = [f"heldout/pass@{k}" for k in ks] + [
+        "heldout/distinct_correct_frac",
+        "heldout/solved_frac",
+    ]
     per_setting = {}
     for name, seeds in runs.items():
-        values = {"entropy_mean": [plots.mean_and_se([r.get("train/entropy", math.nan) for r in records])[0]
-                                   for records, _ in seeds],  # steps without an update (no varied group) skipped
-                  "entropy_final": [plots.mean_and_se([r.get("train/entropy", math.nan) for r in records[-20:]])[0]
-                                    for records, _ in seeds]}
+        values = {
+            "entropy_mean": [
+                plots.mean_and_se([r.get("train/entropy", math.nan) for r in records])[0]
+                # steps without an update (no varied group) skipped
+                for records, _ in seeds
+            ],
+            "entropy_final": [
+                plots.mean_and_se([r.get("train/entropy", math.nan) for r in records[-20:]])[0]
+                for records, _ in seeds
+            ],
+        }
         for key in keys:
             finals = [heldout[steps].get(key) for _, heldout in seeds]
             values[key] = [float("nan") if v is None else v for v in finals]
@@ -529,13 +662,21 @@ def heldout_comparison(runs, steps, ks):
 
 
 def run_payoff(args, out, workers):
-    """--part payoff: every PAYOFF_RUNS setting over --seeds on --task, with held-out evaluations; GRPO and the
-    settings that do not depend on it first, then STARE at the W that GRPO's batches predict. Writes
-    payoff/summary.json and payoff/payoff.png under out and returns the summary."""
-    common = dict(steps=args.steps, prompts_per_step=args.prompts_per_step, target_entropy=args.target_entropy,
-                  lr=args.lr, predict_ps=(PAYOFF_RUNS["stare_predicted"]["stare_top_ratio"],), task=args.task,
-                  eval_every=args.eval_every, eval_n=args.eval_n)
-    chosen = {"grpo", *args.payoff_runs}  # GRPO always: the baseline of every pair, and the prediction's data
+    """--part payoff: every PAYOFF_RUNS setting over --seeds on --task, with held-out evaluations;
+    GRPO and the settings that do not depend on it first, then STARE at the W that GRPO's batches
+    predict. Writes payoff/summary.json and payoff/payoff.png under out and returns the summary."""
+    common = dict(
+        steps=args.steps,
+        prompts_per_step=args.prompts_per_step,
+        target_entropy=args.target_entropy,
+        lr=args.lr,
+        predict_ps=(PAYOFF_RUNS["stare_predicted"]["stare_top_ratio"],),
+        task=args.task,
+        eval_every=args.eval_every,
+        eval_n=args.eval_n,
+    )
+    # GRPO always: the baseline of every pair, and the prediction's data
+    chosen = {"grpo", *args.payoff_runs}
     settings = {name: loss for name, loss in PAYOFF_RUNS.items()
                 if name in chosen and name not in ("stare_predicted", "entropy_bonus")}
     if "entropy_bonus" in chosen:
@@ -544,42 +685,81 @@ def run_payoff(args, out, workers):
     root = out / "payoff"
 
     def jobs(names):
-        return [(RunSpec(name, settings[name], seed=seed, **common), args.tiny, root / f"{name}_seed{seed}")
-                for name in names for seed in args.seeds]
+        return [
+            (
+                RunSpec(name, settings[name], seed=seed, **common),
+                args.tiny,
+                root / f"{name}_seed{seed}",
+            )
+            for name in names
+            for seed in args.seeds
+        ]
 
     first = jobs(list(settings))
     then = ", then STARE at the predicted W" if "stare_predicted" in chosen else ""
-    print(f"payoff on {args.task}: {len(first)} runs of {args.steps} steps{then}, {workers} at a time, under {root}",
-          file=sys.stderr)
+    print(
+        f"payoff on {args.task}: {len(first)} runs of {args.steps} steps{then}, {workers} at a time, under {root}",
+        file=sys.stderr,
+    )
     started = time.time()
     results = run_all(first, workers)
     top_ratio = PAYOFF_RUNS["stare_predicted"]["stare_top_ratio"]
     grpo_records = [results[str(root / f"grpo_seed{seed}")] for seed in args.seeds]
-    w_c, dh_grpo, dh_lplus, batches = predicted_critical_w(grpo_records, args.target_entropy, top_ratio)
-    prediction = {"w": w_c, "top_ratio": top_ratio, "dH_grpo": dh_grpo, "dH_lplus": dh_lplus, "batches": batches}
+    w_c, dh_grpo, dh_lplus, batches = predicted_critical_w(
+        grpo_records, args.target_entropy, top_ratio
+    )
+    prediction = {
+        "w": w_c,
+        "top_ratio": top_ratio,
+        "dH_grpo": dh_grpo,
+        "dH_lplus": dh_lplus,
+        "batches": batches,
+    }
     if w_c is not None and "stare_predicted" in chosen:
         name = f"stare_predicted_w{w_c:.2f}"
         settings[name] = {**PAYOFF_RUNS["stare_predicted"], "stare_w": round(w_c, 2)}
         results.update(run_all(jobs([name]), workers))
     elif "stare_predicted" in chosen:
-        print(f"no first-order W at P = {top_ratio:g} ({batches} GRPO batches near the target, "
-              f"dH_grpo {dh_grpo:.2e}, dH_L+ {dh_lplus:.2e}): STARE at the predicted W is not run", file=sys.stderr)
-    runs = {name: [(results[str(root / f"{name}_seed{seed}")], read_heldout(root / f"{name}_seed{seed}"))
-                   for seed in args.seeds] for name in settings}
+        print(
+            f"no first-order W at P = {top_ratio:g} ({batches} GRPO batches near the target, "
+            f"dH_grpo {dh_grpo:.2e}, dH_L+ {dh_lplus:.2e}): STARE at the predicted W is not run",
+            file=sys.stderr,
+        )
+    runs = {
+        name: [
+            (results[str(root / f"{name}_seed{seed}")], read_heldout(root / f"{name}_seed{seed}"))
+            for seed in args.seeds
+        ]
+        for name in settings
+    }
     ks = evaluate.ks_for(args.eval_n)
     summary = {"settings": {**vars(args), "tiny": str(args.tiny), "out": str(args.out)},
                "model_sha256": check_model(args.tiny, args.task),  # the starting model, by content
                "prediction": prediction, "runs": heldout_comparison(runs, args.steps, ks)}
     bonuses = [name for name in settings if name.startswith("entropy_bonus")]
-    summary["entropy_matched_bonus"] = {  # per STARE setting, the bonus whose mean entropy comes closest to it
-        name: min(bonuses, key=lambda bonus: abs(summary["runs"][bonus]["entropy_mean"]["mean"]
-                                                 - summary["runs"][name]["entropy_mean"]["mean"]), default=None)
-        for name in settings if name.startswith("stare")}
-    summary["before_training"] = {key: plots.mean_and_se([heldout[0][key] for _, heldout in runs["grpo"]])[0]
-                                  for key in runs["grpo"][0][1][0] if key != "step"}
+    # per STARE setting, the bonus whose mean entropy comes closest to it
+    summary["entropy_matched_bonus"] = {
+        name: min(
+            bonuses,
+            key=lambda bonus: abs(
+                summary["runs"][bonus]["entropy_mean"]["mean"]
+                - summary["runs"][name]["entropy_mean"]["mean"]
+            ),
+            default=None,
+        )
+        for name in settings
+        if name.startswith("stare")
+    }
+    summary["before_training"] = {
+        key: plots.mean_and_se([heldout[0][key] for _, heldout in runs["grpo"]])[0]
+        for key in runs["grpo"][0][1][0]
+        if key != "step"
+    }
     summary["seconds_this_invocation"] = round(time.time() - started, 1)
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
-    plots.plot_payoff(runs, summary["runs"], ks, args.steps, args.target_entropy, root / "payoff.png")
+    plots.plot_payoff(
+        runs, summary["runs"], ks, args.steps, args.target_entropy, root / "payoff.png"
+    )
     print_heldout(summary["runs"], ks)
     for name, bonus in summary["entropy_matched_bonus"].items():
         print(f"entropy-matched to {name}: {bonus}")
@@ -591,7 +771,9 @@ def run_payoff(args, out, workers):
 def print_heldout(runs, ks):
     """runs: heldout_comparison's result -> a table of entropy and final held-out pass@k with paired differences."""
     shown = [k for k in ks if k in (1, 8, ks[-1])]
-    columns = ["entropy_mean"] + [f"heldout/pass@{k}" for k in shown] + ["heldout/distinct_correct_frac"]
+    columns = (
+        ["entropy_mean"] + [f"heldout/pass@{k}" for k in shown] + ["heldout/distinct_correct_frac"]
+    )
     print(f"{'setting':<28}" + "".join(f"{c.split('/')[-1]:>30}" for c in columns))
     for name, stats in runs.items():
         cells = []
@@ -606,38 +788,72 @@ def print_heldout(runs, ks):
     print("(in brackets: the paired difference from GRPO over seeds ± its standard error)")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # main
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", default="runs/tiny", help="the tiny default's directory (built if missing)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--tiny", default="runs/tiny", help="the tiny default's directory (built if missing)"
+    )
     parser.add_argument("--out", default="runs/repro")
-    parser.add_argument("--part", choices=("all", "compare", "sweep", "payoff"), default="all",
-                        help="all = compare + sweep; payoff: the held-out comparison (PAYOFF_RUNS), on its own")
+    parser.add_argument(
+        "--part",
+        choices=("all", "compare", "sweep", "payoff"),
+        default="all",
+        help="all = compare + sweep; payoff: the held-out comparison (PAYOFF_RUNS), on its own",
+    )
     parser.add_argument("--task", choices=list(TASKS), default=None,
                         help="the task (default: sum, but countdown for --part payoff)")
-    parser.add_argument("--eval-every", type=int, default=None,
-                        help="held-out evaluation every this many steps and after the last (default 50; 0: none)")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="held-out evaluation every this many steps and after the last (default 50; 0: none)",
+    )
     parser.add_argument("--eval-n", type=int, default=64, help="samples per held-out prompt")
     parser.add_argument("--entropy-coefs", nargs="+", type=float, default=[0.01, 0.02, 0.03, 0.1],
                         help="the entropy bonus's coefficients in --part payoff")
-    parser.add_argument("--payoff-runs", nargs="+", default=list(PAYOFF_RUNS), choices=list(PAYOFF_RUNS),
-                        help="the settings of --part payoff (see PAYOFF_RUNS; grpo always runs)")
-    parser.add_argument("--methods", nargs="+", default=list(COMPARE_RUNS), choices=list(COMPARE_RUNS),
-                        help="the comparison's runs (see COMPARE_RUNS)")
+    parser.add_argument(
+        "--payoff-runs",
+        nargs="+",
+        default=list(PAYOFF_RUNS),
+        choices=list(PAYOFF_RUNS),
+        help="the settings of --part payoff (see PAYOFF_RUNS; grpo always runs)",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(COMPARE_RUNS),
+        choices=list(COMPARE_RUNS),
+        help="the comparison's runs (see COMPARE_RUNS)",
+    )
     parser.add_argument("--ws", nargs="+", type=float, default=[1.1, 2.0, 4.0, 8.0],
                         help="the sweep's W values (STARE O1)")
-    parser.add_argument("--ps", nargs="+", type=float, default=[0.05, 0.1, 0.2], help="the sweep's P values")
-    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (payoff: 0 1 2 3 4)")
+    parser.add_argument(
+        "--ps", nargs="+", type=float, default=[0.05, 0.1, 0.2], help="the sweep's P values"
+    )
+    parser.add_argument(
+        "--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (payoff: 0 1 2 3 4)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="default: 150 (payoff: 300)")
     parser.add_argument("--prompts-per-step", type=int, default=16)
-    parser.add_argument("--target-entropy", type=float, default=0.2, help="STARE's gate target (the sweep's too)")
-    parser.add_argument("--lr", type=float, default=None, help="default: configs/tiny.yaml's optim.lr")
-    parser.add_argument("--final-window", type=int, default=20, help="steps averaged for the final values")
-    parser.add_argument("--workers", type=int, default=None, help="runs in parallel (default: CPU cores)")
+    parser.add_argument(
+        "--target-entropy", type=float, default=0.2, help="STARE's gate target (the sweep's too)"
+    )
+    parser.add_argument(
+        "--lr", type=float, default=None, help="default: configs/tiny.yaml's optim.lr"
+    )
+    parser.add_argument(
+        "--final-window", type=int, default=20, help="steps averaged for the final values"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="runs in parallel (default: CPU cores)"
+    )
     args = parser.parse_args(argv)
     payoff = args.part == "payoff"
     defaults = {"seeds": [0, 1, 2, 3, 4] if payoff else [0, 1, 2], "steps": 300 if payoff else 150,
@@ -670,9 +886,16 @@ def main(argv):
     if args.part == "payoff":
         run_payoff(args, out, workers)
         return 0
-    common = dict(steps=args.steps, prompts_per_step=args.prompts_per_step, target_entropy=args.target_entropy,
-                  lr=args.lr, predict_ps=tuple(sorted(set(args.ps) | {0.1, 0.2})), task=args.task,
-                  eval_every=args.eval_every, eval_n=args.eval_n)
+    common = dict(
+        steps=args.steps,
+        prompts_per_step=args.prompts_per_step,
+        target_entropy=args.target_entropy,
+        lr=args.lr,
+        predict_ps=tuple(sorted(set(args.ps) | {0.1, 0.2})),
+        task=args.task,
+        eval_every=args.eval_every,
+        eval_n=args.eval_n,
+    )
 
     def sweep_name(w, p):
         return f"stare_o1_w{w:g}_p{p:g}"
@@ -685,23 +908,35 @@ def main(argv):
     if args.part in ("all", "sweep"):
         for p in args.ps:
             for w in args.ws:
-                run_dirs["sweep", sweep_name(w, p)] = out / "sweep" / (sweep_name(w, p) + "_seed{seed}")
+                run_dirs["sweep", sweep_name(w, p)] = (
+                    out / "sweep" / (sweep_name(w, p) + "_seed{seed}")
+                )
                 for seed in args.seeds:
-                    jobs[out / "sweep" / f"{sweep_name(w, p)}_seed{seed}"] = RunSpec(sweep_name(w, p),
-                                                                                     sweep_loss(w, p), seed=seed,
-                                                                                     **common)
+                    jobs[out / "sweep" / f"{sweep_name(w, p)}_seed{seed}"] = RunSpec(
+                        sweep_name(w, p), sweep_loss(w, p), seed=seed, **common
+                    )
     sweep_points = {json.dumps(spec.loss, sort_keys=True): spec.name for spec in jobs.values()}
-    compare_names = ["grpo"] + [m for m in args.methods if m != "grpo"] if args.part in ("all", "compare") else ["grpo"]
-    for name in compare_names:  # GRPO always: it is the sweep's baseline and the first-order prediction's data
+    compare_names = (
+        ["grpo"] + [m for m in args.methods if m != "grpo"]
+        if args.part in ("all", "compare")
+        else ["grpo"]
+    )
+    # GRPO always: it is the sweep's baseline and the first-order prediction's data
+    for name in compare_names:
         same = sweep_points.get(json.dumps(COMPARE_RUNS[name], sort_keys=True))
         if same is not None:  # e.g. stare_o1 is a sweep point: one run serves both
             run_dirs["compare", name] = run_dirs["sweep", same]
             continue
         run_dirs["compare", name] = out / "compare" / (name + "_seed{seed}")
         for seed in args.seeds:
-            jobs[out / "compare" / f"{name}_seed{seed}"] = RunSpec(name, COMPARE_RUNS[name], seed=seed, **common)
-    print(f"{len(jobs)} runs of {args.steps} steps ({args.prompts_per_step} prompts x 8 responses), "
-          f"{workers} at a time, under {out}", file=sys.stderr)
+            jobs[out / "compare" / f"{name}_seed{seed}"] = RunSpec(
+                name, COMPARE_RUNS[name], seed=seed, **common
+            )
+    print(
+        f"{len(jobs)} runs of {args.steps} steps ({args.prompts_per_step} prompts x 8 responses), "
+        f"{workers} at a time, under {out}",
+        file=sys.stderr,
+    )
     started = time.time()
     results = run_all([(spec, args.tiny, out_dir) for out_dir, spec in jobs.items()], workers)
 
@@ -711,35 +946,60 @@ def main(argv):
     summary = {"settings": {**vars(args), "runs": len(jobs)},
                "model_sha256": check_model(args.tiny, args.task)}  # the starting model, by content
     compare_groups = {name: seeds_of("compare", name) for name in compare_names}
-    summary["compare"] = {name: summarize_group(runs, args.final_window) for name, runs in compare_groups.items()}
+    summary["compare"] = {
+        name: summarize_group(runs, args.final_window) for name, runs in compare_groups.items()
+    }
     plots.plot_compare(compare_groups, args.target_entropy, out / "compare.png")
     if args.eval_every:  # the comparison's held-out evaluations, paired with GRPO's
-        heldout_runs = {name: [(records, read_heldout(str(run_dirs["compare", name]).format(seed=seed)))
-                               for records, seed in zip(compare_groups[name], args.seeds)]
-                        for name in compare_names}
+        heldout_runs = {
+            name: [
+                (records, read_heldout(str(run_dirs["compare", name]).format(seed=seed)))
+                for records, seed in zip(compare_groups[name], args.seeds)
+            ]
+            for name in compare_names
+        }
         ks = evaluate.ks_for(args.eval_n)
         summary["compare_heldout"] = heldout_comparison(heldout_runs, args.steps, ks)
-        plots.plot_payoff(heldout_runs, summary["compare_heldout"], ks, args.steps, args.target_entropy,
-                    out / "compare_heldout.png")
+        plots.plot_payoff(
+            heldout_runs,
+            summary["compare_heldout"],
+            ks,
+            args.steps,
+            args.target_entropy,
+            out / "compare_heldout.png",
+        )
     if args.part in ("all", "sweep"):
         grpo = summary["compare"]["grpo"]
         sweep = {"runs": {}, "critical": {}}
         for p in args.ps:
-            by_w = {w: summarize_group(seeds_of("sweep", sweep_name(w, p)), args.final_window) for w in args.ws}
+            by_w = {
+                w: summarize_group(seeds_of("sweep", sweep_name(w, p)), args.final_window)
+                for w in args.ws
+            }
             sweep["runs"][p] = by_w
             ws = sorted(by_w)
-            level = (grpo["entropy"]["mean"] + args.target_entropy) / 2  # halfway from GRPO's end to the target
-            predicted, dh_grpo, dh_lplus, batches = predicted_critical_w(compare_groups["grpo"], args.target_entropy, p)
+            # halfway from GRPO's end to the target
+            level = (grpo["entropy"]["mean"] + args.target_entropy) / 2
+            predicted, dh_grpo, dh_lplus, batches = predicted_critical_w(
+                compare_groups["grpo"], args.target_entropy, p
+            )
             measured = (crossing(ws, [by_w[w]["entropy"]["mean"] for w in ws], level)
-                        if grpo["entropy"]["mean"] < args.target_entropy else None)  # no collapse: no threshold
-            sweep["critical"][p] = {"measured": measured,
-                                    "entropy_level": level, "predicted": predicted, "dH_grpo": dh_grpo,
-                                    "dH_lplus": dh_lplus, "batches": batches}
+                        # no collapse: no threshold
+                        if grpo["entropy"]["mean"] < args.target_entropy else None)
+            sweep["critical"][p] = {
+                "measured": measured,
+                "entropy_level": level,
+                "predicted": predicted,
+                "dH_grpo": dh_grpo,
+                "dH_lplus": dh_lplus,
+                "batches": batches,
+            }
         plots.plot_sweep(sweep, grpo, args.target_entropy, out / "sweep.png")
         summary["sweep"] = {"critical": {f"{p:g}": v for p, v in sweep["critical"].items()},
                             "runs": {f"P={p:g}": {f"W={w:g}": v for w, v in by_w.items()}
                                      for p, by_w in sweep["runs"].items()}}
-    summary["seconds_this_invocation"] = round(time.time() - started, 1)  # complete runs are not rerun
+    # complete runs are not rerun
+    summary["seconds_this_invocation"] = round(time.time() - started, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)
     return 0
@@ -766,9 +1026,11 @@ def print_summary(summary):
             predicted = "none (amplifying L+ lowers the entropy: dH_L+ <= 0)"
         else:
             predicted = f"{found['predicted']:.2f}"
-        print(f"P = {p}: critical W measured {measured} (final entropy crosses {found['entropy_level']:.3f}), "
-              f"first-order {predicted} (dH_grpo {found['dH_grpo']:.2e}, dH_L+ {found['dH_lplus']:.2e}, "
-              f"{found['batches']} batches)")
+        print(
+            f"P = {p}: critical W measured {measured} (final entropy crosses {found['entropy_level']:.3f}), "
+            f"first-order {predicted} (dH_grpo {found['dH_grpo']:.2e}, dH_L+ {found['dH_lplus']:.2e}, "
+            f"{found['batches']} batches)"
+        )
     if "compare_heldout" in summary:
         print("held-out prompts, after the last step:")
         print_heldout(summary["compare_heldout"], evaluate.ks_for(summary["settings"]["eval_n"]))
