@@ -176,7 +176,7 @@ def test_pathological_input_returns_within_the_deadline(answer):
     # the point is the deadline: a fast machine may finish the check in time ("ok", and still not
     # equal to 3)
     assert not correct and status in ("timeout", "parse_error", "ok")
-    assert elapsed < 0.5 + 0.5
+    assert elapsed < 0.5 + 2.0  # slack for a loaded CI machine; unbounded, these take minutes
 
 
 def test_a_dropped_timeout_still_ends_the_check():
