@@ -5,6 +5,7 @@ shortcut in front of it; the code under test is never its own oracle."""
 import math
 import random
 import signal
+import sys
 import threading
 import time
 
@@ -169,7 +170,10 @@ def test_unknown_answer_format_is_a_programming_error():
 @pytest.mark.parametrize(
     "answer", [r"9^{9^{9^{9^{9}}}}", r"\frac{1}{2}" * 2000, r"\sqrt{" * 300 + "2" + "}" * 300]
 )
-def test_pathological_input_returns_within_the_deadline(answer):
+def test_pathological_input_returns_within_the_deadline(answer, monkeypatch):
+    # Python's own hook for exceptions raised in __del__ (sympy's caches), as in a run: pytest's
+    # hook fails the test when the deadline's alarm lands while it formats one
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
     start = time.monotonic()
     correct, status = rewards.verify_math(rf"\boxed{{{answer}}}", "3", timeout_s=0.5)
     elapsed = time.monotonic() - start
