@@ -32,10 +32,10 @@ are:
 
 and, with --countdown (build_tiny_countdown), a search task next to it:
 
-    runs/tiny/data/countdown_{train,test}.jsonl   "Make T from a b c." for digits 1..9 and T in 10..99 reachable
-                              as a?b?c in some order with + - * (no parentheses); 1-8 solutions per prompt, checked by
-                              rewards.verify_countdown ("tiny_countdown"). The 64 test prompts use digit triples that
-                              no training prompt has.
+    runs/tiny/data/countdown_{train,test,fresh}.jsonl   "Make T from a b c." for digits 1..9 and T in 10..99
+                              reachable as a?b?c in some order with + - * (no parentheses); 1-8 solutions per prompt,
+                              checked by rewards.verify_countdown ("tiny_countdown"). The 64 test prompts (split A)
+                              and the 64 fresh ones (split B) use digit triples that no training prompt has.
     runs/tiny/countdown_model/  the tiny model after 1,500 warm-up steps on random solutions of the training prompts:
                               ~10% of samples solve a train or test prompt at temperature 1, and 64 samples solve
                               ~94% of test prompts; what RL can add is finding the combination more often
@@ -439,26 +439,33 @@ def countdown_rows(keys):
             for digits, target in keys]
 
 
-def make_countdown_splits(seed=0, num_test=64):
-    """Train/test splits of the countdown task, disjoint in their digit triples: a test prompt's
-    three digits appear in no training prompt, so solving it takes arithmetic that transfers, not a
-    memorised answer."""
+def make_countdown_splits(seed=0, num_test=64, num_fresh=64):
+    """Train and two held-out splits of the countdown task, disjoint in their digit triples: a
+    held-out prompt's three digits appear in no training prompt, so solving it takes arithmetic
+    that transfers, not a memorised answer. "countdown_test" (split A) is evaluated during
+    training; "countdown_fresh" (split B, from other triples) is kept for a second, independent
+    held-out check. Split A is the same whatever num_fresh."""
     solutions = countdown_solutions()
     by_digits = {}
     for digits, target in solutions:
         by_digits.setdefault(digits, []).append((digits, target))
     triples = sorted(by_digits)
     random.Random(seed).shuffle(triples)
-    test = []
-    while len(test) < num_test:
-        test += by_digits[triples.pop()]
-    test = sorted(test[:num_test])
-    train = [
-        key for key in solutions if key not in set(test) and key[0] not in {d for d, _ in test}
-    ]
+
+    def held_out(count):  # whole triples from the end of the shuffled list, cut to count prompts
+        taken = []
+        while len(taken) < count:
+            taken += by_digits[triples.pop()]
+        return sorted(taken[:count])
+
+    test = held_out(num_test)
+    fresh = held_out(num_fresh) if num_fresh else []
+    held_triples = {digits for digits, _ in test + fresh}
+    train = [key for key in solutions if key[0] not in held_triples]
     return {
         "countdown_train": countdown_rows(train),
         "countdown_test": countdown_rows(test),
+        "countdown_fresh": countdown_rows(fresh),
     }, solutions
 
 
@@ -502,6 +509,7 @@ def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False):
         "data_dir": str(out_dir / "data"),
         "train_prompts": len(splits["countdown_train"]),
         "test_prompts": len(splits["countdown_test"]),
+        "fresh_prompts": len(splits["countdown_fresh"]),
         "solutions_per_prompt": {
             "min": min(counts),
             "median": sorted(counts)[len(counts) // 2],
@@ -536,7 +544,7 @@ BUILD_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_T
 # build that differs says so loudly
 REFERENCE_SHA256 = {
     "model": "830092b6290c17ff51896542c3c255cd8a1bedbfaf3c848f03e30564de899de0",
-    "countdown_model": "e890958b0ecfb68c19b9ebce171a9998d02a458c03d5a7f808884e792bf30df4",
+    "countdown_model": "207d5b3e8cfcc5ac961e110cdf29daf100043c45d9f7a430c593c6d5161d3dc8",
 }
 
 

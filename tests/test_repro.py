@@ -224,7 +224,8 @@ def test_heldout_summary_against_subset_enumeration():
         ]
         assert metrics[f"heldout/pass@{k}"] == pytest.approx(statistics.mean(by_hand))
     assert set(metrics) == {f"heldout/pass@{k}" for k in (1, 2, 4, 6)} | {
-        "heldout/avg@6", "heldout/solved_frac", "heldout/distinct_correct_frac"}
+        "heldout/avg@6", "heldout/solved_frac", "heldout/distinct_correct_frac", "heldout/correct"}
+    assert metrics["heldout/correct"] == [2, 0, 6, 1]
     assert metrics["heldout/avg@6"] == pytest.approx(9 / 24)
     assert metrics["heldout/solved_frac"] == 0.75
     # correct answers of the solved prompts: (0,) and (1,) -> 2/2; (0,) and (1,) thrice each -> 2/6;

@@ -26,7 +26,8 @@ Figures (x axis: the training step, train.py's "step")
                   eval/<benchmark>/avg@n_se is logged.
 
 The reproduction in miniature's figures (compare.png, sweep.png, payoff.png) are drawn here too, by
-plot_compare, plot_sweep and plot_payoff, from what tools/repro.py gathers over seeds.
+plot_compare, plot_sweep and plot_payoff, from what tools/repro.py gathers over seeds, and the
+decisive comparison's frontier.png by plot_frontier (tools/decisive.py).
 """
 
 import argparse
@@ -516,6 +517,48 @@ def plot_payoff(runs, summary, ks, steps, target_entropy, path):
     axes[3].minorticks_off()
     axes[0].legend(fontsize=8)
     axes[3].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_frontier(runs, summary, ks, path):
+    """tools/decisive.py's figure, seed means: held-out pass@1 against the step (the comparison step
+    marked); for each k, pass@k against pass@1 along the trajectories (a point per evaluation, the
+    arrow of training from the shared start); training entropy per step."""
+    step = summary["plateau"]["compared_at"]
+    fig, axes = plt.subplots(1, 2 + len(ks), figsize=(5.2 * (2 + len(ks)), 4.4))
+
+    def seed_means(seeds, key):
+        eval_steps = sorted(set.intersection(*(set(heldout) for _, heldout in seeds)))
+        return eval_steps, [statistics.fmean(heldout[s][key] for _, heldout in seeds)
+                            for s in eval_steps]
+
+    for name, seeds in runs.items():
+        eval_steps, pass1 = seed_means(seeds, "heldout/avg@64")
+        stats = [mean_and_se([heldout[s]["heldout/avg@64"] for _, heldout in seeds])
+                 for s in eval_steps]
+        line, = axes[0].plot(eval_steps, pass1, marker="o", ms=2.5, lw=1.3, label=name)
+        color = line.get_color()
+        axes[0].fill_between(eval_steps, [m - e for m, e in stats], [m + e for m, e in stats],
+                             color=color, alpha=0.15, lw=0)
+        for ax, k in zip(axes[1:], ks):
+            _, pass_k = seed_means(seeds, f"heldout/pass@{k}")
+            ax.plot(pass1, pass_k, marker="o", ms=2.5, lw=1.2, color=color, label=name)
+            ax.plot(pass1[-1:], pass_k[-1:], marker="s", ms=6, color=color)
+        curves = [smoothed([r.get("train/entropy") for r in records]) for records, _ in seeds]
+        length = min(map(len, curves))
+        axes[-1].plot(range(1, length + 1),
+                      [statistics.fmean(c[i] for c in curves) for i in range(length)],
+                      color=color, lw=1.2, label=name)
+    axes[0].axvline(step, color="gray", ls=":", lw=1)
+    axes[0].set(title="held-out pass@1 (split A), mean ± SE over seeds", xlabel="step")
+    for ax, k in zip(axes[1:], ks):
+        ax.set(title=f"pass@{k} against pass@1 along training (■: last evaluation)",
+               xlabel="pass@1", ylabel=f"pass@{k}")
+    axes[-1].axhline(0.2, color="gray", ls="--", lw=1, label="gate target")
+    axes[-1].set(title="token entropy (training batches)", xlabel="step", yscale="log")
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

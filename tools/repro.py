@@ -92,6 +92,9 @@ class RunSpec:
     # held-out evaluation before step 1, every eval_every steps and after the last (0: none)
     eval_every: int = 0
     eval_n: int = 64  # samples per held-out prompt
+    # the second held-out split (TASKS' fourth entry) at step 0, every fresh_every steps and after
+    # the last, under "fresh/" (0: never)
+    fresh_every: int = 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -99,10 +102,10 @@ class RunSpec:
 # --------------------------------------------------------------------------------------------------
 
 
-# task -> (model directory, training split, held-out split) under the tiny directory (tiny.py builds
-# them)
-TASKS = {"sum": ("model", "sum_train", "sum_test"),
-         "countdown": ("countdown_model", "countdown_train", "countdown_test")}
+# task -> (model directory, training split, held-out split, second held-out split or None) under
+# the tiny directory (tiny.py builds them)
+TASKS = {"sum": ("model", "sum_train", "sum_test", None),
+         "countdown": ("countdown_model", "countdown_train", "countdown_test", "countdown_fresh")}
 
 
 def load_task(tiny_dir, tokenizer, max_prompt_tokens, split="sum_train"):
@@ -247,9 +250,9 @@ def heldout_metrics(
 ):
     """n samples for each held-out prompt ([P, Lp]) at the rollout temperature, scored ->
     {"heldout/...": value}: avg@n (mean accuracy), unbiased pass@k for k in evaluate.ks_for(n) (per
-    prompt, then the mean over prompts), the fraction of prompts solved by at least one sample, and
-    the diversity of the correct answers (evaluate.distinct_correct_fraction, None when nothing is
-    correct)."""
+    prompt, then the mean over prompts), the fraction of prompts solved by at least one sample, the
+    diversity of the correct answers (evaluate.distinct_correct_fraction, None when nothing is
+    correct) and the per-prompt correct counts, in the prompts' order ("heldout/correct")."""
     model.eval()
     groups = []
     for start in range(0, len(prompts), prompts_per_batch):
@@ -289,6 +292,7 @@ def heldout_summary(groups, n):
         )
     metrics["heldout/solved_frac"] = statistics.mean(c > 0 for c in correct_counts)
     metrics["heldout/distinct_correct_frac"] = evaluate.distinct_correct_fraction(groups)
+    metrics["heldout/correct"] = correct_counts
     return metrics
 
 
@@ -343,12 +347,16 @@ def train_run(spec, tiny_dir, out_dir):
 
     cfg = run_config(spec)
     cpu = torch.device("cpu")
-    model_dir, train_split, heldout_split = TASKS[spec.task]
+    model_dir, train_split, heldout_split, fresh_split = TASKS[spec.task]
     tokenizer = AutoTokenizer.from_pretrained(Path(tiny_dir) / model_dir)
     prompts, truths, sources = load_task(
         tiny_dir, tokenizer, cfg.data.max_prompt_tokens, train_split
     )
     heldout_task = load_task(tiny_dir, tokenizer, cfg.data.max_prompt_tokens, heldout_split)
+    if spec.fresh_every and fresh_split is None:
+        raise ValueError(f"task {spec.task!r} has no second held-out split (fresh_every)")
+    fresh_task = (load_task(tiny_dir, tokenizer, cfg.data.max_prompt_tokens, fresh_split)
+                  if spec.fresh_every else None)
     torch.manual_seed(spec.seed)
     model = load_model(tiny_dir, spec.task, cfg.model.attn_implementation)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
@@ -368,7 +376,10 @@ def train_run(spec, tiny_dir, out_dir):
 
     # the same samples' seed for every method of a seed: paired comparisons
     def evaluate_heldout(step):
-        if spec.eval_every and (step % spec.eval_every == 0 or step == spec.steps):
+        def due(every):
+            return every and (step % every == 0 or step == spec.steps)
+
+        if due(spec.eval_every):
             generator = torch.Generator().manual_seed(
                 rollout.derive_seed(spec.seed, "repro", "heldout", step)
             )
@@ -376,6 +387,12 @@ def train_run(spec, tiny_dir, out_dir):
                 "step": step,
                 **heldout_metrics(model, tokenizer, *heldout_task, cfg, spec.eval_n, generator),
             }
+            if due(spec.fresh_every):
+                generator = torch.Generator().manual_seed(
+                    rollout.derive_seed(spec.seed, "repro", "fresh", step)
+                )
+                fresh = heldout_metrics(model, tokenizer, *fresh_task, cfg, spec.eval_n, generator)
+                record.update({"fresh/" + key.split("/", 1)[1]: v for key, v in fresh.items()})
             with open(heldout_log, "a") as log:
                 log.write(json.dumps(record) + "\n")
 
@@ -752,8 +769,8 @@ def run_payoff(args, out, workers):
     }
     summary["before_training"] = {
         key: plots.mean_and_se([heldout[0][key] for _, heldout in runs["grpo"]])[0]
-        for key in runs["grpo"][0][1][0]
-        if key != "step"
+        for key, value in runs["grpo"][0][1][0].items()
+        if key != "step" and not isinstance(value, list)  # per-prompt counts are not averaged
     }
     summary["seconds_this_invocation"] = round(time.time() - started, 1)
     (root / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -1,0 +1,276 @@
+"""tools/decisive.py: the decisive comparison on the countdown task, run and analysed as planned in
+docs/results.md ("A decisive comparison"), before any run.
+
+    python tiny.py --out runs/tiny --countdown && python -m tools.decisive --tiny runs/tiny --out runs/decisive
+
+SETTINGS over --seeds (paired: a seed fixes the prompt order and the held-out samples' seeds for
+every setting), each through tools/repro.py's train_run: GRPO for --grpo-steps (the pilot that
+decides the comparison's step, and the baseline), the others for --steps. Every 25 steps 64 samples
+per prompt of split A (countdown_test), with per-prompt correct counts kept; split B
+(countdown_fresh) every 100 steps. A run that is complete is not rerun, so an interrupted
+invocation resumes where it stopped (an unfinished run restarts from its first step).
+
+The analysis (analyze), under --out:
+  summary.json   the plateau decision, the primary tests (H1-H6: paired pass@1 on split A at the
+                 comparison step, exact sign-flip p, Holm, t and clustered-bootstrap intervals), the
+                 secondary measures (pass@k on A and B, entropy, distinct-correct) and the frontier
+                 (pass@k where both settings of a pair first reach the same pass@1), per seed.
+  frontier.png   seed means: pass@1 against the step, pass@8 and pass@64 against pass@1 along the
+                 trajectories, training entropy.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import data
+from tools import plots, repro, stats
+
+# name -> loss settings (method + LossConfig fields; stare_w is the gate's w), fixed by the plan
+SETTINGS = {
+    "grpo": dict(method="grpo"),
+    "stare_w1.22": dict(method="stare", stare_variant="O1", stare_w=1.22, stare_top_ratio=0.05),
+    "stare_w4": dict(method="stare", stare_variant="O1", stare_w=4.0, stare_top_ratio=0.05),
+    "entropy_bonus": dict(method="entropy_bonus", entropy_coef=0.02),
+    "steer": dict(method="steer"),
+    "w_reinforce": dict(method="w_reinforce"),
+}
+# the primary family: (name, setting, its pair), tested together under Holm
+HYPOTHESES = [
+    ("H1", "stare_w1.22", "grpo"),
+    ("H2", "stare_w4", "grpo"),
+    ("H3", "entropy_bonus", "grpo"),
+    ("H4", "steer", "grpo"),
+    ("H5", "w_reinforce", "grpo"),
+    ("H6", "stare_w4", "entropy_bonus"),
+]
+PASS1 = "heldout/avg@64"  # pass@1 estimated from 64 samples per prompt
+SECONDARY = ("heldout/pass@8", "heldout/pass@64", "fresh/avg@64", "fresh/pass@8", "fresh/pass@64",
+             "heldout/distinct_correct_frac")
+FRONTIER_KS = (8, 64)
+
+
+def plan_jobs(args):
+    """(RunSpec, tiny directory, run directory) for every setting and seed, seed by seed (an early
+    stop leaves whole seeds)."""
+    jobs = []
+    for seed in args.seeds:
+        for name, loss in SETTINGS.items():
+            spec = repro.RunSpec(
+                name, loss, seed=seed,
+                steps=args.grpo_steps if name == "grpo" else args.steps,
+                prompts_per_step=16, target_entropy=0.2, lr=3e-4, predict_ps=(),
+                task="countdown", eval_every=args.eval_every, eval_n=64,
+                fresh_every=args.fresh_every)
+            jobs.append((spec, args.tiny, Path(args.out) / f"{name}_seed{seed}"))
+    return jobs
+
+
+# --------------------------------------------------------------------------------------------------
+# The analysis
+# --------------------------------------------------------------------------------------------------
+
+
+def plateau_step(grpo_runs, window=200, gain=0.01):
+    """The first evaluation step s after which GRPO's seed-mean pass@1 on split A gains less than
+    `gain` over the next `window` steps, or None when no evaluated s + window shows it."""
+    steps = sorted(set.intersection(*(set(heldout) for _, heldout in grpo_runs)))
+    mean = {s: statistics.fmean(heldout[s][PASS1] for _, heldout in grpo_runs) for s in steps}
+    for s in steps:
+        if s + window in mean and mean[s + window] - mean[s] < gain:
+            return s
+    return None
+
+
+def paired(values, baseline):
+    """Per-seed differences -> mean, t interval, exact sign-flip p, seeds above / below zero."""
+    differences = [v - b for v, b in zip(values, baseline)]
+    mean, low, high = stats.t_interval(differences)
+    return {"mean": mean, "t95": [low, high], "p_sign_flip": stats.sign_flip_p(differences),
+            "above": sum(d > 0 for d in differences), "below": sum(d < 0 for d in differences),
+            "per_seed": differences}
+
+
+def entropy_until(records, step):
+    """Mean training entropy over the steps up to `step` (steps without an update skipped)."""
+    values = [r["train/entropy"] for r in records[:step] if "train/entropy" in r]
+    return statistics.fmean(values) if values else math.nan
+
+
+def frontier_pair(runs_x, runs_y, k, last_step):
+    """pass@k of two settings where each seed's run first reaches the same pass@1 on split A: the
+    level is the highest one that every run of both reaches by its last evaluation (GRPO's by
+    --grpo-steps, the others' by last_step). -> {level, per seed x and y, paired difference}."""
+    def trajectory(heldout, until):
+        steps = [s for s in sorted(heldout) if s <= until]
+        return ([heldout[s][PASS1] for s in steps],
+                [heldout[s][f"heldout/pass@{k}"] for s in steps])
+
+    def until(name):
+        return math.inf if name == "grpo" else last_step
+
+    (name_x, seeds_x), (name_y, seeds_y) = runs_x, runs_y
+    paths_x = [trajectory(h, until(name_x)) for _, h in seeds_x]
+    paths_y = [trajectory(h, until(name_y)) for _, h in seeds_y]
+    level = min(max(xs) for xs, _ in paths_x + paths_y)
+    at_x = [stats.value_at_level(xs, ys, level) for xs, ys in paths_x]
+    at_y = [stats.value_at_level(xs, ys, level) for xs, ys in paths_y]
+    return {"level": level, "x": at_x, "y": at_y, **paired(at_x, at_y)}
+
+
+def prompt_clusters(tiny_dir, split="countdown_test"):
+    """Each held-out prompt's digit triple, in the split's order (the clusters of the bootstrap)."""
+    examples = data.load_examples(Path(tiny_dir) / "data" / f"{split}.jsonl", prompt_suffix=None)
+    return [e.ground_truth.split("=")[0] for e in examples]
+
+
+def analyze(runs, steps, clusters, resamples=4000):
+    """runs: {setting: [(metrics records, held-out records by step) per seed]} -> the summary
+    (module docstring). The comparison step: GRPO's plateau rounded up to 100, capped at `steps`."""
+    plateau = plateau_step(runs["grpo"])
+    wanted = None if plateau is None else max(100, math.ceil(plateau / 100) * 100)
+    step = steps if wanted is None else min(wanted, steps)
+    summary = {"plateau": {"first_step": plateau, "rule": "seed-mean pass@1 on A gains < 0.01 "
+                           "over the next 200 steps", "wanted_step": wanted,
+                           "compared_at": step, "capped_by_budget": wanted is None or wanted > steps},
+               "grpo_pass1_by_step": {
+                   s: statistics.fmean(h[s][PASS1] for _, h in runs["grpo"])
+                   for s in sorted(runs["grpo"][0][1])}}
+
+    def at(name, key):
+        return [heldout[step][key] for _, heldout in runs[name]]
+
+    primary = []
+    for label, x, y in HYPOTHESES:
+        result = {"setting": x, "against": y, **paired(at(x, PASS1), at(y, PASS1))}
+        per_prompt = [[(cx - cy) / 64 for cx, cy in zip(hx[step]["heldout/correct"],
+                                                        hy[step]["heldout/correct"])]
+                      for (_, hx), (_, hy) in zip(runs[x], runs[y])]
+        mean, low, high, se = stats.clustered_bootstrap(per_prompt, clusters, resamples)
+        result["bootstrap95"] = [low, high]
+        result["bootstrap_se"] = se
+        primary.append((label, result))
+    adjusted = stats.holm([result["p_sign_flip"] for _, result in primary])
+    for (_, result), p in zip(primary, adjusted):
+        result["p_holm"] = p
+        result["rejected_at_0.05"] = p <= 0.05
+    summary["primary"] = dict(primary)
+
+    summary["settings"] = {}
+    for name, seeds in runs.items():
+        entry = {"entropy_mean": [entropy_until(records, step) for records, _ in seeds]}
+        for key in (PASS1, *SECONDARY):
+            entry[key] = [math.nan if v is None else v for v in at(name, key)]
+        described = {}
+        for key, values in entry.items():
+            mean, se = plots.mean_and_se(values)
+            described[key] = {"mean": mean, "se": se, "per_seed": values}
+            if name != "grpo":
+                base = summary["settings"]["grpo"][key]["per_seed"]
+                pairs = [(v, b) for v, b in zip(values, base) if not (math.isnan(v) or math.isnan(b))]
+                if len(pairs) >= 2:
+                    described[key]["minus_grpo"] = paired(*zip(*pairs))
+        summary["settings"][name] = described
+    summary["frontier"] = {
+        f"{x}_vs_{y}": {f"pass@{k}": frontier_pair((x, runs[x]), (y, runs[y]), k, step)
+                        for k in FRONTIER_KS}
+        for _, x, y in HYPOTHESES}
+    return summary
+
+
+def print_report(summary):
+    """The primary table and the secondary one, as Markdown rows."""
+    where = summary["plateau"]
+    print(f"GRPO plateau rule: first step {where['first_step']}, wanted {where['wanted_step']}, "
+          f"compared at step {where['compared_at']} (capped by budget: {where['capped_by_budget']})")
+    print("| | setting − against | pass@1 difference | t 95% | bootstrap 95% | above/below "
+          "| p exact | p Holm |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, r in summary["primary"].items():
+        print(f"| {label} | {r['setting']} − {r['against']} | {r['mean']:+.4f} | "
+              f"[{r['t95'][0]:+.3f}, {r['t95'][1]:+.3f}] | [{r['bootstrap95'][0]:+.3f}, "
+              f"{r['bootstrap95'][1]:+.3f}] | {r['above']}/{r['below']} | {r['p_sign_flip']:.4f} "
+              f"| {r['p_holm']:.4f} |")
+    keys = ("entropy_mean", PASS1, "heldout/pass@8", "heldout/pass@64", "fresh/avg@64",
+            "fresh/pass@64", "heldout/distinct_correct_frac")
+    print("| setting | " + " | ".join(keys) + " |")
+    print("|---|" + "---|" * len(keys))
+    for name, described in summary["settings"].items():
+        cells = []
+        for key in keys:
+            entry = described[key]
+            cell = f"{entry['mean']:.3f}"
+            if "minus_grpo" in entry:
+                diff = entry["minus_grpo"]
+                cell += f" ({diff['mean']:+.3f} [{diff['t95'][0]:+.3f}, {diff['t95'][1]:+.3f}])"
+            cells.append(cell)
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print("| pair | k | level | difference at matched pass@1 | t 95% | above/below |")
+    print("|---|---|---|---|---|---|")
+    for pair, by_k in summary["frontier"].items():
+        for k, r in by_k.items():
+            print(f"| {pair} | {k} | {r['level']:.3f} | {r['mean']:+.3f} | "
+                  f"[{r['t95'][0]:+.3f}, {r['t95'][1]:+.3f}] | {r['above']}/{r['below']} |")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", default="runs/tiny", help="the tiny build (with --countdown)")
+    parser.add_argument("--out", default="runs/decisive")
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(range(8)))
+    parser.add_argument("--steps", type=int, default=200, help="the other settings' steps")
+    parser.add_argument("--grpo-steps", type=int, default=400,
+                        help="GRPO's steps: the pilot that finds its plateau (>= --steps)")
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--fresh-every", type=int, default=100,
+                        help="split B's evaluations (a multiple of --eval-every)")
+    parser.add_argument("--workers", type=int, default=None, help="default: CPU cores")
+    parser.add_argument("--resamples", type=int, default=4000, help="bootstrap resamples")
+    args = parser.parse_args(argv)
+    if len(args.seeds) < 2 or len(set(args.seeds)) != len(args.seeds):
+        parser.error("--seeds: at least two distinct seeds (paired tests)")
+    if not 1 <= args.steps <= args.grpo_steps:
+        parser.error("--steps must be >= 1 and <= --grpo-steps")
+    if args.eval_every < 1 or args.fresh_every % args.eval_every or args.steps % args.fresh_every:
+        parser.error("--fresh-every must be a multiple of --eval-every, and --steps of "
+                     "--fresh-every")
+    return args
+
+
+def main(argv):
+    import tiny
+
+    args = parse_args(argv)
+    tiny.build_tiny(args.tiny)
+    tiny.build_tiny_countdown(args.tiny)  # each reused when complete
+    sha = repro.check_model(args.tiny, "countdown")
+    jobs = plan_jobs(args)
+    workers = args.workers or max(1, min(len(os.sched_getaffinity(0)), 8))
+    print(f"decisive comparison: {len(jobs)} runs ({len(SETTINGS)} settings x {len(args.seeds)} "
+          f"seeds), {workers} at a time, under {args.out}", file=sys.stderr)
+    started = time.time()
+    results = repro.run_all(jobs, workers)
+    runs = {name: [(results[str(out_dir)], repro.read_heldout(out_dir))
+                   for spec, _, out_dir in jobs if spec.name == name] for name in SETTINGS}
+    summary = {"arguments": {**vars(args), "tiny": str(args.tiny), "out": str(args.out)},
+               "model_sha256": sha,
+               **analyze(runs, args.steps, prompt_clusters(args.tiny), args.resamples)}
+    summary["run_seconds"] = {name: [round(sum(r["time/step"] for r in records), 1)
+                                     for records, _ in seeds] for name, seeds in runs.items()}
+    summary["seconds_this_invocation"] = round(time.time() - started, 1)
+    out = Path(args.out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    plots.plot_frontier(runs, summary, FRONTIER_KS, out / "frontier.png")
+    print_report(summary)
+    print(f"starting model sha256 {sha}; {summary['seconds_this_invocation']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
