@@ -314,3 +314,43 @@ def test_payoff_quick_variant(countdown_dir, tmp_path, capsys):
     assert repro.main(argv + ["--payoff-runs", "lp_reg"]) == 0
     summary = json.loads((tmp_path / "payoff" / "summary.json").read_text())
     assert list(summary["runs"]) == ["grpo", "lp_reg"] and metrics.stat().st_mtime_ns == before
+
+
+def test_decisive_quick_variant(countdown_dir, tmp_path, capsys):
+    """tools/decisive.py in miniature (2 seeds, GRPO 4 steps and the others 2, 4 samples per
+    held-out prompt): every setting of a seed starts from the same model and held-out samples,
+    split A is evaluated every 2 steps with per-prompt counts and split B with it; the analysis
+    pairs the settings, and a second invocation reads the complete runs back."""
+    from tools import decisive
+
+    argv = ["--tiny", str(countdown_dir), "--out", str(tmp_path), "--seeds", "0", "1",
+            "--steps", "2", "--grpo-steps", "4", "--eval-every", "2", "--fresh-every", "2",
+            "--eval-n", "4", "--prompts-per-step", "4", "--workers", "1", "--resamples", "50"]
+    assert decisive.main(argv) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["plateau"]["compared_at"] == 2 and summary["plateau"]["capped_by_budget"]
+    assert list(summary["primary"]) == ["H1", "H2", "H3", "H4", "H5", "H6"]
+    for seed in (0, 1):
+        start = None
+        for name in decisive.SETTINGS:
+            heldout = repro.read_heldout(tmp_path / f"{name}_seed{seed}")
+            assert sorted(heldout) == ([0, 2, 4] if name == "grpo" else [0, 2])
+            assert start is None or heldout[0] == start  # paired: one model, one set of samples
+            start = heldout[0]
+            for record in heldout.values():
+                for split in ("heldout", "fresh"):
+                    counts = record[f"{split}/correct"]
+                    assert len(counts) == 64 and all(0 <= c <= 4 for c in counts)
+                    assert record[f"{split}/pass@1"] == pytest.approx(statistics.mean(counts) / 4)
+    # the primary test's differences are the per-seed pass@1 differences at the comparison step
+    grpo = [repro.read_heldout(tmp_path / f"grpo_seed{s}")[2]["heldout/pass@1"] for s in (0, 1)]
+    steer = [repro.read_heldout(tmp_path / f"steer_seed{s}")[2]["heldout/pass@1"] for s in (0, 1)]
+    h4 = summary["primary"]["H4"]
+    assert h4["per_seed"] == pytest.approx([a - b for a, b in zip(steer, grpo)])
+    assert h4["p_sign_flip"] in (0.5, 1.0) and h4["p_holm"] >= h4["p_sign_flip"]  # 2 seeds
+    assert (tmp_path / "frontier.png").stat().st_size > 0
+    assert "| H6 | stare_w4 − entropy_bonus |" in capsys.readouterr().out
+    metrics = tmp_path / "steer_seed1" / "metrics.jsonl"
+    before = metrics.stat().st_mtime_ns
+    assert decisive.main(argv) == 0
+    assert metrics.stat().st_mtime_ns == before

@@ -136,14 +136,20 @@ def test_countdown_variant(countdown_dir):
         split: data.load_examples(
             countdown_dir / "data" / f"countdown_{split}.jsonl", prompt_suffix=None
         )
-        for split in ("train", "test")
+        for split in ("train", "test", "fresh")
     }
     digits = {
         split: {e.ground_truth.split("=")[0] for e in examples}
         for split, examples in splits.items()
     }
-    # held out by digit triple
-    assert len(splits["test"]) == 64 and not digits["train"] & digits["test"]
+    # held out by digit triple: two splits (A, B) that share no triple with training or each other
+    assert len(splits["test"]) == len(splits["fresh"]) == 64 == summary["fresh_prompts"]
+    assert not digits["train"] & digits["test"] and not digits["train"] & digits["fresh"]
+    assert not digits["test"] & digits["fresh"]
+    # split A does not depend on split B's existence (the held-out prompts of earlier results)
+    assert tiny.make_countdown_splits(num_fresh=0)[0]["countdown_test"] == tiny.countdown_rows(
+        [(tuple(map(int, e.ground_truth.split("=")[0].split(","))),
+          int(e.ground_truth.split("=")[1])) for e in splits["test"]])
     tokenizer = AutoTokenizer.from_pretrained(countdown_dir / "countdown_model")
     # fixed-width prompts: the miniature batches them without padding
     for examples in splits.values():
@@ -152,7 +158,7 @@ def test_countdown_variant(countdown_dir):
     # pair)
     solutions = tiny.countdown_solutions()
     rng = random.Random(0)
-    for example in rng.sample(splits["train"], 30) + splits["test"]:
+    for example in rng.sample(splits["train"], 30) + splits["test"] + splits["fresh"]:
         numbers, target = example.ground_truth.split("=")
         a, b, c = numbers.split(",")
         found = {
@@ -188,6 +194,7 @@ def test_data_only_writes_the_tasks_without_a_model(tiny_dir, tmp_path):
     assert written == [
         "add_test.jsonl",
         "add_train.jsonl",
+        "countdown_fresh.jsonl",
         "countdown_test.jsonl",
         "countdown_train.jsonl",
         "mul_test.jsonl",

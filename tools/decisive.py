@@ -49,10 +49,17 @@ HYPOTHESES = [
     ("H5", "w_reinforce", "grpo"),
     ("H6", "stare_w4", "entropy_bonus"),
 ]
-PASS1 = "heldout/avg@64"  # pass@1 estimated from 64 samples per prompt
-SECONDARY = ("heldout/pass@8", "heldout/pass@64", "fresh/avg@64", "fresh/pass@8", "fresh/pass@64",
-             "heldout/distinct_correct_frac")
-FRONTIER_KS = (8, 64)
+PASS1 = "heldout/pass@1"  # the unbiased pass@1 of n samples per prompt: avg@n
+
+
+def ks_of(n):
+    """The k of the secondary measures and the frontier: 8 and n (64 in the plan)."""
+    return sorted({min(8, n), n})
+
+
+def secondary_keys(n):
+    return ([f"heldout/pass@{k}" for k in ks_of(n)] + ["fresh/pass@1"]
+            + [f"fresh/pass@{k}" for k in ks_of(n)] + ["heldout/distinct_correct_frac"])
 
 
 def plan_jobs(args):
@@ -64,8 +71,8 @@ def plan_jobs(args):
             spec = repro.RunSpec(
                 name, loss, seed=seed,
                 steps=args.grpo_steps if name == "grpo" else args.steps,
-                prompts_per_step=16, target_entropy=0.2, lr=3e-4, predict_ps=(),
-                task="countdown", eval_every=args.eval_every, eval_n=64,
+                prompts_per_step=args.prompts_per_step, target_entropy=0.2, lr=3e-4,
+                predict_ps=(), task="countdown", eval_every=args.eval_every, eval_n=args.eval_n,
                 fresh_every=args.fresh_every)
             jobs.append((spec, args.tiny, Path(args.out) / f"{name}_seed{seed}"))
     return jobs
@@ -129,9 +136,10 @@ def prompt_clusters(tiny_dir, split="countdown_test"):
     return [e.ground_truth.split("=")[0] for e in examples]
 
 
-def analyze(runs, steps, clusters, resamples=4000):
+def analyze(runs, steps, clusters, n=64, resamples=4000):
     """runs: {setting: [(metrics records, held-out records by step) per seed]} -> the summary
-    (module docstring). The comparison step: GRPO's plateau rounded up to 100, capped at `steps`."""
+    (module docstring), for n samples per held-out prompt. The comparison step: GRPO's plateau
+    rounded up to 100, capped at `steps`."""
     plateau = plateau_step(runs["grpo"])
     wanted = None if plateau is None else max(100, math.ceil(plateau / 100) * 100)
     step = steps if wanted is None else min(wanted, steps)
@@ -148,7 +156,7 @@ def analyze(runs, steps, clusters, resamples=4000):
     primary = []
     for label, x, y in HYPOTHESES:
         result = {"setting": x, "against": y, **paired(at(x, PASS1), at(y, PASS1))}
-        per_prompt = [[(cx - cy) / 64 for cx, cy in zip(hx[step]["heldout/correct"],
+        per_prompt = [[(cx - cy) / n for cx, cy in zip(hx[step]["heldout/correct"],
                                                         hy[step]["heldout/correct"])]
                       for (_, hx), (_, hy) in zip(runs[x], runs[y])]
         mean, low, high, se = stats.clustered_bootstrap(per_prompt, clusters, resamples)
@@ -164,7 +172,7 @@ def analyze(runs, steps, clusters, resamples=4000):
     summary["settings"] = {}
     for name, seeds in runs.items():
         entry = {"entropy_mean": [entropy_until(records, step) for records, _ in seeds]}
-        for key in (PASS1, *SECONDARY):
+        for key in (PASS1, *secondary_keys(n)):
             entry[key] = [math.nan if v is None else v for v in at(name, key)]
         described = {}
         for key, values in entry.items():
@@ -178,12 +186,12 @@ def analyze(runs, steps, clusters, resamples=4000):
         summary["settings"][name] = described
     summary["frontier"] = {
         f"{x}_vs_{y}": {f"pass@{k}": frontier_pair((x, runs[x]), (y, runs[y]), k, step)
-                        for k in FRONTIER_KS}
+                        for k in ks_of(n)}
         for _, x, y in HYPOTHESES}
     return summary
 
 
-def print_report(summary):
+def print_report(summary, n):
     """The primary table and the secondary one, as Markdown rows."""
     where = summary["plateau"]
     print(f"GRPO plateau rule: first step {where['first_step']}, wanted {where['wanted_step']}, "
@@ -196,8 +204,7 @@ def print_report(summary):
               f"[{r['t95'][0]:+.3f}, {r['t95'][1]:+.3f}] | [{r['bootstrap95'][0]:+.3f}, "
               f"{r['bootstrap95'][1]:+.3f}] | {r['above']}/{r['below']} | {r['p_sign_flip']:.4f} "
               f"| {r['p_holm']:.4f} |")
-    keys = ("entropy_mean", PASS1, "heldout/pass@8", "heldout/pass@64", "fresh/avg@64",
-            "fresh/pass@64", "heldout/distinct_correct_frac")
+    keys = ["entropy_mean", PASS1, *secondary_keys(n)]
     print("| setting | " + " | ".join(keys) + " |")
     print("|---|" + "---|" * len(keys))
     for name, described in summary["settings"].items():
@@ -230,9 +237,13 @@ def parse_args(argv):
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--fresh-every", type=int, default=100,
                         help="split B's evaluations (a multiple of --eval-every)")
+    parser.add_argument("--eval-n", type=int, default=64, help="samples per held-out prompt")
+    parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--workers", type=int, default=None, help="default: CPU cores")
     parser.add_argument("--resamples", type=int, default=4000, help="bootstrap resamples")
     args = parser.parse_args(argv)
+    if args.eval_n < 1 or args.prompts_per_step < 1:
+        parser.error("--eval-n and --prompts-per-step must be >= 1")
     if len(args.seeds) < 2 or len(set(args.seeds)) != len(args.seeds):
         parser.error("--seeds: at least two distinct seeds (paired tests)")
     if not 1 <= args.steps <= args.grpo_steps:
@@ -260,14 +271,15 @@ def main(argv):
                    for spec, _, out_dir in jobs if spec.name == name] for name in SETTINGS}
     summary = {"arguments": {**vars(args), "tiny": str(args.tiny), "out": str(args.out)},
                "model_sha256": sha,
-               **analyze(runs, args.steps, prompt_clusters(args.tiny), args.resamples)}
+               **analyze(runs, args.steps, prompt_clusters(args.tiny), args.eval_n,
+                         args.resamples)}
     summary["run_seconds"] = {name: [round(sum(r["time/step"] for r in records), 1)
                                      for records, _ in seeds] for name, seeds in runs.items()}
     summary["seconds_this_invocation"] = round(time.time() - started, 1)
     out = Path(args.out)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    plots.plot_frontier(runs, summary, FRONTIER_KS, out / "frontier.png")
-    print_report(summary)
+    plots.plot_frontier(runs, summary, ks_of(args.eval_n), out / "frontier.png")
+    print_report(summary, args.eval_n)
     print(f"starting model sha256 {sha}; {summary['seconds_this_invocation']:.0f} s")
     return 0
 

@@ -535,8 +535,8 @@ def plot_frontier(runs, summary, ks, path):
                             for s in eval_steps]
 
     for name, seeds in runs.items():
-        eval_steps, pass1 = seed_means(seeds, "heldout/avg@64")
-        stats = [mean_and_se([heldout[s]["heldout/avg@64"] for _, heldout in seeds])
+        eval_steps, pass1 = seed_means(seeds, "heldout/pass@1")
+        stats = [mean_and_se([heldout[s]["heldout/pass@1"] for _, heldout in seeds])
                  for s in eval_steps]
         line, = axes[0].plot(eval_steps, pass1, marker="o", ms=2.5, lw=1.3, label=name)
         color = line.get_color()
