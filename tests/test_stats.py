@@ -81,6 +81,18 @@ def test_clustered_bootstrap_against_closed_forms():
     assert naive == pytest.approx(clustered / 2, rel=0.15)
 
 
+def test_clustered_bootstrap_weights_prompts_not_clusters():
+    """Clusters of 1 prompt (difference 0) and 7 prompts (difference 1): drawing the two clusters
+    with replacement gives a mean over prompts of 0, 7/8 or 1 with probabilities 1/4, 1/2, 1/4
+    (SD 0.400); weighting the clusters equally would give 0, 1/2, 1 (SD 0.354)."""
+    mean, low, high, se = stats.clustered_bootstrap([[0.0] + [1.0] * 7] * 4, [0] + [1] * 7, 8000)
+    values, weights = (0.0, 7 / 8, 1.0), (0.25, 0.5, 0.25)
+    centre = sum(v * w for v, w in zip(values, weights))
+    sd = math.sqrt(sum(w * (v - centre) ** 2 for v, w in zip(values, weights)))
+    assert se == pytest.approx(sd, rel=0.04)
+    assert (mean, low, high) == (7 / 8, 0.0, 1.0)
+
+
 def test_value_at_level_by_hand():
     xs, ys = [0.1, 0.2, 0.15, 0.3], [0.5, 0.7, 0.6, 0.9]
     assert stats.value_at_level(xs, ys, 0.15) == pytest.approx(0.6)  # halfway along the first leg
@@ -142,3 +154,9 @@ def test_analysis_finds_the_plateau_and_the_one_real_difference():
     assert frontier["level"] == pytest.approx(19 / 64)
     assert frontier["y"] == pytest.approx([1 - (1 - 19 / 64) ** 8] * 8)
     assert -0.01 < frontier["mean"] <= 1e-12
+    assert frontier["informative"] and frontier["step_y"] == [100] * 8
+    # a setting that never rises above its start: the pairs would match at step 0, flagged
+    runs["steer"] = [(records, {s: heldout[0] for s in heldout})
+                     for records, heldout in runs["grpo"]]
+    flat = decisive.analyze(runs, 200, [0, 0, 1, 1, 2, 2, 3, 3], resamples=50)
+    assert not flat["frontier"]["steer_vs_grpo"]["pass@8"]["informative"]

@@ -1,7 +1,8 @@
 """tools/decisive.py: the decisive comparison on the countdown task, run and analysed as planned in
 docs/results.md ("A decisive comparison"), before any run.
 
-    python tiny.py --out runs/tiny --countdown && python -m tools.decisive --tiny runs/tiny --out runs/decisive
+    python tiny.py --out runs/tiny --countdown
+    python -m tools.decisive --tiny runs/tiny --out runs/decisive
 
 SETTINGS over --seeds (paired: a seed fixes the prompt order and the held-out samples' seeds for
 every setting), each through tools/repro.py's train_run: GRPO for --grpo-steps (the pilot that
@@ -85,7 +86,8 @@ def plan_jobs(args):
 
 def plateau_step(grpo_runs, window=200, gain=0.01):
     """The first evaluation step s after which GRPO's seed-mean pass@1 on split A gains less than
-    `gain` over the next `window` steps, or None when no evaluated s + window shows it."""
+    `gain` over the next `window` steps (end point against start point), or None when no evaluated
+    s + window shows it."""
     steps = sorted(set.intersection(*(set(heldout) for _, heldout in grpo_runs)))
     mean = {s: statistics.fmean(heldout[s][PASS1] for _, heldout in grpo_runs) for s in steps}
     for s in steps:
@@ -109,25 +111,32 @@ def entropy_until(records, step):
     return statistics.fmean(values) if values else math.nan
 
 
-def frontier_pair(runs_x, runs_y, k, last_step):
-    """pass@k of two settings where each seed's run first reaches the same pass@1 on split A: the
-    level is the highest one that every run of both reaches by its last evaluation (GRPO's by
-    --grpo-steps, the others' by last_step). -> {level, per seed x and y, paired difference}."""
-    def trajectory(heldout, until):
-        steps = [s for s in sorted(heldout) if s <= until]
-        return ([heldout[s][PASS1] for s in steps],
+def frontier_pair(seeds_x, seeds_y, k):
+    """pass@k of two settings where each seed's run first reaches the same pass@1 on split A, along
+    every run's whole trajectory (GRPO's is longer: matched by pass@1, not by step). The level is
+    the highest that every run of both reaches. -> {level, per seed x and y, the evaluation step at
+    which each first reached it, paired difference, informative}; informative is False when the
+    level does not exceed the shared starting pass@1 (some run never rose above its start: the
+    pairs would then match at step 0, trivially equal)."""
+    def trajectory(heldout):
+        steps = sorted(heldout)
+        return (steps, [heldout[s][PASS1] for s in steps],
                 [heldout[s][f"heldout/pass@{k}"] for s in steps])
 
-    def until(name):
-        return math.inf if name == "grpo" else last_step
+    paths_x = [trajectory(h) for _, h in seeds_x]
+    paths_y = [trajectory(h) for _, h in seeds_y]
+    level = min(max(xs) for _, xs, _ in paths_x + paths_y)
+    start = max(xs[0] for _, xs, _ in paths_x + paths_y)
 
-    (name_x, seeds_x), (name_y, seeds_y) = runs_x, runs_y
-    paths_x = [trajectory(h, until(name_x)) for _, h in seeds_x]
-    paths_y = [trajectory(h, until(name_y)) for _, h in seeds_y]
-    level = min(max(xs) for xs, _ in paths_x + paths_y)
-    at_x = [stats.value_at_level(xs, ys, level) for xs, ys in paths_x]
-    at_y = [stats.value_at_level(xs, ys, level) for xs, ys in paths_y]
-    return {"level": level, "x": at_x, "y": at_y, **paired(at_x, at_y)}
+    def reached(path):
+        steps, xs, _ = path
+        return next(step for step, x in zip(steps, xs) if x >= level)
+
+    at_x = [stats.value_at_level(xs, ys, level) for _, xs, ys in paths_x]
+    at_y = [stats.value_at_level(xs, ys, level) for _, xs, ys in paths_y]
+    return {"level": level, "informative": level > start, "x": at_x, "y": at_y,
+            "step_x": [reached(path) for path in paths_x],
+            "step_y": [reached(path) for path in paths_y], **paired(at_x, at_y)}
 
 
 def prompt_clusters(tiny_dir, split="countdown_test"):
@@ -139,16 +148,21 @@ def prompt_clusters(tiny_dir, split="countdown_test"):
 def analyze(runs, steps, clusters, n=64, resamples=4000):
     """runs: {setting: [(metrics records, held-out records by step) per seed]} -> the summary
     (module docstring), for n samples per held-out prompt. The comparison step: GRPO's plateau
-    rounded up to 100, capped at `steps`."""
+    rounded up to 100 (at least 100: step 0 is the untrained model), capped at `steps`."""
+    for name, seeds in runs.items():
+        for _, heldout in seeds:
+            if len(heldout[0]["heldout/correct"]) != len(clusters):
+                raise ValueError(f"{name}: {len(heldout[0]['heldout/correct'])} held-out prompts, "
+                                 f"{len(clusters)} clusters")
     plateau = plateau_step(runs["grpo"])
     wanted = None if plateau is None else max(100, math.ceil(plateau / 100) * 100)
     step = steps if wanted is None else min(wanted, steps)
     summary = {"plateau": {"first_step": plateau, "rule": "seed-mean pass@1 on A gains < 0.01 "
-                           "over the next 200 steps", "wanted_step": wanted,
-                           "compared_at": step, "capped_by_budget": wanted is None or wanted > steps},
+                           "over the next 200 steps", "wanted_step": wanted, "compared_at": step,
+                           "capped_by_budget": wanted is None or wanted > steps},
                "grpo_pass1_by_step": {
                    s: statistics.fmean(h[s][PASS1] for _, h in runs["grpo"])
-                   for s in sorted(runs["grpo"][0][1])}}
+                   for s in sorted(set.intersection(*(set(h) for _, h in runs["grpo"])))}}
 
     def at(name, key):
         return [heldout[step][key] for _, heldout in runs[name]]
@@ -180,12 +194,13 @@ def analyze(runs, steps, clusters, n=64, resamples=4000):
             described[key] = {"mean": mean, "se": se, "per_seed": values}
             if name != "grpo":
                 base = summary["settings"]["grpo"][key]["per_seed"]
-                pairs = [(v, b) for v, b in zip(values, base) if not (math.isnan(v) or math.isnan(b))]
+                pairs = [(v, b) for v, b in zip(values, base)
+                         if not (math.isnan(v) or math.isnan(b))]
                 if len(pairs) >= 2:
                     described[key]["minus_grpo"] = paired(*zip(*pairs))
         summary["settings"][name] = described
     summary["frontier"] = {
-        f"{x}_vs_{y}": {f"pass@{k}": frontier_pair((x, runs[x]), (y, runs[y]), k, step)
+        f"{x}_vs_{y}": {f"pass@{k}": frontier_pair(runs[x], runs[y], k)
                         for k in ks_of(n)}
         for _, x, y in HYPOTHESES}
     return summary
@@ -195,7 +210,8 @@ def print_report(summary, n):
     """The primary table and the secondary one, as Markdown rows."""
     where = summary["plateau"]
     print(f"GRPO plateau rule: first step {where['first_step']}, wanted {where['wanted_step']}, "
-          f"compared at step {where['compared_at']} (capped by budget: {where['capped_by_budget']})")
+          f"compared at step {where['compared_at']} "
+          f"(capped by budget: {where['capped_by_budget']})")
     print("| | setting − against | pass@1 difference | t 95% | bootstrap 95% | above/below "
           "| p exact | p Holm |")
     print("|---|---|---|---|---|---|---|---|")
@@ -221,7 +237,8 @@ def print_report(summary, n):
     print("|---|---|---|---|---|---|")
     for pair, by_k in summary["frontier"].items():
         for k, r in by_k.items():
-            print(f"| {pair} | {k} | {r['level']:.3f} | {r['mean']:+.3f} | "
+            level = f"{r['level']:.3f}" + ("" if r["informative"] else " (start)")
+            print(f"| {pair} | {k} | {level} | {r['mean']:+.3f} | "
                   f"[{r['t95'][0]:+.3f}, {r['t95'][1]:+.3f}] | {r['above']}/{r['below']} |")
 
 
@@ -251,6 +268,11 @@ def parse_args(argv):
     if args.eval_every < 1 or args.fresh_every % args.eval_every or args.steps % args.fresh_every:
         parser.error("--fresh-every must be a multiple of --eval-every, and --steps of "
                      "--fresh-every")
+    if args.steps >= 100 and (100 % args.eval_every or 100 % args.fresh_every):
+        parser.error("--eval-every and --fresh-every must divide 100: the comparison step is a "
+                     "multiple of 100 and both splits must be evaluated there")
+    if len(args.seeds) > 20:
+        parser.error("--seeds: at most 20 (the exact test enumerates 2^seeds sign patterns)")
     return args
 
 

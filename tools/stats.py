@@ -141,7 +141,7 @@ def value_at_level(xs, ys, level):
     between points; None if x never reaches it."""
     for i, (x, y) in enumerate(zip(xs, ys)):
         if x >= level:
-            if i == 0 or x == xs[i - 1]:
+            if i == 0:  # before it, x was below the level: x > xs[i - 1]
                 return y
             x0, y0 = xs[i - 1], ys[i - 1]
             return y0 + (level - x0) * (y - y0) / (x - x0)
