@@ -326,6 +326,9 @@ def test_decisive_quick_variant(countdown_dir, tmp_path, capsys):
     argv = ["--tiny", str(countdown_dir), "--out", str(tmp_path), "--seeds", "0", "1",
             "--steps", "2", "--grpo-steps", "4", "--eval-every", "2", "--fresh-every", "2",
             "--eval-n", "4", "--prompts-per-step", "4", "--workers", "1", "--resamples", "50"]
+    with pytest.raises(SystemExit, match="12 runs are not complete"):
+        decisive.main(argv + ["--analyze-only"])  # nothing run yet: it says so, starts nothing
+    assert not (tmp_path / "grpo_seed0").exists()
     assert decisive.main(argv) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["plateau"]["compared_at"] == 2 and summary["plateau"]["capped_by_budget"]
@@ -352,5 +355,5 @@ def test_decisive_quick_variant(countdown_dir, tmp_path, capsys):
     assert "| H6 | stare_w4 − entropy_bonus |" in capsys.readouterr().out
     metrics = tmp_path / "steer_seed1" / "metrics.jsonl"
     before = metrics.stat().st_mtime_ns
-    assert decisive.main(argv) == 0
+    assert decisive.main(argv) == 0 and decisive.main(argv + ["--analyze-only"]) == 0
     assert metrics.stat().st_mtime_ns == before

@@ -257,6 +257,8 @@ def parse_args(argv):
     parser.add_argument("--eval-n", type=int, default=64, help="samples per held-out prompt")
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--workers", type=int, default=None, help="default: CPU cores")
+    parser.add_argument("--analyze-only", action="store_true",
+                        help="analyse complete runs only; fail, naming them, if any is missing")
     parser.add_argument("--resamples", type=int, default=4000, help="bootstrap resamples")
     args = parser.parse_args(argv)
     if args.eval_n < 1 or args.prompts_per_step < 1:
@@ -288,6 +290,11 @@ def main(argv):
     print(f"decisive comparison: {len(jobs)} runs ({len(SETTINGS)} settings x {len(args.seeds)} "
           f"seeds), {workers} at a time, under {args.out}", file=sys.stderr)
     started = time.time()
+    if args.analyze_only:  # e.g. beside a running invocation: read, never start, runs
+        missing = [str(job[2]) for job in jobs if not repro.is_complete(*job)]
+        if missing:
+            raise SystemExit(f"--analyze-only: {len(missing)} runs are not complete: "
+                             + ", ".join(missing))
     results = repro.run_all(jobs, workers)
     runs = {name: [(results[str(out_dir)], repro.read_heldout(out_dir))
                    for spec, _, out_dir in jobs if spec.name == name] for name in SETTINGS}

@@ -493,6 +493,20 @@ def _run_in_worker(job):
     return spec, time.time() - started
 
 
+def is_complete(spec, tiny_dir, out_dir):
+    """Whether out_dir holds a finished run of exactly this spec from this starting model."""
+    metrics, record = Path(out_dir) / "metrics.jsonl", Path(out_dir) / "repro.json"
+    heldout = Path(out_dir) / "heldout.jsonl"
+    evaluations = read_records(heldout) if heldout.exists() else []
+    return bool(
+        metrics.exists()
+        and record.exists()
+        and json.loads(record.read_text()) == spec_record(spec, tiny_dir)
+        and len(read_records(metrics)) >= spec.steps
+        and (not spec.eval_every or (evaluations and evaluations[-1]["step"] == spec.steps))
+    )
+
+
 def run_all(jobs, workers):
     """Run every (spec, tiny_dir, out_dir) job that out_dir does not already hold complete, with the
     same RunSpec (so an interrupted `tools/repro.py` reruns only the unfinished runs, each from its
@@ -500,20 +514,7 @@ def run_all(jobs, workers):
     {out_dir: the first spec.steps records}."""
     from tqdm import tqdm
 
-    todo = []
-    for spec, tiny_dir, out_dir in jobs:
-        metrics, record = Path(out_dir) / "metrics.jsonl", Path(out_dir) / "repro.json"
-        heldout = Path(out_dir) / "heldout.jsonl"
-        evaluations = read_records(heldout) if heldout.exists() else []
-        complete = (
-            metrics.exists()
-            and record.exists()
-            and json.loads(record.read_text()) == spec_record(spec, tiny_dir)
-            and len(read_records(metrics)) >= spec.steps
-            and (not spec.eval_every or (evaluations and evaluations[-1]["step"] == spec.steps))
-        )
-        if not complete:
-            todo.append((spec, tiny_dir, out_dir))
+    todo = [job for job in jobs if not is_complete(*job)]
     if todo:
         progress = tqdm(total=len(todo), desc="runs", unit="run")
         with multiprocessing.get_context("spawn").Pool(min(workers, len(todo))) as pool:
