@@ -5,6 +5,7 @@ from nothing.
     python tiny.py --out runs/tiny --tool   # + the tool-use variant (the default first if missing)
     python tiny.py --out runs/tiny --countdown   # + the countdown variant (likewise)
     python tiny.py --out runs/tiny --data-only   # the tasks' data files only: no model is built or trained
+    python tiny.py --out runs/ref --tool --countdown --from-scratch   # train all three here (~20 min)
 
 Nothing here downloads anything. It writes:
 
@@ -53,7 +54,9 @@ Reproducible bytes: every build runs under BUILD_ENV (one thread, ATen's AVX2 ke
 in a child process when the caller was not started under it), so that the same code builds the same
 model.safetensors on any x86 CPU with AVX2. tiny.json, countdown.json and tool.json record its sha256
 (model_sha256), tiny.py prints it, and a default build that is not REFERENCE_SHA256 says so; why, and what is not
-guaranteed: docs/results.md, "Which model a result came from".
+guaranteed: docs/results.md, "Which model a result came from". The three models trained with the default
+settings are committed (assets/tiny/: 2 MB each, with their builds' summaries), so that a default build copies
+them and checks their sha256 in seconds instead of training for minutes; --from-scratch trains them here.
 
 The prompts go through data.py exactly as a user's data would (plain {"problem", "answer"} rows and
 the chat template), so the warm-up trains on the very token sequences the trainer will later sample
@@ -469,24 +472,28 @@ def make_countdown_splits(seed=0, num_test=64, num_fresh=64):
     }, solutions
 
 
-def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False):
+def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False, from_scratch=False):
     """Create (or reuse) the countdown variant next to the tiny default (built first if needed):
     data/countdown_{train,test}.jsonl and countdown_model/, the tiny model after a warm-up on random
-    correct solutions of the training prompts. Returns the summary dict written to
-    countdown.json."""
+    correct solutions of the training prompts (the committed reference weights with the default
+    settings, as build_tiny). Returns the summary dict written to countdown.json."""
     out_dir = Path(out_dir)
     summary_path = out_dir / "countdown.json"
     # written last, so its presence means the variant is complete
     if summary_path.exists() and not force:
         return json.loads(summary_path.read_text())
-    if not build_here():
+    from_assets = (not from_scratch and seed == 0 and warmup_steps == 1500
+                   and default_base(out_dir, seed))
+    if not from_assets and not build_here():
         return run_pinned("build_tiny_countdown", out_dir=str(out_dir), seed=seed,
-                          warmup_steps=warmup_steps, force=force)
-    tokenizer, model = load_default(out_dir, seed)
-    start = time.time()
+                          warmup_steps=warmup_steps, force=force, from_scratch=from_scratch)
     splits, solutions = make_countdown_splits(seed=seed)
-    for name, rows in splits.items():
-        data.save_jsonl(rows, out_dir / "data" / f"{name}.jsonl")
+    if from_assets:
+        write_splits(splits, out_dir)
+        return obtain_reference(out_dir, "countdown_model", summary_path)
+    tokenizer, model = load_default(out_dir, seed, from_scratch)
+    start = time.time()
+    write_splits(splits, out_dir)
     rows, prompt_ids = load_split(out_dir / "data", "countdown_train", tokenizer)
 
     def sequence(i, rng):
@@ -522,8 +529,8 @@ def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False):
         "seconds": round(time.time() - start, 1),
         "seed": seed,
     }
-    base_default = json.loads((out_dir / "tiny.json").read_text())["warmup_steps"] == 800
-    check_reference(summary, "countdown_model", seed == 0 and warmup_steps == 1500 and base_default)
+    check_reference(summary, "countdown_model",
+                    seed == 0 and warmup_steps == 1500 and default_base(out_dir, seed))
     summary_path.write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -539,13 +546,68 @@ def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False):
 # once, at start-up: hence a child process (run_pinned).
 BUILD_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
              "MKL_NUM_THREADS": "1"}
-# sha256 of model.safetensors as `python tiny.py --out runs/tiny --countdown` builds it (seed 0,
-# default warm-up steps) under BUILD_ENV with torch 2.13.0+cpu and transformers 5.19.0; a default
-# build that differs says so loudly
+# sha256 of model.safetensors as `python tiny.py --out runs/tiny --tool --countdown --from-scratch`
+# builds it (seed 0, default warm-up steps) under BUILD_ENV with torch 2.13.0+cpu and transformers
+# 5.19.0: the bytes in ASSETS; a default build that differs says so loudly
 REFERENCE_SHA256 = {
     "model": "830092b6290c17ff51896542c3c255cd8a1bedbfaf3c848f03e30564de899de0",
     "countdown_model": "207d5b3e8cfcc5ac961e110cdf29daf100043c45d9f7a430c593c6d5161d3dc8",
+    "tool_model": "3d454fdb76a8d93536ba26b281a63dbb062d18b669c43607c609b04e584f8d6b",
 }
+
+
+# The reference builds' weights and summaries, committed: a default build copies them (seconds) and
+# checks their sha256 instead of training for minutes; `--from-scratch` trains them again here, and
+# `--save-assets` replaces them after a change to the build (tests/test_tiny.py pins a short
+# build's bytes, so such a change cannot go unnoticed)
+ASSETS = Path(__file__).resolve().parent / "assets" / "tiny"
+
+
+def obtain_reference(out_dir, name, summary_path):
+    """Complete out_dir/name (tokenizer and config already there for "model"; copied from the
+    default for a variant) with the committed weights of the reference build, checked against
+    REFERENCE_SHA256; write and return its summary (the reference build's, with this directory's
+    paths)."""
+    import shutil
+
+    out_dir = Path(out_dir)
+    if name != "model":
+        shutil.copytree(out_dir / "model", out_dir / name, dirs_exist_ok=True)
+    target = out_dir / name / "model.safetensors"
+    shutil.copyfile(ASSETS / f"{name}.safetensors", target)
+    found = file_sha256(target)
+    if found != REFERENCE_SHA256[name]:
+        raise SystemExit(f"tiny.py: {ASSETS / name}.safetensors has sha256 {found}, not the "
+                         f"reference {REFERENCE_SHA256[name]} (a damaged checkout?); "
+                         "`python tiny.py --from-scratch` trains it again")
+    summary = json.loads((ASSETS / "builds.json").read_text())[name]
+    summary = {"model_dir": str(out_dir / name), "data_dir": str(out_dir / "data"), **summary,
+               "model_sha256": found, "weights": f"committed ({ASSETS.name}/{name}.safetensors)"}
+    summary_path.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def save_assets(summaries):
+    """Replace the committed weights and summaries with those of a from-scratch build of the
+    default settings (summaries as build_* returned them, each already checked against
+    REFERENCE_SHA256)."""
+    import shutil
+
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    builds = {}
+    for summary in summaries:
+        name = Path(summary["model_dir"]).name
+        if summary.get("weights") or summary["model_sha256"] != REFERENCE_SHA256[name]:
+            raise SystemExit(f"tiny.py --save-assets: {summary['model_dir']} is not a from-scratch "
+                             f"build with REFERENCE_SHA256 (update REFERENCE_SHA256 first if the "
+                             "build changed on purpose)")
+        shutil.copyfile(Path(summary["model_dir"]) / "model.safetensors",
+                        ASSETS / f"{name}.safetensors")
+        builds[name] = {key: value for key, value in summary.items()
+                        if key not in ("model_dir", "data_dir", "model_sha256")}
+    path = ASSETS / "builds.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**old, **builds}, indent=2) + "\n")
 
 
 def file_sha256(path):
@@ -636,30 +698,34 @@ def check_reference(summary, name, default_settings):
 # --------------------------------------------------------------------------------------------------
 
 
-def build_tiny(out_dir, seed=0, warmup_steps=800, force=False):
-    """Create (or reuse) the tiny default under out_dir; returns the summary dict written to tiny.json."""
+def build_tiny(out_dir, seed=0, warmup_steps=800, force=False, from_scratch=False):
+    """Create (or reuse) the tiny default under out_dir; returns the summary dict written to
+    tiny.json. With the default settings the committed reference weights are obtained (seconds)
+    unless from_scratch; otherwise the model is trained here under BUILD_ENV (minutes)."""
     out_dir = Path(out_dir)
     summary_path = out_dir / "tiny.json"
     # written last, so its presence means the directory is complete
     if summary_path.exists() and not force:
         return json.loads(summary_path.read_text())
-    if not build_here():
+    from_assets = not from_scratch and seed == 0 and warmup_steps == 800
+    if not from_assets and not build_here():
         return run_pinned("build_tiny", out_dir=str(out_dir), seed=seed,
-                          warmup_steps=warmup_steps, force=force)
+                          warmup_steps=warmup_steps, force=force, from_scratch=from_scratch)
     from transformers import AutoTokenizer
 
     start = time.time()
+    built_tokenizer = build_tokenizer()
+    model = build_model(built_tokenizer, seed=seed)
+    built_tokenizer.save_pretrained(out_dir / "model")
+    # config.json first: it makes AutoTokenizer pick Qwen2Tokenizer
+    model.config.save_pretrained(out_dir / "model")
+    splits = make_splits(seed=seed)
+    write_splits(splits, out_dir)
+    if from_assets:
+        model.save_pretrained(out_dir / "model")  # config and generation config, as trained
+        return obtain_reference(out_dir, "model", summary_path)
     with build_numerics():
-        built_tokenizer = build_tokenizer()
-        model = build_model(built_tokenizer, seed=seed)
-        built_tokenizer.save_pretrained(out_dir / "model")
-        # config.json first: it makes AutoTokenizer pick Qwen2Tokenizer
-        model.config.save_pretrained(out_dir / "model")
         tokenizer = AutoTokenizer.from_pretrained(out_dir / "model")  # what the trainer will load
-        splits = make_splits(seed=seed)
-        (out_dir / "data").mkdir(parents=True, exist_ok=True)
-        for name, rows in splits.items():
-            data.save_jsonl(rows, out_dir / "data" / f"{name}.jsonl")
         loaded = {name: load_split(out_dir / "data", name, tokenizer) for name in splits}
         train_rows = loaded["sum_train"][0] + loaded["add_train"][0]
         train_prompts = loaded["sum_train"][1] + loaded["add_train"][1]
@@ -691,11 +757,11 @@ def build_tiny(out_dir, seed=0, warmup_steps=800, force=False):
     return summary
 
 
-def load_default(out_dir, seed):
+def load_default(out_dir, seed, from_scratch=False):
     """The tiny default (built first if missing) as a variant's warm-up starts from it -> (tokenizer, model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    build_tiny(out_dir, seed=seed)
+    build_tiny(out_dir, seed=seed, from_scratch=from_scratch)
     tokenizer = AutoTokenizer.from_pretrained(out_dir / "model")
     return tokenizer, AutoModelForCausalLM.from_pretrained(out_dir / "model", dtype=torch.float32)
 
@@ -708,11 +774,12 @@ def save_variant(model, out_dir, name):
     model.save_pretrained(out_dir / name)
 
 
-def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False):
+def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False, from_scratch=False):
     """Create (or reuse) the tool-use variant next to the tiny default (built first if needed):
     data/mul_{train, test}.jsonl and tool_model/, the tiny model after a warm-up on tool
-    conversations. Returns the summary dict written to tool.json. The tiny default's own files are
-    left as they are."""
+    conversations (the committed reference weights with the default settings, as build_tiny).
+    Returns the summary dict written to tool.json. The tiny default's own files are left as they
+    are."""
     import rollout
 
     out_dir = Path(out_dir)
@@ -720,13 +787,17 @@ def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False):
     # written last, so its presence means the variant is complete
     if summary_path.exists() and not force:
         return json.loads(summary_path.read_text())
-    if not build_here():
+    from_assets = (not from_scratch and seed == 0 and warmup_steps == 300
+                   and default_base(out_dir, seed))
+    if not from_assets and not build_here():
         return run_pinned("build_tiny_tool", out_dir=str(out_dir), seed=seed,
-                          warmup_steps=warmup_steps, force=force)
-    tokenizer, model = load_default(out_dir, seed)
+                          warmup_steps=warmup_steps, force=force, from_scratch=from_scratch)
+    if from_assets:
+        write_splits(make_tool_splits(seed=seed), out_dir)
+        return obtain_reference(out_dir, "tool_model", summary_path)
+    tokenizer, model = load_default(out_dir, seed, from_scratch)
     start = time.time()
-    for name, rows in make_tool_splits(seed=seed).items():
-        data.save_jsonl(rows, out_dir / "data" / f"{name}.jsonl")
+    write_splits(make_tool_splits(seed=seed), out_dir)
     rows, prompt_ids = load_split(out_dir / "data", "mul_train", tokenizer)
     wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in rollout.QWEN_TOOL_TURN]
 
@@ -735,16 +806,8 @@ def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False):
         return tool_warmup_sequence(tokenizer, prompt_ids[i], turns, wrapper)
 
     with build_numerics():
-        final_loss = warmup(
-            model,
-            tokenizer,
-            rows,
-            prompt_ids,
-            warmup_steps,
-            batch_size=8,
-            seed=seed,
-            sequence=sequence,
-        )
+        final_loss = warmup(model, tokenizer, rows, prompt_ids, warmup_steps, batch_size=8,
+                            seed=seed, sequence=sequence)
         test_rows, test_prompts = load_split(out_dir / "data", "mul_test", tokenizer)
         rates, turns = first_turn_calls(model, tokenizer, test_rows, test_prompts, seed=seed)
         save_variant(model, out_dir, "tool_model")
@@ -759,10 +822,25 @@ def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False):
         "seconds": round(time.time() - start, 1),
         "seed": seed,
     }
-    # the tool variant has no committed results to match
-    check_reference(summary, "tool_model", False)
+    check_reference(summary, "tool_model",
+                    seed == 0 and warmup_steps == 300 and default_base(out_dir, seed))
     summary_path.write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def default_base(out_dir, seed):
+    """Whether a variant's warm-up starts from the reference default: out_dir's default is (or,
+    built now, will be) the one of 800 steps with seed 0."""
+    summary_path = Path(out_dir) / "tiny.json"
+    if summary_path.exists():
+        return seed == 0 and json.loads(summary_path.read_text())["warmup_steps"] == 800
+    return seed == 0
+
+
+def write_splits(splits, out_dir):
+    (Path(out_dir) / "data").mkdir(parents=True, exist_ok=True)
+    for name, rows in splits.items():
+        data.save_jsonl(rows, Path(out_dir) / "data" / f"{name}.jsonl")
 
 
 def write_data(out_dir, seed=0):
@@ -774,32 +852,31 @@ def write_data(out_dir, seed=0):
         **make_tool_splits(seed=seed),
         **make_countdown_splits(seed=seed)[0],
     }
-    (Path(out_dir) / "data").mkdir(parents=True, exist_ok=True)
-    for name, rows in splits.items():
-        data.save_jsonl(rows, Path(out_dir) / "data" / f"{name}.jsonl")
+    write_splits(splits, out_dir)
     return {name: len(rows) for name, rows in splits.items()}
 
 
 def main():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--out", default="runs/tiny", help="directory to create (reused if complete)"
-    )
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/tiny",
+                        help="directory to create (reused if complete)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-steps", type=int, default=800)
-    parser.add_argument(
-        "--force", action="store_true", help="rebuild even if the directory is complete"
-    )
-    parser.add_argument(
-        "--tool", action="store_true", help="also build the tool-use variant (tool_model/, mul_*)"
-    )
+    parser.add_argument("--force", action="store_true",
+                        help="rebuild even if the directory is complete")
+    parser.add_argument("--tool", action="store_true",
+                        help="also build the tool-use variant (tool_model/, mul_*)")
     parser.add_argument("--countdown", action="store_true",
                         help="also build the countdown variant (countdown_model/, countdown_*)")
-    parser.add_argument(
-        "--data-only", action="store_true", help="write the tasks' data files only (no model)"
-    )
+    parser.add_argument("--data-only", action="store_true",
+                        help="write the tasks' data files only (no model)")
+    parser.add_argument("--from-scratch", action="store_true",
+                        help="train the default models here instead of copying the committed "
+                             "reference weights (minutes; checked against REFERENCE_SHA256)")
+    parser.add_argument("--save-assets", action="store_true",
+                        help="replace the committed reference weights with this from-scratch "
+                             "build's (after a deliberate change to the build)")
     args = parser.parse_args()
     if args.warmup_steps < 0:
         parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
@@ -811,13 +888,16 @@ def main():
     if args.data_only:
         print(json.dumps(write_data(args.out, args.seed), indent=2))
         return
-    built = [build_tiny(args.out, args.seed, args.warmup_steps, args.force)]
+    options = dict(force=args.force, from_scratch=args.from_scratch)
+    built = [build_tiny(args.out, args.seed, args.warmup_steps, **options)]
     if args.tool:
-        built.append(build_tiny_tool(args.out, args.seed, force=args.force))
+        built.append(build_tiny_tool(args.out, args.seed, **options))
     if args.countdown:
-        built.append(build_tiny_countdown(args.out, args.seed, force=args.force))
+        built.append(build_tiny_countdown(args.out, args.seed, **options))
     for summary in built:
         print(json.dumps(summary, indent=2))
+    if args.save_assets:
+        save_assets(built)
     # what a result made with these models should name (repro.py records them too)
     for summary in built:
         sha = summary.get("model_sha256", "(not recorded: built before tiny.py recorded it)")

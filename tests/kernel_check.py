@@ -107,7 +107,9 @@ def check(device, vocab_size=1000, num_rows=37, dtype=torch.float32, tolerance=2
 
 
 if __name__ == "__main__":
-    kernels.BLOCK = 256  # several blocks per row, the last one partial
+    kernels.BLOCK = 256  # several blocks per row (600 = 256 + 256 + 88), the last one partial
     assert kernels.supported(torch.zeros(1, 1)), "run with TRITON_INTERPRET=1"
     for dtype in (torch.float32, torch.bfloat16):
-        print(f"{dtype}: worst error {check(torch.device('cpu'), dtype=dtype):.2e}")
+        # the interpreter runs one row's program at a time: 11 rows hold the three awkward ones
+        worst = check(torch.device("cpu"), vocab_size=600, num_rows=11, dtype=dtype)
+        print(f"{dtype}: worst error {worst:.2e}")

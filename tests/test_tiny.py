@@ -222,7 +222,7 @@ def test_data_only_writes_the_tasks_without_a_model(tiny_dir, tmp_path):
 
 
 BUILD_CHILD = """
-import hashlib, json, sys
+import json, sys
 from pathlib import Path
 
 import torch
@@ -231,18 +231,30 @@ torch.set_num_threads(int(sys.argv[2]))  # the caller's own setting, which the b
 import tiny
 
 seen = {"threads": torch.get_num_threads(), "kernels": torch.backends.cpu.get_cpu_capability()}
-tiny.build_tiny(sys.argv[1], warmup_steps=20)
-seen["sha256"] = hashlib.sha256((Path(sys.argv[1]) / "model" / "model.safetensors").read_bytes()).hexdigest()
+builds = [tiny.build_tiny, tiny.build_tiny_countdown, tiny.build_tiny_tool][:int(sys.argv[3])]
+for build in builds:
+    summary = build(sys.argv[1], warmup_steps=20)
+    seen[Path(summary["model_dir"]).name] = summary["model_sha256"]
 print(json.dumps(seen))
 """
+# The bytes of 20-step builds under tiny.BUILD_ENV. A change to the build code changes them: then the
+# committed reference weights (tiny.ASSETS) no longer follow from the code, and must be trained again
+# (`python tiny.py --out runs/ref --tool --countdown --from-scratch --save-assets`, with the new
+# hashes in tiny.REFERENCE_SHA256) before these are updated.
+SHORT_BUILD_SHA256 = {
+    "model": "a9736071eee5672d2ac43a6cfdc230d4f5e07406adcbb7c235d8c0fd3a83e566",
+    "countdown_model": "d46196baf20bf290d6e26af637193dbbb6d25fe8af49ec4dbc16824f3372de03",
+    "tool_model": "4d6c586ea4d52dfcf1e5350eb05101e15f538a0d55b61b2d1259dd9e38ab730b",
+}
 
 
-def test_build_is_the_same_bytes_under_other_thread_counts_and_kernels(tmp_path):
-    """A reduced build (20 warm-up steps) in two processes: one thread; two threads with ATen's
-    generic kernels (as another CPU picks other kernels). model.safetensors must be the same bytes
-    in both. Without tiny.BUILD_ENV the second differs (the thread count alone did not change the
-    bytes on a 2-core AMD EPYC; the kernels did: docs/results.md, "Which model a result came
-    from")."""
+def test_build_is_the_same_bytes_under_other_thread_counts_and_kernels(tmp_path, tiny_dir):
+    """Reduced builds (20 warm-up steps) in two processes: one thread, all three models; two
+    threads with ATen's generic kernels (as another CPU picks other kernels), the default. The
+    bytes must be the same in both and the pinned ones (SHORT_BUILD_SHA256). Without
+    tiny.BUILD_ENV the second differs (the thread count alone did not change the bytes on a
+    2-core AMD EPYC; the kernels did: docs/results.md, "Which model a result came from"). Apart
+    from the weights, a trained directory is the one a default build obtains."""
     import os
     import subprocess
     import sys
@@ -252,14 +264,15 @@ def test_build_is_the_same_bytes_under_other_thread_counts_and_kernels(tmp_path)
         pytest.skip("no AVX2+FMA x86 CPU: tiny.py builds unpinned here (docs/results.md)")
     repo = Path(__file__).resolve().parents[1]
     callers = {
-        "1 thread": {"OMP_NUM_THREADS": "1"},
-        "2 threads, generic kernels": {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "default"},
+        "1 thread": ({"OMP_NUM_THREADS": "1"}, 3),
+        "2 threads, generic kernels": ({"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "default"},
+                                       1),
     }
     clean = {key: value for key, value in os.environ.items() if key not in tiny.BUILD_ENV}
     seen = {}
-    for name, env in callers.items():
+    for name, (env, count) in callers.items():
         completed = subprocess.run([sys.executable, "-c", BUILD_CHILD, str(tmp_path / name),
-                                    env["OMP_NUM_THREADS"]], cwd=repo,
+                                    env["OMP_NUM_THREADS"], str(count)], cwd=repo,
                                    env={**clean, **env, "PYTHONPATH": str(repo)},
                                    capture_output=True, text=True, timeout=600, check=False)
         assert completed.returncode == 0, completed.stderr[-2000:]
@@ -268,4 +281,41 @@ def test_build_is_the_same_bytes_under_other_thread_counts_and_kernels(tmp_path)
     assert [s["threads"] for s in seen.values()] == [1, 2]
     assert seen["2 threads, generic kernels"]["kernels"] == "DEFAULT"
     # ...and the models do not
-    assert seen["1 thread"]["sha256"] == seen["2 threads, generic kernels"]["sha256"], seen
+    assert seen["1 thread"]["model"] == seen["2 threads, generic kernels"]["model"], seen
+    assert {k: seen["1 thread"][k] for k in SHORT_BUILD_SHA256} == SHORT_BUILD_SHA256
+    # the obtained default differs from a trained one in its weights only
+    trained = tmp_path / "1 thread"
+    for path in sorted(trained.glob("*_model/*")) + sorted(trained.glob("model/*")):
+        relative = path.relative_to(trained)
+        if path.name != "model.safetensors":
+            assert path.read_bytes() == (tiny_dir / relative).read_bytes(), relative
+
+
+def test_default_builds_are_the_committed_reference_weights(tiny_dir, tmp_path, monkeypatch):
+    """The committed weights are the reference build's bytes, a default build obtains exactly
+    them, and a damaged copy is refused, not used."""
+    import shutil
+
+    from tiny import file_sha256
+
+    tiny.build_tiny_tool(tiny_dir)
+    tiny.build_tiny_countdown(tiny_dir)
+    for name, sha in tiny.REFERENCE_SHA256.items():
+        assert file_sha256(tiny.ASSETS / f"{name}.safetensors") == sha
+        assert file_sha256(tiny_dir / name / "model.safetensors") == sha
+    # the summaries are the reference builds' records, with this directory's paths
+    builds = json.loads((tiny.ASSETS / "builds.json").read_text())
+    assert set(builds) == set(tiny.REFERENCE_SHA256)
+    summary = json.loads((tiny_dir / "countdown.json").read_text())
+    assert summary["warmup_steps"] == 1500 and summary["model_sha256"] == (
+        tiny.REFERENCE_SHA256["countdown_model"])
+    assert summary["model_dir"] == str(tiny_dir / "countdown_model")
+    damaged = tmp_path / "assets"
+    shutil.copytree(tiny.ASSETS, damaged)
+    weights = bytearray((damaged / "model.safetensors").read_bytes())
+    weights[len(weights) // 2] ^= 1
+    (damaged / "model.safetensors").write_bytes(bytes(weights))
+    monkeypatch.setattr(tiny, "ASSETS", damaged)
+    with pytest.raises(SystemExit, match="not the reference"):
+        tiny.build_tiny(tmp_path / "out")
+    assert not (tmp_path / "out" / "tiny.json").exists()
