@@ -69,21 +69,33 @@ def check_finished(completed, out_dir, steps=2):
     return metrics
 
 
+@pytest.fixture(scope="module")
+def every_method(tiny_dir, tmp_path_factory):
+    """tests/methods_two_ranks.py on two torchrun ranks: each method's two steps' metrics, and the
+    run's directory (its HF export)."""
+    out_dir = tmp_path_factory.mktemp("methods")
+    command, env = train_command(tiny_dir, out_dir / "run", "rollout.sync_check_every=1",
+                                 nproc=2)
+    config_at = command.index("--config")
+    command = (command[:config_at - 1] + [str(REPO / "tests" / "methods_two_ranks.py"),
+               str(out_dir / "metrics.json")] + command[config_at + 1:])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                               timeout=900)
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
+    return json.loads((out_dir / "metrics.json").read_text()), out_dir / "run"
+
+
 @pytest.mark.parametrize("method", baselines.METHODS)
-def test_every_method_trains_end_to_end(method, tiny_dir, tmp_path):
-    completed = run_train(
-        tiny_dir,
-        tmp_path / "run",
-        f"algorithm.method={method}",
-        "rollout.sync_check_every=1",
-        nproc=2,
-    )
-    metrics = check_finished(completed, tmp_path / "run")
-    # the end-of-run checkpoint
-    assert [p.name for p in checkpoints.list_checkpoints(tmp_path / "run")] == ["step_00000002"]
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32)
-    assert torch.isfinite(exported(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
+def test_every_method_trains_end_to_end(method, every_method):
+    """Each method's steps on two ranks through train.py's stages (one process pair for all:
+    tests/methods_two_ranks.py)."""
+    results, run_dir = every_method
+    metrics = results[method]
+    assert [m["step"] for m in metrics] == [1, 2]
     for record in metrics:
+        bad = {k: v for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, bad
         # the engine holds the weights just trained
         assert record["rollout/sync_probe_error"] < 1e-4
         assert record["rollout/logprob_mismatch_max"] < 1e-3  # float32 sampler vs trainer
@@ -95,6 +107,8 @@ def test_every_method_trains_end_to_end(method, tiny_dir, tmp_path):
         assert metrics[0]["train/touched_frac"] > 0 and metrics[0]["stare/pos_selected_frac"] > 0
     if method == "grpo":
         assert all(record["train/touched_frac"] == 0 for record in metrics)
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32)
+    assert torch.isfinite(exported(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
 
 
 def test_two_ranks_match_one_and_export_loads(tiny_dir, tmp_path):

@@ -1,0 +1,61 @@
+"""Run by tests/test_train.py under `torchrun --nproc_per_node 2`: every method of
+baselines.METHODS through train.py's own start-up and steps, on one engine and one sharded model,
+two steps each from a fresh gate and trainer state, with the weight sync probed at every step.
+Writes each method's step metrics as JSON and an HF export of the final weights.
+
+    PYTHONPATH=. python -m torch.distributed.run --nproc_per_node 2 tests/methods_two_ranks.py \\
+        RESULT_JSON CONFIG_YAML [section.key=value ...]
+
+One process pair for all methods, not one per method: the start-up (imports, engine, model) is
+most of a tiny run's cost. train.py's loop around the steps (metrics file, checkpoints, export,
+resume) is checked by the other tests of tests/test_train.py.
+"""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+import baselines
+import checkpoints
+import config
+import rollout
+import runs
+import stare
+import train
+
+
+def main(result_path, config_path, overrides):
+    cfg = config.load(config_path, overrides)
+    rank, world, device = train.setup_distributed()
+    lock = runs.RunLock(cfg.train.out_dir)
+    run, _ = train.start_run(cfg, rank, world, device, lock)
+    results = {}
+    try:
+        for method in baselines.METHODS:
+            method_cfg = dataclasses.replace(
+                cfg, algorithm=dataclasses.replace(cfg.algorithm, method=method))
+            config.check(method_cfg, world_size=world)
+            method_run = dataclasses.replace(run, cfg=method_cfg,
+                                             gate=stare.EntropyGate(**vars(cfg.gate)))
+            state = train.TrainerState()
+            results[method] = []
+            for step in (1, 2):
+                metrics = train.train_step(method_run, state, step)
+                problem = train.sync_guard(metrics, method_cfg, step)
+                assert problem is None, f"{method}, step {step}: {problem}"
+                results[method].append({"step": step, **metrics})
+        checkpoints.export_hf(run.model, cfg, run.tokenizer, Path(cfg.train.out_dir) / "hf", rank)
+    finally:
+        lock.release()
+        rollout.shutdown_engine(run.engine)
+    if rank == 0:
+        Path(result_path).write_text(json.dumps(results, default=float))
+    if dist.is_initialized():  # shutting the engine down may have ended the group (train.main)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
