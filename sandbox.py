@@ -178,7 +178,7 @@ def _out_of_reach(python, view):
     """Under a root trainer, "process" mode runs the code as a user of its own, for whom only the
     permissions of "others" count: the first directory on the way to the interpreter or its
     libraries that others cannot enter, as one line saying what to set; None if there is none."""
-    for path in [os.path.realpath(python)] + [source for source, _ in view["binds"]]:
+    for path in [python, os.path.realpath(python)] + [source for source, _ in view["binds"]]:
         parts = path.split("/")
         for depth in range(2, len(parts) + 1):
             directory = "/".join(parts[:depth])
@@ -677,6 +677,7 @@ def _start_as_process(code, spec):
             os.setgroups([])
             os.setresgid(user, user, user)
             os.setresuid(user, user, user)
+        os.umask(0o077)  # what it writes to /dev/shm is not another run's to read
         # if L dies (the code can clear this: best effort)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         # setuid binaries grant nothing; lets an unprivileged user add a filter
