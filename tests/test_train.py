@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 import baselines
 import checkpoints
 import runs
+import sandbox
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -560,6 +561,8 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tiny_dir, tmp_path):
         metrics[0]["rollout/tool_calls_mean"] > 0.3
         and 0.1 < metrics[0]["rollout/tool_token_frac"] < 0.9
     )
+    # the mode the run used, as this process finds it (auto stops rather than fall back)
+    assert metrics[0]["rollout/sandbox_namespaces"] == float(sandbox.isolation() == "namespaces")
     for record in metrics:
         # the loss and every statistic count only the tokens the policy sampled
         responses = 8 * 4  # train_batch_size x n (no dynamic sampling)
