@@ -37,6 +37,13 @@ def _usable_python(mode, tmp_root):
     return None
 
 
+def _skip_without_namespaces():
+    try:
+        sandbox.isolation(SandboxConfig())
+    except sandbox.Unavailable as error:  # the probe's reason, e.g. Docker's seccomp profile
+        pytest.skip(f"user namespaces are not available on this machine: {error}")
+
+
 @pytest.fixture(scope="module")
 def tmp_root():
     # Not pytest's tmp_path: under root, "process" mode needs a directory `nobody` can traverse.
@@ -49,8 +56,8 @@ def tmp_root():
 @pytest.fixture(scope="module", params=["namespaces", "process"])
 def mode_config(request, tmp_root):
     mode = request.param
-    if mode == "namespaces" and sandbox.isolation(SandboxConfig()) != "namespaces":
-        pytest.skip("user namespaces are not available on this machine")
+    if mode == "namespaces":
+        _skip_without_namespaces()
     python = _usable_python(mode, tmp_root)
     if python is None:
         pytest.skip(f"no interpreter runs in {mode!r} mode here")
@@ -709,8 +716,8 @@ def every_mode(request, monkeypatch, tmp_root):
     """Each mode, and "process" with its fallback forced (no Landlock, as on a kernel before 5.13:
     the trainer reads the ABI and hands it to the launcher)."""
     mode = request.param.split()[0]
-    if mode == "namespaces" and sandbox.isolation(SandboxConfig()) != "namespaces":
-        pytest.skip("user namespaces are not available on this machine")
+    if mode == "namespaces":
+        _skip_without_namespaces()
     if request.param.endswith("without Landlock"):
         monkeypatch.setattr(sandbox, "_landlock_abi", lambda: 0)
     elif mode == "process" and not LANDLOCK:
@@ -741,7 +748,8 @@ def test_nothing_outlives_the_run(every_mode):
         key = (b'user', {name.encode()!r}, b'payload', ctypes.c_size_t(7))
         attempt('user key', libc.syscall(add_key, *key, ctypes.c_long(-4)))
         attempt('session key', libc.syscall(add_key, *key, ctypes.c_long(-3)))
-        attempt('persistent keyring', libc.syscall(keyctl, 22, ctypes.c_long(-1), ctypes.c_long(-4)))
+        attempt('persistent keyring',
+                libc.syscall(keyctl, 22, ctypes.c_long(-1), ctypes.c_long(-4)))
         attempt('user namespace', libc.unshare(0x10000000))
         attempt('mount, net, pid namespaces', libc.unshare(0x20000 | 0x40000000 | 0x20000000))
         pid = libc.syscall(clone, 0x10000000 | 17, 0, 0, 0, 0)  # CLONE_NEWUSER | SIGCHLD
@@ -757,7 +765,8 @@ def test_nothing_outlives_the_run(every_mode):
     """
     result = run(code, config)
     attempts = ["user key", "session key", "persistent keyring", "user namespace",
-                "mount, net, pid namespaces", "clone into a namespace", "inotify", "System V memory"]
+                "mount, net, pid namespaces", "clone into a namespace", "inotify",
+                "System V memory"]
     assert result.output == "".join(f"{a} refused 1\n" for a in attempts) + "written\n", (
         variant, result.output)
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(name)]
@@ -808,8 +817,8 @@ def test_the_clean_up_follows_no_symlink(landlock, monkeypatch):
             os.chmod('sub', 0)
         """, config)
         lines = result.output.splitlines()  # EACCES, or EPERM (the sticky bit)
-        assert result.ok and lines in (["refused 13"] * 3, ["refused 13", "refused 1", "refused 13"]), (
-            result.output)
+        assert result.ok and lines in (["refused 13"] * 3,
+                                       ["refused 13", "refused 1", "refused 13"]), result.output
         assert oct(os.stat(victim).st_mode & 0o7777) == "0o755"
         assert oct(os.stat(victim + "/keep").st_mode & 0o7777) == "0o644"
         assert open(victim + "/keep").read() == "kept" and os.listdir(victim) == ["keep"]
