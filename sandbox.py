@@ -130,7 +130,8 @@ def isolation(config=None) -> str:
     "process". "process" under a root trainer raises Unavailable if the unprivileged user the code
     runs as cannot reach the interpreter. Nothing is kept after a raise."""
     config = config or _default_config()
-    key = (config.isolation, _python(config), config.network, config.allow_process_fallback)
+    key = (config.isolation, _python(config), config.network, config.allow_process_fallback,
+           config.tmp_root)
     with _MODES_LOCK:
         if key not in _MODES:
             _MODES[key] = _choose_mode(config)
@@ -157,7 +158,8 @@ def _choose_mode(config):
                           "as sandbox.allow_process_fallback allows, tool code runs in the "
                           "weaker 'process' mode (docs/sandbox.md)", stacklevel=3)
     if mode == "process" and os.geteuid() == 0:
-        problem = _out_of_reach(_python(config), _view(_python(config), config.network))
+        problem = _out_of_reach(_python(config), _view(_python(config), config.network),
+                                config.tmp_root or tempfile.gettempdir())
         if problem:
             raise Unavailable(problem)
     return mode
@@ -174,19 +176,23 @@ def _probe(config):
     return None if said == "sandbox ok\n" else " ".join(said.split())
 
 
-def _out_of_reach(python, view):
+def _out_of_reach(python, view, tmp_root):
     """Under a root trainer, "process" mode runs the code as a user of its own, for whom only the
-    permissions of "others" count: the first directory on the way to the interpreter or its
-    libraries that others cannot enter, as one line saying what to set; None if there is none."""
-    for path in [python, os.path.realpath(python)] + [source for source, _ in view["binds"]]:
+    permissions of "others" count: the first directory on the way to the interpreter, its
+    libraries or tmp_root that others cannot enter, as one line saying what to set; else None."""
+    paths = [(p, "python") for p in [python, os.path.realpath(python)] + [
+        source for source, _ in view["binds"]]] + [(tmp_root, "tmp_root")]
+    for path, key in paths:
         parts = path.split("/")
         for depth in range(2, len(parts) + 1):
             directory = "/".join(parts[:depth])
             mode = os.stat(directory).st_mode
             if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+                advice = ("an interpreter outside it (e.g. /usr/bin/python3)" if key == "python"
+                          else "a directory every user can enter")
                 return (f"sandbox: 'process' mode runs the code as an unprivileged user, who "
                         f"cannot reach {path} ({directory} is {stat.S_IMODE(mode):o}); set "
-                        "sandbox.python to an interpreter outside it (e.g. /usr/bin/python3)")
+                        f"sandbox.{key} to {advice}")
     return None
 
 

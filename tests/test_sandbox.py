@@ -862,7 +862,7 @@ def test_auto_retries_and_stops_in_one_line(monkeypatch):
     fallback to "process" is allowed."""
     said = []
     monkeypatch.setattr(sandbox, "_PROBE_RETRY_S", 0)
-    monkeypatch.setattr(sandbox, "_out_of_reach", lambda python, view: None)
+    monkeypatch.setattr(sandbox, "_out_of_reach", lambda python, view, tmp_root: None)
 
     def probe(outcomes):
         def _probe(config):
@@ -895,6 +895,8 @@ def test_auto_retries_and_stops_in_one_line(monkeypatch):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the code runs as the trainer's own user")
 def test_an_interpreter_out_of_reach_is_one_line():
+    if not os.path.exists("/usr/bin/python3"):
+        pytest.skip("no /usr/bin/python3 here")
     """Under root, "process" mode runs the code as an unprivileged user: an interpreter that user
     cannot reach (a pyenv under /root) is found before any run, and the line says what to set."""
     hidden = tempfile.mkdtemp(prefix="sandbox-test-hidden-")  # 0700, root's
@@ -905,6 +907,9 @@ def test_an_interpreter_out_of_reach_is_one_line():
             sandbox.isolation(config)
         result = sandbox.run_code("print(1)", config)
         assert result.error == "sandbox" and "sandbox.python" in result.message
+        config = SandboxConfig(isolation="process", python="/usr/bin/python3", tmp_root=hidden)
+        with pytest.raises(sandbox.Unavailable, match=f"{hidden} is 700.*set sandbox.tmp_root"):
+            sandbox.isolation(config)
     finally:
         shutil.rmtree(hidden)
 
