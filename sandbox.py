@@ -1117,6 +1117,9 @@ if __name__ == "__main__":
     # tool turn
     else:
         source = sys.stdin.read() if sys.argv[1:] in ([], ["-"]) else open(sys.argv[1]).read()
-        print(f"[sandbox: {isolation()} isolation]", file=sys.stderr)
+        try:
+            print(f"[sandbox: {isolation()} isolation]", file=sys.stderr)
+        except Unavailable as error:
+            sys.exit(str(error))
         text = format_result(run_code(source))
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
