@@ -577,6 +577,22 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tiny_dir, tmp_path):
         assert record["rollout/sync_probe_error"] < 1e-4 and record["train/grad_norm"] > 0
 
 
+def test_a_sandbox_that_cannot_run_stops_the_run_before_the_engine(tiny_dir, tmp_path):
+    """Under "auto", a probe that fails twice (here: no interpreter) stops in one line with its
+    reason, rather than every tool call of the run failing in a weaker mode."""
+    completed = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny_tool.yaml",
+                                f"model.path={tiny_dir / 'tool_model'}",
+                                f"data.train_files=[{tiny_dir / 'data' / 'mul_train.jsonl'}]",
+                                f"train.out_dir={tmp_path / 'out'}",
+                                "sandbox.python=/nonexistent/python3"],
+                               cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 2, completed.stderr[-2000:]
+    last = completed.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: sandbox: user namespaces failed twice") and (
+        "No such file or directory: '/nonexistent/python3'" in last)
+    assert "vLLM engine" not in completed.stderr
+
+
 def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
     # responses as train.py builds them: policy_mask False at tool-result tokens
     import types
