@@ -266,6 +266,8 @@ class SandboxConfig:
     network: bool = False  # True: the code shares the host network
     python: str = ""  # interpreter for the code; "" = the trainer's own (sys.executable)
     isolation: str = "auto"  # auto | namespaces | process (docs/sandbox.md)
+    # "auto" where user namespaces fail (twice): true = run the code in "process" mode, false = stop
+    allow_process_fallback: bool = False
     tmp_root: str = ""  # "process" mode: where private directories are made; "" = tempfile.gettempdir()
 
     def __post_init__(self):

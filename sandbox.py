@@ -26,6 +26,7 @@ import resource
 import selectors
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -112,34 +113,87 @@ def run_code(code: str, config=None) -> Result:
         )
 
 
-_MODES: dict[tuple[str, bool], str] = {}
+class Unavailable(RuntimeError):
+    """The configured isolation cannot run here. The message is one line for the user: what
+    failed and what to set."""
+
+
+_MODES: dict[tuple, str] = {}
 _MODES_LOCK = threading.Lock()
+_PROBE_RETRY_S = 1.0  # between the two probes of "auto"
 
 
 def isolation(config=None) -> str:
-    """The mode run_code uses for this config: "namespaces" or "process". "auto" probes once per
-    (python, network)."""
+    """The mode run_code uses for this config: "namespaces" or "process", decided once per
+    process and kept. "auto" probes "namespaces" and, if that fails, probes again: two failures
+    raise Unavailable with the probe's reason, unless config.allow_process_fallback allows
+    "process". "process" under a root trainer raises Unavailable if the unprivileged user the code
+    runs as cannot reach the interpreter. Nothing is kept after a raise."""
     config = config or _default_config()
-    if config.isolation != "auto":
-        return config.isolation
-    key = (_python(config), config.network)
+    key = (config.isolation, _python(config), config.network, config.allow_process_fallback,
+           config.tmp_root)
     with _MODES_LOCK:
         if key not in _MODES:
-            probe = dataclasses.replace(
-                config, timeout_s=30.0, cpu_s=10, memory_mb=max(config.memory_mb, 256)
-            )
-            try:
-                said = format_result(_run("print('sandbox ok')", probe, "namespaces"))
-            except Exception as e:
-                said = f"{type(e).__name__}: {e}"
-            _MODES[key] = "namespaces" if said == "sandbox ok\n" else "process"
-            if _MODES[key] == "process":
-                warnings.warn(
-                    "sandbox: user namespaces are not available here, falling back to best-effort "
-                    f"'process' isolation (see sandbox.py). The probe said: {said!r}",
-                    stacklevel=2,
-                )
+            _MODES[key] = _choose_mode(config)
         return _MODES[key]
+
+
+def _choose_mode(config):
+    mode = config.isolation
+    if mode == "auto":
+        said = _probe(config)
+        if said is not None:  # one transient failure must not decide a whole run
+            time.sleep(_PROBE_RETRY_S)
+            said = _probe(config)
+        if said is None:
+            mode = "namespaces"
+        elif not config.allow_process_fallback:
+            raise Unavailable(
+                f"sandbox: user namespaces failed twice here (the probe said: {said}); set "
+                "sandbox.allow_process_fallback=true (or sandbox.isolation=process) to run tool "
+                "code in the weaker 'process' mode (docs/sandbox.md)")
+        else:
+            mode = "process"
+            warnings.warn(f"sandbox: user namespaces failed twice here (the probe said: {said}); "
+                          "as sandbox.allow_process_fallback allows, tool code runs in the "
+                          "weaker 'process' mode (docs/sandbox.md)", stacklevel=3)
+    if mode == "process" and os.geteuid() == 0:
+        problem = _out_of_reach(_python(config), _view(_python(config), config.network),
+                                config.tmp_root or tempfile.gettempdir())
+        if problem:
+            raise Unavailable(problem)
+    return mode
+
+
+def _probe(config):
+    """None if "namespaces" runs print() here, else what it said instead (one line)."""
+    probe = dataclasses.replace(config, timeout_s=30.0, cpu_s=10,
+                                memory_mb=max(config.memory_mb, 256))
+    try:
+        said = format_result(_run("print('sandbox ok')", probe, "namespaces"))
+    except Exception as e:
+        said = f"{type(e).__name__}: {e}"
+    return None if said == "sandbox ok\n" else " ".join(said.split())
+
+
+def _out_of_reach(python, view, tmp_root):
+    """Under a root trainer, "process" mode runs the code as a user of its own, for whom only the
+    permissions of "others" count: the first directory on the way to the interpreter, its
+    libraries or tmp_root that others cannot enter, as one line saying what to set; else None."""
+    paths = [(p, "python") for p in [python, os.path.realpath(python)] + [
+        source for source, _ in view["binds"]]] + [(tmp_root, "tmp_root")]
+    for path, key in paths:
+        parts = path.split("/")
+        for depth in range(2, len(parts) + 1):
+            directory = "/".join(parts[:depth])
+            mode = os.stat(directory).st_mode
+            if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+                advice = ("an interpreter outside it (e.g. /usr/bin/python3)" if key == "python"
+                          else "a directory every user can enter")
+                return (f"sandbox: 'process' mode runs the code as an unprivileged user, who "
+                        f"cannot reach {path} ({directory} is {stat.S_IMODE(mode):o}); set "
+                        f"sandbox.{key} to {advice}")
+    return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,11 +258,15 @@ def _run(code, config, mode):
     start = time.monotonic()
     python = _python(config)
     view = _view(python, config.network)
-    workdir = None
+    workdir = outer = None
     if mode == "process":
-        workdir = tempfile.mkdtemp(prefix="stare-sandbox-", dir=config.tmp_root or None)
-        if os.geteuid() == 0:
-            os.chown(workdir, _NOBODY, _NOBODY)
+        # The code's directory inside one of the trainer's that the code cannot write (0711): it
+        # cannot rename its directory and leave a symlink for the clean-up to follow.
+        outer = tempfile.mkdtemp(prefix="stare-sandbox-", dir=config.tmp_root or None)
+        outer_fd = os.open(outer, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        os.chmod(outer_fd, 0o711)
+        workdir = os.path.join(outer, "work")
+        os.mkdir("work", 0o700, dir_fd=outer_fd)
     home = workdir or "/tmp"
     bin_dir = os.path.dirname(view["python"] if mode == "namespaces" else python)
     env = {
@@ -224,6 +282,7 @@ def _run(code, config, mode):
         "mode": mode,
         "python": python,
         "workdir": workdir,
+        "landlock_abi": _landlock_abi() if mode == "process" else 0,
         "network": config.network,
         "trainer_pid": os.getpid(),
         "cpu_s": int(config.cpu_s),
@@ -264,10 +323,21 @@ def _run(code, config, mode):
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            proc.wait()
-            proc.stdout.close()
-        if workdir is not None:
-            _remove_tree(workdir)
+            # Exited but not reaped: its pid, and so the run's user (_run_user), is no other run's
+            # while /dev/shm is cleaned.
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+            try:
+                if outer is not None and _run_user(proc.pid) not in (None, _NOBODY):
+                    _remove_owned("/dev/shm", _run_user(proc.pid))
+            finally:
+                proc.wait()
+                proc.stdout.close()
+        if outer is not None:
+            try:  # by names relative to open directories: nothing the code made is followed
+                _clear(outer_fd)
+            finally:
+                os.close(outer_fd)
+            os.rmdir(outer)  # the trainer's own directory: the code could not rename it
     output, truncated = _join_output(head, tail, total, config.max_output_bytes)
     status = None if timed_out else proc.returncode
     error, message = _classify(status, output, config)
@@ -356,16 +426,87 @@ def _classify(status, output, config):
     return "exit_code", f"Error: the code exited with status {status}"
 
 
-def _remove_tree(path):
-    """Delete a run's private directory, whatever permissions the code left inside (its files are
-    the trainer's own, or it runs as root). Directories are made accessible top-down before rmtree;
-    symlinks are not followed."""
-    os.chmod(path, 0o700)
-    for root, dirs, _ in os.walk(path):
-        for name in dirs:
-            if not os.path.islink(os.path.join(root, name)):
-                os.chmod(os.path.join(root, name), 0o700)
-    shutil.rmtree(path)
+_MAX_DEPTH = 32  # "process" clean-up: deeper directories are moved up first (see _clear)
+
+
+def _clear(top):
+    """Empty the directory open as fd `top`, whatever permissions the code left inside: each entry
+    by its name relative to an open directory, a symlink removed and never followed, a directory
+    opened with O_NOFOLLOW. Iterative; a directory deeper than _MAX_DEPTH is moved up into `top`
+    first, so neither the stack nor the open files grow with the depth of the tree."""
+    names = os.listdir(top)  # grows as deep directories move up
+    stack, moved = [(top, iter(names), None)], 0
+    while stack:
+        fd, entries, own_name = stack[-1]
+        name = next(entries, None)
+        if name is None:  # fd is empty now
+            stack.pop()
+            if stack:
+                os.close(fd)
+                os.rmdir(own_name, dir_fd=stack[-1][0])
+        elif not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+            os.unlink(name, dir_fd=fd)
+        elif len(stack) > _MAX_DEPTH:
+            moved += 1
+            new_name = f".stare-deep-{moved}-{time.time_ns()}"
+            os.rename(name, new_name, src_dir_fd=fd, dst_dir_fd=top)
+            names.append(new_name)
+        else:
+            sub = _open_directory(fd, name)
+            stack.append((sub, iter(os.listdir(sub)), name))
+
+
+def _open_directory(parent, name):
+    """The directory `name` in the open directory `parent`, made 0700 and opened for reading;
+    never through a symlink (O_NOFOLLOW), and the chmod reaches that very inode (O_PATH)."""
+    path_fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      dir_fd=parent)
+    try:
+        os.chmod(f"/proc/self/fd/{path_fd}", 0o700)
+        return os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    finally:
+        os.close(path_fd)
+
+
+def _remove_owned(directory, uid):
+    """Remove every entry of `directory` (/dev/shm) that user `uid` owns, trees included."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in os.listdir(fd):
+            info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if info.st_uid != uid:
+                continue
+            if stat.S_ISDIR(info.st_mode):
+                sub = _open_directory(fd, name)
+                try:
+                    _clear(sub)
+                finally:
+                    os.close(sub)
+                os.rmdir(name, dir_fd=fd)
+            else:
+                os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+_RUN_IDS = 0x70000000  # "process" mode, root trainer: the code's uid and gid, + the launcher's pid
+
+
+def _run_user(launcher_pid):
+    """"process" mode: the uid (also the gid) the code runs as. Under a root trainer one of its own
+    per run, _RUN_IDS + the launcher's pid (unique among live runs; a range no distribution
+    allocates), so that nothing a run leaves under its user (a file in /dev/shm, a process, a
+    key) is another run's, and its files can be found and removed; `nobody` where this machine's
+    user namespace maps no such id. None under a non-root trainer: the code keeps its user."""
+    if os.geteuid() != 0:
+        return None
+    run_id = _RUN_IDS + launcher_pid
+    for name in ("uid_map", "gid_map"):
+        with open(f"/proc/self/{name}") as f:
+            ranges = [tuple(map(int, line.split())) for line in f if line.strip()]
+        if not any(first <= run_id < first + count for first, _, count in ranges):
+            return _NOBODY
+    return run_id
 
 
 # --------------------------------------------------------------------------------------------------
@@ -402,14 +543,26 @@ _MOUNT_OPTION_FLAGS = {
     _PR_SET_CHILD_SUBREAPER,
     _PR_SET_NO_NEW_PRIVS,
 ) = 1, 24, 22, 36, 38
-# The seccomp filter of network=False (docs/sandbox.md, "Sockets"). Per machine: the
-# AUDIT_ARCH value the kernel reports for its native 64-bit syscalls, and the numbers of socket and
-# socketpair there. io_uring_setup is 425 on every architecture.
-_SECCOMP_SYSCALLS = {"x86_64": (0xC000003E, 41, 53), "aarch64": (0xC00000B7, 198, 199),
-                     "riscv64": (0xC00000F3, 198, 199)}
-_NR_IO_URING_SETUP = 425
+# The seccomp filter of every run (docs/sandbox.md, "Sockets" and "Kernel surface"). Per machine:
+# the AUDIT_ARCH value the kernel reports for its native 64-bit calls; the numbers of socket,
+# socketpair, clone, clone3 and keyctl; and those of the calls that always fail with EPERM: the
+# keyrings (add_key, request_key, keyctl), new namespaces (unshare, setns), file watches
+# (inotify_init, inotify_init1, fanotify_init), System V IPC and message queues, which outlive the
+# run (shmget, semget, msgget, mq_open), and io_uring_setup (its operations include socket and
+# connect, unfiltered).
+_SECCOMP_SYSCALLS = {
+    "x86_64": (0xC000003E, dict(socket=41, socketpair=53, clone=56, clone3=435, keyctl=250),
+               (248, 249, 250, 272, 308, 253, 294, 300, 29, 64, 68, 240, 425)),
+    "aarch64": (0xC00000B7, dict(socket=198, socketpair=199, clone=220, clone3=435, keyctl=219),
+                (217, 218, 219, 97, 268, 26, 262, 194, 190, 186, 180, 425)),
+}
+_SECCOMP_SYSCALLS["riscv64"] = (0xC00000F3, *_SECCOMP_SYSCALLS["aarch64"][1:])  # the same numbers
+# clone()'s flags that make namespaces (NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET)
+_CLONE_NAMESPACES = 0x7E020000
+_KEYCTL_JOIN_SESSION_KEYRING = 1
 _X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: native arch value, other numbers
-_SECCOMP_MODE_FILTER, _SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO, _EPERM = 2, 0x7FFF0000, 0x00050000, 1
+_SECCOMP_MODE_FILTER, _SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO, _EPERM, _ENOSYS = (
+    2, 0x7FFF0000, 0x00050000, 1, 38)
 _AF_UNIX, _SOCK_STREAM, _SOCK_NONBLOCK, _SOCK_CLOEXEC = 1, 1, 0o4000, 0o2000000
 
 
@@ -516,17 +669,21 @@ def _child(function, *args):
 
 def _start_as_process(code, spec):
     """ "process" mode: the code process P is L's child, in L's process group; returns its pid."""
-    os.chdir(spec["workdir"])
+    os.chdir(spec["workdir"])  # in the trainer's 0711 directory, made for this run
     with open("main.py", "wb") as f:
         f.write(code)
-    if os.geteuid() == 0:
-        os.chown("main.py", _NOBODY, _NOBODY)
+    user = _run_user(os.getpid())
+    spec = {**spec, "run_user": user}
+    if user is not None:
+        os.chown(".", user, user)
+        os.chown("main.py", user, user)
 
     def code_process():
-        if os.geteuid() == 0:  # root is exempt from RLIMIT_NPROC and can write anywhere
+        if user is not None:  # root is exempt from RLIMIT_NPROC and can write anywhere
             os.setgroups([])
-            os.setresgid(_NOBODY, _NOBODY, _NOBODY)
-            os.setresuid(_NOBODY, _NOBODY, _NOBODY)
+            os.setresgid(user, user, user)
+            os.setresuid(user, user, user)
+        os.umask(0o077)  # what it writes to /dev/shm is not another run's to read
         # if L dies (the code can clear this: best effort)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         # setuid binaries grant nothing; lets an unprivileged user add a filter
@@ -556,10 +713,11 @@ def _landlock_abi():
 
 def _restrict_files(spec):
     """ "process" mode, where Landlock exists: the code may open for reading only the interpreter's
-    files (those "namespaces" mode binds) and the runner, for writing only its directory, /dev/shm
-    and a few devices. The rest (the checkout, home directories, /proc, /sys, other runs) is EACCES
+    files (those "namespaces" mode binds) and the runner, for writing only its directory, a few
+    devices and, if the run has a user of its own (whose files there are removed after it),
+    /dev/shm. The rest (the checkout, home directories, /proc, /sys, other runs) is EACCES
     whatever its permissions; stat() still works: Landlock checks opening, not looking up."""
-    abi = _landlock_abi()
+    abi = spec["landlock_abi"]  # the trainer's reading
     if abi == 0:
         return  # best effort: the mode's documented fallback
     handled = _LL_ALL_ABI1 | (_LL_TRUNCATE if abi >= 3 else 0)
@@ -567,7 +725,9 @@ def _restrict_files(spec):
     file_rights = _LL_EXECUTE | device
     read = _LL_EXECUTE | _LL_READ_FILE | _LL_READ_DIR
     rules = [(source, read) for source, _ in spec["view"]["binds"]] + [(_THIS_FILE, read)]
-    rules += [(spec["workdir"], handled), ("/dev/shm", handled)]  # multiprocessing's semaphores
+    rules += [(spec["workdir"], handled)]
+    if spec["run_user"] not in (None, _NOBODY):  # a user of its own: cleaned afterwards
+        rules += [("/dev/shm", handled)]  # multiprocessing's semaphores
     rules += [(f"/dev/{name}", device) for name in ("null", "zero", "full", "random", "urandom")]
     ruleset = _landlock(_NR_LANDLOCK_CREATE_RULESET, struct.pack("=Q", handled), ctypes.c_size_t(8),
                         ctypes.c_uint32(0))
@@ -830,57 +990,74 @@ def _set_limits(spec, nproc):
 
 
 def _exec_runner(spec, python, runner):
-    """Close every other file descriptor, install the socket filter unless network=True, exec the
-    runner."""
+    """Close every other file descriptor, join a session keyring of the run's own, install the
+    seccomp filter, exec the runner."""
     os.closerange(3, 1 << 16)
-    if not spec["network"]:
-        _install_socket_filter()
+    machine = os.uname().machine
+    if machine in _SECCOMP_SYSCALLS:  # so no keyring of the trainer's is even possessed; where
+        # keyctl is refused already (Docker's default profile), nothing is lost
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(ctypes.c_long(_SECCOMP_SYSCALLS[machine][1]["keyctl"]),
+                     ctypes.c_long(_KEYCTL_JOIN_SESSION_KEYRING), None)
+    _install_filter(machine, spec["network"])
     os.execve(python, [python, "-I", "-B", runner, "--run"], dict(os.environ))
 
 
-def _socket_filter(machine):
-    """The seccomp BPF program of network=False for this machine (os.uname().machine), or None if
-    there is none: socket() and io_uring_setup() fail with EPERM, socketpair() only gets an AF_UNIX
-    stream pair, every syscall of a foreign ABI (x86's int 0x80, x32) fails with EPERM, everything
-    else is allowed."""
+def _seccomp_filter(machine, network):
+    """The seccomp BPF program of a run on this machine (os.uname().machine), or None if there is
+    none. Always: the calls listed with _SECCOMP_SYSCALLS fail with EPERM, clone() with a namespace
+    flag too, clone3() with ENOSYS (its flags are out of the filter's reach; the C library then
+    falls back on clone()), every call of a foreign ABI (x86's int 0x80, x32) with EPERM. With
+    network=False also: socket() fails with EPERM, socketpair() gets only an AF_UNIX stream pair.
+    Everything else is allowed."""
     # a 32-bit interpreter would make foreign calls
     if machine not in _SECCOMP_SYSCALLS or sys.maxsize < 2**32:
         return None
-    arch, nr_socket, nr_socketpair = _SECCOMP_SYSCALLS[machine]
-    # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE|K, BPF_ALU|AND|K, RET|K
-    load, jeq, jge, and_, ret = 0x20, 0x15, 0x35, 0x54, 0x06
+    arch, nr, denied = _SECCOMP_SYSCALLS[machine]
+    # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE|K, JSET|K, BPF_ALU|AND|K, RET|K
+    load, jeq, jge, jset, and_, ret = 0x20, 0x15, 0x35, 0x45, 0x54, 0x06
     # seccomp_data: nr at 0, arch at 4, args[i] at 16 + 8 i (the low 32 bits first: these machines
     # are little-endian, and the kernel reads these int arguments from the low 32 bits only).
     program = [(load, None, None, 4),
                (jeq, 0, "deny", arch),
                (load, None, None, 0),
                *([(jge, "deny", 0, _X32_SYSCALL_BIT)] if machine == "x86_64" else []),
-               (jeq, "deny", 0, nr_socket),
-               # its operations include socket and connect, unfiltered
-               (jeq, "deny", 0, _NR_IO_URING_SETUP),
-               (jeq, 0, "allow", nr_socketpair),
+               *[(jeq, "deny", 0, number) for number in denied],
+               (jeq, "enosys", 0, nr["clone3"]),
+               *([] if network else [(jeq, "deny", 0, nr["socket"]),
+                                     (jeq, "pair", 0, nr["socketpair"])]),
+               (jeq, 0, "allow", nr["clone"]),
+               (load, None, None, 16),  # clone's flags
+               (jset, "deny", "allow", _CLONE_NAMESPACES),
+               "pair",
                (load, None, None, 16),  # socketpair's domain
                (jeq, 0, "deny", _AF_UNIX),
                (load, None, None, 24),  # its type, without the SOCK_NONBLOCK and SOCK_CLOEXEC flags
                (and_, None, None, ~(_SOCK_NONBLOCK | _SOCK_CLOEXEC) & 0xFFFFFFFF),
-               (jeq, "allow", "deny", _SOCK_STREAM)]
-    targets = {"allow": len(program), "deny": len(program) + 1}
-    program += [
-        (ret, None, None, _SECCOMP_RET_ALLOW),
-        (ret, None, None, _SECCOMP_RET_ERRNO | _EPERM),
-    ]
+               (jeq, "allow", "deny", _SOCK_STREAM),
+               "allow", (ret, None, None, _SECCOMP_RET_ALLOW),
+               "deny", (ret, None, None, _SECCOMP_RET_ERRNO | _EPERM),
+               "enosys", (ret, None, None, _SECCOMP_RET_ERRNO | _ENOSYS)]
+    labels, instructions = {}, []
+    for item in program:
+        if isinstance(item, str):
+            labels[item] = len(instructions)
+        else:
+            instructions.append(item)
     # noqa: E731
-    jump = lambda i, t: 0 if t is None else t if isinstance(t, int) else targets[t] - i - 1
+    jump = lambda i, t: 0 if t is None else t if isinstance(t, int) else labels[t] - i - 1
     return b"".join(struct.pack("=HBBI", code, jump(i, jt), jump(i, jf), k)
-                    for i, (code, jt, jf, k) in enumerate(program))
+                    for i, (code, jt, jf, k) in enumerate(instructions))
 
 
-def _install_socket_filter():
-    """Install _socket_filter for this process and all it execs and starts (needs no_new_privs, set
-    before)."""
-    machine = os.uname().machine
-    program = _socket_filter(machine)
+def _install_filter(machine, network):
+    """Install _seccomp_filter for this process and all it execs and starts (needs no_new_privs,
+    set before). Without a filter for this machine, network=False cannot be enforced: an error;
+    network=True runs without one (docs/sandbox.md)."""
+    program = _seccomp_filter(machine, network)
     if program is None:
+        if network:
+            return
         raise RuntimeError(
             f"no seccomp filter for this machine ({machine}, {8 * struct.calcsize('P')}-bit "
             "interpreter), so network=False cannot be enforced (see sandbox.py)"
@@ -940,6 +1117,9 @@ if __name__ == "__main__":
     # tool turn
     else:
         source = sys.stdin.read() if sys.argv[1:] in ([], ["-"]) else open(sys.argv[1]).read()
-        print(f"[sandbox: {isolation()} isolation]", file=sys.stderr)
+        try:
+            print(f"[sandbox: {isolation()} isolation]", file=sys.stderr)
+        except Unavailable as error:
+            sys.exit(str(error))
         text = format_result(run_code(source))
         sys.stdout.write(text if text.endswith("\n") else text + "\n")

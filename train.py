@@ -57,6 +57,7 @@ import plan
 import rewards
 import rollout
 import runs
+import sandbox
 import stare
 
 
@@ -183,7 +184,10 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
                         "rollout/tool_timeout_frac": totals["tool_timeouts"] / calls,
                         "rollout/tool_invalid_frac": totals["tool_invalid"] / calls,
                         "rollout/tool_token_frac": totals["tool_tokens"] / max(totals["tokens"], 1),
-                        "rollout/max_turns_frac": totals["max_turns"] / responses})
+                        "rollout/max_turns_frac": totals["max_turns"] / responses,
+                        # 1: "namespaces", 0: the weaker "process" (decided at start, cached)
+                        "rollout/sandbox_namespaces": float(
+                            sandbox.isolation(cfg.sandbox) == "namespaces")})
     return kept[:cfg.train.train_batch_size], data_position, metrics
 
 
@@ -854,6 +858,12 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
             except runs.RunError as error:
                 problem = str(error)
         agree(problem)
+        if cfg.rollout.tools:  # the sandbox's mode, decided once for the run (docs/sandbox.md)
+            try:
+                sandbox.isolation(cfg.sandbox)
+            except sandbox.Unavailable as error:
+                problem = f"error: {error}"
+            agree(problem)
         task, benchmarks = load_task(cfg, tokenizer, rank)
         max_tokens = max(cfg.rollout.max_tokens, cfg.eval.max_tokens if benchmarks else 0)
         say(

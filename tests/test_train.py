@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 import baselines
 import checkpoints
 import runs
+import sandbox
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -574,6 +575,8 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tiny_dir, tmp_path):
         metrics[0]["rollout/tool_calls_mean"] > 0.3
         and 0.1 < metrics[0]["rollout/tool_token_frac"] < 0.9
     )
+    # the mode the run used, as this process finds it (auto stops rather than fall back)
+    assert metrics[0]["rollout/sandbox_namespaces"] == float(sandbox.isolation() == "namespaces")
     for record in metrics:
         # the loss and every statistic count only the tokens the policy sampled
         responses = 8 * 4  # train_batch_size x n (no dynamic sampling)
@@ -586,6 +589,22 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tiny_dir, tmp_path):
         # tool tokens' rollout log-prob is a 0.0 placeholder
         assert record["rollout/logprob_mismatch_max"] < 1e-3
         assert record["rollout/sync_probe_error"] < 1e-4 and record["train/grad_norm"] > 0
+
+
+def test_a_sandbox_that_cannot_run_stops_the_run_before_the_engine(tiny_dir, tmp_path):
+    """Under "auto", a probe that fails twice (here: no interpreter) stops in one line with its
+    reason, rather than every tool call of the run failing in a weaker mode."""
+    completed = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny_tool.yaml",
+                                f"model.path={tiny_dir / 'tool_model'}",
+                                f"data.train_files=[{tiny_dir / 'data' / 'mul_train.jsonl'}]",
+                                f"train.out_dir={tmp_path / 'out'}",
+                                "sandbox.python=/nonexistent/python3"],
+                               cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 2, completed.stderr[-2000:]
+    last = completed.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: sandbox: user namespaces failed twice") and (
+        "No such file or directory: '/nonexistent/python3'" in last)
+    assert "vLLM engine" not in completed.stderr
 
 
 def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
