@@ -543,6 +543,7 @@ def sync_engine(engine, model, cfg, responses, step, probe, first=False):
     if checking and probe is not None:
         model.eval()
         trainer_side = rollout.trainer_logprobs(model, probe[0], probe[1])
+        modeling.reshard_root(model)  # or the root unit stays gathered through the rollout
     if cfg.rollout.enable_sleep_mode:
         rollout.wake_kv_cache(engine)
     if not checking or probe is None:
