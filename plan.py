@@ -497,11 +497,12 @@ def environment_problems(driver_cuda, build_cuda, installed, pins):
     driver supports and the one PyTorch was built for, as major * 1000 + minor * 10 (13000 = 13.0);
     installed / pins: {package: version} (a package missing from `installed` is not installed)."""
     errors, warnings = [], []
-    if driver_cuda < build_cuda:
+    # a driver of the same major version runs a newer minor build (CUDA's minor-version compatibility)
+    if driver_cuda // 1000 < build_cuda // 1000:
         errors.append(
-            f"error: the NVIDIA driver supports CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10}, "
-            f"but PyTorch is built for CUDA {build_cuda // 1000}.{build_cuda % 1000 // 10}: update the "
-            f"driver (the vllm 0.32.0 wheel is a CUDA 13 build: driver >= 580)"
+            f"error: the NVIDIA driver supports CUDA {cuda_version(driver_cuda)}, but PyTorch is "
+            f"built for CUDA {cuda_version(build_cuda)}: update the driver (the vllm 0.32.0 wheel "
+            f"is a CUDA 13 build: driver >= 580)"
         )
     for name, version in pins.items():
         if name in installed and installed[name].split("+")[0] != version:
@@ -519,6 +520,40 @@ def environment_problems(driver_cuda, build_cuda, installed, pins):
             f"{audio_minor}, not {torch_minor}: `pip uninstall torchaudio` (no text model uses it)"
         )
     return errors, warnings
+
+
+def cuda_version(number):
+    """13020 -> "13.2" (the encoding of cudaDriverGetVersion)."""
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
+def no_cuda_problem(cfg, cfg_path):
+    """Where CUDA is unavailable, before anything loads: a config planned for a GPU
+    (rollout.kv_cache_gib null: the engine takes a share of a GPU) or asking for sleep mode (CUDA
+    only in vLLM) -> one line naming why CUDA may be missing and the overrides that run the config
+    on CPU; else None. torch.cuda.is_available() is False with a driver too old for PyTorch's CUDA
+    build too, so the driver's version is read here, where `preflight` never runs."""
+    import os
+
+    import torch
+
+    overrides = {"rollout.kv_cache_gib=GIB": cfg.rollout.kv_cache_gib is None,
+                 "rollout.enable_sleep_mode=false": cfg.rollout.enable_sleep_mode}
+    needed = [override for override, gpu_only in overrides.items() if gpu_only]
+    if torch.cuda.is_available() or not needed:
+        return None
+    driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)()
+    if torch.version.cuda is None:
+        why = f"PyTorch {torch.__version__} is a CPU build"
+    elif not driver:
+        why = "no NVIDIA driver was found"
+    elif driver // 1000 < int(torch.version.cuda.split(".")[0]):
+        why = (f"the NVIDIA driver supports CUDA {cuda_version(driver)}, PyTorch is built for CUDA "
+               f"{torch.version.cuda}")
+    else:
+        why = f"no GPU is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+    return (f"error: {cfg_path} is planned for a GPU, but CUDA is not available here: {why}; to run "
+            f"it on CPU anyway, set {' '.join(needed)} (GIB: the CPU engine's KV cache)")
 
 
 def installed_versions():

