@@ -3,7 +3,7 @@ weights, tokenizer, engine, process group or GPU).
 
     python train.py --config configs/qwen7b_long.yaml --plan [section.key=value ...]
 
-prints, per GPU, the peak of each phase of a step (start-up, rollout, update, sync probe), the host
+prints, per GPU, the peak of each phase of a run (start-up, rollout, update, sync probe, export), the host
 memory per node, the engine's KV cache and how many full-length sequences it holds against the
 requests of one generation round, and last one JSON line. Exit 0 when the run fits the hardware its
 config names (the `hardware` section), 2 when not, with the change of one knob that would fit. A GPU
@@ -40,12 +40,20 @@ Terms:
                   gradient 2 T V b_c
   sync probe      max(the largest parameter, V d b_e; the probe's forward: gathered units
                   + (prompt + 512) A + 2 * 512 V b_c)
+  export          the largest parameter gathered in b_c, V d b_c
   context         CUDA_CONTEXT_GIB per process (0 on CPU)
-  host per node   ranks * HOST_PROCESS_GIB, + (4 + b_c) N on the first node
+  host per rank   HOST_PROCESS_GIB; the step's groups, gathered on every rank (train.sample_groups):
+                  B n R PYTHON_TOKEN_BYTES (B = train.train_batch_size, R = rollout.max_tokens)
+                  + the gather's buffer, world x one rank's round of them pickled,
+                  W min(B, gen_batch_size / engines) n R PICKLED_TOKEN_BYTES; with
+                  rollout.sleep_level 1, vLLM's pinned copy of the engine's weights, N b_e / t
+  host per node   ranks * host per rank, + b_c N on the first node (the export)
 
 Phases: startup = engine + 4N/W + context; rollout = engine + 12N/W + context; update = engine
 asleep (or engine) + 16N/W + update batch + context; sync_probe = engine weights + engine asleep
-(or engine) + 12N/W + sync probe batch + context. A phase fits below the free memory less HEADROOM
+(or engine) + 12N/W + sync probe batch + context; export = engine asleep (or engine) + 12N/W +
+export + context. The probe's forward leaves FSDP2's root unit gathered until
+modeling.reshard_root frees it, before the rollout. A phase fits below the free memory less HEADROOM
 of the GPU; the KV cache must hold one full-length sequence, and ctx must not exceed
 max_position_embeddings.
 """
@@ -67,6 +75,9 @@ HOST_PROCESS_GIB = 6.0  # host RAM of one rank: Python, PyTorch, CUDA libraries,
 HEADROOM = 0.05
 # rollout.build_engine's max_num_batched_tokens floor (its profiling batch)
 ENGINE_BATCH_TOKENS = 8192
+# a sampled token on the host: its id and log-prob as Python int and float in lists, and its mask
+# (measured: 75 bytes), and pickled for the gather (14)
+PYTHON_TOKEN_BYTES, PICKLED_TOKEN_BYTES = 76, 14
 
 
 @dataclasses.dataclass
@@ -247,11 +258,25 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
             "batch": max(sync, probe),
             "context": context_gib,
         },
+        # the engine sleeps first (train.train); the largest parameter gathered in b_c
+        "export": {"engine": engine_asleep, "trainer": master + adam,
+                   "batch": arch.vocab * arch.hidden * compute_bytes / GIB, "context": context_gib},
     }
     ranks_per_node = min(world, hw.gpus_per_node)
-    # rank 0 gathers the float32 model on the host, then casts it
-    export = (4 + compute_bytes) * n / GIB
-    host = ranks_per_node * HOST_PROCESS_GIB + export
+    # every rank holds the step's groups (and, while gathering, world x one rank's round pickled);
+    # with a level-1 sleep vLLM keeps the engine's weights in pinned host memory
+    response_tokens = cfg.train.train_batch_size * cfg.rollout.n * cfg.rollout.max_tokens
+    round_tokens = (min(cfg.train.train_batch_size, cfg.algorithm.gen_batch_size // engines)
+                    * cfg.rollout.n * cfg.rollout.max_tokens)
+    host_rank = {
+        "process": HOST_PROCESS_GIB,
+        "groups": (response_tokens * PYTHON_TOKEN_BYTES
+                   + world * round_tokens * PICKLED_TOKEN_BYTES) / GIB,
+        "sleep_copy": engine_weights if cfg.rollout.enable_sleep_mode
+        and cfg.rollout.sleep_level == 1 else 0.0,
+    }
+    # rank 0 gathers the model in the compute dtype for the export
+    host = ranks_per_node * sum(host_rank.values()) + compute_bytes * n / GIB
     result = {
         "config": None,
         "model": arch.name,
@@ -281,6 +306,7 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
         "requests_per_round": requests,
         "micro_batch_tokens": tokens,
         "host_gib_per_node": round(host, 1),
+        "host_gib_per_rank": {k: round(v, 2) for k, v in host_rank.items()},
     }
     result["problems"] = problems(result, cfg, arch)
     result["fits"] = not result["problems"]
@@ -405,7 +431,8 @@ def report(plan, cfg_path, suggestion=()):
     )
     lines.append(
         f"host: {plan['host_gib_per_node']:.0f} GiB on the first node ({plan['gpus_per_node']} ranks x "
-        f"{HOST_PROCESS_GIB:g} + the final export's full model)"
+        f"({' + '.join(f'{v:.1f} {k}' for k, v in plan['host_gib_per_rank'].items())}) + the "
+        f"final export's full model)"
         + (f" of {plan['host_gib']:g}" if plan["host_gib"] is not None else "")
     )
     if plan["fits"]:

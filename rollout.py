@@ -169,8 +169,16 @@ def engine_kwargs(
 
 
 def engine_runner(engine):
-    """"v1" or "v2": the model runner the engine actually runs."""
-    return "v2" if engine.llm_engine.vllm_config.use_v2_model_runner else "v1"
+    """"v1" or "v2": the model runner the engine actually runs, read from its class (V2's live in
+    vllm/v1/worker/{gpu,cpu}/model_runner.py, V1's in .../{gpu,cpu}_model_runner.py). The config's
+    use_v2_model_runner cannot tell: with VLLM_USE_V2_MODEL_RUNNER set it returns that value
+    (vllm/config/vllm.py)."""
+    (module,) = set(engine.collective_rpc(_runner_module))
+    return "v2" if module.rsplit(".", 1)[-1] == "model_runner" else "v1"
+
+
+def _runner_module(worker):
+    return type(getattr(worker, "worker", worker).model_runner).__module__
 
 
 @dataclasses.dataclass

@@ -102,6 +102,18 @@ def test_a_small_model_by_hand(tmp_path):
     assert p["phases"]["update"] == pytest.approx(
         2.0 + 16 * n / 2 / GIB + batch / GIB + context, abs=0.01
     )
+    # the export: the engine (awake: no sleep mode), the trainer's shards and the embedding in bf16
+    assert p["phases"]["export"] == pytest.approx(
+        2.0 + 12 * n / 2 / GIB + 1000 * 64 * 2 / GIB + context, abs=0.01)
+    # host: per rank, the step's 64 x 8 responses of 192 tokens as Python objects, and the gather's
+    # buffer (2 ranks x one rank's round of 32 groups, pickled); the bf16 export on the first node
+    groups = (64 * 8 * 192 * 76 + 2 * 32 * 8 * 192 * 14) / GIB
+    assert p["host_gib_per_node"] == pytest.approx(2 * (6.0 + groups) + 2 * n / GIB, abs=0.1)
+    asleep, _ = small_setup(tmp_path / "1", "rollout.gpu_memory_utilization=0.5",
+                            "rollout.enable_sleep_mode=true", "rollout.sleep_level=1")
+    # a level-1 sleep keeps each rank's engine weights in host memory (bf16)
+    host = plan.compute(asleep, arch)["host_gib_per_rank"]
+    assert host == {"process": 6.0, "groups": round(groups, 2), "sleep_copy": round(2 * n / GIB, 2)}
     assert p["fits"]  # 2 GiB of engine + 1.5 of CUDA context + ~0.1 of trainer < 95% of 4 GiB
     smaller, _ = small_setup(
         tmp_path / "2", "rollout.gpu_memory_utilization=0.5", "hardware.gpu_gib=3.0"
@@ -113,6 +125,7 @@ def test_a_small_model_by_hand(tmp_path):
         "rollout",
         "update",
         "sync_probe",
+        "export",
     ]
     assert problems[0].endswith("GiB per GPU, more than 2.9 of 3 (keeping 5% of the GPU free)")
 
@@ -185,7 +198,7 @@ def test_every_shipped_config_fits_the_hardware_it_names(name, tmp_path, tiny_di
     assert plan.main(*plan_args(name, model_dir)) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert summary["fits"] and summary["problems"] == []
-    assert set(summary["phases"]) == {"startup", "rollout", "update", "sync_probe"}
+    assert set(summary["phases"]) == {"startup", "rollout", "update", "sync_probe", "export"}
     assert max(summary["phases"].values()) <= summary["gpu_gib"]
     assert summary["world_size"] == cfg.hardware.nodes * cfg.hardware.gpus_per_node
     assert summary["kv_full_length_sequences"] >= 1

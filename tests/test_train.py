@@ -494,9 +494,10 @@ def test_nonfinite_loss_skips_the_step_then_stops_the_run(tiny_dir, tmp_path):
     assert not all(torch.equal(weights[2][k], weights[1][k]) for k in weights[0])
 
     # more bad steps in a row than optim.max_nonfinite_steps: a clear error, the checkpoints before
-    # it intact
+    # it intact; in float16, where a non-finite loss counts whatever the loss scale (65536 here)
     out = tmp_path / "many"
-    completed = run("2,3,4,5", out, "train.total_steps=6")
+    completed = run("2,3,4,5", out, "train.total_steps=6", "model.param_dtype=float16",
+                    "rollout.max_sync_probe_error=10", "rollout.max_logprob_mismatch=10")
     assert completed.returncode != 0
     assert (
         "non-finite loss or gradient norm in 3 consecutive steps (optim.max_nonfinite_steps=2)"
@@ -827,6 +828,18 @@ def test_the_sync_probe_runs_at_step_one_and_a_broken_bound_stops_the_run_in_one
     assert "max_logprob_mismatch: 1.0e-12" in (out / "config.yaml").read_text()
     # nothing saved from weights the engine may not hold
     assert checkpoints.list_checkpoints(out) == []
+
+
+def test_every_parameter_is_sharded_again_after_each_step_that_probes_the_sync(tiny_dir, tmp_path):
+    # the probe's no-grad forward gathers FSDP2's root unit (embedding, final norm, LM head), which
+    # only a backward would free: it must not stay gathered through the rollout
+    command, env = train_command(tiny_dir, tmp_path / "run", "rollout.sync_check_every=1")
+    command[1:2] = ["tests/resharded_train.py", str(tmp_path / "gathered.json")]
+    completed = subprocess.run(command, cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)),
+                               capture_output=True, text=True, timeout=900)
+    metrics = check_finished(completed, tmp_path / "run")
+    assert all("rollout/sync_probe_error" in m for m in metrics)
+    assert json.loads((tmp_path / "gathered.json").read_text()) == [[], []]
 
 
 def test_float16_loss_scaling_keeps_the_gradients_that_float16_loses(tiny_dir, tmp_path):
