@@ -3,12 +3,12 @@ weights, tokenizer, engine, process group or GPU).
 
     python train.py --config configs/qwen7b_long.yaml --plan [section.key=value ...]
 
-prints, per GPU, the peak of each phase of a run (start-up, rollout, update, sync probe, export), the host
-memory per node, the engine's KV cache and how many full-length sequences it holds against the
-requests of one generation round, and last one JSON line. Exit 0 when the run fits the hardware its
-config names (the `hardware` section), 2 when not, with the change of one knob that would fit. A GPU
-run checks the same plan against its own device before it loads anything (train.py,
-`device_problem`).
+prints, per GPU, the peak of each phase of a run (start-up, rollout, update, sync probe, export),
+the host memory per node, the engine's KV cache and how many full-length sequences it holds against
+the requests of one generation round, and last one JSON line. Exit 0 when the run fits the
+hardware its config names (the `hardware` section), 2 when not, with the change of one knob that
+would fit. A GPU run checks the same plan against its own device before it loads anything
+(train.py, `device_problem`).
 
 Every number is a formula of the architecture and the config, below; how the formulas were
 calibrated against measured peaks: docs/benchmarks.md, "Memory plan". What only a GPU settles
@@ -52,10 +52,9 @@ Terms:
 Phases: startup = engine + 4N/W + context; rollout = engine + 12N/W + context; update = engine
 asleep (or engine) + 16N/W + update batch + context; sync_probe = engine weights + engine asleep
 (or engine) + 12N/W + sync probe batch + context; export = engine asleep (or engine) + 12N/W +
-export + context. The probe's forward leaves FSDP2's root unit gathered until
-modeling.reshard_root frees it, before the rollout. A phase fits below the free memory less HEADROOM
-of the GPU; the KV cache must hold one full-length sequence, and ctx must not exceed
-max_position_embeddings.
+export + context. The rollout holds no gathered root unit: modeling.reshard_root frees the one
+the probe's forward leaves. A phase fits below the free memory less HEADROOM of the GPU; the KV
+cache must hold one full-length sequence, and ctx must not exceed max_position_embeddings.
 """
 
 import dataclasses
@@ -524,7 +523,7 @@ def environment_problems(driver_cuda, build_cuda, installed, pins):
     driver supports and the one PyTorch was built for, as major * 1000 + minor * 10 (13000 = 13.0);
     installed / pins: {package: version} (a package missing from `installed` is not installed)."""
     errors, warnings = [], []
-    # a driver of the same major version runs a newer minor build (CUDA's minor-version compatibility)
+    # a driver runs a newer minor build of its major version (CUDA's minor-version compatibility)
     if driver_cuda // 1000 < build_cuda // 1000:
         errors.append(
             f"error: the NVIDIA driver supports CUDA {cuda_version(driver_cuda)}, but PyTorch is "
@@ -579,8 +578,8 @@ def no_cuda_problem(cfg, cfg_path):
                f"{torch.version.cuda}")
     else:
         why = f"no GPU is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
-    return (f"error: {cfg_path} is planned for a GPU, but CUDA is not available here: {why}; to run "
-            f"it on CPU anyway, set {' '.join(needed)} (GIB: the CPU engine's KV cache)")
+    return (f"error: {cfg_path} is planned for a GPU, but CUDA is not available here: {why}; to "
+            f"run it on CPU anyway, set {' '.join(needed)} (GIB: the CPU engine's KV cache)")
 
 
 def installed_versions():

@@ -25,7 +25,7 @@ Equation numbers refer to docs/method.md.
 
 Simplified relative to the reference (verl): no Ray, no reference model or KL term (STARE's runs use
 none), on-policy by default; old log-probs come from a separate no-grad pass (ratio 1 up to float
-noise); the batch is exchanged between ranks with all_gather_object after dynamic sampling;
+noise); the kept groups are exchanged between ranks with all_gather_object (on the host);
 step-scope selections are made once per step on the old log-probs even with several mini-batches; no
 balance_batch reordering.
 """

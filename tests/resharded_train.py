@@ -1,7 +1,7 @@
 """Run by tests/test_train.py: train.py, recording after every step the parameters that are not
 DTensors (FSDP2 left them gathered, unsharded, on the device the engine samples on next).
 
-    PYTHONPATH=. python tests/resharded_train.py OUT_JSON --config configs/tiny.yaml [section.key=value ...]
+    PYTHONPATH=. python tests/resharded_train.py OUT_JSON --config configs/tiny.yaml [key=value ...]
 """
 
 import json

@@ -1,7 +1,7 @@
 """Worker of test_modeling.py's sharded start-up test (and of `tools/bench.py startup-memory`), run
 by torchrun: modeling.build_model on a checkpoint, measured and checked on every rank.
 
-    torchrun --standalone --nproc_per_node 2 tests/startup_two_ranks.py MODEL_DIR OUT_DIR   # any count
+    torchrun --standalone --nproc_per_node 2 tests/startup_two_ranks.py MODEL_DIR OUT_DIR  # or 3
 
 Writes OUT_DIR/rank{r}.json: the growth of this process's peak resident memory during build_model
 (Linux VmHWM, reset just before the call), the fp32 size of the model, whether every local shard

@@ -775,7 +775,8 @@ def test_a_gpu_config_without_cuda_stops_in_one_line_before_anything_loads(tiny_
     start = time.time()
     completed = subprocess.run(
         [sys.executable, "train.py", "--config", "configs/qwen7b_long.yaml",
-         f"model.path={tiny_dir / 'model'}", f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
+         f"model.path={tiny_dir / 'model'}",
+         f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
          "eval.files=[]", "data.max_prompt_tokens=64", "rollout.max_tokens=16",
          f"train.out_dir={tmp_path / 'run'}"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -951,7 +952,8 @@ def test_sampling_gathers_only_the_groups_the_step_keeps(monkeypatch):
     varied = [g for g in made if g.varied]
     assert position == 16 and metrics["rollout/gen_rounds"] == 2
     assert kept == varied[:6] and all(a is b for a, b in zip(kept, varied))
-    assert sum(isinstance(x, train.Group) for obj in sent if isinstance(obj, list) for x in obj) == 6
+    sent_groups = [x for obj in sent if isinstance(obj, list) for x in obj]
+    assert len(sent_groups) == 6 and all(isinstance(x, train.Group) for x in sent_groups)
     assert metrics["rollout/varied_group_frac"] == 10 / 16
     assert metrics["rollout/distinct_correct_frac"] == evaluate.distinct_correct_fraction(
         [[(r.tokens, r.accuracy) for r in g.responses] for g in made])
