@@ -259,19 +259,22 @@ def resume_checkpoint(cfg, check_later=True, rank=0):
 
 
 def export_hf(model, cfg, tokenizer, path, rank):
-    """The full model as a Hugging Face checkpoint (safetensors + config + tokenizer), written by rank 0."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    """The full model as a Hugging Face checkpoint (safetensors + config + tokenizer), written by
+    rank 0. Each parameter is gathered alone and in the dtype the model trained in
+    (model.param_dtype), as the weight sync does: the device holds one such parameter at a time
+    (never a float32 copy), rank 0's host the model once."""
+    import rollout
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    state = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    state = {}
+    for name, tensor in rollout.full_parameters(model, getattr(torch, cfg.model.param_dtype)):
+        if rank == 0:
+            state[name] = tensor.cpu()
     if rank == 0:
         with torch.device("meta"):
             fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
         fresh.load_state_dict(state, assign=True)
         fresh.tie_weights()  # assign=True replaced the tied parameters with separate tensors
-        # the dtype the model trained in
         fresh.to(getattr(torch, cfg.model.param_dtype)).save_pretrained(path)
         tokenizer.save_pretrained(path)
     dist.barrier()

@@ -196,6 +196,8 @@ def load_shards(model, path):
                 )
             local = target.to_local() if hasattr(target, "to_local") else target
             start, end = shard_rows(target)
+            if start == end:  # fewer rows than ranks (or ceil's split): this rank holds none
+                continue
             tensors[name].copy_rows(
                 local.view(end - start, -1) if local.dim() else local.view(1, 1), start, end
             )
@@ -319,6 +321,18 @@ def shard_model(model, cfg, device, world_size):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def reshard_root(model):
+    """Free FSDP2's gathered root unit (embedding, final norm, LM head) after a forward without
+    backward: the root unit reshards only after a backward (torch
+    distributed/fsdp/_fully_shard/_fsdp_state.py, lazy_init), so a no-grad forward leaves it whole
+    on the device. Call it before the engine takes the memory back; a model without FSDP2 is left
+    as it is."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
 
 
 def micro_batches(lengths, token_budget):

@@ -3,12 +3,12 @@ weights, tokenizer, engine, process group or GPU).
 
     python train.py --config configs/qwen7b_long.yaml --plan [section.key=value ...]
 
-prints, per GPU, the peak of each phase of a step (start-up, rollout, update, sync probe), the host
-memory per node, the engine's KV cache and how many full-length sequences it holds against the
-requests of one generation round, and last one JSON line. Exit 0 when the run fits the hardware its
-config names (the `hardware` section), 2 when not, with the change of one knob that would fit. A GPU
-run checks the same plan against its own device before it loads anything (train.py,
-`device_problem`).
+prints, per GPU, the peak of each phase of a run (start-up, rollout, update, sync probe, export),
+the host memory per node, the engine's KV cache and how many full-length sequences it holds against
+the requests of one generation round, and last one JSON line. Exit 0 when the run fits the
+hardware its config names (the `hardware` section), 2 when not, with the change of one knob that
+would fit. A GPU run checks the same plan against its own device before it loads anything
+(train.py, `device_problem`).
 
 Every number is a formula of the architecture and the config, below; how the formulas were
 calibrated against measured peaks: docs/benchmarks.md, "Memory plan". What only a GPU settles
@@ -40,14 +40,21 @@ Terms:
                   gradient 2 T V b_c
   sync probe      max(the largest parameter, V d b_e; the probe's forward: gathered units
                   + (prompt + 512) A + 2 * 512 V b_c)
+  export          the largest parameter gathered in b_c, V d b_c
   context         CUDA_CONTEXT_GIB per process (0 on CPU)
-  host per node   ranks * HOST_PROCESS_GIB, + (4 + b_c) N on the first node
+  host per rank   HOST_PROCESS_GIB; the step's groups, gathered on every rank (train.sample_groups):
+                  B n R PYTHON_TOKEN_BYTES (B = train.train_batch_size, R = rollout.max_tokens)
+                  + the gather's buffer, world x one rank's round of them pickled,
+                  W min(B, gen_batch_size / engines) n R PICKLED_TOKEN_BYTES; with
+                  rollout.sleep_level 1, vLLM's pinned copy of the engine's weights, N b_e / t
+  host per node   ranks * host per rank, + b_c N on the first node (the export)
 
 Phases: startup = engine + 4N/W + context; rollout = engine + 12N/W + context; update = engine
 asleep (or engine) + 16N/W + update batch + context; sync_probe = engine weights + engine asleep
-(or engine) + 12N/W + sync probe batch + context. A phase fits below the free memory less HEADROOM
-of the GPU; the KV cache must hold one full-length sequence, and ctx must not exceed
-max_position_embeddings.
+(or engine) + 12N/W + sync probe batch + context; export = engine asleep (or engine) + 12N/W +
+export + context. The rollout holds no gathered root unit: modeling.reshard_root frees the one
+the probe's forward leaves. A phase fits below the free memory less HEADROOM of the GPU; the KV
+cache must hold one full-length sequence, and ctx must not exceed max_position_embeddings.
 """
 
 import dataclasses
@@ -67,6 +74,9 @@ HOST_PROCESS_GIB = 6.0  # host RAM of one rank: Python, PyTorch, CUDA libraries,
 HEADROOM = 0.05
 # rollout.build_engine's max_num_batched_tokens floor (its profiling batch)
 ENGINE_BATCH_TOKENS = 8192
+# a sampled token on the host: its id and log-prob as Python int and float in lists, and its mask
+# (measured: 75 bytes), and pickled for the gather (14)
+PYTHON_TOKEN_BYTES, PICKLED_TOKEN_BYTES = 76, 14
 
 
 @dataclasses.dataclass
@@ -247,11 +257,25 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
             "batch": max(sync, probe),
             "context": context_gib,
         },
+        # the engine sleeps first (train.train); the largest parameter gathered in b_c
+        "export": {"engine": engine_asleep, "trainer": master + adam,
+                   "batch": arch.vocab * arch.hidden * compute_bytes / GIB, "context": context_gib},
     }
     ranks_per_node = min(world, hw.gpus_per_node)
-    # rank 0 gathers the float32 model on the host, then casts it
-    export = (4 + compute_bytes) * n / GIB
-    host = ranks_per_node * HOST_PROCESS_GIB + export
+    # every rank holds the step's groups (and, while gathering, world x one rank's round pickled);
+    # with a level-1 sleep vLLM keeps the engine's weights in pinned host memory
+    response_tokens = cfg.train.train_batch_size * cfg.rollout.n * cfg.rollout.max_tokens
+    round_tokens = (min(cfg.train.train_batch_size, cfg.algorithm.gen_batch_size // engines)
+                    * cfg.rollout.n * cfg.rollout.max_tokens)
+    host_rank = {
+        "process": HOST_PROCESS_GIB,
+        "groups": (response_tokens * PYTHON_TOKEN_BYTES
+                   + world * round_tokens * PICKLED_TOKEN_BYTES) / GIB,
+        "sleep_copy": engine_weights if cfg.rollout.enable_sleep_mode
+        and cfg.rollout.sleep_level == 1 else 0.0,
+    }
+    # rank 0 gathers the model in the compute dtype for the export
+    host = ranks_per_node * sum(host_rank.values()) + compute_bytes * n / GIB
     result = {
         "config": None,
         "model": arch.name,
@@ -281,6 +305,7 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
         "requests_per_round": requests,
         "micro_batch_tokens": tokens,
         "host_gib_per_node": round(host, 1),
+        "host_gib_per_rank": {k: round(v, 2) for k, v in host_rank.items()},
     }
     result["problems"] = problems(result, cfg, arch)
     result["fits"] = not result["problems"]
@@ -405,7 +430,8 @@ def report(plan, cfg_path, suggestion=()):
     )
     lines.append(
         f"host: {plan['host_gib_per_node']:.0f} GiB on the first node ({plan['gpus_per_node']} ranks x "
-        f"{HOST_PROCESS_GIB:g} + the final export's full model)"
+        f"({' + '.join(f'{v:.1f} {k}' for k, v in plan['host_gib_per_rank'].items())}) + the "
+        f"final export's full model)"
         + (f" of {plan['host_gib']:g}" if plan["host_gib"] is not None else "")
     )
     if plan["fits"]:
@@ -497,11 +523,12 @@ def environment_problems(driver_cuda, build_cuda, installed, pins):
     driver supports and the one PyTorch was built for, as major * 1000 + minor * 10 (13000 = 13.0);
     installed / pins: {package: version} (a package missing from `installed` is not installed)."""
     errors, warnings = [], []
-    if driver_cuda < build_cuda:
+    # a driver runs a newer minor build of its major version (CUDA's minor-version compatibility)
+    if driver_cuda // 1000 < build_cuda // 1000:
         errors.append(
-            f"error: the NVIDIA driver supports CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10}, "
-            f"but PyTorch is built for CUDA {build_cuda // 1000}.{build_cuda % 1000 // 10}: update the "
-            f"driver (the vllm 0.32.0 wheel is a CUDA 13 build: driver >= 580)"
+            f"error: the NVIDIA driver supports CUDA {cuda_version(driver_cuda)}, but PyTorch is "
+            f"built for CUDA {cuda_version(build_cuda)}: update the driver (the vllm 0.32.0 wheel "
+            f"is a CUDA 13 build: driver >= 580)"
         )
     for name, version in pins.items():
         if name in installed and installed[name].split("+")[0] != version:
@@ -519,6 +546,40 @@ def environment_problems(driver_cuda, build_cuda, installed, pins):
             f"{audio_minor}, not {torch_minor}: `pip uninstall torchaudio` (no text model uses it)"
         )
     return errors, warnings
+
+
+def cuda_version(number):
+    """13020 -> "13.2" (the encoding of cudaDriverGetVersion)."""
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
+def no_cuda_problem(cfg, cfg_path):
+    """Where CUDA is unavailable, before anything loads: a config planned for a GPU
+    (rollout.kv_cache_gib null: the engine takes a share of a GPU) or asking for sleep mode (CUDA
+    only in vLLM) -> one line naming why CUDA may be missing and the overrides that run the config
+    on CPU; else None. torch.cuda.is_available() is False with a driver too old for PyTorch's CUDA
+    build too, so the driver's version is read here, where `preflight` never runs."""
+    import os
+
+    import torch
+
+    overrides = {"rollout.kv_cache_gib=GIB": cfg.rollout.kv_cache_gib is None,
+                 "rollout.enable_sleep_mode=false": cfg.rollout.enable_sleep_mode}
+    needed = [override for override, gpu_only in overrides.items() if gpu_only]
+    if torch.cuda.is_available() or not needed:
+        return None
+    driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)()
+    if torch.version.cuda is None:
+        why = f"PyTorch {torch.__version__} is a CPU build"
+    elif not driver:
+        why = "no NVIDIA driver was found"
+    elif driver // 1000 < int(torch.version.cuda.split(".")[0]):
+        why = (f"the NVIDIA driver supports CUDA {cuda_version(driver)}, PyTorch is built for CUDA "
+               f"{torch.version.cuda}")
+    else:
+        why = f"no GPU is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+    return (f"error: {cfg_path} is planned for a GPU, but CUDA is not available here: {why}; to "
+            f"run it on CPU anyway, set {' '.join(needed)} (GIB: the CPU engine's KV cache)")
 
 
 def installed_versions():

@@ -26,6 +26,7 @@ format, run by sandbox.py.
 """
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -168,8 +169,16 @@ def engine_kwargs(
 
 
 def engine_runner(engine):
-    """"v1" or "v2": the model runner the engine actually runs."""
-    return "v2" if engine.llm_engine.vllm_config.use_v2_model_runner else "v1"
+    """"v1" or "v2": the model runner the engine actually runs, read from its class (V2's live in
+    vllm/v1/worker/{gpu,cpu}/model_runner.py, V1's in .../{gpu,cpu}_model_runner.py). The config's
+    use_v2_model_runner cannot tell: with VLLM_USE_V2_MODEL_RUNNER set it returns that value
+    (vllm/config/vllm.py)."""
+    (module,) = set(engine.collective_rpc(_runner_module))
+    return "v2" if module.rsplit(".", 1)[-1] == "model_runner" else "v1"
+
+
+def _runner_module(worker):
+    return type(getattr(worker, "worker", worker).model_runner).__module__
 
 
 @dataclasses.dataclass
@@ -646,6 +655,18 @@ def full_parameters(model, dtype=None):
                 tensor = tensor.to("cuda")
             tensor = tensor.full_tensor()
         yield name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), tensor
+
+
+@functools.cache
+def host_group(world_group):
+    """A gloo group of the same ranks as `world_group` (the default process group), made once:
+    Python objects exchanged while the engine holds the GPU (the sampled groups of a step) then go
+    through host memory. On an NCCL group all_gather_object stages world x the largest pickled
+    object on the GPU (torch/distributed/distributed_c10d.py). None: the group is gloo already.
+    A collective the first time: every rank calls it at the same point."""
+    if torch.distributed.get_backend(world_group) == "gloo":
+        return None
+    return torch.distributed.new_group(backend="gloo")
 
 
 def engine_dtype(engine):

@@ -25,7 +25,7 @@ Equation numbers refer to docs/method.md.
 
 Simplified relative to the reference (verl): no Ray, no reference model or KL term (STARE's runs use
 none), on-policy by default; old log-probs come from a separate no-grad pass (ratio 1 up to float
-noise); the batch is exchanged between ranks with all_gather_object after dynamic sampling;
+noise); the kept groups are exchanged between ranks with all_gather_object (on the host);
 step-scope selections are made once per step on the old log-probs even with several mini-batches; no
 balance_batch reordering.
 """
@@ -105,6 +105,11 @@ class Group:
     def varied(self):
         return len({r.accuracy for r in self.responses}) > 1
 
+    @property
+    def distinct_correct(self):  # the share of distinct right responses; None if none is right
+        return evaluate.distinct_correct_fraction([[(r.tokens, r.accuracy)
+                                                    for r in self.responses]])
+
 
 @dataclasses.dataclass
 class Task:
@@ -140,7 +145,8 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
     """Generation rounds until train_batch_size groups are kept (dynamic sampling: only varied
     groups), over all ranks -> (the kept groups, the same list on every rank; the new data position;
     rollout metrics)."""
-    kept, sampled, local_sums, rounds = [], [], {}, 0  # sampled: every group of the step, all ranks
+    # sampled: (varied, distinct_correct) of every group of the step, all ranks
+    kept, sampled, local_sums, rounds = [], [], {}, 0
     while len(kept) < cfg.train.train_batch_size:
         if cfg.algorithm.max_num_gen_batches and rounds >= cfg.algorithm.max_num_gen_batches:
             raise runs.RunError(
@@ -158,10 +164,14 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
             local_sums,
             {k: v if leader or k.startswith("time/") else 0 for k, v in round_sums.items()},
         )
-        # the same on all ranks
-        for group in (g for rank_groups in all_gather(groups)[::tp] for g in rank_groups):
-            sampled.append(group)
-            kept += [group] if group.varied or not cfg.algorithm.dynamic_sampling else []
+        # what every rank sampled in two numbers a group, then only the groups the step keeps, the
+        # same on all ranks (the ranks of one engine hold the same groups: the first sends them)
+        mine = groups if leader else []
+        keep = [g for g in mine if g.varied or not cfg.algorithm.dynamic_sampling]
+        summaries = all_gather((len(keep), [(g.varied, g.distinct_correct) for g in mine]))
+        room = cfg.train.train_batch_size - len(kept) - sum(n for n, _ in summaries[:rank])
+        kept += [g for rank_groups in all_gather(keep[:max(room, 0)]) for g in rank_groups]
+        sampled += [summary for _, rank_sampled in summaries for summary in rank_sampled]
         rounds += 1
     timings = {key: local_sums.pop(key) for key in ("time/rollout", "time/reward")}
     totals = all_reduce(local_sums, device)
@@ -169,15 +179,13 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
     metrics = {
         "rollout/gen_rounds": rounds,
         "rollout/acc_before_filter": totals["sampled_correct"] / responses,
-        "rollout/varied_group_frac": sum(g.varied for g in sampled) / len(sampled),
+        "rollout/varied_group_frac": sum(varied for varied, _ in sampled) / len(sampled),
         **{key: totals[key] / responses for key in REWARD_FRACTIONS},
         **timings,
     }
-    diversity = evaluate.distinct_correct_fraction(
-        [[(r.tokens, r.accuracy) for r in g.responses] for g in sampled]
-    )
-    if diversity is not None:
-        metrics["rollout/distinct_correct_frac"] = diversity
+    diversity = [fraction for _, fraction in sampled if fraction is not None]
+    if diversity:  # evaluate.distinct_correct_fraction over the step's groups
+        metrics["rollout/distinct_correct_frac"] = sum(diversity) / len(diversity)
     if cfg.rollout.tools:  # over every response sampled in the step, all ranks
         metrics.update({"rollout/tool_calls_mean": totals["tool_calls"] / responses,
                         "rollout/tool_error_frac": totals["tool_errors"] / calls,
@@ -188,7 +196,7 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
                         # 1: "namespaces", 0: the weaker "process" (decided at start, cached)
                         "rollout/sandbox_namespaces": float(
                             sandbox.isolation(cfg.sandbox) == "namespaces")})
-    return kept[:cfg.train.train_batch_size], data_position, metrics
+    return kept, data_position, metrics
 
 
 def round_prompts(data_position, gen_batch_size, rank, world, tensor_parallel_size):
@@ -378,11 +386,12 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=N
     """One optimizer step per mini-batch: the method's loss over token-budget micro-batches,
     gradient clipping, AdamW; a non-finite loss or gradient norm on any rank skips the step. With a
     LossScaler (float16 compute) the loss is scaled before backward and the gradients unscaled
-    before clipping. -> metrics (device sums read once)."""
+    before clipping; train/nonfinite_updates counts the skips that no loss scale explains.
+    -> metrics (device sums read once)."""
     model.train()
     num_mini = cfg.train.train_batch_size // cfg.train.mini_batch_size
     mini_size = len(responses) // num_mini
-    micro_batch_count, skipped, grad_norms = 0, 0, []
+    micro_batch_count, skipped, nonfinite, grad_norms = 0, 0, 0, []
     # the loss and its statistics, accumulated on the device and read once at the end
     device_sums = {}
     for mini in range(num_mini):
@@ -414,15 +423,20 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=N
         )
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         grad_norms.append(grad_norm)
-        finite = torch.isfinite(grad_norm) & torch.isfinite(mini_sums["loss"])
         # the one host read
-        finite = all_reduce({"finite": finite}, device, op=dist.ReduceOp.MIN)["finite"] > 0
-        if finite:
+        finite = all_reduce({"loss": torch.isfinite(mini_sums["loss"]),
+                             "grad": torch.isfinite(grad_norm)}, device, op=dist.ReduceOp.MIN)
+        finite_loss, finite_grad = finite["loss"] > 0, finite["grad"] > 0
+        if finite_loss and finite_grad:
             optimizer.step()
         else:
             skipped += 1
-        if scaler is not None:
-            scaler.update(finite)
+        # a gradient overflow under a scale > 1 is the scale's to fix; a non-finite loss (the
+        # forward overflowed) is not, whatever the scale: it keeps the scale and counts
+        overflow = scaler is not None and finite_loss and scaler.scale > 1
+        nonfinite += not (finite_loss and finite_grad) and not overflow
+        if scaler is not None and finite_loss:
+            scaler.update(finite_grad)
         optimizer.zero_grad(set_to_none=True)
     totals = all_reduce(device_sums, device)
     grad_norms = torch.stack(grad_norms).double()  # the same on every rank
@@ -433,6 +447,7 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=N
         "train/grad_norm_max": float(grad_norms.max()),
         "train/micro_batches": micro_batch_count,
         "train/skipped_updates": skipped,
+        "train/nonfinite_updates": nonfinite,
         **({"train/loss_scale": loss_scale} if scaler is not None else {}),
         **{
             key: value / max(totals["stats_weight"], 1)
@@ -547,6 +562,7 @@ def sync_engine(engine, model, cfg, responses, step, probe, first=False):
     if checking and probe is not None:
         model.eval()
         trainer_side = rollout.trainer_logprobs(model, probe[0], probe[1])
+        modeling.reshard_root(model)  # or the root unit stays gathered through the rollout
     if cfg.rollout.enable_sleep_mode:
         rollout.wake_kv_cache(engine)
     if not checking or probe is None:
@@ -634,9 +650,10 @@ def batch_metrics(responses, num_tokens, device):
     }
 
 
-def train_step(run, state, step, stage=lambda name: None):
+def train_step(run, state, step, stage=lambda name: None, first=False):
     """One optimizer step: the algorithm, stage by stage -> its metrics by name. stage(name) is
-    called as each long stage begins (the progress line shows it)."""
+    called as each long stage begins (the progress line shows it); first: the first step of this
+    process (a resumed run's too), whose weight sync is probed."""
     cfg, device, rank, world = run.cfg, run.device, run.rank, run.world
     start = time.time()
     stage("rollout")
@@ -660,9 +677,7 @@ def train_step(run, state, step, stage=lambda name: None):
             run.model, run.optimizer, responses, cfg, run.gate, step, device, state.scaler
         )
         run.scheduler.step()
-    # fp16: an overflow halved the scale
-    backing_off = state.scaler is not None and state.scaler.scale > 1
-    skipped = update_metrics["train/skipped_updates"] and not backing_off
+    skipped = update_metrics["train/nonfinite_updates"]  # not a float16 overflow the scale absorbs
     state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
     if state.nonfinite_in_a_row > cfg.optim.max_nonfinite_steps:
         raise runs.RunError(f"error: step {step}: non-finite loss or gradient norm in "
@@ -671,7 +686,7 @@ def train_step(run, state, step, stage=lambda name: None):
     stage("weight sync")
     with timer("time/sync"):
         state.probe, sync_error = sync_engine(
-            run.engine, run.model, cfg, responses, step, state.probe
+            run.engine, run.model, cfg, responses, step, state.probe, first
         )
     elapsed = time.time() - start
     return {
@@ -712,6 +727,10 @@ def main(argv):
     except config.ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
+    problem = None if export_only else plan.no_cuda_problem(cfg, argv[1])
+    if problem:  # or the run takes the CPU path and fails later, inside vLLM
+        print(problem, file=sys.stderr)
+        return 2
     rank, world, device = setup_distributed(cfg.train.nccl_timeout_minutes)
     lock = runs.RunLock(cfg.train.out_dir)
     try:
@@ -746,9 +765,10 @@ def train(run, state):
         log.write(0, evaluation(run), progress)  # the starting point of every eval curve
     try:
         for step in progress:
-            metrics = {**train_step(run, state, step, stage=lambda name: progress.set_postfix_str(
-                # data/*: what loading the prompts did
-                f"step {step}: {name}", refresh=True)), **run.task.metrics}
+            metrics = {**train_step(run, state, step, first=step == first_step,
+                                    stage=lambda name: progress.set_postfix_str(
+                                        f"step {step}: {name}", refresh=True)),
+                       **run.task.metrics}  # data/*: what loading the prompts did
             if run.benchmarks and (step % cfg.eval.every == 0 or step == cfg.train.total_steps):
                 metrics.update(evaluation(run))
             log.write(step, metrics, progress)
@@ -783,6 +803,8 @@ def train(run, state):
                         f"stopped by a signal after step {step}; `resume: auto` continues from {path}"
                     )
                 return 128 + stop.signal_number
+        if cfg.rollout.enable_sleep_mode:  # the export's gathers take the engine's memory
+            rollout.release_memory(run.engine, cfg.rollout.sleep_level)
         checkpoints.export_hf(run.model, cfg, run.tokenizer, run.out_dir / "hf", run.rank)
         return 0
     finally:
@@ -1095,7 +1117,8 @@ class LossScaler:
     token-mean loss over ~1M tokens are ~1e-6 per token, under float16's normal range: the loss is
     multiplied by `scale` before backward, the (float32, sharded) gradients are divided by it before
     clipping, a step whose gradients are not finite is skipped and halves the scale, and `window`
-    finite steps in a row double it."""
+    finite steps in a row double it. A non-finite loss (the forward overflowed) is skipped without
+    touching the scale, which cannot fix it (train.policy_update)."""
 
     scale: float = 65536.0
     window: int = 1000
@@ -1186,11 +1209,11 @@ def agree(problem):
 
 
 def all_gather(obj):
-    """Every rank's obj, in rank order (pickled: for small Python objects)."""
+    """Every rank's obj, in rank order (pickled, through host memory: rollout.host_group)."""
     if not dist.is_initialized():
         return [obj]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    dist.all_gather_object(gathered, obj, group=rollout.host_group(dist.group.WORLD))
     return gathered
 
 

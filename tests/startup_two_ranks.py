@@ -1,7 +1,7 @@
 """Worker of test_modeling.py's sharded start-up test (and of `tools/bench.py startup-memory`), run
 by torchrun: modeling.build_model on a checkpoint, measured and checked on every rank.
 
-    torchrun --standalone --nproc_per_node 2 tests/startup_two_ranks.py MODEL_DIR OUT_DIR
+    torchrun --standalone --nproc_per_node 2 tests/startup_two_ranks.py MODEL_DIR OUT_DIR  # or 3
 
 Writes OUT_DIR/rank{r}.json: the growth of this process's peak resident memory during build_model
 (Linux VmHWM, reset just before the call), the fp32 size of the model, whether every local shard
@@ -75,7 +75,7 @@ def main(model_dir, out_dir):
     result = {"rank": rank, "world": world, "growth_bytes": growth, "fp32_bytes": fp32_bytes,
               "growth_over_fp32": growth / fp32_bytes, "mismatched": mismatched, "tied": tied,
               "shard_rows": {name: modeling.shard_rows(p) for name, p in parameters.items()
-                             if name.endswith("embed_tokens.weight")},
+                             if name.endswith(("embed_tokens.weight", "model.norm.weight"))},
               "logits_max_abs_diff": float((sharded_logits - reference_logits).abs().max())}
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

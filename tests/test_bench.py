@@ -162,6 +162,9 @@ def test_gpu_smoke_engine_cycles_run_on_cpu(tmp_path):
         # bf16 rounding, not a missed sync
         assert 0 < cycle["probe_error"] < 0.05 and cycle["probe_tokens"] > 0
         assert cycle["logprob_mismatch_mean"] < 0.05 and cycle["skipped"] == 0
+        # the probe's forward gathers the root unit only; after train.sync_engine all is sharded
+        assert cycle["resharded"] and cycle["probe_gathered"]
+        assert not any(".layers." in name for name in cycle["probe_gathered"])
 
 
 def test_gpu_smoke_without_cuda_says_so_in_one_line():

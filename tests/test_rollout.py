@@ -161,6 +161,19 @@ def test_the_trainer_side_of_the_probe_runs_the_head_only_where_it_compares(tiny
     assert torch.allclose(logprobs.double(), expected, atol=1e-5)
 
 
+def test_the_model_runner_is_read_from_the_engine_not_from_its_config(engine):
+    import types
+
+    assert rollout.engine_runner(engine) == "v1"  # vllm/v1/worker/cpu_model_runner.py
+    for module, runner in (("vllm.v1.worker.gpu.model_runner", "v2"),
+                           ("vllm.v1.worker.cpu.model_runner", "v2"),
+                           ("vllm.v1.worker.gpu_model_runner", "v1")):
+        worker = types.SimpleNamespace(model_runner=type("Runner", (), {"__module__": module})())
+        wrapped = types.SimpleNamespace(worker=worker)  # vLLM's WorkerWrapperBase
+        stub = types.SimpleNamespace(collective_rpc=lambda f: [f(worker), f(wrapped)])
+        assert rollout.engine_runner(stub) == runner
+
+
 def test_seed_validation(engine, prompts):
     with pytest.raises(ValueError, match="seeds"):
         rollout.generate(engine, prompts, n=2, seeds=[1])

@@ -324,6 +324,9 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
     completed = run_train(tiny_dir, out, *steps, nproc=2)
     assert "resumed from" in completed.stderr and "step_00000002 at step 2" in completed.stderr
     resumed = check_finished(completed, out, 4)
+    # the resumed run probed the sync at its first step, 3, which the uninterrupted one did not
+    (first,) = [m for m in resumed if m["step"] == 3]
+    assert first.pop("rollout/sync_probe_error") < 1e-4
     # every metric of every step, bitwise (eval and step 0 included)
     assert comparable(resumed) == comparable(full)
     # state moved
@@ -506,9 +509,10 @@ def test_nonfinite_loss_skips_the_step_then_stops_the_run(tiny_dir, tmp_path):
     assert not all(torch.equal(weights[2][k], weights[1][k]) for k in weights[0])
 
     # more bad steps in a row than optim.max_nonfinite_steps: a clear error, the checkpoints before
-    # it intact
+    # it intact; in float16, where a non-finite loss counts whatever the loss scale (65536 here)
     out = tmp_path / "many"
-    completed = run("2,3,4,5", out, "train.total_steps=6")
+    completed = run("2,3,4,5", out, "train.total_steps=6", "model.param_dtype=float16",
+                    "rollout.max_sync_probe_error=10", "rollout.max_logprob_mismatch=10")
     assert completed.returncode != 0
     assert (
         "non-finite loss or gradient norm in 3 consecutive steps (optim.max_nonfinite_steps=2)"
@@ -800,6 +804,22 @@ def test_bad_starts_fail_fast_in_one_line_and_leave_the_run_as_it_was(tiny_dir, 
         ).exists()
 
 
+def test_a_gpu_config_without_cuda_stops_in_one_line_before_anything_loads(tiny_dir, tmp_path):
+    start = time.time()
+    completed = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/qwen7b_long.yaml",
+         f"model.path={tiny_dir / 'model'}",
+         f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
+         "eval.files=[]", "data.max_prompt_tokens=64", "rollout.max_tokens=16",
+         f"train.out_dir={tmp_path / 'run'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 2 and time.time() - start < 60
+    (line,) = completed.stderr.strip().splitlines()
+    assert line.startswith("error: configs/qwen7b_long.yaml is planned for a GPU, but CUDA is not "
+                           "available here") and "rollout.kv_cache_gib=GIB" in line
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path):
     out = tmp_path / "run"
     check_finished(
@@ -808,6 +828,8 @@ def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path):
     completed = run_train(tiny_dir, out, "optim.lr=1e-4")
     metrics = check_finished(completed, out)
     assert [m["train/lr"] for m in metrics] == [pytest.approx(3e-4), pytest.approx(1e-4)]
+    # tiny.yaml probes every 5th step: step 2 is probed as the resumed run's first
+    assert metrics[1]["rollout/sync_probe_error"] < 1e-4
     assert "this run's values apply: optim.lr" in completed.stderr
     assert "lr: 0.0001" in (out / "config.yaml").read_text()
 
@@ -842,6 +864,18 @@ def test_the_sync_probe_runs_at_step_one_and_a_broken_bound_stops_the_run_in_one
     assert checkpoints.list_checkpoints(out) == []
 
 
+def test_every_parameter_is_sharded_again_after_each_step_that_probes_the_sync(tiny_dir, tmp_path):
+    # the probe's no-grad forward gathers FSDP2's root unit (embedding, final norm, LM head), which
+    # only a backward would free: it must not stay gathered through the rollout
+    command, env = train_command(tiny_dir, tmp_path / "run", "rollout.sync_check_every=1")
+    command[1:2] = ["tests/resharded_train.py", str(tmp_path / "gathered.json")]
+    completed = subprocess.run(command, cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)),
+                               capture_output=True, text=True, timeout=900)
+    metrics = check_finished(completed, tmp_path / "run")
+    assert all("rollout/sync_probe_error" in m for m in metrics)
+    assert json.loads((tmp_path / "gathered.json").read_text()) == [[], []]
+
+
 def test_float16_loss_scaling_keeps_the_gradients_that_float16_loses(tiny_dir, tmp_path):
     # gradients of ~1e-7 per entry, as a token mean over ~10^7 tokens gives: float16 compute flushes
     # all of them to zero; scaled by 2^16 before backward and unscaled after, the update matches the
@@ -871,7 +905,14 @@ def test_float16_loss_scaling_keeps_the_gradients_that_float16_loses(tiny_dir, t
     assert result["good_steps_after"] == 1
     # a scale that overflows float16: the step is skipped, the parameters stay, the scale halves
     assert result["overflow_skipped"] == 1 and not result["overflow_changed"]
-    assert result["overflow_scale_after"] == 2.0**59
+    assert result["overflow_scale_after"] == 2.0**59 and result["overflow_nonfinite"] == 0
+    # a non-finite loss (a forward overflow): skipped and counted towards optim.max_nonfinite_steps
+    # whatever the scale, which it leaves as it was
+    assert result["nan_skipped"] == result["nan_nonfinite"] == 1
+    assert result["nan_scale_after"] == 2.0**16
+    # the export gathers each parameter in float16, never a float32 copy, and writes the shards
+    assert result["export_gathered"] == result["export_dtypes"] == ["torch.float16"]
+    assert result["export_exact"]
 
 
 def test_the_loss_scale_grows_after_a_window_of_finite_steps_and_halves_on_overflow():
@@ -913,3 +954,62 @@ def test_the_collective_timeout_reaches_init_process_group(tiny_dir, monkeypatch
         train.main(argv)
     assert seen == {"backend": "gloo", "timeout": datetime.timedelta(minutes=7)}
     assert train.config.TrainConfig().nccl_timeout_minutes == 60
+
+
+def test_sampling_gathers_only_the_groups_the_step_keeps(monkeypatch):
+    # rounds of 8 groups, 5 of them varied, for a batch of 6: round 2 sends 1 group, not 8
+    import config
+    import evaluate
+    import train
+
+    cfg = config.load("configs/tiny.yaml", ["train.train_batch_size=6", "train.mini_batch_size=6",
+                                            "algorithm.gen_batch_size=8", "rollout.n=2"])
+    made = []
+
+    def generate_round(engine, tokenizer, task, cfg, global_indices):
+        groups = []
+        for g in global_indices:  # accuracies (1, 0) x 5, then (1, 1) same tokens, (1, 1), (0, 0)
+            accuracies = [(1.0, 0.0)] * 5 + [(1.0, 1.0)] * 2 + [(0.0, 0.0)]
+            tokens = [[g], [g]] if g % 8 == 5 else [[g], [g, 1]]
+            groups.append(train.Group([g], [
+                train.Response([g], t, [0.0] * len(t), a, a, False, (0, 0), torch.ones(len(t)))
+                for t, a in zip(tokens, accuracies[g % 8])]))
+        made.extend(groups)
+        return groups, {"time/rollout": 0.0, "time/reward": 0.0, "sampled": 16,
+                        "sampled_correct": 10.0, **{k: 0.0 for k in train.REWARD_FRACTIONS}}
+
+    sent, real_all_gather = [], train.all_gather
+    monkeypatch.setattr(train, "generate_round", generate_round)
+    monkeypatch.setattr(train, "all_gather", lambda obj: sent.append(obj) or real_all_gather(obj))
+    kept, position, metrics = train.sample_groups(None, None, None, cfg, 0, 0, 1, None)
+    varied = [g for g in made if g.varied]
+    assert position == 16 and metrics["rollout/gen_rounds"] == 2
+    assert kept == varied[:6] and all(a is b for a, b in zip(kept, varied))
+    sent_groups = [x for obj in sent if isinstance(obj, list) for x in obj]
+    assert len(sent_groups) == 6 and all(isinstance(x, train.Group) for x in sent_groups)
+    assert metrics["rollout/varied_group_frac"] == 10 / 16
+    assert metrics["rollout/distinct_correct_frac"] == evaluate.distinct_correct_fraction(
+        [[(r.tokens, r.accuracy) for r in g.responses] for g in made])
+
+
+def test_objects_go_between_ranks_through_one_gloo_group_made_once(monkeypatch):
+    import rollout
+    import train
+
+    calls = []
+
+    def all_gather_object(out, obj, group=None):
+        calls.append(group)
+        out[:] = [obj, obj]
+
+    monkeypatch.setattr(train.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(train.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(train.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(train.dist, "new_group", lambda **kw: calls.append(kw) or "gloo group")
+    monkeypatch.setattr(train.dist, "all_gather_object", all_gather_object)
+    rollout.host_group.cache_clear()
+    try:
+        assert train.all_gather("a") == ["a", "a"] and train.all_gather(1) == [1, 1]
+    finally:
+        rollout.host_group.cache_clear()
+    assert calls == [{"backend": "gloo"}, "gloo group", "gloo group"]

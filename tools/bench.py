@@ -1197,11 +1197,15 @@ def engine_cycles(
     max_probe_error=2.0,
     max_mismatch=0.25,
 ):
-    """`cycles` x (generate -> sleep -> update -> wake weights -> sync -> trainer side of the probe
-    -> wake KV cache -> engine side of the probe), in train.py's order and with its functions, on
-    one rank -> report dict. Free device memory is read after every phase; a probe error or a
-    rollout/trainer mismatch past the bounds, a non-finite update or an exception is a failure
-    (report["ok"] False, report["failures"])."""
+    """`cycles` x (generate -> gather the groups -> sleep -> update -> wake weights -> sync ->
+    trainer side of the probe -> wake KV cache -> engine side of the probe), in train.py's order and
+    with its functions, on one rank -> report dict. Free device memory is read after every phase; a
+    probe error or a rollout/trainer mismatch past the bounds, a non-finite update or an exception
+    is a failure (report["ok"] False, report["failures"]). Each cycle also measures two things an
+    NCCL group and a GPU decide: the device memory that gathering the groups takes through
+    train.all_gather (host memory, a gloo group) and through the default group (gather_*), and what
+    a no-grad forward of the probe leaves gathered on the device (FSDP2's root unit) and
+    modeling.reshard_root frees (probe_*)."""
     import logging
     import re
 
@@ -1228,6 +1232,20 @@ def engine_cycles(
         return (
             round(torch.cuda.mem_get_info(device)[0] / 2**30, 2) if device.type == "cuda" else None
         )
+
+    def allocated_gib():  # held by tensors (freed memory stays with the caching allocator)
+        return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+    def growth_gib(before, after):
+        return None if before is None else round(after - before, 3)
+
+    def peak_gib(fn):  # the device memory fn allocates at its peak
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        before = allocated_gib()
+        fn()
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if before is not None else None
+        return growth_gib(before, peak)
 
     cfg = config.load(
         overrides=[
@@ -1303,6 +1321,12 @@ def engine_cycles(
                 train.Group(responses[j].prompt, responses[j : j + 4])
                 for j in range(0, len(responses), 4)
             ]
+            free = free_gib()
+            record.update(
+                gather_gib=peak_gib(lambda: train.all_gather(groups)),
+                gather_default_group_gib=peak_gib(lambda: torch.distributed.all_gather_object(
+                    [None] * torch.distributed.get_world_size(), groups)),
+                free_gib_gather=[free, free_gib()])
             responses = train.group_responses(groups, cfg, 0, 1)
             if sleep:
                 rollout.release_memory(engine, sleep_level)
@@ -1323,7 +1347,17 @@ def engine_cycles(
                 engine, model, sync_cfg, responses, cycle + 1, None, first=True
             )
             record.update(probe_error=error, probe_tokens=len(probe[0]) - probe[1] if probe else 0,
-                          free_gib_synced=free_gib())
+                          free_gib_synced=free_gib(),
+                          resharded=all(hasattr(p, "to_local") for p in model.parameters()))
+            if probe:  # the probe's forward again, then reshard_root, as train.sync_engine does
+                free, before = free_gib(), allocated_gib()
+                rollout.trainer_logprobs(model, *probe)
+                gathered = [n for n, p in model.named_parameters() if not hasattr(p, "to_local")]
+                after, free_gathered = allocated_gib(), free_gib()
+                modeling.reshard_root(model)
+                record.update(probe_gathered=gathered, probe_gathered_gib=growth_gib(before, after),
+                              probe_freed_gib=growth_gib(allocated_gib(), after),
+                              free_gib_probe=[free, free_gathered, free_gib()])
             if error is None or not error <= max_probe_error:
                 report["failures"].append(
                     f"cycle {cycle + 1}: probe error {error} (bound {max_probe_error})"
