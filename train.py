@@ -965,15 +965,7 @@ def load_task(cfg, tokenizer, rank):
 
 def resume(run, checkpoint):
     """Model, optimizer, scheduler, gate and trainer state from a checkpoint; the engine gets the weights."""
-    try:
-        saved = checkpoints.load_checkpoint(checkpoint, run.model, run.optimizer, run.rank)
-    # corrupt bytes that checkpoints.check_files cannot see from the sizes
-    except Exception as error:
-        first_line = (str(error).strip().splitlines() or [""])[0][:300]
-        raise runs.RunError(
-            f"error: {checkpoint} cannot be loaded ({type(error).__name__}: {first_line}); "
-            f"name an earlier one with train.resume=PATH"
-        ) from None
+    saved = checkpoints.load_checkpoint(checkpoint, run.model, run.optimizer, run.rank)
     run.scheduler.load_state_dict(saved.pop("scheduler"))
     # the optimizer's saved settings give way to this run's config (a changed optim.lr takes effect,
     # as recorded)

@@ -187,3 +187,70 @@ def test_a_full_disk_during_a_save_loses_nothing(small_disk, process_group):
     assert sorted(p.name for p in (small_disk / "checkpoints").iterdir()) == ["step_00000001"]
     checkpoints.check_files(first)
     assert checkpoints.resume_checkpoint(cfg).name == "step_00000001"  # a rerun continues from it
+
+
+def flip_middle_bytes(path):
+    """A disk error or a bad copy: bytes in the middle of a file changed, its size the same."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+    path.write_bytes(bytes(data))
+
+
+def test_checksums_are_written_at_save_and_a_changed_shard_is_never_loaded(
+    tmp_path, capsys, process_group
+):
+    from tools import checkpoint as checkpoint_tool
+
+    cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}", "train.keep_last=3"])
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 64)).sum().backward()
+    optimizer.step()
+    first = checkpoints.save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1}, cfg, 0, 1)
+    latest = checkpoints.save_checkpoint(tmp_path, 2, model, optimizer, {"step": 2}, cfg, 0, 1)
+    # an independent implementation checks every hash, and every file is listed
+    checked = subprocess.run(["sha256sum", "--strict", "-c", checkpoints.CHECKSUMS], cwd=latest,
+                             capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    listed = {line.split("  ")[1] for line in (latest / checkpoints.CHECKSUMS).read_text().splitlines()}
+    on_disk = {p.relative_to(latest).as_posix() for p in latest.rglob("*") if p.is_file()}
+    assert listed == on_disk - {checkpoints.CHECKSUMS} and "sharded/.metadata" in listed
+    assert checkpoint_tool.main(["verify", str(tmp_path)]) == 0
+
+    shard = next((latest / "sharded").glob("*.distcp"))
+    size = shard.stat().st_size
+    flip_middle_bytes(shard)
+    assert shard.stat().st_size == size
+    checkpoints.check_files(latest)  # sizes alone see nothing
+    capsys.readouterr()
+    assert checkpoints.resume_checkpoint(cfg).name == first.name  # auto: the one before it
+    warning = capsys.readouterr().err
+    assert f"{shard} does not match its sha256" in warning and "falling back" in warning
+    named = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}", f"train.resume={latest}"])
+    with pytest.raises(runs.RunError, match=f"{shard} does not match.*train.resume=") as error:
+        checkpoints.resume_checkpoint(named, check_later=False)
+    assert "\n" not in str(error.value)
+    assert checkpoint_tool.main(["verify", str(latest)]) == 1
+    assert checkpoint_tool.main(["verify", str(first)]) == 0
+    assert f"FAILED {shard} does not match" in capsys.readouterr().out
+    # a loader that is handed it anyway refuses the shard's tensors too
+    (latest / checkpoints.CHECKSUMS).unlink()
+    assert checkpoint_tool.main(["verify", str(latest)]) == 1
+    assert checkpoints.resume_checkpoint(cfg).name == latest.name  # older checkpoints: a warning
+    assert f"{latest} has no {checkpoints.CHECKSUMS}" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_another_shape_is_refused_in_one_line(tmp_path, process_group):
+    cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}"])
+    small = torch.nn.Linear(4, 3)
+    saved = checkpoints.save_checkpoint(
+        tmp_path, 1, small, torch.optim.AdamW(small.parameters()), {"step": 1}, cfg, 0, 1
+    )
+    larger = torch.nn.Linear(4, 5)
+    with pytest.raises(runs.RunError) as error:
+        checkpoints.load_checkpoint(saved, larger, None, 0)
+    message = str(error.value)
+    assert message == (f"error: {saved} was saved from another model: its weight has shape [3, 4], "
+                       f"the model.path model's has shape [5, 4]; resume with the same model (or "
+                       f"another train.out_dir)")
