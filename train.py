@@ -704,7 +704,7 @@ def main(argv):
         return plan.main(argv[1], argv[2:])
     try:  # everything that can be checked before a process group, an engine or a model exists
         cfg = config.load(argv[1], argv[2:])
-        config.check_paths(cfg)
+        config.check_paths(cfg, config_path=argv[1])
     except config.ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
@@ -913,11 +913,15 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
     if cfg.model.param_dtype == "float16" and state.scaler is None:
         state.scaler = LossScaler(cfg.optim.loss_scale_init, cfg.optim.loss_scale_window)
     if rank == 0:  # the run has started: record what it runs with
-        (run.out_dir / "config.yaml").write_text(config.to_yaml(cfg))
+        try:
+            (run.out_dir / "config.yaml").write_text(config.to_yaml(cfg))
+            kept = runs.keep_metrics(
+                run.out_dir / "metrics.jsonl", state.step if checkpoint is not None else None
+            )
+        except OSError as error:
+            raise runs.RunError(f"error: cannot write to train.out_dir {run.out_dir} "
+                                f"({error.strerror}: {error.filename})") from None
         print(config.to_yaml(cfg))
-        kept = runs.keep_metrics(
-            run.out_dir / "metrics.jsonl", state.step if checkpoint is not None else None
-        )
         if kept is not None:
             print(
                 f"warning: {run.out_dir} held metrics of an earlier run but no checkpoint to resume from; they are "
