@@ -372,10 +372,8 @@ def resume_checkpoint(cfg, check_later=True, rank=0):
             except RunError as error:
                 unreadable.append(candidate)
                 if rank == 0:
-                    print(
-                        f"warning: {error}; falling back to the checkpoint before it",
-                        file=sys.stderr,
-                    )
+                    print(f"warning: {str(error).removeprefix('error: ')}; falling back to the "
+                          f"checkpoint before it", file=sys.stderr)
                 continue
             start_step, checkpoint = step, candidate
             break

@@ -882,53 +882,60 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
                 f"warning: vLLM runs model runner {runner}, not rollout.model_runner={cfg.rollout.model_runner}",
                 file=sys.stderr,
             )
-    # after the engine, whose start reseeds every global RNG (rollout.py)
-    torch.manual_seed(cfg.train.seed)
-    random.seed(cfg.train.seed)
-    say(rank, f"building the policy model from {cfg.model.path} (each rank reads its shards)")
-    model = modeling.build_model(cfg, device, world)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                  weight_decay=cfg.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_lambda(cfg))
-    gate = stare.EntropyGate(**vars(cfg.gate))
-    run = Run(
-        cfg,
-        rank,
-        world,
-        device,
-        Path(cfg.train.out_dir),
-        tokenizer,
-        task,
-        benchmarks,
-        engine,
-        model,
-        optimizer,
-        scheduler,
-        gate,
-        checkpoint,
-    )
-    if export_only:
-        return run, None
-    state = resume(run, checkpoint) if checkpoint is not None else TrainerState()
-    if cfg.model.param_dtype == "float16" and state.scaler is None:
-        state.scaler = LossScaler(cfg.optim.loss_scale_init, cfg.optim.loss_scale_window)
-    if rank == 0:  # the run has started: record what it runs with
-        try:
-            (run.out_dir / "config.yaml").write_text(config.to_yaml(cfg))
-            kept = runs.keep_metrics(
-                run.out_dir / "metrics.jsonl", state.step if checkpoint is not None else None
-            )
-        except OSError as error:
-            raise runs.RunError(f"error: cannot write to train.out_dir {run.out_dir} "
-                                f"({error.strerror}: {error.filename})") from None
-        print(config.to_yaml(cfg))
-        if kept is not None:
-            print(
-                f"warning: {run.out_dir} held metrics of an earlier run but no checkpoint to resume from; they are "
-                f"kept as {kept}",
-                file=sys.stderr,
-            )
-    return run, state
+    try:
+        # after the engine, whose start reseeds every global RNG (rollout.py)
+        torch.manual_seed(cfg.train.seed)
+        random.seed(cfg.train.seed)
+        say(rank, f"building the policy model from {cfg.model.path} (each rank reads its shards)")
+        model = modeling.build_model(cfg, device, world)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
+                                      betas=tuple(cfg.optim.betas),
+                                      weight_decay=cfg.optim.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_lambda(cfg))
+        gate = stare.EntropyGate(**vars(cfg.gate))
+        run = Run(
+            cfg,
+            rank,
+            world,
+            device,
+            Path(cfg.train.out_dir),
+            tokenizer,
+            task,
+            benchmarks,
+            engine,
+            model,
+            optimizer,
+            scheduler,
+            gate,
+            checkpoint,
+        )
+        if export_only:
+            return run, None
+        state = resume(run, checkpoint) if checkpoint is not None else TrainerState()
+        if cfg.model.param_dtype == "float16" and state.scaler is None:
+            state.scaler = LossScaler(cfg.optim.loss_scale_init, cfg.optim.loss_scale_window)
+        if rank == 0:  # the run has started: record what it runs with
+            try:
+                (run.out_dir / "config.yaml").write_text(config.to_yaml(cfg))
+                kept = runs.keep_metrics(
+                    run.out_dir / "metrics.jsonl", state.step if checkpoint is not None else None
+                )
+            except OSError as error:
+                raise runs.RunError(f"error: cannot write to train.out_dir {run.out_dir} "
+                                    f"({error.strerror}: {error.filename})") from None
+            print(config.to_yaml(cfg))
+            if kept is not None:
+                print(
+                    f"warning: {run.out_dir} held metrics of an earlier run but no checkpoint "
+                    f"to resume from; they are kept as {kept}",
+                    file=sys.stderr,
+                )
+        return run, state
+    # vLLM's clean-up at exit needs the process group that main destroys after an error
+    except BaseException:
+        if engine is not None:
+            rollout.shutdown_engine(engine)
+        raise
 
 
 def say(rank, message):
