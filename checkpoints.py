@@ -3,13 +3,14 @@ by train.py).
 
 out_dir/checkpoints/step_00000010/   sharded/ (model + optimizer, one file per rank: torch.distributed.checkpoint),
                                      trainer.pt (step, data position, scheduler, gate, probe), rng_rank{r}.pt (every
-                                     RNG of rank r), config.yaml (the resolved config of the run that wrote it),
-                                     checksums.sha256 (every other file's sha256, `sha256sum -c` format)
+                                     RNG of rank r), config.yaml (the resolved config of the run that wrote it)
+                                     checksums.sha256 (the sha256 of every other file)
 A checkpoint is written under a hidden .tmp name and renamed once every rank has finished, so a run killed mid-save
-never leaves a half checkpoint that looks complete; the newest step_* directory is the latest. Its checksums are
-written once its files are, before the rename, and checked before anything of it loads (resume, --export,
-`python -m tools.checkpoint verify`): a disk error or a bad copy of the right size is found, not trained on. With
-several nodes, out_dir must be on a shared file system (every rank writes its own shard).
+never leaves a half checkpoint that looks complete; the newest step_* directory is the latest. Its
+checksums are written once its files are, before the rename, and checked before anything of it
+loads (resume, --export, `python -m tools.checkpoint verify`): bytes changed by a disk error or a
+bad copy of the right size are found, not trained on. With several nodes, out_dir must be on a
+shared file system (every rank writes its own shard).
 """
 
 import hashlib
@@ -124,8 +125,8 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
         full = " (the file system is full)" if free < 64 else ""
         previous = list_checkpoints(out_dir)
         raise RunError(
-            f"error: saving the checkpoint of step {step} to {root} failed ({failure}; {free:.0f} MiB "
-            f"free there{full}); its partial files were removed, and "
+            f"error: saving the checkpoint of step {step} to {root} failed ({failure}; "
+            f"{free:.0f} MiB free there{full}); its partial files were removed, and "
             f"{previous[-1] if previous else 'no earlier checkpoint'} and metrics.jsonl are as they were"
         )
     if rank == 0:
@@ -155,7 +156,8 @@ def _on_every_rank(work, rank, world):
         # DCP's: {rank: the writer's error}
         cause = next(iter(getattr(error, "failures", {}).values()), error)
         cause = cause[0] if isinstance(cause, tuple) else cause
-        failure = f"rank {rank}: {type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:300]}"
+        first_line = (str(cause).strip().splitlines() or [""])[0][:300]
+        failure = f"rank {rank}: {type(cause).__name__}: {first_line}"
     gathered = [None] * world
     dist.all_gather_object(gathered, (failure, result))
     return [r for _, r in gathered], next((f for f, _ in gathered if f is not None), None)
@@ -167,7 +169,7 @@ def file_sha256(path):
 
 
 def checkpoint_files(checkpoint):
-    """Every file of a checkpoint but its checksums, as sorted relative paths ('sharded/.metadata')."""
+    """Every file of a checkpoint but its checksums: sorted relative paths ('sharded/.metadata')."""
     checkpoint = Path(checkpoint)
     return sorted(
         p.relative_to(checkpoint).as_posix()
@@ -214,7 +216,8 @@ def read_checksums(checkpoint):
     for number, line in enumerate(lines, 1):
         digest, _, name = line.partition("  ")
         if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name:
-            raise RunError(f"error: {path}:{number} is not a line of sha256 checksums: {line[:80]!r}")
+            raise RunError(f"error: {path}:{number} is not a line of sha256 checksums: "
+                           f"{line[:80]!r}")
         hashes[name] = digest
     return hashes
 

@@ -811,7 +811,8 @@ def check_paths(cfg, config_path=None):
     ]
     # a run's own config.yaml may be its --config: it is rewritten with the same values and the
     # overrides, which is what it records
-    if config_path is not None and Path(config_path).resolve() != (out_dir / "config.yaml").resolve():
+    own = (out_dir / "config.yaml").resolve()
+    if config_path is not None and Path(config_path).resolve() != own:
         inputs.append(("--config", config_path))
     check_outputs(outputs[:1])  # it may hold inputs (a model, data): what the run writes may not
     for output in outputs[1:]:
@@ -835,8 +836,8 @@ def check_outputs(outputs, inputs=()):
         path, where = Path(path), describe_path(path)
         for input_key, source in inputs:
             source = Path(source)
-            if (same(path, source) or (kind == "dir" and inside(source, path))
-                    or (kind == "file" and source.is_dir() and path.exists() and inside(path, source))):
+            if (same(path, source) or (kind == "dir" and inside(source, path)) or (
+                    kind == "file" and source.is_dir() and path.exists() and inside(path, source))):
                 raise ConfigError(f"{_named(key)}: {where} would overwrite "
                                   f"{_named(input_key)} ({describe_path(source)}), which it reads")
         for other_key, other, other_kind in outputs[:i]:

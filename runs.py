@@ -57,14 +57,16 @@ class RunLock:
                     f"lock only if that run is gone)"
                 ) from None
             except OSError as error:
-                raise RunError(f"error: cannot create the lock {self.path} ({error.strerror})") from None
+                raise RunError(
+                    f"error: cannot create the lock {self.path} ({error.strerror})") from None
             self.held = True
             try:
                 with os.fdopen(descriptor, "w") as f:
                     f.write(me + "\n")
             except OSError as error:
                 self.release()
-                raise RunError(f"error: cannot write the lock {self.path} ({error.strerror})") from None
+                raise RunError(
+                    f"error: cannot write the lock {self.path} ({error.strerror})") from None
             return
         raise RunError(f"error: could not take the lock {self.path}")
 

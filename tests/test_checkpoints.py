@@ -234,7 +234,8 @@ def test_checksums_are_written_at_save_and_a_changed_shard_is_never_loaded(
     checked = subprocess.run(["sha256sum", "--strict", "-c", checkpoints.CHECKSUMS], cwd=latest,
                              capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    listed = {line.split("  ")[1] for line in (latest / checkpoints.CHECKSUMS).read_text().splitlines()}
+    lines = (latest / checkpoints.CHECKSUMS).read_text().splitlines()
+    listed = {line.split("  ")[1] for line in lines}
     on_disk = {p.relative_to(latest).as_posix() for p in latest.rglob("*") if p.is_file()}
     assert listed == on_disk - {checkpoints.CHECKSUMS} and "sharded/.metadata" in listed
     assert checkpoint_tool.main(["verify", str(tmp_path)]) == 0
@@ -248,7 +249,8 @@ def test_checksums_are_written_at_save_and_a_changed_shard_is_never_loaded(
     assert checkpoints.resume_checkpoint(cfg).name == first.name  # auto: the one before it
     warning = capsys.readouterr().err
     assert f"{shard} does not match its sha256" in warning and "falling back" in warning
-    named = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}", f"train.resume={latest}"])
+    named = config.load("configs/tiny.yaml",
+                        [f"train.out_dir={tmp_path}", f"train.resume={latest}"])
     with pytest.raises(runs.RunError, match=f"{shard} does not match.*train.resume=") as error:
         checkpoints.resume_checkpoint(named, check_later=False)
     assert "\n" not in str(error.value)

@@ -141,7 +141,8 @@ def test_overrides_are_typed(tmp_path):
         # values that ran before without doing what was meant
         ("gate.target_entropy=0", "'gate.target_entropy': must be > 0"),  # the gate never opened
         ("train.log_every=0", "'train.log_every': must be > 0"),  # a crash after the first step
-        ("rollout.gpu_memory_utilization=1.5", "'rollout.gpu_memory_utilization': must be in (0, 1]"),
+        ("rollout.gpu_memory_utilization=1.5",
+         "'rollout.gpu_memory_utilization': must be in (0, 1]"),
         ("rollout.kv_cache_gib=0", "'rollout.kv_cache_gib': must be > 0 or null"),
         ("hardware.host_gib=-1", "'hardware.host_gib': must be > 0 or null"),
     ],
@@ -243,11 +244,12 @@ def test_paths_are_checked_with_where_they_are_read_from(tiny_dir, tmp_path, mon
         f"config key 'train.out_dir (hf)': {tmp_path / 'run' / 'hf'} would overwrite config key "
         f"'model.path'")
     (tmp_path / "run" / "checkpoints").write_text("")
-    assert problem() == (f"config key 'train.out_dir (checkpoints)': {tmp_path / 'run' / 'checkpoints'} "
-                         f"is a file, not a directory")
+    assert problem() == (f"config key 'train.out_dir (checkpoints)': "
+                         f"{tmp_path / 'run' / 'checkpoints'} is a file, not a directory")
     (tmp_path / "run" / "checkpoints").unlink()
     # the run's own config.yaml may be its --config (rewritten with the same values)
-    config.check_paths(config.load(REPO / "configs" / "tiny.yaml", base), tmp_path / "run" / "config.yaml")
+    config.check_paths(config.load(REPO / "configs" / "tiny.yaml", base),
+                       config_path=tmp_path / "run" / "config.yaml")
 
 
 @pytest.mark.parametrize("package", ["wandb", "tensorboard"])

@@ -527,7 +527,8 @@ def test_bad_paths_and_values_fail_before_any_engine_starts(
             "--data[0]: missing.jsonl (relative to the working directory",
         ),
         (good + ["--out", str(tmp_path / "file" / "r.json")],
-         f"--out: {tmp_path / 'file' / 'r.json'} cannot be created ({tmp_path / 'file'} is a file)"),
+         f"--out: {tmp_path / 'file' / 'r.json'} cannot be created "
+         f"({tmp_path / 'file'} is a file)"),
         (
             good
             + ["--out", str(tmp_path / "r.json"), "--samples", str(tmp_path / "file" / "s.jsonl")],

@@ -11,7 +11,7 @@ last line (a run still going) is skipped.
 
 Figures (x axis: the training step, train.py's "step")
   entropy.png     train/entropy with the gate's region shaded: below gate.target_entropy of the run's
-                  config.yaml, where STARE reweights (none for other methods); dots mark the steps with
+                  config.yaml, where STARE reweights (not for other methods); dots mark steps with
                   stare/gate_on = 1. Below it, train/surprisal (the mean -log pi of the sampled tokens: a different
                   quantity, kept in its own panel).
   accuracy.png    rollout/acc_before_filter (every sampled response), rollout/acc and rollout/reward_mean (the kept
