@@ -239,7 +239,11 @@ def verify_checksums(checkpoint, rank=0, world=1):
         path = Path(checkpoint) / name
         if not path.is_file():
             raise RunError(f"error: {path} is missing (listed in {CHECKSUMS})")
-        if file_sha256(path) != expected[name]:
+        try:
+            digest = file_sha256(path)
+        except OSError as error:  # every rank must reach the gather that follows
+            raise RunError(f"error: {path} cannot be read ({error.strerror})") from None
+        if digest != expected[name]:
             raise RunError(
                 f"error: {path} does not match its sha256 in {CHECKSUMS}: its bytes changed "
                 f"after the save (a disk error or a bad copy)"
