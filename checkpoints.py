@@ -4,11 +4,16 @@ by train.py).
 out_dir/checkpoints/step_00000010/   sharded/ (model + optimizer, one file per rank: torch.distributed.checkpoint),
                                      trainer.pt (step, data position, scheduler, gate, probe), rng_rank{r}.pt (every
                                      RNG of rank r), config.yaml (the resolved config of the run that wrote it)
+                                     checksums.sha256 (the sha256 of every other file)
 A checkpoint is written under a hidden .tmp name and renamed once every rank has finished, so a run killed mid-save
-never leaves a half checkpoint that looks complete; the newest step_* directory is the latest. With several nodes,
-out_dir must be on a shared file system (every rank writes its own shard).
+never leaves a half checkpoint that looks complete; the newest step_* directory is the latest. Its
+checksums are written once its files are, before the rename, and checked before anything of it
+loads (resume, --export, `python -m tools.checkpoint verify`): bytes changed by a disk error or a
+bad copy of the right size are found, not trained on. With several nodes, out_dir must be on a
+shared file system (every rank writes its own shard).
 """
 
+import hashlib
 import os
 import random
 import re
@@ -23,6 +28,10 @@ import config
 from runs import RunError
 
 CHECKPOINT_NAME = re.compile(r"step_(\d+)")
+CHECKSUMS = "checksums.sha256"
+# the files a rank writes (DCP names its shards __{rank}_{n}.distcp): that rank hashes them, at
+# save and at load; rank 0 every other file
+RANK_FILE = re.compile(r"(?:sharded/__|rng_rank)(\d+)(?:_\d+\.distcp|\.pt)")
 
 
 def list_checkpoints(out_dir):
@@ -63,11 +72,11 @@ def set_rng_states(states):
 
 
 def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, world):
-    """Every rank writes its shard into a hidden directory; rank 0 renames it once all are done, then prunes."""
+    """Every rank writes its shard into a hidden directory and hashes the files it wrote; rank 0
+    writes the checksums, renames the directory once all are done, then prunes."""
     import shutil
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     root = Path(out_dir) / "checkpoints"
@@ -87,8 +96,8 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
         shards = {"model": model_state, "optimizer": optimizer_state}
     else:
         shards = {"model": get_model_state_dict(model)}
-    failure = None
-    try:
+
+    def write():
         dcp.save(shards, checkpoint_id=partial / "sharded")
         torch.save(rng_states(), partial / f"rng_rank{rank}.pt")
         if rank == 0:
@@ -97,18 +106,18 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
                 partial / "trainer.pt",
             )
             (partial / "config.yaml").write_text(config.to_yaml(cfg))
-    # a full disk shows as any of these (torch's zip writer: "unexpected pos"; DCP wraps its
-    # writers' errors in a CheckpointException, which derives from BaseException)
-    except (OSError, RuntimeError, CheckpointException) as error:
-        # DCP's: {rank: the writer's error}
-        cause = next(iter(getattr(error, "failures", {}).values()), error)
-        cause = cause[0] if isinstance(cause, tuple) else cause
-        failure = f"rank {rank}: {type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:300]}"
-    failures = [None] * world
-    # every shard is on disk, or every rank learns which one is not
-    dist.all_gather_object(failures, failure)
-    failures = [f for f in failures if f is not None]
-    if failures:
+
+    # every shard is on disk, or every rank learns which one is not; then each rank hashes what it
+    # wrote, and rank 0 records every hash
+    _, failure = _on_every_rank(write, rank, world)
+    if failure is None:
+        hashes, failure = _on_every_rank(lambda: hash_files(partial, rank, world), rank, world)
+    if failure is None:
+        every_hash = {name: digest for share in hashes for name, digest in share.items()}
+        _, failure = _on_every_rank(
+            lambda: write_checksums(partial, every_hash) if rank == 0 else None, rank, world
+        )
+    if failure is not None:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         dist.barrier()
@@ -116,8 +125,8 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
         full = " (the file system is full)" if free < 64 else ""
         previous = list_checkpoints(out_dir)
         raise RunError(
-            f"error: saving the checkpoint of step {step} to {root} failed ({failures[0]}; {free:.0f} MiB "
-            f"free there{full}); its partial files were removed, and "
+            f"error: saving the checkpoint of step {step} to {root} failed ({failure}; "
+            f"{free:.0f} MiB free there{full}); its partial files were removed, and "
             f"{previous[-1] if previous else 'no earlier checkpoint'} and metrics.jsonl are as they were"
         )
     if rank == 0:
@@ -133,11 +142,122 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
     return final
 
 
+def _on_every_rank(work, rank, world):
+    """work() on this rank -> (every rank's result, the first failure of any rank as a line, or
+    None). A collective: every rank learns of a failure instead of waiting for the rank that had it.
+    A full disk shows as any of the errors caught (torch's zip writer: "unexpected pos"; DCP wraps
+    its writers' errors in a CheckpointException, which derives from BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    result, failure = None, None
+    try:
+        result = work()
+    except (OSError, RuntimeError, CheckpointException) as error:
+        # DCP's: {rank: the writer's error}
+        cause = next(iter(getattr(error, "failures", {}).values()), error)
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        first_line = (str(cause).strip().splitlines() or [""])[0][:300]
+        failure = f"rank {rank}: {type(cause).__name__}: {first_line}"
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (failure, result))
+    return [r for _, r in gathered], next((f for f, _ in gathered if f is not None), None)
+
+
+def file_sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def checkpoint_files(checkpoint):
+    """Every file of a checkpoint but its checksums: sorted relative paths ('sharded/.metadata')."""
+    checkpoint = Path(checkpoint)
+    return sorted(
+        p.relative_to(checkpoint).as_posix()
+        for p in checkpoint.rglob("*")
+        if p.is_file() and p.name != CHECKSUMS
+    )
+
+
+def files_of_rank(names, rank, world):
+    """The share of `names` that `rank` hashes: the files it wrote (its shards and RNG file; with
+    another world size, those of rank number mod world), and on rank 0 every other file."""
+    def owner(name):
+        match = RANK_FILE.fullmatch(name)
+        return int(match[1]) % world if match else 0
+
+    return [name for name in names if owner(name) == rank]
+
+
+def hash_files(checkpoint, rank=0, world=1):
+    """{relative path: sha256} of this rank's share of a checkpoint's files."""
+    names = files_of_rank(checkpoint_files(checkpoint), rank, world)
+    return {name: file_sha256(Path(checkpoint) / name) for name in names}
+
+
+def write_checksums(checkpoint, hashes):
+    path = Path(checkpoint) / CHECKSUMS
+    with open(path, "w") as f:
+        f.writelines(f"{digest}  {name}\n" for name, digest in sorted(hashes.items()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_checksums(checkpoint):
+    """{relative path: sha256} from a checkpoint's checksums.sha256; None when it has none (saved
+    before checksums were written). RunError naming the line that cannot be read."""
+    path = Path(checkpoint) / CHECKSUMS
+    if not path.exists():
+        return None
+    hashes = {}
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise RunError(f"error: {path} cannot be read ({type(error).__name__}: {error})") from None
+    for number, line in enumerate(lines, 1):
+        digest, _, name = line.partition("  ")
+        if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name:
+            raise RunError(f"error: {path}:{number} is not a line of sha256 checksums: "
+                           f"{line[:80]!r}")
+        hashes[name] = digest
+    return hashes
+
+
+def verify_checksums(checkpoint, rank=0, world=1):
+    """RunError naming the first file of this rank's share that is missing or whose bytes differ
+    from those hashed at save; -> False when the checkpoint has no checksums (nothing verified),
+    True when every file of the share matches."""
+    expected = read_checksums(checkpoint)
+    if expected is None:
+        return False
+    # a file a load could read (a shard, an RNG file) that the save did not write
+    unlisted = [name for name in set(checkpoint_files(checkpoint)) - set(expected)
+                if name.startswith("sharded/") or name.endswith(".pt") or name == "config.yaml"]
+    if unlisted and rank == 0:
+        raise RunError(f"error: {Path(checkpoint) / sorted(unlisted)[0]} is not listed in "
+                       f"{Path(checkpoint) / CHECKSUMS} (added after the save)")
+    for name in files_of_rank(sorted(expected), rank, world):
+        path = Path(checkpoint) / name
+        if not path.is_file():
+            raise RunError(f"error: {path} is missing (listed in {CHECKSUMS})")
+        try:
+            digest = file_sha256(path)
+        except OSError as error:  # every rank must reach the gather that follows
+            raise RunError(f"error: {path} cannot be read ({error.strerror})") from None
+        if digest != expected[name]:
+            raise RunError(
+                f"error: {path} does not match its sha256 in {CHECKSUMS}: its bytes changed "
+                f"after the save (a disk error or a bad copy)"
+            )
+    return True
+
+
 def load_checkpoint(path, model, optimizer, rank):
     """Restore the model's shards (DCP reshards if the world size changed), the optimizer's when
     given and saved, and this rank's RNGs; -> the trainer state (step, data position, scheduler,
-    gate, probe, ...)."""
+    gate, probe, ...). RunError in one line when the checkpoint holds another model's tensors or
+    cannot be read."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_state_dict,
@@ -146,31 +266,54 @@ def load_checkpoint(path, model, optimizer, rank):
     )
 
     path = Path(path)
-    if not (path / "trainer.pt").exists():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no trainer.pt)")
-    trainer_state = torch.load(path / "trainer.pt", weights_only=False)
+    trainer_state = read_trainer_state(path)
     if optimizer is not None and trainer_state["has_optimizer_state"]:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         shards = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(shards, checkpoint_id=path / "sharded")
-        set_state_dict(
-            model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"]
-        )
     else:
         shards = {"model": get_model_state_dict(model)}
+    check_shapes(path, shards["model"])
+    try:
         dcp.load(shards, checkpoint_id=path / "sharded")
-        set_model_state_dict(model, shards["model"])
-    rng_file = path / f"rng_rank{rank}.pt"
-    # fewer ranks wrote this checkpoint: the stream of random numbers will differ
-    if not rng_file.exists():
-        print(
-            f"warning: {rng_file} missing (checkpoint written by {trainer_state['world_size']} ranks); "
-            f"using rank 0's RNG state, so the resumed run is not bit-exact",
-            file=sys.stderr,
-        )
-        rng_file = path / "rng_rank0.pt"
-    set_rng_states(torch.load(rng_file, weights_only=False))
+        if "optimizer" in shards:
+            set_state_dict(model, optimizer, model_state_dict=shards["model"],
+                           optim_state_dict=shards["optimizer"])
+        else:
+            set_model_state_dict(model, shards["model"])
+        rng_file = path / f"rng_rank{rank}.pt"
+        # fewer ranks wrote this checkpoint: the stream of random numbers will differ
+        if not rng_file.exists():
+            print(
+                f"warning: {rng_file} missing (checkpoint written by {trainer_state['world_size']} "
+                f"ranks); using rank 0's RNG state, so the resumed run is not bit-exact",
+                file=sys.stderr,
+            )
+            rng_file = path / "rng_rank0.pt"
+        set_rng_states(torch.load(rng_file, weights_only=False))
+    # what the checks before cannot see; DCP's CheckpointException derives from BaseException
+    except (Exception, CheckpointException) as error:
+        cause = next(iter(getattr(error, "failures", {}).values()), error)  # DCP's: {rank: error}
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        first_line = (str(cause).strip().splitlines() or [""])[0][:300]
+        raise RunError(f"error: {path} cannot be loaded ({type(cause).__name__}: {first_line}); "
+                       f"name an earlier one with train.resume=PATH") from None
     return trainer_state
+
+
+def check_shapes(checkpoint, model_state):
+    """RunError when the checkpoint's model tensors are not this model's (another size or
+    architecture): DCP's index holds every tensor's global shape, so this reads no data."""
+    saved = read_index(checkpoint).state_dict_metadata
+    for name, tensor in model_state.items():
+        entry = saved.get(f"model.{name}")
+        shape = getattr(entry, "size", None)
+        if entry is None or list(shape) != list(tensor.shape):
+            held = "no such tensor" if entry is None else f"shape {list(shape)}"
+            raise RunError(
+                f"error: {checkpoint} was saved from another model: its {name} has {held}, the "
+                f"model.path model's has shape {list(tensor.shape)}; resume with the same model "
+                f"(or another train.out_dir)"
+            )
 
 
 def read_trainer_state(checkpoint):
@@ -184,19 +327,25 @@ def read_trainer_state(checkpoint):
         raise RunError(f"error: {path} cannot be read ({type(error).__name__}: {error})") from None
 
 
-def check_files(checkpoint):
-    """RunError naming the first file of a checkpoint that is missing or shorter than its index says
-    (a save cut short, a truncated copy): DCP's metadata lists every tensor's file, offset and
-    length, so this reads no data."""
+def read_index(checkpoint):
+    """DCP's index of a checkpoint (sharded/.metadata); RunError when it cannot be read."""
     import torch.distributed.checkpoint as dcp
 
     sharded = Path(checkpoint) / "sharded"
     try:
-        metadata = dcp.FileSystemReader(str(sharded)).read_metadata()
+        return dcp.FileSystemReader(str(sharded)).read_metadata()
     except Exception as error:  # missing or corrupt .metadata: pickling, EOF or OS errors
         raise RunError(
             f"error: {sharded}/.metadata cannot be read ({type(error).__name__}: {error})"
         ) from None
+
+
+def check_files(checkpoint):
+    """RunError naming the first file of a checkpoint that is missing or shorter than its index says
+    (a save cut short, a truncated copy): DCP's metadata lists every tensor's file, offset and
+    length, so this reads no data."""
+    sharded = Path(checkpoint) / "sharded"
+    metadata = read_index(checkpoint)
     needed = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(
@@ -215,9 +364,10 @@ def check_files(checkpoint):
 
 
 def resume_checkpoint(cfg, check_later=True, rank=0):
-    """The checkpoint train.resume names (auto: out_dir's latest readable one, None when there is
-    none; never: None; else that path). With auto, an unreadable checkpoint is skipped with a
-    warning for the one before it. Raises RunError when a named checkpoint cannot be used, or
+    """The checkpoint train.resume names (auto: out_dir's latest usable one, None when there is
+    none; never: None; else that path), its checksums verified (over the ranks of a process group,
+    each its share). With auto, a checkpoint that fails a check is skipped with a warning naming
+    the file, for the one before it. Raises RunError when a named checkpoint cannot be used, or
     (check_later) when out_dir holds checkpoints after the step this run would start at: they belong
     to another trajectory, which pruning and `resume: auto` would mix with this one."""
     out_dir, resume = Path(cfg.train.out_dir), cfg.train.resume
@@ -225,23 +375,19 @@ def resume_checkpoint(cfg, check_later=True, rank=0):
     if resume == "auto":
         for candidate in reversed(list_checkpoints(out_dir)):
             try:
-                step = read_trainer_state(candidate)["step"]
-                check_files(candidate)
+                step = usable_step(candidate, rank)
             except RunError as error:
                 unreadable.append(candidate)
                 if rank == 0:
-                    print(
-                        f"warning: {error}; falling back to the checkpoint before it",
-                        file=sys.stderr,
-                    )
+                    print(f"warning: {str(error).removeprefix('error: ')}; falling back to the "
+                          f"checkpoint before it", file=sys.stderr)
                 continue
             start_step, checkpoint = step, candidate
             break
     elif resume != "never":
         checkpoint = Path(resume)
         try:
-            start_step = read_trainer_state(checkpoint)["step"]
-            check_files(checkpoint)
+            start_step = usable_step(checkpoint, rank)
         except RunError as error:
             raise RunError(f"{error} (train.resume={resume!r})") from None
     later = [
@@ -256,6 +402,30 @@ def resume_checkpoint(cfg, check_later=True, rank=0):
             f"or delete them"
         )
     return checkpoint
+
+
+def usable_step(checkpoint, rank=0):
+    """The step of a checkpoint that passes every check that reads no tensor into a model: its
+    checksums (each rank of a process group its share), its index and files' sizes, trainer.pt.
+    RunError naming the file otherwise, on every rank."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    problem, verified = None, False
+    try:
+        verified = verify_checksums(checkpoint, rank, world)
+    except RunError as error:
+        problem = str(error)
+    if world > 1:
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        raise RunError(problem)
+    check_files(checkpoint)
+    step = read_trainer_state(checkpoint)["step"]
+    if not verified and rank == 0:
+        print(f"warning: {checkpoint} has no {CHECKSUMS} (saved before checkpoints carried "
+              f"them): only its files' sizes are checked", file=sys.stderr)
+    return step
 
 
 def export_hf(model, cfg, tokenizer, path, rank):

@@ -397,11 +397,14 @@ def load(path=None, overrides=()):
     if path is not None:
         try:
             with open(path) as f:
-                raw = yaml.safe_load(f)
+                raw = yaml.load(f, Loader=_UniqueKeyLoader)
         except OSError as error:
             raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
-        except yaml.YAMLError as error:
-            raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+        except yaml.YAMLError as error:  # one line: where, and what
+            mark = getattr(error, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else path
+            problem = getattr(error, "problem", None) or " ".join(str(error).split())
+            raise ConfigError(f"config file {where} is not valid YAML: {problem}") from None
         if raw is None:
             raise ConfigError(
                 f"config file {path} is empty (a run's settings are a mapping of sections)"
@@ -415,6 +418,22 @@ def load(path=None, overrides=()):
     cfg = _build(Config, raw, "")
     check(cfg)
     return cfg
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (safe_load keeps the last, so
+    the first value, which the reader may be looking at, would silently not count)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def apply_overrides(cfg, overrides):
@@ -545,6 +564,9 @@ def check(cfg, world_size=None):
         "optim.loss_scale_init",
         "optim.loss_scale_window",
         "train.nccl_timeout_minutes",
+        "train.log_every",
+        # the gate compares it with an entropy, which is >= 0: at 0 or below it never opens
+        "gate.target_entropy",
     ]
     non_negative = [
         "optim.weight_decay",
@@ -552,7 +574,6 @@ def check(cfg, world_size=None):
         "optim.grad_clip",
         "optim.min_lr_ratio",
         "train.save_every",
-        "train.log_every",
         "eval.every",
         "rollout.sync_check_every",
         "algorithm.max_num_gen_batches",
@@ -597,6 +618,12 @@ def check(cfg, world_size=None):
             "must be two numbers in [0, 1)",
         ),
         ("optim.min_lr_ratio", cfg.optim.min_lr_ratio <= 1, "must be <= 1"),
+        ("rollout.gpu_memory_utilization", 0 < cfg.rollout.gpu_memory_utilization <= 1,
+         "must be in (0, 1]"),
+        ("rollout.kv_cache_gib", cfg.rollout.kv_cache_gib is None or cfg.rollout.kv_cache_gib > 0,
+         "must be > 0 or null"),
+        ("hardware.host_gib", cfg.hardware.host_gib is None or cfg.hardware.host_gib > 0,
+         "must be > 0 or null"),
         ("algorithm.is_cap", cfg.algorithm.is_cap >= 1, "must be >= 1"),
         ("gate.w", cfg.gate.w > 0, "must be > 0"),
         ("gate.m", cfg.gate.m > 0, "must be > 0"),
@@ -749,8 +776,9 @@ def check_files(paths, key):
             raise ConfigError(f"{_named(f'{key}[{i}]')}: {describe_path(path)} is not readable")
 
 
-def check_paths(cfg):
-    """The model, data and resume paths a run reads, and that train.out_dir can be written."""
+def check_paths(cfg, config_path=None):
+    """The model, data and resume paths a run reads, and that train.out_dir and what a run writes
+    there can be written without overwriting any of them (or the config file, config_path)."""
     check_model_path(cfg.model.path)
     longest = max(
         cfg.rollout.max_tokens, cfg.eval.max_tokens if cfg.eval.every and cfg.eval.files else 0
@@ -769,25 +797,63 @@ def check_paths(cfg):
             f"checkpoint (no trainer.pt)"
         )
     out_dir = Path(cfg.train.out_dir)
-    existing = next(p for p in [out_dir, *out_dir.parents] if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"config key 'train.out_dir': {describe_path(out_dir)} cannot be created or written "
-            f"({existing} is not a writable directory)"
-        )
+    # what a run writes: checkpoints/ is pruned, hf/ replaced at the end
+    outputs = [("train.out_dir", out_dir, "dir")] + [
+        (f"train.out_dir ({name})", out_dir / name, kind) for name, kind, written in (
+            ("config.yaml", "file", True), ("metrics.jsonl", "file", True),
+            ("run.lock", "file", True), ("checkpoints", "dir", True), ("hf", "dir", True),
+            ("tensorboard", "dir", cfg.train.tensorboard),
+            ("wandb_run_id", "file", cfg.train.wandb))
+        if written
+    ]
+    inputs = [("model.path", cfg.model.path)] + [
+        (f"{key}[{i}]", path) for key, paths in (("data.train_files", cfg.data.train_files),
+                                                 ("eval.files", cfg.eval.files))
+        for i, path in enumerate(paths)
+    ]
+    # a run's own config.yaml may be its --config: it is rewritten with the same values and the
+    # overrides, which is what it records
+    own = (out_dir / "config.yaml").resolve()
+    if config_path is not None and Path(config_path).resolve() != own:
+        inputs.append(("--config", config_path))
+    check_outputs(outputs[:1])  # it may hold inputs (a model, data): what the run writes may not
+    for output in outputs[1:]:
+        check_outputs([output], inputs)
 
 
-def check_writable_file(path, key):
-    """That `path` can be written (its directory is created; an existing file is left as it is),
-    before the work whose result it will hold."""
-    path, existed = Path(path), Path(path).exists()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a"):
-            pass
-    except OSError as error:
-        raise ConfigError(
-            f"{_named(key)}: cannot write {describe_path(path)} ({error.strerror})"
-        ) from None
-    if not existed:
-        path.unlink()
+def check_outputs(outputs, inputs=()):
+    """That a command's outputs can be written and clobber nothing, before anything loads; creates
+    nothing. outputs: (key, path, "file" | "dir"); inputs: (key, path) of the files and directories
+    the command reads. An output must be of its kind where it exists, writable (or its nearest
+    existing parent a writable directory), and must not be an input file, hold an input (a
+    directory output), be an existing file of an input directory (a file output), or overlap
+    another output. ConfigError naming the keys."""
+    def inside(path, folder):  # path is folder or lies under it (links resolved)
+        return path.resolve() == folder.resolve() or folder.resolve() in path.resolve().parents
+
+    def same(a, b):  # one file or directory under two names (links resolved, hard links too)
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+
+    for i, (key, path, kind) in enumerate(outputs):
+        path, where = Path(path), describe_path(path)
+        for input_key, source in inputs:
+            source = Path(source)
+            if (same(path, source) or (kind == "dir" and inside(source, path)) or (
+                    kind == "file" and source.is_dir() and path.exists() and inside(path, source))):
+                raise ConfigError(f"{_named(key)}: {where} would overwrite "
+                                  f"{_named(input_key)} ({describe_path(source)}), which it reads")
+        for other_key, other, other_kind in outputs[:i]:
+            other = Path(other)
+            if same(path, other) or (other_kind == "dir" and inside(path, other)) or (
+                    kind == "dir" and inside(other, path)):
+                raise ConfigError(f"{_named(key)} and {_named(other_key)} both name {where}")
+        existing = next(p for p in [path, *path.parents] if p.exists())
+        if existing == path and kind == "dir" and not path.is_dir():
+            raise ConfigError(f"{_named(key)}: {where} is a file, not a directory")
+        if existing == path and kind == "file" and path.is_dir():
+            raise ConfigError(f"{_named(key)}: {where} is a directory, not a file")
+        if existing != path and not existing.is_dir():
+            raise ConfigError(f"{_named(key)}: {where} cannot be created ({existing} is a file)")
+        if not os.access(existing, os.W_OK | (os.X_OK if existing.is_dir() else 0)):
+            raise ConfigError(f"{_named(key)}: {where} cannot be written ({existing} is not "
+                              f"writable)")

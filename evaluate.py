@@ -585,12 +585,13 @@ def check_arguments(args):
     """The numbers' ranges, in one line naming the option (config.ConfigError)."""
     rules = [
         ("--n", args.n is None or args.n >= 1, "must be >= 1"),
-        ("--temperature", args.temperature > 0, "must be > 0"),
+        ("--temperature", 0 < args.temperature < math.inf, "must be > 0 and finite"),
         ("--top-p", 0 < args.top_p <= 1, "must be in (0, 1]"),
         ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
         ("--max-prompt-tokens", args.max_prompt_tokens >= 1, "must be >= 1"),
         ("--limit", args.limit >= 0, "must be >= 0 (0 = all)"),
-        ("--kv-cache-gib", args.kv_cache_gib is None or args.kv_cache_gib > 0, "must be > 0"),
+        ("--kv-cache-gib", args.kv_cache_gib is None or 0 < args.kv_cache_gib < math.inf,
+         "must be > 0 and finite"),
         ("--gpu-memory-utilization", 0 < args.gpu_memory_utilization <= 1, "must be in (0, 1]"),
         ("--max-num-seqs", args.max_num_seqs >= 1, "must be >= 1"),
     ]
@@ -610,9 +611,11 @@ def main(argv):
         config.check_context(args.model, args.max_prompt_tokens + args.max_tokens,
                              "--max-prompt-tokens + --max-tokens")
         config.check_files(args.data, "--data")
-        for option, path in (("--out", args.out), ("--samples", args.samples)):
-            if path is not None:
-                config.check_writable_file(path, option)
+        config.check_outputs(
+            [(option, path, "file") for option, path in (("--out", args.out),
+                                                          ("--samples", args.samples)) if path],
+            [("--model", args.model)] + [(f"--data[{i}]", p) for i, p in enumerate(args.data)],
+        )
         benchmarks = load_benchmarks(args.data, args.prompt_suffix, args.limit)
     except (config.ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -7,10 +7,13 @@ log, the stop signals, and what a resume keeps of the metrics and checks of the 
     raise runs.RunError("error: ...")                  # a run that cannot start or go on: one line, exit 2
 """
 
+import contextlib
+import errno
 import json
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
 import config
@@ -31,7 +34,11 @@ class RunLock:
         self.held = False
 
     def acquire(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise RunError(f"error: train.out_dir {self.path.parent} cannot be created "
+                           f"({error.strerror})") from None
         me = f"{os.getpid()} {socket.gethostname()}"
         for _ in range(2):
             try:
@@ -49,9 +56,17 @@ class RunLock:
                     f"{host} ({self.path}); wait for it to end or use another train.out_dir (delete the "
                     f"lock only if that run is gone)"
                 ) from None
-            with os.fdopen(descriptor, "w") as f:
-                f.write(me + "\n")
+            except OSError as error:
+                raise RunError(
+                    f"error: cannot create the lock {self.path} ({error.strerror})") from None
             self.held = True
+            try:
+                with os.fdopen(descriptor, "w") as f:
+                    f.write(me + "\n")
+            except OSError as error:
+                self.release()
+                raise RunError(
+                    f"error: cannot write the lock {self.path} ({error.strerror})") from None
             return
         raise RunError(f"error: could not take the lock {self.path}")
 
@@ -74,6 +89,7 @@ def _process_alive(pid):
 def keep_metrics(path, last_step):
     """Rewrite metrics.jsonl with its records up to last_step, atomically; the records after it
     belong to the interrupted attempt and will be recomputed, a half-written line is dropped.
+    A line that is not a record is dropped with a warning naming it.
     last_step None (a fresh start): an existing non-empty metrics.jsonl is kept as metrics.jsonl.N,
     never deleted -> that path, or None."""
     kept, path = [], Path(path)
@@ -85,12 +101,13 @@ def keep_metrics(path, last_step):
             os.replace(path, backup)
         path.write_text("")
         return backup
-    for line in (path.read_text().splitlines() if path.exists() else []):
+    for number, line in enumerate(path.read_text().splitlines() if path.exists() else [], 1):
         try:
             if json.loads(line)["step"] <= last_step:
                 kept.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
+        except (json.JSONDecodeError, KeyError, TypeError) as error:  # a run killed mid-line, say
+            print(f"warning: {path}:{number} is not a metrics record ({type(error).__name__}: "
+                  f"{error}); dropped", file=sys.stderr)
     partial = path.with_name(path.name + ".tmp")
     partial.write_text("".join(line + "\n" for line in kept))
     os.replace(partial, path)
@@ -130,7 +147,12 @@ class MetricsLog:
 
     def __init__(self, out_dir, cfg, rank, first_step=1):
         self.rank, self.log_every = rank, cfg.train.log_every
-        self.file = open(Path(out_dir) / "metrics.jsonl", "a") if rank == 0 else None
+        self.path, self.descriptor = Path(out_dir) / "metrics.jsonl", None
+        if rank == 0:
+            try:
+                self.descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError as error:
+                raise RunError(f"error: cannot write {self.path} ({error.strerror})") from None
         self.wandb_run = self.tensorboard = None
         # one W&B run per out_dir, continued on resume (repeated steps keep their
         if rank == 0 and cfg.train.wandb:
@@ -161,8 +183,7 @@ class MetricsLog:
             "step": step,
             **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()},
         }
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        self._append((json.dumps(record) + "\n").encode(), step)
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
         if self.tensorboard is not None:
@@ -181,9 +202,28 @@ class MetricsLog:
                 + " ".join(f"{k}={metrics[k]:.4g}" for k in self.CONSOLE_KEYS if k in metrics)
             )
 
+    def _append(self, line, step):
+        """One whole line or none: a write that fails (a full disk) is cut back off the file."""
+        size = os.fstat(self.descriptor).st_size
+        try:
+            written = 0
+            while written < len(line):
+                count = os.write(self.descriptor, line[written:])
+                if count == 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                written += count
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.descriptor, size)
+            raise RunError(
+                f"error: step {step}: writing {self.path} failed ({error.strerror}); its partial "
+                f"line was removed, the checkpoints are as they were"
+            ) from None
+
     def close(self):
-        if self.file is not None:
-            self.file.close()
+        if self.descriptor is not None:
+            os.close(self.descriptor)
+            self.descriptor = None
         if self.wandb_run is not None:
             self.wandb_run.finish()
         if self.tensorboard is not None:

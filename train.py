@@ -723,7 +723,7 @@ def main(argv):
         return plan.main(argv[1], argv[2:])
     try:  # everything that can be checked before a process group, an engine or a model exists
         cfg = config.load(argv[1], argv[2:])
-        config.check_paths(cfg)
+        config.check_paths(cfg, config_path=argv[1])
     except config.ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
@@ -914,49 +914,60 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
                 f"warning: vLLM runs model runner {runner}, not rollout.model_runner={cfg.rollout.model_runner}",
                 file=sys.stderr,
             )
-    # after the engine, whose start reseeds every global RNG (rollout.py)
-    torch.manual_seed(cfg.train.seed)
-    random.seed(cfg.train.seed)
-    say(rank, f"building the policy model from {cfg.model.path} (each rank reads its shards)")
-    model = modeling.build_model(cfg, device, world)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                  weight_decay=cfg.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_lambda(cfg))
-    gate = stare.EntropyGate(**vars(cfg.gate))
-    run = Run(
-        cfg,
-        rank,
-        world,
-        device,
-        Path(cfg.train.out_dir),
-        tokenizer,
-        task,
-        benchmarks,
-        engine,
-        model,
-        optimizer,
-        scheduler,
-        gate,
-        checkpoint,
-    )
-    if export_only:
-        return run, None
-    state = resume(run, checkpoint) if checkpoint is not None else TrainerState()
-    if cfg.model.param_dtype == "float16" and state.scaler is None:
-        state.scaler = LossScaler(cfg.optim.loss_scale_init, cfg.optim.loss_scale_window)
-    if rank == 0:  # the run has started: record what it runs with
-        (run.out_dir / "config.yaml").write_text(config.to_yaml(cfg))
-        print(config.to_yaml(cfg))
-        kept = runs.keep_metrics(
-            run.out_dir / "metrics.jsonl", state.step if checkpoint is not None else None
+    try:
+        # after the engine, whose start reseeds every global RNG (rollout.py)
+        torch.manual_seed(cfg.train.seed)
+        random.seed(cfg.train.seed)
+        say(rank, f"building the policy model from {cfg.model.path} (each rank reads its shards)")
+        model = modeling.build_model(cfg, device, world)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
+                                      betas=tuple(cfg.optim.betas),
+                                      weight_decay=cfg.optim.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_lambda(cfg))
+        gate = stare.EntropyGate(**vars(cfg.gate))
+        run = Run(
+            cfg,
+            rank,
+            world,
+            device,
+            Path(cfg.train.out_dir),
+            tokenizer,
+            task,
+            benchmarks,
+            engine,
+            model,
+            optimizer,
+            scheduler,
+            gate,
+            checkpoint,
         )
-        if kept is not None:
-            print(
-                f"warning: {run.out_dir} held metrics of an earlier run but no checkpoint to resume from; they are "
-                f"kept as {kept}",
-                file=sys.stderr,
-            )
-    return run, state
+        if export_only:
+            return run, None
+        state = resume(run, checkpoint) if checkpoint is not None else TrainerState()
+        if cfg.model.param_dtype == "float16" and state.scaler is None:
+            state.scaler = LossScaler(cfg.optim.loss_scale_init, cfg.optim.loss_scale_window)
+        if rank == 0:  # the run has started: record what it runs with
+            try:
+                (run.out_dir / "config.yaml").write_text(config.to_yaml(cfg))
+                kept = runs.keep_metrics(
+                    run.out_dir / "metrics.jsonl", state.step if checkpoint is not None else None
+                )
+            except OSError as error:
+                raise runs.RunError(f"error: cannot write to train.out_dir {run.out_dir} "
+                                    f"({error.strerror}: {error.filename})") from None
+            print(config.to_yaml(cfg))
+            if kept is not None:
+                print(
+                    f"warning: {run.out_dir} held metrics of an earlier run but no checkpoint "
+                    f"to resume from; they are kept as {kept}",
+                    file=sys.stderr,
+                )
+        return run, state
+    # vLLM's clean-up at exit needs the process group that main destroys after an error
+    except BaseException:
+        if engine is not None:
+            rollout.shutdown_engine(engine)
+        raise
 
 
 def say(rank, message):
@@ -997,15 +1008,7 @@ def load_task(cfg, tokenizer, rank):
 
 def resume(run, checkpoint):
     """Model, optimizer, scheduler, gate and trainer state from a checkpoint; the engine gets the weights."""
-    try:
-        saved = checkpoints.load_checkpoint(checkpoint, run.model, run.optimizer, run.rank)
-    # corrupt bytes that checkpoints.check_files cannot see from the sizes
-    except Exception as error:
-        first_line = (str(error).strip().splitlines() or [""])[0][:300]
-        raise runs.RunError(
-            f"error: {checkpoint} cannot be loaded ({type(error).__name__}: {first_line}); "
-            f"name an earlier one with train.resume=PATH"
-        ) from None
+    saved = checkpoints.load_checkpoint(checkpoint, run.model, run.optimizer, run.rank)
     run.scheduler.load_state_dict(saved.pop("scheduler"))
     # the optimizer's saved settings give way to this run's config (a changed optim.lr takes effect,
     # as recorded)

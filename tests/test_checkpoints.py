@@ -57,12 +57,13 @@ def test_one_run_per_out_dir_and_a_stale_lock_is_taken_over(tmp_path):
         first.acquire()
 
 
-def test_a_fresh_start_keeps_earlier_metrics_and_a_resume_drops_only_later_steps(tmp_path):
+def test_a_fresh_start_keeps_earlier_metrics_and_a_resume_drops_only_later_steps(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
     path.write_text(
         "".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "x"'
     )
     assert runs.keep_metrics(path, 3) is None
+    assert f"warning: {path}:6 is not a metrics record (JSONDecodeError" in capsys.readouterr().err
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
     # no checkpoint to resume from: start over, keeping the old file
     kept = runs.keep_metrics(path, None)
@@ -166,6 +167,26 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount_point)], check=True)
 
 
+def test_a_full_disk_at_the_metrics_write_leaves_no_partial_line(small_disk):
+    from tqdm import tqdm
+
+    cfg = config.load("configs/tiny.yaml")
+    log = runs.MetricsLog(small_disk, cfg, rank=0)
+    log.write(1, {"x": 1.0}, tqdm(disable=True))
+    before = (small_disk / "metrics.jsonl").read_bytes()
+    with open(small_disk / "filler", "wb", buffering=0) as filler:  # the disk is full, but for
+        with pytest.raises(OSError):                                 # the rest of the last page
+            while True:                                              # of metrics.jsonl
+                filler.write(b"\0" * 4096)
+    with pytest.raises(runs.RunError) as error:  # past the metrics file's last page
+        log.write(2, {"long": "y" * 9000}, tqdm(disable=True))
+    assert str(error.value) == (f"error: step 2: writing {small_disk / 'metrics.jsonl'} failed "
+                                f"(No space left on device); its partial line was removed, the "
+                                f"checkpoints are as they were")
+    log.close()
+    assert (small_disk / "metrics.jsonl").read_bytes() == before
+
+
 def test_a_full_disk_during_a_save_loses_nothing(small_disk, process_group):
     # the real thing: DCP's writer fails on a full tmpfs (a CheckpointException, which derives from
     # BaseException)
@@ -187,3 +208,92 @@ def test_a_full_disk_during_a_save_loses_nothing(small_disk, process_group):
     assert sorted(p.name for p in (small_disk / "checkpoints").iterdir()) == ["step_00000001"]
     checkpoints.check_files(first)
     assert checkpoints.resume_checkpoint(cfg).name == "step_00000001"  # a rerun continues from it
+
+
+def flip_middle_bytes(path):
+    """A disk error or a bad copy: bytes in the middle of a file changed, its size the same."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+    path.write_bytes(bytes(data))
+
+
+def test_checksums_are_written_at_save_and_a_changed_shard_is_never_loaded(
+    tmp_path, capsys, process_group
+):
+    from tools import checkpoint as checkpoint_tool
+
+    cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}", "train.keep_last=3"])
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 64)).sum().backward()
+    optimizer.step()
+    first = checkpoints.save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1}, cfg, 0, 1)
+    latest = checkpoints.save_checkpoint(tmp_path, 2, model, optimizer, {"step": 2}, cfg, 0, 1)
+    # an independent implementation checks every hash, and every file is listed
+    checked = subprocess.run(["sha256sum", "--strict", "-c", checkpoints.CHECKSUMS], cwd=latest,
+                             capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    lines = (latest / checkpoints.CHECKSUMS).read_text().splitlines()
+    listed = {line.split("  ")[1] for line in lines}
+    on_disk = {p.relative_to(latest).as_posix() for p in latest.rglob("*") if p.is_file()}
+    assert listed == on_disk - {checkpoints.CHECKSUMS} and "sharded/.metadata" in listed
+    assert checkpoint_tool.main(["verify", str(tmp_path)]) == 0
+
+    shard = next((latest / "sharded").glob("*.distcp"))
+    size = shard.stat().st_size
+    flip_middle_bytes(shard)
+    assert shard.stat().st_size == size
+    checkpoints.check_files(latest)  # sizes alone see nothing
+    capsys.readouterr()
+    assert checkpoints.resume_checkpoint(cfg).name == first.name  # auto: the one before it
+    warning = capsys.readouterr().err
+    assert f"{shard} does not match its sha256" in warning and "falling back" in warning
+    named = config.load("configs/tiny.yaml",
+                        [f"train.out_dir={tmp_path}", f"train.resume={latest}"])
+    with pytest.raises(runs.RunError, match=f"{shard} does not match.*train.resume=") as error:
+        checkpoints.resume_checkpoint(named, check_later=False)
+    assert "\n" not in str(error.value)
+    assert checkpoint_tool.main(["verify", str(latest)]) == 1
+    assert checkpoint_tool.main(["verify", str(first)]) == 0
+    assert f"FAILED {shard} does not match" in capsys.readouterr().out
+    # a loader that is handed it anyway refuses the shard's tensors too
+    (latest / checkpoints.CHECKSUMS).unlink()
+    assert checkpoint_tool.main(["verify", str(latest)]) == 1
+    assert checkpoints.resume_checkpoint(cfg).name == latest.name  # older checkpoints: a warning
+    assert f"{latest} has no {checkpoints.CHECKSUMS}" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_another_shape_is_refused_in_one_line(tmp_path, process_group):
+    cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}"])
+    small = torch.nn.Linear(4, 3)
+    saved = checkpoints.save_checkpoint(
+        tmp_path, 1, small, torch.optim.AdamW(small.parameters()), {"step": 1}, cfg, 0, 1
+    )
+    larger = torch.nn.Linear(4, 5)
+    with pytest.raises(runs.RunError) as error:
+        checkpoints.load_checkpoint(saved, larger, None, 0)
+    message = str(error.value)
+    assert message == (f"error: {saved} was saved from another model: its weight has shape [3, 4], "
+                       f"the model.path model's has shape [5, 4]; resume with the same model (or "
+                       f"another train.out_dir)")
+
+
+def test_a_load_that_dcp_refuses_is_one_line(tmp_path, process_group):
+    # AMSGrad keeps a state tensor the saved AdamW has not: DCP raises a CheckpointException (a
+    # BaseException), which used to end the run in raw tracebacks
+    cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}"])
+
+    def stepped(**options):
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(model.parameters(), **options)
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    saved = checkpoints.save_checkpoint(tmp_path, 1, *stepped(), {"step": 1}, cfg, 0, 1)
+    with pytest.raises(runs.RunError) as error:
+        checkpoints.load_checkpoint(saved, *stepped(amsgrad=True), 0)
+    message = str(error.value)
+    assert message.startswith(f"error: {saved} cannot be loaded (") and "\n" not in message
+    assert "max_exp_avg_sq" in message

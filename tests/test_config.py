@@ -1,6 +1,7 @@
 """config.py: every shipped config loads and validates; bad input fails with a message naming the key."""
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,13 @@ def test_overrides_are_typed(tmp_path):
         ("optim.lr=.inf", "'optim.lr': must be a finite number, got inf"),
         ("loss.clip_high=.nan", "'loss.clip_high': must be a finite number, got nan"),
         ("gate.target_entropy=-1e999", "'gate.target_entropy': must be a finite number, got -inf"),
+        # values that ran before without doing what was meant
+        ("gate.target_entropy=0", "'gate.target_entropy': must be > 0"),  # the gate never opened
+        ("train.log_every=0", "'train.log_every': must be > 0"),  # a crash after the first step
+        ("rollout.gpu_memory_utilization=1.5",
+         "'rollout.gpu_memory_utilization': must be in (0, 1]"),
+        ("rollout.kv_cache_gib=0", "'rollout.kv_cache_gib': must be > 0 or null"),
+        ("hardware.host_gib=-1", "'hardware.host_gib': must be > 0 or null"),
     ],
 )
 def test_bad_overrides_name_the_key(override, message, tmp_path):
@@ -162,6 +170,12 @@ def test_world_size_and_file_errors(tmp_path):
     (tmp_path / "bad.yaml").write_text("model: [1, 2\n")
     with pytest.raises(config.ConfigError, match="not valid YAML"):
         config.load(tmp_path / "bad.yaml")
+    # yaml.safe_load keeps the last of two values silently
+    (tmp_path / "twice.yaml").write_text("optim:\n  lr: 1.0e-6\n  warmup_steps: 3\n  lr: 1.0e-4\n")
+    with pytest.raises(config.ConfigError) as error:
+        config.load(tmp_path / "twice.yaml")
+    assert str(error.value) == (f"config file {tmp_path / 'twice.yaml'}:4 is not valid YAML: "
+                                f"key 'lr' is given twice")
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(config.ConfigError, match="must hold a mapping"):
         config.load(tmp_path / "list.yaml")
@@ -218,6 +232,24 @@ def test_paths_are_checked_with_where_they_are_read_from(tiny_dir, tmp_path, mon
     )
     (tmp_path / "file").write_text("")
     assert "'train.out_dir'" in problem("train.out_dir=file/run")
+    # what a run writes may not be what it reads, nor of the wrong kind
+    data_file = tmp_path / "run" / "metrics.jsonl"
+    data_file.parent.mkdir()
+    data_file.write_text((tiny_dir / "data" / "sum_train.jsonl").read_text())
+    assert problem(f"data.train_files=[{data_file}]") == (
+        f"config key 'train.out_dir (metrics.jsonl)': {data_file} would overwrite config key "
+        f"'data.train_files[0]' ({data_file}), which it reads")
+    shutil.copytree(tiny_dir / "model", tmp_path / "run" / "hf")  # a model exported there
+    assert problem(f"model.path={tmp_path / 'run' / 'hf'}").startswith(
+        f"config key 'train.out_dir (hf)': {tmp_path / 'run' / 'hf'} would overwrite config key "
+        f"'model.path'")
+    (tmp_path / "run" / "checkpoints").write_text("")
+    assert problem() == (f"config key 'train.out_dir (checkpoints)': "
+                         f"{tmp_path / 'run' / 'checkpoints'} is a file, not a directory")
+    (tmp_path / "run" / "checkpoints").unlink()
+    # the run's own config.yaml may be its --config (rewritten with the same values)
+    config.check_paths(config.load(REPO / "configs" / "tiny.yaml", base),
+                       config_path=tmp_path / "run" / "config.yaml")
 
 
 @pytest.mark.parametrize("package", ["wandb", "tensorboard"])

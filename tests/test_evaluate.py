@@ -236,7 +236,11 @@ def test_converter_minerva_answer_from_the_boxed_solution(tmp_path):
     source = write_jsonl(tmp_path / "minerva.jsonl", [
         {"problem": "P1", "solution": "So $x = \\boxed{\\frac{1}{2}}$ m.", "idx": 0},
         {"question": "P2", "answer": "4.5"}])  # an "answer" field wins when present
-    examples = convert_and_load("minerva", [source], tmp_path / "minerva.jsonl")
+    original = source.read_bytes()
+    # converting in place would replace the download: refused
+    assert benchmarks.main(["minerva", str(source), "--out", str(source)]) == 1
+    assert source.read_bytes() == original
+    examples = convert_and_load("minerva", [source], tmp_path / "data" / "minerva.jsonl")
     assert [e.ground_truth for e in examples] == ["\\frac{1}{2}", "4.5"]
     assert {e.data_source for e in examples} == {"Minerva"}
 
@@ -309,7 +313,7 @@ def test_converter_errors_name_file_line_and_field(tmp_path, capsys):
         if target.parent == read_only and os.geteuid() == 0:
             continue  # root writes anywhere: the not-a-directory case stands in for it
         assert benchmarks.main(["math500", str(good), "--out", str(target)]) == 1
-        assert f"--out: cannot write {target}" in capsys.readouterr().err
+        assert f"--out: {target} cannot be created" in capsys.readouterr().err
     assert benchmarks.main(["math500", str(tmp_path / "none.jsonl"), "--out", str(out)]) == 1
     assert "none.jsonl does not exist" in capsys.readouterr().err
 
@@ -522,24 +526,41 @@ def test_bad_paths_and_values_fail_before_any_engine_starts(
             good[:2] + ["--data", "missing.jsonl"] + good[4:] + ["--out", str(tmp_path / "r.json")],
             "--data[0]: missing.jsonl (relative to the working directory",
         ),
-        (good + ["--out", str(tmp_path / "file" / "r.json")], "--out: cannot write"),
+        (good + ["--out", str(tmp_path / "file" / "r.json")],
+         f"--out: {tmp_path / 'file' / 'r.json'} cannot be created "
+         f"({tmp_path / 'file'} is a file)"),
         (
             good
             + ["--out", str(tmp_path / "r.json"), "--samples", str(tmp_path / "file" / "s.jsonl")],
-            "--samples: cannot write",
+            "--samples: " + str(tmp_path / "file" / "s.jsonl") + " cannot be created",
         ),
+        # an output that names an input, or another output: refused, the data file unchanged
+        (good + ["--out", good[3]], f"--out: {good[3]} would overwrite --data[0] ({good[3]})"),
+        (good + ["--out", str(tmp_path / "r.json"), "--samples", good[3]],
+         f"--samples: {good[3]} would overwrite --data[0]"),
+        (good + ["--out", str(tmp_path / "r.json"), "--samples", str(tmp_path / "r.json")],
+         f"--samples and --out both name {tmp_path / 'r.json'}"),
+        (good + ["--out", str(tiny_dir / "model" / "config.json")],
+         f"would overwrite --model ({tiny_dir / 'model'})"),
+        (good + ["--out", str(tmp_path)], f"--out: {tmp_path} is a directory, not a file"),
         (good + ["--out", str(tmp_path / "r.json"), "--n", "0"], "--n must be >= 1, got 0"),
         (
             good + ["--out", str(tmp_path / "r.json"), "--temperature", "-1"],
-            "--temperature must be > 0, got -1.0",
+            "--temperature must be > 0 and finite, got -1.0",
         ),
+        # a sampling value vLLM would refuse only once its engine is built
+        (good + ["--out", str(tmp_path / "r.json"), "--temperature", "inf"],
+         "--temperature must be > 0 and finite, got inf"),
         (
             good + ["--out", str(tmp_path / "r.json"), "--max-tokens", "600"],
             "--max-prompt-tokens + --max-tokens = 664 tokens exceeds the model's context "
             "(max_position_embeddings = 512",
         ),
     ]
+    data_before = Path(good[3]).read_bytes()
     for argv, message in cases:
         assert evaluate.main(argv) == 2
-        assert message in capsys.readouterr().err
+        error = capsys.readouterr().err
+        assert message in error and error.count("\n") == 1, error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the checks leave nothing behind
+    assert Path(good[3]).read_bytes() == data_before

@@ -7,6 +7,7 @@ import json
 import matplotlib.image
 import pytest
 
+import config
 from tools import plots
 
 QUADRANTS = ("pos_high", "pos_low", "neg_high", "neg_low")
@@ -43,13 +44,13 @@ def record(step, with_stare=True, with_eval=False):
     return r
 
 
-def write_run(directory, records, target=None, tail=""):
+def write_run(directory, records, target=None, tail="", method="stare"):
     directory.mkdir(parents=True)
     (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
-    if target is not None:
-        (directory / "config.yaml").write_text(
-            f"algorithm:\n  method: stare\n  target_entropy: {target}\n"
-        )
+    if target is not None:  # as train.py writes it
+        (directory / "config.yaml").write_text(config.to_yaml(config.load(
+            "configs/tiny.yaml", [f"gate.target_entropy={target}", f"algorithm.method={method}"]
+        )))
     return directory
 
 
@@ -62,13 +63,14 @@ def test_two_runs_give_every_figure(tmp_path, monkeypatch):
     stare_run = write_run(
         tmp_path / "stare", [record(s, with_eval=s % 5 == 0) for s in range(1, 16)], target=0.3
     )
-    # GRPO-ds: no selection keys, target 0 (no gate region), and a half-written last line (still
-    # running)
+    # GRPO-ds: no selection keys, a target that no gate uses (no region of its own), and a
+    # half-written last line (still running)
     grpo_run = write_run(
         tmp_path / "grpo",
         [record(s, with_stare=False) for s in range(1, 11)],
-        target=0.0,
+        target=0.5,
         tail='{"step": 11, "rollout/a',
+        method="grpo",
     )
     drawn = {}
     real_finish = plots._finish
@@ -153,6 +155,8 @@ def test_reading_errors_and_labels(tmp_path, monkeypatch):
         plots.target_entropy(a / "config.yaml") == 0.3
         and plots.target_entropy(tmp_path / "none.yaml") is None
     )
+    (tmp_path / "old.yaml").write_text("algorithm:\n  target_entropy: 0.2\n")  # before the rename
+    assert plots.target_entropy(tmp_path / "old.yaml") == 0.2
     labels = {}
     real_finish = plots._finish
 

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -450,7 +451,7 @@ def test_metrics_log_writes_jsonl_and_mirrors_to_wandb(tmp_path, monkeypatch):
     # a resumed run continues it
     assert calls[0][1]["id"] == (tmp_path / "wandb_run_id").read_text() == "abc123"
     assert calls[1:] == [("log", 3, {"rollout/acc": 0.123456789, "train/tokens": 7}), ("finish",)]
-    assert runs.MetricsLog(tmp_path, cfg, rank=1).file is None  # only rank 0 writes
+    assert runs.MetricsLog(tmp_path, cfg, rank=1).descriptor is None  # only rank 0 writes
 
 
 def checkpoint_weights(checkpoint):
@@ -538,6 +539,43 @@ def test_dynamic_sampling_gives_up_with_a_clear_error(tiny_dir, tmp_path):
         "dynamic sampling kept" in completed.stderr
         and "algorithm.max_num_gen_batches" in completed.stderr
     )
+
+
+def test_a_changed_shard_is_never_loaded_and_another_model_is_refused_in_one_line(
+    tiny_dir, tmp_path
+):
+    from transformers import AutoConfig
+
+    out = tmp_path / "run"
+    check_finished(run_train(tiny_dir, out, "train.save_every=1"), out)
+    first, latest = checkpoints.list_checkpoints(out)
+    shard = next((latest / "sharded").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())  # bytes in its middle changed, the size the same: only
+    data[len(data) // 2] ^= 0xFF            # the checksums can tell
+    shard.write_bytes(bytes(data))
+    exported = run_train(tiny_dir, out, "--export")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert f"warning: {shard} does not match its sha256" in exported.stderr
+    assert (out / "hf_step_1").is_dir() and not (out / "hf_step_2").exists()
+    for extra in (["--export"], []):  # named: refused before anything loads
+        refused = run_train(tiny_dir, out, f"train.resume={latest}", *extra)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr
+        assert refused.stderr.strip().splitlines()[-1].startswith(f"error: {shard} does not match")
+    # resuming onto a model of another shape: one line, and nothing else goes wrong on the way out
+    other = AutoConfig.from_pretrained(tiny_dir / "model")
+    other.intermediate_size //= 2
+    AutoModelForCausalLM.from_config(other).save_pretrained(tmp_path / "other")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_dir / "model" / name, tmp_path / "other")
+    completed = run_train(tiny_dir, out, f"model.path={tmp_path / 'other'}", "train.total_steps=3")
+    assert completed.returncode == 2 and "Traceback" not in completed.stderr
+    error_lines = [line for line in completed.stderr.splitlines()
+                   if line.startswith("error") or "Error" in line or "Exception" in line]
+    assert error_lines == [
+        f"error: {first} was saved from another model: its model.layers.0.mlp.gate_proj.weight has "
+        f"shape [384, 128], the model.path model's has shape [192, 128]; resume with the same "
+        f"model (or another train.out_dir)"
+    ], completed.stderr[-3000:]
 
 
 def test_a_run_refuses_to_mix_with_another_trajectory(tiny_dir, tmp_path):

@@ -223,7 +223,8 @@ def main(argv):
     args = parser.parse_args(argv)
     try:
         config.check_files(args.inputs, "inputs")
-        config.check_writable_file(args.out, "--out")
+        config.check_outputs([("--out", args.out, "file")],
+                             [(f"inputs[{i}]", path) for i, path in enumerate(args.inputs)])
         count = convert(args.benchmark, args.inputs, args.out)
     except (ValueError, config.ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+import config
+
 
 def find_gguf(package):
     """The one .gguf file inside an installed package -> its path."""
@@ -72,6 +74,10 @@ def main(argv):
     gguf_path = Path(args.gguf) if args.gguf else find_gguf(args.package)
     if not gguf_path.is_file():
         raise SystemExit(f"error: --gguf {gguf_path} is not a file")
+    try:
+        config.check_outputs([("--out", args.out, "dir")], [("--gguf", gguf_path)])
+    except config.ConfigError as error:
+        raise SystemExit(f"error: {error}") from None
     print(f"wrote {convert(gguf_path, args.out, args.dtype)} from {gguf_path}")
     return 0
 

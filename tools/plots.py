@@ -11,7 +11,7 @@ last line (a run still going) is skipped.
 
 Figures (x axis: the training step, train.py's "step")
   entropy.png     train/entropy with the gate's region shaded: below gate.target_entropy of the run's
-                  config.yaml, where STARE reweights (none for target <= 0); dots mark the steps with
+                  config.yaml, where STARE reweights (not for other methods); dots mark steps with
                   stare/gate_on = 1. Below it, train/surprisal (the mean -log pi of the sampled tokens: a different
                   quantity, kept in its own panel).
   accuracy.png    rollout/acc_before_filter (every sampled response), rollout/acc and rollout/reward_mean (the kept
@@ -159,7 +159,8 @@ def read_metrics(path):
 
 
 def target_entropy(config_path):
-    """gate.target_entropy from a run's config.yaml, or None (no file, or no such key)."""
+    """gate.target_entropy of a STARE run's config.yaml; None for another method, no file or no
+    such key."""
     import yaml
 
     if not Path(config_path).is_file():
@@ -168,11 +169,15 @@ def target_entropy(config_path):
         config = yaml.safe_load(Path(config_path).read_text()) or {}
     except yaml.YAMLError as error:
         raise ValueError(f"{config_path}: not valid YAML ({error})") from None
-    if not isinstance(config, dict) or not isinstance(config.get("algorithm") or {}, dict):
-        raise ValueError(
-            f"{config_path}: expected a mapping of sections with an 'algorithm' mapping"
-        )
-    value = (config.get("algorithm") or {}).get("target_entropy")
+    # runs saved before the key moved to the gate section have it under algorithm
+    sections = [config.get(name) or {} for name in ("gate", "algorithm")] if isinstance(
+        config, dict) else [None]
+    if not all(isinstance(section, dict) for section in sections):
+        raise ValueError(f"{config_path}: expected a mapping of sections with mappings 'gate' "
+                         f"and 'algorithm'")
+    value = next((s["target_entropy"] for s in sections if "target_entropy" in s), None)
+    if sections[1].get("method", "stare") != "stare":  # the gate acts in STARE runs only
+        return None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
