@@ -1,7 +1,8 @@
 """Run by tests/test_train.py under `torchrun --nproc_per_node 2`: every method of
 baselines.METHODS through train.py's own start-up and steps, on one engine and one sharded model,
 two steps each from a fresh gate and trainer state, with the weight sync probed at every step.
-Writes each method's step metrics as JSON and an HF export of the final weights.
+Writes each method's step metrics, with the parameters left unsharded after each step, as JSON,
+and an HF export of the final weights.
 
     PYTHONPATH=. python -m torch.distributed.run --nproc_per_node 2 tests/methods_two_ranks.py \\
         RESULT_JSON CONFIG_YAML [section.key=value ...]
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import baselines
 import checkpoints
@@ -46,7 +48,9 @@ def main(result_path, config_path, overrides):
                 metrics = train.train_step(method_run, state, step)
                 problem = train.sync_guard(metrics, method_cfg, step)
                 assert problem is None, f"{method}, step {step}: {problem}"
-                results[method].append({"step": step, **metrics})
+                gathered = [name for name, parameter in run.model.named_parameters()
+                            if not isinstance(parameter, DTensor)]
+                results[method].append({"step": step, **metrics, "gathered_parameters": gathered})
         checkpoints.export_hf(run.model, cfg, run.tokenizer, Path(cfg.train.out_dir) / "hf", rank)
     finally:
         lock.release()
