@@ -22,3 +22,17 @@ def countdown_dir(tiny_dir):
     """The tiny default with its countdown variant (reused when complete)."""
     tiny.build_tiny_countdown(tiny_dir)
     return tiny_dir
+
+
+# Tests that share a module-scoped fixture costing an engine or a run go to one pytest-xdist worker
+# (pytest.ini: --dist loadgroup), so that the fixture is made once; the rest spread freely.
+SHARED_FIXTURES = {"every_method", "one_process"}
+SHARED_MODULES = {"test_rollout", "test_tool_rollout"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        shared = SHARED_FIXTURES & set(item.fixturenames)
+        if shared or item.path.stem in SHARED_MODULES:
+            group = f"{item.path.stem}.{min(shared)}" if shared else item.path.stem
+            item.add_marker(pytest.mark.xdist_group(group))
