@@ -1430,8 +1430,6 @@ def bench_gpu_smoke(args):
             sys.executable,
             "-m",
             "pytest",
-            "-o",
-            "addopts=",  # pytest.ini's pytest-xdist workers are for the CPU suite
             "-q",
             "tests/test_gpu.py",
             "tests/test_baselines.py",
