@@ -249,11 +249,11 @@ SHORT_BUILD_SHA256 = {
 
 
 def test_build_is_the_same_bytes_under_other_thread_counts_and_kernels(tmp_path, tiny_dir):
-    """Reduced builds (20 warm-up steps) in two processes: one thread, all three models; two
-    threads with ATen's generic kernels (as another CPU picks other kernels), the default. The
-    bytes must be the same in both and the pinned ones (SHORT_BUILD_SHA256). Without
-    tiny.BUILD_ENV the second differs (the thread count alone did not change the bytes on a
-    2-core AMD EPYC; the kernels did: docs/results.md, "Which model a result came from"). Apart
+    """Reduced builds (20 warm-up steps) in two processes: one thread under tiny.BUILD_ENV, all
+    three models; two threads with ATen's generic kernels (as another CPU picks other kernels),
+    the default. The bytes must be the same in both and the pinned ones (SHORT_BUILD_SHA256).
+    Without tiny.BUILD_ENV the second differs (the thread count alone did not change the bytes on
+    a 2-core AMD EPYC; the kernels did: docs/results.md, "Which model a result came from"). Apart
     from the weights, a trained directory is the one a default build obtains."""
     import os
     import subprocess
@@ -263,8 +263,10 @@ def test_build_is_the_same_bytes_under_other_thread_counts_and_kernels(tmp_path,
     if not tiny.can_pin():
         pytest.skip("no AVX2+FMA x86 CPU: tiny.py builds unpinned here (docs/results.md)")
     repo = Path(__file__).resolve().parents[1]
+    # the first builds in its own process (started under BUILD_ENV), the second in the pinned child
+    # tiny.py starts for it
     callers = {
-        "1 thread": ({"OMP_NUM_THREADS": "1"}, 3),
+        "1 thread": ({**tiny.BUILD_ENV}, 3),
         "2 threads, generic kernels": ({"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "default"},
                                        1),
     }
