@@ -127,14 +127,20 @@ def process_group():
     dist.destroy_process_group()
 
 
+def stepped_linear(inputs, outputs):
+    """A linear layer after one AdamW step (the optimizer has state to save) -> (model, optimizer)."""
+    model = torch.nn.Linear(inputs, outputs)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, inputs)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
 def test_a_failed_save_says_why_removes_its_files_and_keeps_the_previous_checkpoint(
     tmp_path, monkeypatch, process_group
 ):
     cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}", "train.keep_last=3"])
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.ones(1, 3)).sum().backward()
-    optimizer.step()
+    model, optimizer = stepped_linear(3, 2)
     first = checkpoints.save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1}, cfg, 0, 1)
     real_save = torch.save
 
@@ -192,10 +198,7 @@ def test_a_full_disk_during_a_save_loses_nothing(small_disk, process_group):
     # BaseException)
     cfg = config.load("configs/tiny.yaml", [f"train.out_dir={small_disk}", "train.keep_last=3"])
     # 0.36 MB of weights: with AdamW's state a checkpoint is ~1.1 MB
-    model = torch.nn.Linear(300, 300)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.ones(1, 300)).sum().backward()
-    optimizer.step()
+    model, optimizer = stepped_linear(300, 300)
     first = checkpoints.save_checkpoint(small_disk, 1, model, optimizer, {"step": 1}, cfg, 0, 1)
     with pytest.raises(runs.RunError) as error:
         checkpoints.save_checkpoint(small_disk, 2, model, optimizer, {"step": 2}, cfg, 0, 1)
@@ -224,10 +227,7 @@ def test_checksums_are_written_at_save_and_a_changed_shard_is_never_loaded(
     from tools import checkpoint as checkpoint_tool
 
     cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}", "train.keep_last=3"])
-    model = torch.nn.Linear(64, 64)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.ones(1, 64)).sum().backward()
-    optimizer.step()
+    model, optimizer = stepped_linear(64, 64)
     first = checkpoints.save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1}, cfg, 0, 1)
     latest = checkpoints.save_checkpoint(tmp_path, 2, model, optimizer, {"step": 2}, cfg, 0, 1)
     # an independent implementation checks every hash, and every file is listed
