@@ -128,7 +128,8 @@ def process_group():
 
 
 def stepped_linear(inputs, outputs):
-    """A linear layer after one AdamW step (the optimizer has state to save) -> (model, optimizer)."""
+    """A linear layer after one AdamW step (its optimizer has state to save) -> (model,
+    optimizer)."""
     model = torch.nn.Linear(inputs, outputs)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, inputs)).sum().backward()
