@@ -137,8 +137,9 @@ shape = dict(bench.QWEN25["tiny"], head_dim=64, num_attention_heads=2, num_key_v
              max_position_embeddings=512)
 directory = bench.smoke_model(sys.argv[1], shape)
 rank, world, device = train.setup_distributed()
-print(json.dumps(bench.engine_cycles(directory, device, cycles=2, sleep=False, kv_cache_gib=0.1, prompts=4,
-                                     max_tokens=16)))
+engine = bench.engine_cycles(directory, device, cycles=2, sleep=False, kv_cache_gib=0.1, prompts=4,
+                             max_tokens=16)
+print(json.dumps({"engine": engine, "trainer": bench.trainer_cycles(directory, device, prompts=4, max_tokens=16)}))
 """
 
 
@@ -154,7 +155,8 @@ def test_gpu_smoke_engine_cycles_run_on_cpu(tmp_path):
         cwd=Path(bench.__file__).resolve().parents[1],
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    reports = json.loads(completed.stdout.strip().splitlines()[-1])
+    report = reports["engine"]
     assert report["ok"] and report["failures"] == [], report["failures"]
     assert report["runner"] == "v1" and report["engine_dtype"] == "torch.bfloat16"
     assert [c["cycle"] for c in report["cycles"]] == [1, 2]
@@ -165,6 +167,12 @@ def test_gpu_smoke_engine_cycles_run_on_cpu(tmp_path):
         # the probe's forward gathers the root unit only; after train.sync_engine all is sharded
         assert cycle["resharded"] and cycle["probe_gathered"]
         assert not any(".layers." in name for name in cycle["probe_gathered"])
+    # without vLLM (gpu-smoke on a machine that lacks it): the same trainer side on random responses
+    trainer = reports["trainer"]
+    assert trainer["ok"] and [c["cycle"] for c in trainer["cycles"]] == [1, 2]
+    for cycle in trainer["cycles"]:
+        assert cycle["resharded"] and cycle["skipped"] == 0 and cycle["grad_norm"] > 0
+        assert cycle["probe_gathered"] and not any(".layers." in n for n in cycle["probe_gathered"])
 
 
 def test_gpu_smoke_without_cuda_says_so_in_one_line():
