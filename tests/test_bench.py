@@ -139,7 +139,8 @@ directory = bench.smoke_model(sys.argv[1], shape)
 rank, world, device = train.setup_distributed()
 engine = bench.engine_cycles(directory, device, cycles=2, sleep=False, kv_cache_gib=0.1, prompts=4,
                              max_tokens=16)
-print(json.dumps({"engine": engine, "trainer": bench.trainer_cycles(directory, device, prompts=4, max_tokens=16)}))
+trainer = bench.trainer_cycles(directory, device, prompts=4, max_tokens=16)
+print(json.dumps({"engine": engine, "trainer": trainer}))
 """
 
 

@@ -1189,7 +1189,8 @@ def free_gib(device):
 
 
 def allocated_gib(device):
-    """Device memory held by tensors (freed memory stays with the caching allocator), None off CUDA."""
+    """Device memory held by tensors (freed memory stays with the caching allocator), None off
+    CUDA."""
     return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
@@ -1218,7 +1219,7 @@ def smoke_config(model_dir, device, prompts, max_tokens):
 
 
 def smoke_groups(prompt_ids, out, generator):
-    """train.Group's of 4 from sampled output (rollout.generate's fields), with random 0/1 rewards."""
+    """train.Group's of 4 from sampled output (rollout.generate's fields), random 0/1 rewards."""
     import train
 
     rewards = torch.randint(0, 2, (len(out.token_ids),), generator=generator).float()
@@ -1238,11 +1239,12 @@ def gather_memory(groups, device):
     and through the default group (NCCL on a GPU: world x the pickled object on the device)."""
     import train
 
-    free = free_gib(device)
-    return dict(gather_gib=peak_gib(device, lambda: train.all_gather(groups)),
-                gather_default_group_gib=peak_gib(device, lambda: torch.distributed.all_gather_object(
-                    [None] * torch.distributed.get_world_size(), groups)),
-                free_gib_gather=[free, free_gib(device)])
+    free, world = free_gib(device), torch.distributed.get_world_size()
+    return dict(
+        gather_gib=peak_gib(device, lambda: train.all_gather(groups)),
+        gather_default_group_gib=peak_gib(
+            device, lambda: torch.distributed.all_gather_object([None] * world, groups)),
+        free_gib_gather=[free, free_gib(device)])
 
 
 def probe_memory(model, probe, device):
@@ -1272,9 +1274,9 @@ def update_on(model, optimizer, gate, groups, cfg, cycle, device):
         [(torch.tensor(r.rollout_logprobs) - r.old_logprobs).abs() for r in responses])
     train.update_gate(gate, responses, device)
     metrics = train.policy_update(model, optimizer, responses, cfg, gate, cycle, device)
-    return responses, dict(logprob_mismatch_mean=float(mismatch.mean()),
-                           grad_norm=metrics["train/grad_norm"],
-                           skipped=metrics["train/skipped_updates"], free_gib_update=free_gib(device))
+    return responses, dict(
+        logprob_mismatch_mean=float(mismatch.mean()), grad_norm=metrics["train/grad_norm"],
+        skipped=metrics["train/skipped_updates"], free_gib_update=free_gib(device))
 
 
 def update_failures(record):
@@ -1463,7 +1465,8 @@ def bench_gpu_smoke(args):
     torch.cuda.empty_cache()  # the tests and the update benchmark below get the whole device
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py", "tests/test_baselines.py",
-         "tests/test_stare.py::test_selection_never_syncs_host_and_device", "tests/test_modeling.py"],
+         "tests/test_stare.py::test_selection_never_syncs_host_and_device",
+         "tests/test_modeling.py"],
         cwd=repo, capture_output=True, text=True)
     result["gpu_tests"] = {"returncode": tests.returncode,
                            "summary": (tests.stdout.strip().splitlines() or [""])[-1]}
