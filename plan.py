@@ -568,7 +568,7 @@ def no_cuda_problem(cfg, cfg_path):
     needed = [override for override, gpu_only in overrides.items() if gpu_only]
     if torch.cuda.is_available() or not needed:
         return None
-    driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)()
+    driver = driver_cuda_version()
     if torch.version.cuda is None:
         why = f"PyTorch {torch.__version__} is a CPU build"
     elif not driver:
@@ -595,14 +595,27 @@ def installed_versions():
     return installed
 
 
+def driver_cuda_version():
+    """The CUDA version the NVIDIA driver supports (major * 1000 + minor * 10), from libcuda's
+    cuDriverGetVersion, which answers where torch.cuda cannot start (PyTorch has no public call for
+    it); 0 without a driver."""
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    version = ctypes.c_int(0)
+    return version.value if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0 else 0
+
+
 def machine_problems(installed):
     """environment_problems of this CUDA machine: its driver, PyTorch's CUDA build, `installed` against the pins."""
     import torch
 
     major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
     return environment_problems(
-        torch._C._cuda_getDriverVersion(), major * 1000 + minor * 10, installed, pinned_versions()
-    )
+        driver_cuda_version(), major * 1000 + minor * 10, installed, pinned_versions())
 
 
 def preflight(cfg, world_size, device):

@@ -2,6 +2,8 @@
 measured on an H100, and every shipped config on the hardware its header names (from a directory
 holding only config.json)."""
 
+import ctypes
+import functools
 import json
 import subprocess
 import sys
@@ -266,6 +268,18 @@ def test_the_gpu_preflight_names_each_problem_in_one_line():
     assert plan.pinned_versions()["torch"] == "2.13.0"
 
 
+def fake_libcuda(driver, name):
+    """ctypes.CDLL as it answers for `name` on a machine whose driver supports CUDA `driver`."""
+    if name != "libcuda.so.1" or not driver:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    def get_version(out):  # cuDriverGetVersion(int *): fills the int, returns CUDA_SUCCESS
+        out._obj.value = driver
+        return 0
+
+    return type("Libcuda", (), {"cuDriverGetVersion": staticmethod(get_version)})()
+
+
 def test_without_cuda_a_gpu_config_names_why_and_the_override(monkeypatch):
     gpu = config.load(REPO / "configs" / "qwen7b_long.yaml")
     cpu_problem = plan.no_cuda_problem(gpu, "qwen7b_long.yaml")  # this machine: a CPU build
@@ -277,7 +291,8 @@ def test_without_cuda_a_gpu_config_names_why_and_the_override(monkeypatch):
                                               "rollout.enable_sleep_mode=false"])
     assert plan.no_cuda_problem(overridden, "q.yaml") is None
     assert plan.no_cuda_problem(config.load(REPO / "configs" / "tiny.yaml"), "t.yaml") is None
-    # a CUDA build that cannot see a GPU: torch reads the driver's version all the same
+    # a CUDA build that cannot see a GPU: the driver's version is read from libcuda all the same
+    assert plan.driver_cuda_version() == 0  # this machine has no libcuda
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -285,7 +300,7 @@ def test_without_cuda_a_gpu_config_names_why_and_the_override(monkeypatch):
                                 "13.0;"),
                         (0, "no NVIDIA driver was found;"),
                         (13000, "no GPU is visible (CUDA_VISIBLE_DEVICES='');")):
-        monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: driver, raising=False)
+        monkeypatch.setattr(ctypes, "CDLL", functools.partial(fake_libcuda, driver))
         problem = plan.no_cuda_problem(gpu, "q.yaml")
         assert why in problem and "\n" not in problem, problem
     sleeping = config.apply_overrides(gpu, ["rollout.kv_cache_gib=1"])
