@@ -1463,18 +1463,21 @@ def bench_gpu_smoke(args):
                                              sleep_level=args.sleep_level)
     torch.distributed.destroy_process_group()
     torch.cuda.empty_cache()  # the tests and the update benchmark below get the whole device
+    # the children start process groups of their own, not on this one's address
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py", "tests/test_baselines.py",
          "tests/test_stare.py::test_selection_never_syncs_host_and_device",
          "tests/test_modeling.py"],
-        cwd=repo, capture_output=True, text=True)
+        cwd=repo, env=env, capture_output=True, text=True)
     result["gpu_tests"] = {"returncode": tests.returncode,
                            "summary": (tests.stdout.strip().splitlines() or [""])[-1]}
     if tests.returncode:
-        result["gpu_tests"]["output"] = (tests.stdout + tests.stderr)[-6000:]
+        result["gpu_tests"]["output"] = (tests.stdout + tests.stderr)[-20000:]
     update = subprocess.run(
         [sys.executable, "-m", "tools.bench", "update", "--size", "1.5b", "--gc",
-         "--budget", "32768", "--repeats", "2"], cwd=repo, capture_output=True, text=True)
+         "--budget", "32768", "--repeats", "2"], cwd=repo, env=env, capture_output=True, text=True)
     try:
         result["update"] = json.loads(update.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
