@@ -197,7 +197,8 @@ def test_sharded_start_up_reads_each_rank_its_rows_and_never_the_whole_model(
     model.save_pretrained(tmp_path / "model")
     del model
     repo_root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo_root))
+    path = os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     command = [
         sys.executable,
         "-m",
@@ -234,7 +235,9 @@ def test_a_rank_without_rows_of_a_weight_starts_and_computes_the_whole_model(tmp
     Qwen2ForCausalLM(Qwen2Config(hidden_size=2, intermediate_size=4, num_hidden_layers=1,
                                  num_attention_heads=1, num_key_value_heads=1, vocab_size=64,
                                  max_position_embeddings=64)).save_pretrained(tmp_path / "model")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    repo_root = str(Path(__file__).parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")])))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                "3", str(Path(__file__).with_name("startup_two_ranks.py")), str(tmp_path / "model"),
                str(tmp_path)]

@@ -487,7 +487,8 @@ def test_nonfinite_loss_skips_the_step_then_stops_the_run(tiny_dir, tmp_path):
         return subprocess.run(
             [sys.executable] + args,
             cwd=REPO,
-            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))),
             capture_output=True,
             text=True,
             timeout=900,
