@@ -76,9 +76,8 @@ def _masked_quantile(values, mask, q):
     return (low + (high - low) * (position - position.floor()).float()).squeeze(0)
 
 
-def stapo_spurious_mask(
-    logprobs, entropy, advantages, mask, prob_threshold=0.01, entropy_quantile=0.05
-):
+def stapo_spurious_mask(logprobs, entropy, advantages, mask, prob_threshold=0.01,
+                        entropy_quantile=0.05):
     """STAPO's spurious tokens (Liu et al. 2026, arXiv 2602.15620; Eq. 12): positive advantage, low probability and low
     entropy: A > 0, pi < prob_threshold and H < the `entropy_quantile` quantile of the valid tokens' entropies.
 
@@ -98,8 +97,7 @@ def stapo_spurious_mask(
         valid
         & (advantages > 0)
         & (logprobs.detach().float() < log_threshold)
-        & (entropy < threshold)
-    )
+        & (entropy < threshold))
     return spurious, threshold
 
 
@@ -132,12 +130,10 @@ def minp_proxy_logprobs(logits, tokens, temperature=1.0, kappa=0.02, soft=False,
     for start, end, x in stare.tempered_chunks(logits_2d, temperature, chunk_rows):
         row_max = x.amax(-1, keepdim=True)
         filtered_value = (
-            x.amin(-1, keepdim=True) if soft else torch.full_like(row_max, -1e4 / temperature)
-        )
+            x.amin(-1, keepdim=True) if soft else torch.full_like(row_max, -1e4 / temperature))
         kept = torch.where(x - row_max >= log_kappa_tempered, x, filtered_value)  # [n, V]
         proxy[start:end] = kept.gather(-1, tokens_1d[start:end, None]).squeeze(
-            -1
-        ) - torch.logsumexp(kept, -1)
+            -1) - torch.logsumexp(kept, -1)
     return proxy.view(tokens.shape)
 
 
@@ -167,9 +163,8 @@ def advantage_logprob_covariance(logprobs, advantages, mask):
     return centred_adv * centred_logprobs * valid
 
 
-def clip_cov_mask(
-    logprobs, old_logprobs, advantages, mask, ratio, lb, ub, clip_low, clip_high, generator=None
-):
+def clip_cov_mask(logprobs, old_logprobs, advantages, mask, ratio, lb, ub, clip_low, clip_high,
+                  generator=None):
     """Clip-Cov's detached tokens (Cui et al. 2025, arXiv 2505.22617; Eq. 16): candidates are valid
     tokens not already clipped by the surrogate with lb < Cov < ub; min(k, #candidates) of them, k =
     max(1, int(ratio N_valid)), are drawn uniformly at random with `generator` (required: a
@@ -180,14 +175,12 @@ def clip_cov_mask(
         return torch.zeros_like(valid)
     if generator is None:
         raise ValueError(
-            "clip_cov_mask needs a torch.Generator (pass generator=...): it draws random tokens"
-        )
+            "clip_cov_mask needs a torch.Generator (pass generator=...): it draws random tokens")
     logprobs = logprobs.detach()
     advantages = stare.token_advantages(advantages, logprobs)
     ratio_pi = torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))
     already_clipped = (
-        -advantages * torch.clamp(ratio_pi, 1 - clip_low, 1 + clip_high) > -advantages * ratio_pi
-    )
+        -advantages * torch.clamp(ratio_pi, 1 - clip_low, 1 + clip_high) > -advantages * ratio_pi)
     covariance = advantage_logprob_covariance(logprobs, advantages, mask)
     candidates = valid & ~already_clipped & (covariance > lb) & (covariance < ub)
     k = _count_k(ratio, valid.sum(), "floor1")
@@ -206,8 +199,7 @@ def kl_cov_mask(logprobs, advantages, mask, ratio):
     # signed: the covariances ranked exactly as they are (shifting them to >= 0 in float32 would
     # merge near-ties)
     return stare.select_top_k(
-        covariance, valid, _count_k(ratio, valid.sum(), "floor1"), signed=True
-    )
+        covariance, valid, _count_k(ratio, valid.sum(), "floor1"), signed=True)
 
 
 def high_entropy_mask(entropy, mask, top_ratio=0.2, convention="paper"):
@@ -294,15 +286,8 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
         # no gate given: on, default w and m
         gate = gate if gate is not None else stare.EntropyGate()
         weights, stats = stare.stare_weights(
-            logprobs,
-            advantages,
-            mask,
-            cfg.stare_variant,
-            cfg.stare_top_ratio,
-            gate.w,
-            gate.m,
-            gate.gate_on,
-        )
+            logprobs, advantages, mask, cfg.stare_variant, cfg.stare_top_ratio, gate.w, gate.m,
+            gate.gate_on)
         return {"weights": weights}, {
             **{f"stare/{key}": value for key, value in stats.items()},
             "stare/positive_tokens": positive,
@@ -310,13 +295,8 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
         }
     if method == "stapo":
         spurious, threshold = stapo_spurious_mask(
-            logprobs,
-            batch["entropy"],
-            advantages,
-            mask,
-            cfg.stapo_prob_threshold,
-            cfg.stapo_entropy_quantile,
-        )
+            logprobs, batch["entropy"], advantages, mask, cfg.stapo_prob_threshold,
+            cfg.stapo_entropy_quantile)
         return {"spurious": spurious}, {
             "stapo/entropy_threshold": threshold,
             "stapo/candidates": positive,
@@ -324,8 +304,7 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
     if method == "lp_reg":
         k = _count_k(cfg.lp_reg_neg_ratio, negative, "floor1")  # Eq. 14; nothing unless k > 1
         regularized = lp_reg_mask(
-            logprobs, batch["proxy_logprobs"], advantages, mask, cfg.lp_reg_neg_ratio
-        )
+            logprobs, batch["proxy_logprobs"], advantages, mask, cfg.lp_reg_neg_ratio)
         return {"regularized": regularized}, {
             "lp_reg/candidates": negative,
             "lp_reg/k": torch.where(k > 1, k, 0),
@@ -334,17 +313,8 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
     if method == "clip_cov":
         return {
             "detached": clip_cov_mask(
-                logprobs,
-                batch["old_logprobs"],
-                advantages,
-                mask,
-                cfg.clip_cov_ratio,
-                cfg.clip_cov_lb,
-                cfg.clip_cov_ub,
-                cfg.clip_low,
-                cfg.clip_high,
-                generator,
-            )
+                logprobs, batch["old_logprobs"], advantages, mask, cfg.clip_cov_ratio,
+                cfg.clip_cov_lb, cfg.clip_cov_ub, cfg.clip_low, cfg.clip_high, generator)
         }, {}
     if method == "kl_cov":
         return {"penalized": kl_cov_mask(logprobs, advantages, mask, cfg.kl_cov_ratio)}, {}
@@ -381,17 +351,8 @@ def loss_mask(method, mask, selection, cfg):
     return valid
 
 
-def policy_loss(
-    method,
-    batch,
-    cfg,
-    selection=None,
-    gate=None,
-    generator=None,
-    num_tokens=None,
-    num_sequences=None,
-    token_weights=None,
-):
+def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, num_tokens=None,
+                num_sequences=None, token_weights=None):
     """The policy loss of `method` on `batch` -> (scalar loss to minimise, metrics of 0-dim
     tensors): the method's token loss (Eq. 2 changed by Eqs. 9, 12-19, 23, 24), times token_weights
     (Eq. 11), aggregated by Eq. 3.
@@ -417,14 +378,8 @@ def policy_loss(
     valid = mask.bool()
     token_adv = stare.token_advantages(batch["advantages"], logprobs).to(logprobs.dtype)  # [B, T]
     surrogate, surrogate_stats = stare.clipped_surrogate(
-        logprobs,
-        old_logprobs,
-        batch["advantages"],
-        cfg.clip_low,
-        cfg.clip_high,
-        cfg.dual_clip,
-        mask=mask,
-    )
+        logprobs, old_logprobs, batch["advantages"], cfg.clip_low, cfg.clip_high, cfg.dual_clip,
+        mask=mask)
     # -A r without clipping: Lp-Reg's regularised tokens and KL-Cov's base loss
     unclipped = -token_adv * torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))
 
@@ -436,8 +391,7 @@ def policy_loss(
     elif method == "stare":  # Eq. 9
         token_loss = surrogate * selection["weights"]
         touched = selection["weights"] != 1
-    # Eq. 14: -A r + beta k3(log pi_proxy - log pi) on the selected tokens, no clip there
-    elif method == "lp_reg":
+    elif method == "lp_reg":  # Eq. 14: -A r + beta k3(log pi_proxy - log pi) where selected
         # verl's low_var_kl: the log-ratio clamped to +-20, the k3 value to [-10, 10] (k3 >= 0, so
         # only the top bound acts: past pi_proxy / pi = 13.6 the regulariser is flat and its
         # gradient 0)
@@ -446,12 +400,10 @@ def policy_loss(
         k3 = torch.clamp(torch.exp(delta) - delta - 1, max=10.0)
         touched = selection["regularized"]
         token_loss = torch.where(touched, unclipped + cfg.lp_reg_coef * k3, surrogate)
-    # Eq. 16: the selected tokens' loss (and gradient) is zeroed, kept in the denominator
-    elif method == "clip_cov":
+    elif method == "clip_cov":  # Eq. 16: the selected tokens' loss is zeroed, still counted
         touched = selection["detached"]
         token_loss = surrogate * ~touched
-    # Eq. 17: unclipped -A r everywhere, + beta |log pi - log pi_old| on the top-Cov tokens
-    elif method == "kl_cov":
+    elif method == "kl_cov":  # Eq. 17: unclipped -A r, + beta |log pi - log pi_old| on the top-Cov
         touched = selection["penalized"]
         token_loss = unclipped + cfg.kl_cov_coef * (logprobs - old_logprobs).abs() * touched
     elif method == "high_entropy":  # Eq. 18: gradient only through the high-entropy tokens
@@ -472,13 +424,8 @@ def policy_loss(
     if token_weights is not None:
         token_loss = token_loss * token_weights.detach()
     loss = stare.aggregate_loss(
-        token_loss,
-        loss_mask(method, mask, selection, cfg),
-        cfg.agg_mode,
-        num_tokens,
-        num_sequences,
-        cfg.loss_scale_factor,
-    )
+        token_loss, loss_mask(method, mask, selection, cfg), cfg.agg_mode, num_tokens,
+        num_sequences, cfg.loss_scale_factor)
     num_valid = valid.sum().clamp(min=1)
     metrics.update(surrogate_stats)
     metrics["touched_frac"] = (touched & valid).sum() / num_valid

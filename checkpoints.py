@@ -40,8 +40,7 @@ def list_checkpoints(out_dir):
     found = [
         p
         for p in root.glob("step_*")
-        if CHECKPOINT_NAME.fullmatch(p.name) and (p / "trainer.pt").exists()
-    ]
+        if CHECKPOINT_NAME.fullmatch(p.name) and (p / "trainer.pt").exists()]
     return sorted(found, key=checkpoint_step)
 
 
@@ -103,8 +102,7 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
         if rank == 0:
             torch.save(
                 {**trainer_state, "world_size": world, "has_optimizer_state": has_optimizer_state},
-                partial / "trainer.pt",
-            )
+                partial / "trainer.pt")
             (partial / "config.yaml").write_text(config.to_yaml(cfg))
 
     # every shard is on disk, or every rank learns which one is not; then each rank hashes what it
@@ -115,8 +113,7 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
     if failure is None:
         every_hash = {name: digest for share in hashes for name, digest in share.items()}
         _, failure = _on_every_rank(
-            lambda: write_checksums(partial, every_hash) if rank == 0 else None, rank, world
-        )
+            lambda: write_checksums(partial, every_hash) if rank == 0 else None, rank, world)
     if failure is not None:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -174,8 +171,7 @@ def checkpoint_files(checkpoint):
     return sorted(
         p.relative_to(checkpoint).as_posix()
         for p in checkpoint.rglob("*")
-        if p.is_file() and p.name != CHECKSUMS
-    )
+        if p.is_file() and p.name != CHECKSUMS)
 
 
 def files_of_rank(names, rank, world):
@@ -246,8 +242,7 @@ def verify_checksums(checkpoint, rank=0, world=1):
         if digest != expected[name]:
             raise RunError(
                 f"error: {path} does not match its sha256 in {CHECKSUMS}: its bytes changed "
-                f"after the save (a disk error or a bad copy)"
-            )
+                f"after the save (a disk error or a bad copy)")
     return True
 
 
@@ -262,8 +257,7 @@ def load_checkpoint(path, model, optimizer, rank):
         get_model_state_dict,
         get_state_dict,
         set_model_state_dict,
-        set_state_dict,
-    )
+        set_state_dict)
 
     path = Path(path)
     trainer_state = read_trainer_state(path)
@@ -286,12 +280,11 @@ def load_checkpoint(path, model, optimizer, rank):
             print(
                 f"warning: {rng_file} missing (checkpoint written by {trainer_state['world_size']} "
                 f"ranks); using rank 0's RNG state, so the resumed run is not bit-exact",
-                file=sys.stderr,
-            )
+                file=sys.stderr)
             rng_file = path / "rng_rank0.pt"
         set_rng_states(torch.load(rng_file, weights_only=False))
-    # what the checks before cannot see; DCP's CheckpointException derives from BaseException
     except (Exception, CheckpointException) as error:
+        # what the checks before cannot see; DCP's CheckpointException derives from BaseException
         cause = next(iter(getattr(error, "failures", {}).values()), error)  # DCP's: {rank: error}
         cause = cause[0] if isinstance(cause, tuple) else cause
         first_line = (str(cause).strip().splitlines() or [""])[0][:300]
@@ -312,8 +305,7 @@ def check_shapes(checkpoint, model_state):
             raise RunError(
                 f"error: {checkpoint} was saved from another model: its {name} has {held}, the "
                 f"model.path model's has shape {list(tensor.shape)}; resume with the same model "
-                f"(or another train.out_dir)"
-            )
+                f"(or another train.out_dir)")
 
 
 def read_trainer_state(checkpoint):
@@ -349,16 +341,14 @@ def check_files(checkpoint):
     needed = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(
-            needed.get(info.relative_path, 0), info.offset + info.length
-        )
+            needed.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(needed.items()):
         path = sharded / name
         if not path.is_file():
             raise RunError(f"error: {path} is missing (the checkpoint's index lists it)")
         if path.stat().st_size < size:
             raise RunError(
-                f"error: {path} is truncated ({path.stat().st_size} bytes, its index needs {size})"
-            )
+                f"error: {path} is truncated ({path.stat().st_size} bytes, its index needs {size})")
     if not list(Path(checkpoint).glob("rng_rank*.pt")):
         raise RunError(f"error: {checkpoint} has no rng_rank*.pt")
 
@@ -393,14 +383,12 @@ def resume_checkpoint(cfg, check_later=True, rank=0):
     later = [
         p.name
         for p in list_checkpoints(out_dir)
-        if checkpoint_step(p) > start_step and p not in unreadable
-    ]
+        if checkpoint_step(p) > start_step and p not in unreadable]
     if check_later and later:
         raise RunError(
             f"error: {out_dir}/checkpoints holds checkpoints after step {start_step}, where this run "
             f"starts (train.resume={resume!r}): {', '.join(later)}; use another train.out_dir "
-            f"or delete them"
-        )
+            f"or delete them")
     return checkpoint
 
 

@@ -208,8 +208,7 @@ class LossConfig:
         if bad:
             raise ValueError(
                 "invalid loss config: "
-                + ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
-            )
+                + ", ".join(f"{name}={getattr(self, name)!r}" for name in bad))
 
 
 @dataclasses.dataclass
@@ -235,19 +234,16 @@ class RewardConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.overlong_buffer_len < 0:
             raise ValueError(
-                f"overlong_buffer_len must be >= 0 (0 = off), got {self.overlong_buffer_len}"
-            )
+                f"overlong_buffer_len must be >= 0 (0 = off), got {self.overlong_buffer_len}")
         if not self.overlong_penalty_factor >= 0:
             raise ValueError(
-                f"overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}"
-            )
+                f"overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}")
         if self.max_response_len < 0:
             raise ValueError(f"max_response_len must be >= 0, got {self.max_response_len}")
         if self.overlong_buffer_len > 0 and self.max_response_len <= self.overlong_buffer_len:
             raise ValueError(
                 f"max_response_len ({self.max_response_len}) must be > overlong_buffer_len "
-                f"({self.overlong_buffer_len}) when overlong shaping is on"
-            )
+                f"({self.overlong_buffer_len}) when overlong shaping is on")
         if not math.isfinite(self.format_weight):
             raise ValueError(f"format_weight must be finite, got {self.format_weight}")
 
@@ -407,12 +403,10 @@ def load(path=None, overrides=()):
             raise ConfigError(f"config file {where} is not valid YAML: {problem}") from None
         if raw is None:
             raise ConfigError(
-                f"config file {path} is empty (a run's settings are a mapping of sections)"
-            )
+                f"config file {path} is empty (a run's settings are a mapping of sections)")
         if not isinstance(raw, dict):
             raise ConfigError(
-                f"config file {path} must hold a mapping of sections, got {type(raw).__name__}"
-            )
+                f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
     for override in overrides:
         _apply_override(raw, override)
     cfg = _build(Config, raw, "")
@@ -430,8 +424,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice", key_node.start_mark
-                )
+                    None, None, f"key {key!r} is given twice", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -466,22 +459,19 @@ def _build(cls, raw, prefix):
     """Instantiate dataclass `cls` from a dict, checking every key and type; nested dataclasses recurse."""
     if not isinstance(raw, dict):
         raise ConfigError(
-            f"config key {prefix.rstrip('.') or '<root>'!r} must be a mapping, got {raw!r}"
-        )
+            f"config key {prefix.rstrip('.') or '<root>'!r} must be a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in raw:
         if prefix + str(key) in RENAMED:
             raise ConfigError(
-                f"config key {prefix + str(key)!r} is now {RENAMED[prefix + str(key)]!r}"
-            )
+                f"config key {prefix + str(key)!r} is now {RENAMED[prefix + str(key)]!r}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = (
                 f" (did you mean {prefix + close[0]!r}?)"
                 if close
-                else f" (valid: {', '.join(fields)})"
-            )
+                else f" (valid: {', '.join(fields)})")
             raise ConfigError(f"config key {prefix + str(key)!r}: unknown key{hint}")
     values = {}
     for name, value in raw.items():
@@ -520,8 +510,7 @@ def _coerce(value, hint, key):
         raise ConfigError(f"config key {key!r}: must be a finite number, got {value!r}")
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise ConfigError(
-            f"config key {key!r}: expected {hint.__name__}, got {value!r} ({type(value).__name__})"
-        )
+            f"config key {key!r}: expected {hint.__name__}, got {value!r} ({type(value).__name__})")
     return value
 
 
@@ -566,20 +555,11 @@ def check(cfg, world_size=None):
         "train.nccl_timeout_minutes",
         "train.log_every",
         # the gate compares it with an entropy, which is >= 0: at 0 or below it never opens
-        "gate.target_entropy",
-    ]
+        "gate.target_entropy"]
     non_negative = [
-        "optim.weight_decay",
-        "optim.warmup_steps",
-        "optim.grad_clip",
-        "optim.min_lr_ratio",
-        "train.save_every",
-        "eval.every",
-        "rollout.sync_check_every",
-        "algorithm.max_num_gen_batches",
-        "gate.alpha",
-        "optim.max_nonfinite_steps",
-    ]
+        "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
+        "train.save_every", "eval.every", "rollout.sync_check_every",
+        "algorithm.max_num_gen_batches", "gate.alpha", "optim.max_nonfinite_steps"]
     for key in positive:
         if not _get(cfg, key) > 0:
             raise ConfigError(f"config key {key!r}: must be > 0, got {_get(cfg, key)!r}")
@@ -595,28 +575,21 @@ def check(cfg, world_size=None):
         (
             "rollout.tensor_parallel_size",
             cfg.rollout.tensor_parallel_size == 1 or not cfg.rollout.tools,
-            "must be 1 with rollout.tools (the ranks of one engine would each run the tool calls)",
-        ),
+            "must be 1 with rollout.tools (the ranks of one engine would each run the tool calls)"),
         (
             "rollout.tensor_parallel_size",
             cfg.hardware.gpus_per_node % cfg.rollout.tensor_parallel_size == 0,
             f"must divide hardware.gpus_per_node ({cfg.hardware.gpus_per_node}): an engine stays on one node",
         ),
         (
-            "train.mini_batch_size",
-            cfg.train.train_batch_size % cfg.train.mini_batch_size == 0,
-            f"must divide train.train_batch_size ({cfg.train.train_batch_size})",
-        ),
+            "train.mini_batch_size", cfg.train.train_batch_size % cfg.train.mini_batch_size == 0,
+            f"must divide train.train_batch_size ({cfg.train.train_batch_size})"),
         (
-            "algorithm.gen_batch_size",
-            cfg.algorithm.gen_batch_size >= cfg.train.train_batch_size,
-            f"must be >= train.train_batch_size ({cfg.train.train_batch_size})",
-        ),
+            "algorithm.gen_batch_size", cfg.algorithm.gen_batch_size >= cfg.train.train_batch_size,
+            f"must be >= train.train_batch_size ({cfg.train.train_batch_size})"),
         (
-            "optim.betas",
-            len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
-            "must be two numbers in [0, 1)",
-        ),
+            "optim.betas", len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
+            "must be two numbers in [0, 1)"),
         ("optim.min_lr_ratio", cfg.optim.min_lr_ratio <= 1, "must be <= 1"),
         ("rollout.gpu_memory_utilization", 0 < cfg.rollout.gpu_memory_utilization <= 1,
          "must be in (0, 1]"),
@@ -631,22 +604,18 @@ def check(cfg, world_size=None):
         ("gate.m_min", 0 <= cfg.gate.m_min <= 1, "must be in [0, 1]"),
         ("data.train_files", bool(cfg.data.train_files), "needs at least one file"),
         (
-            "train.wandb",
-            not cfg.train.wandb or importlib.util.find_spec("wandb") is not None,
-            "needs the wandb package (pip install wandb)",
-        ),
+            "train.wandb", not cfg.train.wandb or importlib.util.find_spec("wandb") is not None,
+            "needs the wandb package (pip install wandb)"),
         (
             "train.tensorboard",
             not cfg.train.tensorboard or importlib.util.find_spec("tensorboard") is not None,
-            "needs the tensorboard package (pip install tensorboard)",
-        ),
+            "needs the tensorboard package (pip install tensorboard)"),
         (
             "reward.max_response_len",
             cfg.reward.overlong_buffer_len == 0
             or cfg.reward.max_response_len == cfg.rollout.max_tokens,
             f"must equal rollout.max_tokens ({cfg.rollout.max_tokens}) when overlong shaping is on",
-        ),
-    ]
+        )]
     if world_size is not None:
         rules += [
             ("train.mini_batch_size", cfg.train.mini_batch_size % world_size == 0,
@@ -654,8 +623,7 @@ def check(cfg, world_size=None):
             ("algorithm.gen_batch_size", cfg.algorithm.gen_batch_size % world_size == 0,
              f"must be divisible by the number of ranks ({world_size})"),
             ("rollout.tensor_parallel_size", world_size % cfg.rollout.tensor_parallel_size == 0,
-             f"must divide the number of ranks ({world_size}): consecutive ranks share an engine"),
-        ]
+             f"must divide the number of ranks ({world_size}): consecutive ranks share an engine")]
     for key, ok, message in rules:
         if not ok:
             raise ConfigError(f"config key {key!r}: {message}, got {_get(cfg, key)!r}")
@@ -686,8 +654,7 @@ def describe_path(path):
     return (
         str(path)
         if path.is_absolute()
-        else f"{path} (relative to the working directory {Path.cwd()})"
-    )
+        else f"{path} (relative to the working directory {Path.cwd()})")
 
 
 def _named(key):
@@ -702,36 +669,30 @@ def check_model_path(path, key="model.path"):
     where = describe_path(path)
     get_it = (
         f"nothing is downloaded at run time: fetch it first, e.g. `huggingface-cli download <org>/{path.name} "
-        f'--local-dir {path}` (docs/usage.md, "Models and data for GPU runs")'
-    )
+        f'--local-dir {path}` (docs/usage.md, "Models and data for GPU runs")')
     if not path.exists():
         raise ConfigError(f"{key}: {where} does not exist; {get_it}")
     if not path.is_dir():
         raise ConfigError(f"{key}: {where} is a file, not a model directory")
     if (path / "hf" / "config.json").exists():
         raise ConfigError(
-            f"{key}: {where} is a training run's directory; its model is {path / 'hf'}"
-        )
+            f"{key}: {where} is a training run's directory; its model is {path / 'hf'}")
     try:
         quantization = (
-            json.loads((path / "config.json").read_text()).get("quantization_config") or {}
-        )
+            json.loads((path / "config.json").read_text()).get("quantization_config") or {})
     except (OSError, ValueError):
         quantization = {}
     if isinstance(quantization, dict) and quantization.get("quant_method") == "gguf":
         raise ConfigError(
             f"{key}: {where}/config.json still names the GGUF quantization it was converted from, "
             f"which vLLM refuses; convert it with `python -m tools.convert_gguf` (docs/usage.md, "
-            f'"A small real model, offline")'
-        )
+            f'"A small real model, offline")')
     missing = [
         what
         for what, names in (
             ("config.json", ("config.json",)),
-            ("a tokenizer (tokenizer.json)", ("tokenizer.json", "tokenizer_config.json")),
-        )
-        if not any((path / name).exists() for name in names)
-    ]
+            ("a tokenizer (tokenizer.json)", ("tokenizer.json", "tokenizer_config.json")))
+        if not any((path / name).exists() for name in names)]
     if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
         missing.append("weights (*.safetensors)")
     if missing:
@@ -744,8 +705,7 @@ def check_model_config(path, key="model.path"):
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(
             f"{_named(key)}: {describe_path(path)} holds no config.json (a memory plan needs only "
-            f"that file of the model)"
-        )
+            f"that file of the model)")
     return path
 
 
@@ -755,15 +715,13 @@ def check_context(model_path, max_model_len, keys):
     max_model_len, for the message."""
     try:
         positions = json.loads((Path(model_path) / "config.json").read_text()).get(
-            "max_position_embeddings"
-        )
+            "max_position_embeddings")
     except (OSError, ValueError):
         return  # check_model_path reports an unreadable config.json
     if positions is not None and max_model_len > positions:
         raise ConfigError(
             f"{keys} = {max_model_len} tokens exceeds the model's context "
-            f"(max_position_embeddings = {positions} in {Path(model_path) / 'config.json'})"
-        )
+            f"(max_position_embeddings = {positions} in {Path(model_path) / 'config.json'})")
 
 
 def check_files(paths, key):
@@ -781,8 +739,7 @@ def check_paths(cfg, config_path=None):
     there can be written without overwriting any of them (or the config file, config_path)."""
     check_model_path(cfg.model.path)
     longest = max(
-        cfg.rollout.max_tokens, cfg.eval.max_tokens if cfg.eval.every and cfg.eval.files else 0
-    )
+        cfg.rollout.max_tokens, cfg.eval.max_tokens if cfg.eval.every and cfg.eval.files else 0)
     check_context(cfg.model.path, cfg.data.max_prompt_tokens + longest,
                   "data.max_prompt_tokens + rollout.max_tokens (or eval.max_tokens)")
     check_files(cfg.data.train_files, "data.train_files")
@@ -790,12 +747,10 @@ def check_paths(cfg, config_path=None):
         check_files(cfg.eval.files, "eval.files")
     if (
         cfg.train.resume not in ("auto", "never")
-        and not (Path(cfg.train.resume) / "trainer.pt").is_file()
-    ):
+        and not (Path(cfg.train.resume) / "trainer.pt").is_file()):
         raise ConfigError(
             f"config key 'train.resume': {describe_path(cfg.train.resume)} is not a complete "
-            f"checkpoint (no trainer.pt)"
-        )
+            f"checkpoint (no trainer.pt)")
     out_dir = Path(cfg.train.out_dir)
     # what a run writes: checkpoints/ is pruned, hf/ replaced at the end
     outputs = [("train.out_dir", out_dir, "dir")] + [
@@ -804,13 +759,11 @@ def check_paths(cfg, config_path=None):
             ("run.lock", "file", True), ("checkpoints", "dir", True), ("hf", "dir", True),
             ("tensorboard", "dir", cfg.train.tensorboard),
             ("wandb_run_id", "file", cfg.train.wandb))
-        if written
-    ]
+        if written]
     inputs = [("model.path", cfg.model.path)] + [
         (f"{key}[{i}]", path) for key, paths in (("data.train_files", cfg.data.train_files),
                                                  ("eval.files", cfg.eval.files))
-        for i, path in enumerate(paths)
-    ]
+        for i, path in enumerate(paths)]
     # a run's own config.yaml may be its --config: it is rewritten with the same values and the
     # overrides, which is what it records
     own = (out_dir / "config.yaml").resolve()

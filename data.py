@@ -57,9 +57,8 @@ class Example:
 # ==================================================================================================
 
 
-def load_examples(
-    path, default_data_source: str | None = None, prompt_suffix: str | None = STARE_SUFFIX
-) -> list[Example]:
+def load_examples(path, default_data_source: str | None = None,
+                  prompt_suffix: str | None = STARE_SUFFIX) -> list[Example]:
     """Read a .jsonl or .parquet prompt set into Examples, in file order; every bad row is a
     ValueError.
 
@@ -77,8 +76,7 @@ def load_examples(
     fallback_source = default_data_source or path.stem
     examples = [
         _example_from_row(row, origin, fallback_source, prompt_suffix)
-        for origin, row in readers[extension](path)
-    ]
+        for origin, row in readers[extension](path)]
     if not examples:
         raise ValueError(f"{path}: no examples")
     return examples
@@ -103,8 +101,7 @@ def _read_jsonl_rows(path):
         except json.JSONDecodeError as error:
             # error.lineno is always 1 here (one line per document), so report the column only.
             raise ValueError(
-                f"{origin}: invalid JSON ({error.msg} at column {error.colno})"
-            ) from None
+                f"{origin}: invalid JSON ({error.msg} at column {error.colno})") from None
         yield origin, row
 
 
@@ -128,8 +125,7 @@ def _example_from_row(row, origin, fallback_source, prompt_suffix):
     if "prompt" in row:
         messages = _verl_messages(row["prompt"], origin)
         ground_truth = _ground_truth(
-            _verl_ground_truth(row, origin), "reward_model.ground_truth", origin
-        )
+            _verl_ground_truth(row, origin), "reward_model.ground_truth", origin)
     elif "problem" in row:
         problem = _non_empty_string(row["problem"], "problem", origin)
         content = (problem + "\n" + prompt_suffix) if prompt_suffix else problem
@@ -137,8 +133,7 @@ def _example_from_row(row, origin, fallback_source, prompt_suffix):
         ground_truth = _ground_truth(_required(row, "answer", origin), "answer", origin)
     else:
         raise ValueError(
-            f"{origin}: row has neither 'prompt' (verl format) nor 'problem' (plain format)"
-        )
+            f"{origin}: row has neither 'prompt' (verl format) nor 'problem' (plain format)")
     return Example(messages, ground_truth, _data_source(row, origin, fallback_source), origin)
 
 
@@ -149,11 +144,9 @@ def _verl_messages(prompt, origin):
     if (
         not isinstance(prompt, (list, tuple))
         or not prompt
-        or not all(isinstance(m, Mapping) for m in prompt)
-    ):
+        or not all(isinstance(m, Mapping) for m in prompt)):
         raise ValueError(
-            f"{origin}: field 'prompt' must be a non-empty list of {{role, content}} messages"
-        )
+            f"{origin}: field 'prompt' must be a non-empty list of {{role, content}} messages")
     messages = []
     for index, message in enumerate(prompt, start=1):
         for key in ("role", "content"):
@@ -198,8 +191,7 @@ def _ground_truth(value, field, origin):
         # (Euler's e)
         return str(int(value)) if value.is_integer() else format(decimal.Decimal(repr(value)), "f")
     raise ValueError(
-        f"{origin}: field '{field}' must be a string or a number, got {type(value).__name__}"
-    )
+        f"{origin}: field '{field}' must be a string or a number, got {type(value).__name__}")
 
 
 def _data_source(row, origin, fallback_source):
@@ -257,8 +249,7 @@ def save_jsonl(rows, path) -> int:
         lines.append(json.dumps(plain, ensure_ascii=False))
     if not lines:
         raise ValueError(
-            f"save_jsonl({path}): no rows to write (load_examples rejects an empty file)"
-        )
+            f"save_jsonl({path}): no rows to write (load_examples rejects an empty file)")
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -271,9 +262,8 @@ def save_jsonl(rows, path) -> int:
 # ==================================================================================================
 
 
-def tokenize_prompts(
-    examples, tokenizer, max_prompt_tokens: int, overflow: str = "left_truncate", tools=None
-):
+def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str = "left_truncate",
+                     tools=None):
     """Chat-template each example's messages (with the generation prompt) into token ids and enforce
     the length cap.
 
@@ -287,8 +277,7 @@ def tokenize_prompts(
     if (
         isinstance(max_prompt_tokens, bool)
         or not isinstance(max_prompt_tokens, int)
-        or max_prompt_tokens < 1
-    ):
+        or max_prompt_tokens < 1):
         raise ValueError(f"max_prompt_tokens must be a positive int, got {max_prompt_tokens!r}")
     prompt_ids, kept, num_prompts, num_truncated, num_skipped = [], [], 0, 0, 0
     for example in examples:
@@ -329,8 +318,7 @@ def chat_template_ids(tokenizer, messages, tools=None) -> list[int]:
     # rollout.CODE_INTERPRETER_TOOL
     extra = {"tools": tools} if tools else {}
     encoded = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, **extra
-    )
+        messages, add_generation_prompt=True, tokenize=True, **extra)
     ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
     if hasattr(ids, "tolist"):
         ids = ids.tolist()  # torch tensor or numpy array

@@ -51,13 +51,8 @@ import rollout
 # matched against the benchmark name lower-cased with everything but letters and digits removed
 # ("MATH-500" -> "math500").
 PAPER_N = (
-    (r"aime(20)?24", 32),
-    (r"aime(20)?25", 32),
-    (r"amc(20)?23", 32),
-    (r"math500", 4),
-    (r"minerva", 4),
-    (r"olympiad", 4),
-)
+    (r"aime(20)?24", 32), (r"aime(20)?25", 32), (r"amc(20)?23", 32), (r"math500", 4),
+    (r"minerva", 4), (r"olympiad", 4))
 # other benchmarks: by size
 FALLBACK_SMALL_N, FALLBACK_LARGE_N, FALLBACK_SMALL_MAX_PROMPTS = 32, 4, 100
 BOOTSTRAP_RESAMPLES = 1000
@@ -66,33 +61,16 @@ BOOTSTRAP_RESAMPLES = 1000
 # case-insensitive; inflected forms are listed explicitly so that "checkpoint" or "awaiting" never
 # count.
 REFLECTION_WORDS = (
-    "wait",
-    "hmm",
-    "however",
-    "alternatively",
-    "actually",
-    "verify",
-    "verifying",
-    "verified",
-    "check",
-    "checking",
-    "recheck",
-    "re-check",
-    "double-check",
-    "double-checking",
-    "reconsider",
-    "re-evaluate",
-    "re-examine",
-    "mistake",
-)
+    "wait", "hmm", "however", "alternatively", "actually", "verify", "verifying", "verified",
+    "check", "checking", "recheck", "re-check", "double-check", "double-checking", "reconsider",
+    "re-evaluate", "re-examine", "mistake")
 # longest first: at one position the regex takes the first alternative that matches ("double-check",
 # not "check")
 _REFLECTION_RE = re.compile(
     r"(?<![\w-])(?:"
     + "|".join(re.escape(w) for w in sorted(REFLECTION_WORDS, key=len, reverse=True))
     + r")(?![\w-])",
-    re.IGNORECASE,
-)
+    re.IGNORECASE)
 
 
 # ==================================================================================================
@@ -174,10 +152,8 @@ def maj_at_k(keys, correct, k: int) -> float:
     return (
         sum(
             majority_vote(keys[b * k : (b + 1) * k], correct[b * k : (b + 1) * k])
-            for b in range(blocks)
-        )
-        / blocks
-    )
+            for b in range(blocks))
+        / blocks)
 
 
 def reflection_counts(text: str) -> tuple[int, int]:
@@ -244,16 +220,14 @@ def load_benchmarks(files, prompt_suffix=data.STARE_SUFFIX, limit=None) -> dict:
         name = Path(path).stem
         if name in benchmarks:
             raise ValueError(
-                f"{path}: a benchmark named {name!r} was already given (names are file stems)"
-            )
+                f"{path}: a benchmark named {name!r} was already given (names are file stems)")
         examples = data.load_examples(path, prompt_suffix=prompt_suffix or None)
         benchmarks[name] = examples[:limit] if limit else examples
     return benchmarks
 
 
-def _prompt_record(
-    name, index, example, texts, lengths, finish_reasons, accuracies, ks, return_samples
-):
+def _prompt_record(name, index, example, texts, lengths, finish_reasons, accuracies, ks,
+                   return_samples):
     """Everything the aggregate needs from one prompt's n samples (small: this is what ranks exchange)."""
     n = len(texts)
     keys = [answer_key(text, example.data_source) for text in texts]
@@ -287,8 +261,7 @@ def _prompt_record(
                 "length": lengths[j],
                 "finish_reason": finish_reasons[j],
             }
-            for j in range(n)
-        ]
+            for j in range(n)]
     return record
 
 
@@ -315,8 +288,7 @@ def _aggregate(records, n, ks, prompt_stats, bootstrap_seed):
             else 0.0,
             "prompts_truncated": prompt_stats["num_truncated"],
             "prompts_skipped": prompt_stats["num_skipped"],
-        }
-    )
+        })
     return metrics
 
 
@@ -337,40 +309,22 @@ def _overall(per_benchmark):
     common = [
         key
         for key in values[0]
-        if key.startswith(("pass@", "maj@")) and all(key in v for v in values)
-    ]
+        if key.startswith(("pass@", "maj@")) and all(key in v for v in values)]
     overall.update({key: mean(key) for key in common})
     overall.update(
         {
             key: mean(key)
             for key in (
-                "response_length_mean",
-                "truncated_frac",
-                "no_answer_frac",
-                "reflection_per_1k_words",
-            )
-        }
-    )
+                "response_length_mean", "truncated_frac", "no_answer_frac",
+                "reflection_per_1k_words")
+        })
     overall["response_length_max"] = max(v["response_length_max"] for v in values)
     return overall
 
 
-def evaluate(
-    engine,
-    tokenizer,
-    benchmarks,
-    n=None,
-    temperature=1.0,
-    top_p=0.7,
-    max_tokens=3072,
-    reward_cfg=None,
-    seed=0,
-    max_prompt_tokens=1024,
-    overflow="left_truncate",
-    return_samples=False,
-    use_tqdm=False,
-    tensor_parallel_size=1,
-):
+def evaluate(engine, tokenizer, benchmarks, n=None, temperature=1.0, top_p=0.7, max_tokens=3072,
+             reward_cfg=None, seed=0, max_prompt_tokens=1024, overflow="left_truncate",
+             return_samples=False, use_tqdm=False, tensor_parallel_size=1):
     """Sample and score every benchmark on an already built engine; -> result dict (docs/usage.md,
     "Evaluation metrics": the keys of --out's JSON).
 
@@ -392,12 +346,10 @@ def evaluate(
     ns, kss, stats, records = {}, {}, {}, []
     for name, examples in benchmarks.items():
         prompt_ids, kept, stats[name] = data.tokenize_prompts(
-            examples, tokenizer, max_prompt_tokens, overflow
-        )
+            examples, tokenizer, max_prompt_tokens, overflow)
         if not kept:
             raise ValueError(
-                f"benchmark {name!r}: no prompt left after tokenization (overflow={overflow!r})"
-            )
+                f"benchmark {name!r}: no prompt left after tokenization (overflow={overflow!r})")
         if isinstance(n, int):
             ns[name] = n
         elif isinstance(n, dict) and name in n:
@@ -411,41 +363,21 @@ def evaluate(
         if not mine:  # more ranks than prompts: this rank only joins the gather
             continue
         out = rollout.generate(
-            engine,
-            [prompt_ids[i] for i in mine],
-            n=ns[name],
-            temperature=temperature,
-            top_p=top_p,
-            top_k=0,
-            max_tokens=max_tokens,
-            seeds=[prompt_seed(seed, name, i) for i in mine],
-            use_tqdm=use_tqdm,
-        )
+            engine, [prompt_ids[i] for i in mine], n=ns[name], temperature=temperature, top_p=top_p,
+            top_k=0, max_tokens=max_tokens, seeds=[prompt_seed(seed, name, i) for i in mine],
+            use_tqdm=use_tqdm)
         example_of = [kept[mine[p]] for p in out.prompt_index]
         _, accuracies, _ = rewards.compute_rewards(
-            out.texts,
-            [e.ground_truth for e in example_of],
-            [e.data_source for e in example_of],
-            out.lengths,
-            reward_cfg,
-        )
+            out.texts, [e.ground_truth for e in example_of], [e.data_source for e in example_of],
+            out.lengths, reward_cfg)
         size = ns[name]
         # prompt-major: prompt j's samples are rows j*n ... j*n + n - 1
         for j, i in enumerate(mine):
             rows = slice(j * size, (j + 1) * size)
             records.append(
                 _prompt_record(
-                    name,
-                    i,
-                    kept[i],
-                    out.texts[rows],
-                    out.lengths[rows],
-                    out.finish_reasons[rows],
-                    accuracies[rows],
-                    kss[name],
-                    return_samples,
-                )
-            )
+                    name, i, kept[i], out.texts[rows], out.lengths[rows], out.finish_reasons[rows],
+                    accuracies[rows], kss[name], return_samples))
     if distributed:
         gathered = [None] * world
         dist.all_gather_object(gathered, records)
@@ -455,8 +387,7 @@ def evaluate(
     records.sort(key=lambda r: (order[r["benchmark"]], r["index"]))
     per_benchmark = {
         name: _aggregate(
-            [r for r in records if r["benchmark"] == name], ns[name], kss[name], stats[name], seed
-        )
+            [r for r in records if r["benchmark"] == name], ns[name], kss[name], stats[name], seed)
         for name in benchmarks
     }
     result = {
@@ -508,8 +439,7 @@ def format_table(result) -> str:
 
     head = (
         f"{'benchmark':<{width}}{'n':>4}{'prompts':>9}{'avg@n%':>8}{'±se':>6}{'pass@n%':>9}{'maj@n%':>8}"
-        f"{'len mean':>10}{'len max':>9}{'trunc%':>8}{'refl/1kw':>10}"
-    )
+        f"{'len mean':>10}{'len max':>9}{'trunc%':>8}{'refl/1kw':>10}")
     lines = [head, "-" * len(head)]
     for name, m in rows:
         n = m.get("n")
@@ -518,8 +448,7 @@ def format_table(result) -> str:
             f"{name:<{width}}{n if n else '-':>4}{m['prompts']:>9}{pct(m['avg@n']):>8}"
             f"{pct(m['avg@n_se']):>6}{pct(m.get('pass' + top)):>9}{pct(m.get('maj' + top)):>8}"
             f"{m['response_length_mean']:>10.1f}{m['response_length_max']:>9}{pct(m['truncated_frac']):>8}"
-            f"{m['reflection_per_1k_words']:>10.2f}"
-        )
+            f"{m['reflection_per_1k_words']:>10.2f}")
     ks = sorted({int(key[5:]) for _, m in rows for key in m if key.startswith("pass@")})
     head = f"{'k':<{width + 8}}" + "".join(f"{k:>7}" for k in ks)
     lines += ["", head, "-" * len(head)]
@@ -538,15 +467,12 @@ def format_table(result) -> str:
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description="avg@n, pass@k, maj@k of a checkpoint on benchmark files "
-        '(definitions: docs/usage.md, "Evaluation metrics").'
-    )
+        '(definitions: docs/usage.md, "Evaluation metrics").')
     parser.add_argument("--model", required=True, help="local HF checkpoint directory")
     parser.add_argument(
-        "--data", required=True, nargs="+", help="benchmark files (.jsonl/.parquet); name = stem"
-    )
+        "--data", required=True, nargs="+", help="benchmark files (.jsonl/.parquet); name = stem")
     parser.add_argument(
-        "--n", type=int, default=None, help="samples per prompt; default: per benchmark name"
-    )
+        "--n", type=int, default=None, help="samples per prompt; default: per benchmark name")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=0.7)
     parser.add_argument("--max-tokens", type=int, default=3072, help="max response tokens")
@@ -554,30 +480,23 @@ def parse_args(argv):
     parser.add_argument("--overflow", default="left_truncate", choices=data.OVERFLOW_MODES,
                         help="prompts over --max-prompt-tokens (see data.py)")
     parser.add_argument(
-        "--prompt-suffix", default=data.STARE_SUFFIX, help='appended to plain rows; "" for none'
-    )
+        "--prompt-suffix", default=data.STARE_SUFFIX, help='appended to plain rows; "" for none')
     parser.add_argument("--answer-format", default="boxed", choices=rewards.ANSWER_FORMATS,
                         help="config.RewardConfig.answer_format")
     parser.add_argument(
-        "--limit", type=int, default=0, help="first N prompts of each benchmark (0 = all)"
-    )
+        "--limit", type=int, default=0, help="first N prompts of each benchmark (0 = all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="results JSON")
     parser.add_argument("--samples", default=None, help="also write every response here (JSONL)")
     parser.add_argument(
-        "--dtype", default="auto", help="vLLM weights dtype (auto: bfloat16 for float32 weights)"
-    )
+        "--dtype", default="auto", help="vLLM weights dtype (auto: bfloat16 for float32 weights)")
     parser.add_argument(
-        "--kv-cache-gib",
-        type=float,
-        default=None,
-        help="KV cache size in GiB (CPU: default 1.0; GPU: use --gpu-memory-utilization)",
-    )
+        "--kv-cache-gib", type=float, default=None,
+        help="KV cache size in GiB (CPU: default 1.0; GPU: use --gpu-memory-utilization)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument(
-        "--enforce-eager", action="store_true", help="no CUDA graphs (always so on CPU)"
-    )
+        "--enforce-eager", action="store_true", help="no CUDA graphs (always so on CPU)")
     return parser.parse_args(argv)
 
 
@@ -593,8 +512,7 @@ def check_arguments(args):
         ("--kv-cache-gib", args.kv_cache_gib is None or 0 < args.kv_cache_gib < math.inf,
          "must be > 0 and finite"),
         ("--gpu-memory-utilization", 0 < args.gpu_memory_utilization <= 1, "must be in (0, 1]"),
-        ("--max-num-seqs", args.max_num_seqs >= 1, "must be >= 1"),
-    ]
+        ("--max-num-seqs", args.max_num_seqs >= 1, "must be >= 1")]
     for option, ok, message in rules:
         if not ok:
             value = getattr(args, option.removeprefix("--").replace("-", "_"))
@@ -614,8 +532,7 @@ def main(argv):
         config.check_outputs(
             [(option, path, "file") for option, path in (("--out", args.out),
                                                           ("--samples", args.samples)) if path],
-            [("--model", args.model)] + [(f"--data[{i}]", p) for i, p in enumerate(args.data)],
-        )
+            [("--model", args.model)] + [(f"--data[{i}]", p) for i, p in enumerate(args.data)])
         benchmarks = load_benchmarks(args.data, args.prompt_suffix, args.limit)
     except (config.ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -629,35 +546,20 @@ def main(argv):
     rank = dist.get_rank() if dist.is_initialized() else 0
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     engine = rollout.build_engine(
-        args.model,
-        seed=args.seed + rank,
-        max_model_len=args.max_prompt_tokens + args.max_tokens,
-        dtype=args.dtype,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_gib=args.kv_cache_gib,
-        enforce_eager=args.enforce_eager or None,
-    )
+        args.model, seed=args.seed + rank, max_model_len=args.max_prompt_tokens + args.max_tokens,
+        dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib,
+        enforce_eager=args.enforce_eager or None)
     result = evaluate(
-        engine,
-        tokenizer,
-        benchmarks,
-        n=args.n,
-        temperature=args.temperature,
-        top_p=args.top_p,
+        engine, tokenizer, benchmarks, n=args.n, temperature=args.temperature, top_p=args.top_p,
         max_tokens=args.max_tokens,
-        reward_cfg=config.RewardConfig(answer_format=args.answer_format),
-        seed=args.seed,
-        max_prompt_tokens=args.max_prompt_tokens,
-        overflow=args.overflow,
-        return_samples=args.samples is not None,
-        use_tqdm=rank == 0,
-    )
+        reward_cfg=config.RewardConfig(answer_format=args.answer_format), seed=args.seed,
+        max_prompt_tokens=args.max_prompt_tokens, overflow=args.overflow,
+        return_samples=args.samples is not None, use_tqdm=rank == 0)
     if rank == 0:
         samples = result.pop("samples", None)
         result["sampling"].update(
-            prompt_suffix=args.prompt_suffix or None, dtype=args.dtype, limit=args.limit or None
-        )
+            prompt_suffix=args.prompt_suffix or None, dtype=args.dtype, limit=args.limit or None)
         result = {
             "model": str(args.model),
             "data": {Path(p).stem: str(p) for p in args.data},

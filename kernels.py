@@ -42,21 +42,9 @@ if triton is not None:
     _FLOAT32_MIN = tl.constexpr(-3.4028234663852886e38)  # log pi is clamped here, as in stare.py
 
     @triton.jit
-    def _row_stats_kernel(
-        logits_ptr,
-        row_stride,
-        tokens_ptr,
-        inv_temp,
-        vocab_size,
-        logprob_ptr,
-        entropy_ptr,
-        lse_ptr,
-        cov_b_ptr,
-        s_min_ptr,
-        HAS_TOKENS: tl.constexpr,
-        WITH_COV_B: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-    ):
+    def _row_stats_kernel(logits_ptr, row_stride, tokens_ptr, inv_temp, vocab_size, logprob_ptr,
+                          entropy_ptr, lse_ptr, cov_b_ptr, s_min_ptr, HAS_TOKENS: tl.constexpr,
+                          WITH_COV_B: tl.constexpr, BLOCK_V: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + row * row_stride
         cols = tl.arange(0, BLOCK_V)
@@ -99,19 +87,9 @@ if triton is not None:
             tl.store(s_min_ptr + row, log_s)
 
     @triton.jit
-    def _backward_kernel(
-        logits_ptr,
-        row_stride,
-        grad_ptr,
-        tokens_ptr,
-        lse_ptr,
-        entropy_ptr,
-        grad_logprob_ptr,
-        grad_entropy_ptr,
-        inv_temp,
-        vocab_size,
-        BLOCK_V: tl.constexpr,
-    ):
+    def _backward_kernel(logits_ptr, row_stride, grad_ptr, tokens_ptr, lse_ptr, entropy_ptr,
+                         grad_logprob_ptr, grad_entropy_ptr, inv_temp, vocab_size,
+                         BLOCK_V: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + row * row_stride
         out_ptr = grad_ptr + row * vocab_size
@@ -133,18 +111,8 @@ if triton is not None:
 
 
     @triton.jit
-    def _minp_proxy_kernel(
-        logits_ptr,
-        row_stride,
-        tokens_ptr,
-        proxy_ptr,
-        inv_temp,
-        log_kappa,
-        hard_value,
-        vocab_size,
-        SOFT: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-    ):
+    def _minp_proxy_kernel(logits_ptr, row_stride, tokens_ptr, proxy_ptr, inv_temp, log_kappa,
+                           hard_value, vocab_size, SOFT: tl.constexpr, BLOCK_V: tl.constexpr):
         # two passes over the row: its max (and min), then the log-sum-exp of the min-p filtered
         # logits
         row = tl.program_id(0).to(tl.int64)
@@ -178,18 +146,9 @@ def minp_proxy(logits_2d, tokens_1d, temperature, kappa, soft):
     proxy = torch.empty(logits_2d.shape[0], dtype=torch.float32, device=logits_2d.device)
     if logits_2d.shape[0]:
         _minp_proxy_kernel[(logits_2d.shape[0],)](
-            logits_2d,
-            logits_2d.stride(0),
-            tokens_1d,
-            proxy,
-            1.0 / temperature,
-            math.log(kappa) / temperature,
-            -1e4 / temperature,
-            logits_2d.shape[1],
-            SOFT=soft,
-            BLOCK_V=BLOCK,
-            num_warps=NUM_WARPS,
-        )
+            logits_2d, logits_2d.stride(0), tokens_1d, proxy, 1.0 / temperature,
+            math.log(kappa) / temperature, -1e4 / temperature, logits_2d.shape[1], SOFT=soft,
+            BLOCK_V=BLOCK, num_warps=NUM_WARPS)
     return proxy
 
 
@@ -201,21 +160,10 @@ def row_stats(logits_2d, tokens_1d, temperature, with_cov_b=False):
     logprob, entropy, lse, cov_b, s_min = out
     if num_rows:
         _row_stats_kernel[(num_rows,)](
-            logits_2d,
-            logits_2d.stride(0),
-            tokens_1d if tokens_1d is not None else lse,
-            1.0 / temperature,
-            vocab_size,
-            logprob,
-            entropy,
-            lse,
-            cov_b,
-            s_min,
-            HAS_TOKENS=tokens_1d is not None,
-            WITH_COV_B=with_cov_b,
-            BLOCK_V=BLOCK,
-            num_warps=NUM_WARPS,
-        )
+            logits_2d, logits_2d.stride(0), tokens_1d if tokens_1d is not None else lse,
+            1.0 / temperature, vocab_size, logprob, entropy, lse, cov_b, s_min,
+            HAS_TOKENS=tokens_1d is not None, WITH_COV_B=with_cov_b, BLOCK_V=BLOCK,
+            num_warps=NUM_WARPS)
     return (logprob if tokens_1d is not None else None, entropy, lse,
             cov_b if with_cov_b else None, s_min if with_cov_b else None)
 
@@ -240,21 +188,9 @@ class LogprobEntropy(torch.autograd.Function):
         grad_logprob = zeros if grad_logprob is None else grad_logprob.float().contiguous()
         grad_entropy = zeros if grad_entropy is None else grad_entropy.float().contiguous()
         grad_logits = torch.empty(
-            (num_rows, vocab_size), dtype=logits_2d.dtype, device=logits_2d.device
-        )
+            (num_rows, vocab_size), dtype=logits_2d.dtype, device=logits_2d.device)
         if num_rows:
             _backward_kernel[(num_rows,)](
-                logits_2d,
-                logits_2d.stride(0),
-                grad_logits,
-                tokens_1d,
-                lse,
-                entropy,
-                grad_logprob,
-                grad_entropy,
-                1.0 / ctx.temperature,
-                vocab_size,
-                BLOCK_V=BLOCK,
-                num_warps=NUM_WARPS,
-            )
+                logits_2d, logits_2d.stride(0), grad_logits, tokens_1d, lse, entropy, grad_logprob,
+                grad_entropy, 1.0 / ctx.temperature, vocab_size, BLOCK_V=BLOCK, num_warps=NUM_WARPS)
         return grad_logits, None, None

@@ -59,64 +59,34 @@ VARLEN_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varle
 ATTENTION = "varlen"
 
 
-def _varlen_attention(
-    module,
-    query,
-    key,
-    value,
-    attention_mask,
-    dropout=0.0,
-    scaling=None,
-    sliding_window=None,
-    cu_seq_lens_q=None,
-    cu_seq_lens_k=None,
-    max_length_q=None,
-    max_length_k=None,
-    **kwargs,
-):
+def _varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      sliding_window=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+                      max_length_q=None, max_length_k=None, **kwargs):
     """transformers attention function. query [1, H, L, D], key/value [1, H_kv, L, D] -> ([1, L, H,
     D], None). Grouped-query attention runs natively (enable_gqa): the H_kv key/value heads are
     never repeated H / H_kv times in memory."""
     if cu_seq_lens_q is None:  # one unpadded sequence: plain causal SDPA
         return sdpa_attention_forward(
-            module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs
-        )
+            module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
     if sliding_window is not None or dropout:
         raise NotImplementedError(
-            "packed attention supports neither sliding windows nor attention dropout"
-        )
+            "packed attention supports neither sliding windows nor attention dropout")
     gqa = key.shape[1] != query.shape[1]
     if use_flash_varlen(query):
         if gqa and not VARLEN_GQA:  # an older varlen wrapper takes equal head counts only
             groups = query.shape[1] // key.shape[1]
             key, value = (
-                key.repeat_interleave(groups, dim=1),
-                value.repeat_interleave(groups, dim=1),
-            )
+                key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1))
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, H, D], [L, H_kv, D]
         out = varlen_attn(
-            q,
-            k,
-            v,
-            cu_seq_lens_q,
-            cu_seq_lens_k,
-            max_length_q,
-            max_length_k,
-            scale=scaling,
-            window_size=(-1, 0),
-            **({"enable_gqa": True} if gqa and VARLEN_GQA else {}),
-        )
+            q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling,
+            window_size=(-1, 0), **({"enable_gqa": True} if gqa and VARLEN_GQA else {}))
         return out[None], None  # [1, L, H, D], causal within each row
     bounds = cu_seq_lens_q.tolist()
     rows = [
         torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s:e],
-            key[:, :, s:e],
-            value[:, :, s:e],
-            is_causal=True,
-            scale=scaling,
-            enable_gqa=gqa,
-        )
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling,
+            enable_gqa=gqa)
         for s, e in zip(bounds[:-1], bounds[1:])
     ]  # each [1, H, len, D]
     return torch.cat(rows, dim=2).transpose(1, 2), None
@@ -192,15 +162,13 @@ def load_shards(model, path):
             if tuple(target.shape) != tensors[name].shape:
                 raise ValueError(
                     f"{path}: {name} has shape {tensors[name].shape} in the checkpoint but "
-                    f"{tuple(target.shape)} in the model of its config.json"
-                )
+                    f"{tuple(target.shape)} in the model of its config.json")
             local = target.to_local() if hasattr(target, "to_local") else target
             start, end = shard_rows(target)
             if start == end:  # fewer rows than ranks (or ceil's split): this rank holds none
                 continue
             tensors[name].copy_rows(
-                local.view(end - start, -1) if local.dim() else local.view(1, 1), start, end
-            )
+                local.view(end - start, -1) if local.dim() else local.view(1, 1), start, end)
 
 
 def shard_rows(tensor):
@@ -267,8 +235,7 @@ class StoredTensor:
             f.seek(self.offset + start * row_numel * out.element_size())
             if f.readinto(buffer) != len(buffer):
                 raise ValueError(
-                    f"{self.file}: truncated (a tensor's data runs past the end of the file)"
-                )
+                    f"{self.file}: truncated (a tensor's data runs past the end of the file)")
         return out.view(end - start, *self.shape[1:])
 
 
@@ -290,16 +257,12 @@ def checkpoint_index(path):
                     f"{file}: tensor {name} has dtype {entry['dtype']}, which this loader does not read"
                 )
             tensors[name] = StoredTensor(
-                file,
-                SAFETENSORS_DTYPES[entry["dtype"]],
-                tuple(entry["shape"]),
-                8 + header_size + entry["data_offsets"][0],
-            )
+                file, SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]),
+                8 + header_size + entry["data_offsets"][0])
     if not files:
         for file in sorted(path.glob("pytorch_model*.bin")):
             for name, tensor in torch.load(
-                file, mmap=True, weights_only=True, map_location="cpu"
-            ).items():
+                file, mmap=True, weights_only=True, map_location="cpu").items():
                 tensors[name] = StoredTensor(file, tensor.dtype, tuple(tensor.shape), None, tensor)
     if not tensors:
         raise ValueError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
@@ -373,13 +336,11 @@ def pack_rows(prompts, responses, device):
     (each at least one token), responses (possibly empty): lists of token-id lists."""
     if not prompts or len(prompts) != len(responses) or min(len(p) for p in prompts) < 1:
         raise ValueError(
-            "pack_rows needs as many responses as prompts, and a non-empty prompt in every row"
-        )
+            "pack_rows needs as many responses as prompts, and a non-empty prompt in every row")
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     cu_seq_lens = torch.tensor([0] + lengths).cumsum(0)  # [b + 1]
     input_ids = torch.tensor(
-        [t for p, r in zip(prompts, responses) for t in list(p) + list(r)], dtype=torch.long
-    )
+        [t for p, r in zip(prompts, responses) for t in list(p) + list(r)], dtype=torch.long)
     position_ids = torch.cat([torch.arange(n) for n in lengths])  # [L]
     keep = torch.cat([torch.arange(start + len(p) - 1, start + len(p) - 1 + len(r))
                       for start, p, r in zip(cu_seq_lens[:-1].tolist(), prompts, responses)])  # [N]
@@ -400,8 +361,7 @@ def pack_rows(prompts, responses, device):
         },
         response_ids=input_ids[keep + 1].to(device),
         mask=mask.to(device),
-        num_tokens=sum(lengths),
-    )
+        num_tokens=sum(lengths))
 
 
 def response_logits(model, packed):

@@ -103,24 +103,16 @@ class Architecture:
         config = AutoConfig.from_pretrained(path)
         config = getattr(config, "text_config", None) or config
         head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         dtype = str(
-            getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
-        )
+            getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
         return cls(
-            name=str(path),
-            hidden=config.hidden_size,
-            layers=config.num_hidden_layers,
+            name=str(path), hidden=config.hidden_size, layers=config.num_hidden_layers,
             heads=config.num_attention_heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            head_dim=head_dim,
-            intermediate=config.intermediate_size,
-            vocab=config.vocab_size,
-            tied=bool(config.tie_word_embeddings),
-            max_positions=config.max_position_embeddings,
-            dtype=dtype.removeprefix("torch."),
-        )
+            head_dim=head_dim, intermediate=config.intermediate_size, vocab=config.vocab_size,
+            tied=bool(config.tie_word_embeddings), max_positions=config.max_position_embeddings,
+            dtype=dtype.removeprefix("torch."))
 
     @property
     def q_dim(self):
@@ -135,12 +127,11 @@ class Architecture:
         return (
             2 * self.hidden * (self.q_dim + self.kv_dim)
             + 3 * self.hidden * self.intermediate
-            + 2 * self.hidden
-        )
+            + 2 * self.hidden)
 
     @property
-    # what FSDP2's root unit holds: embedding, final norm, an untied LM head
     def root_parameters(self):
+        """What FSDP2's root unit holds: embedding, final norm, an untied LM head."""
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
     @property
@@ -160,8 +151,7 @@ class Architecture:
         return (
             compute_bytes
             * (5 * self.hidden + 4 * self.q_dim + 3 * self.kv_dim + 4 * self.intermediate)
-            + 8 * self.hidden
-        )
+            + 8 * self.hidden)
 
 
 def engine_dtype(cfg, arch):
@@ -176,8 +166,7 @@ def max_model_len(cfg, evaluating=None):
     """The engine's context: the longest prompt plus the longest response it samples (training or evaluation)."""
     evaluating = bool(cfg.eval.every and cfg.eval.files) if evaluating is None else evaluating
     return cfg.data.max_prompt_tokens + max(
-        cfg.rollout.max_tokens, cfg.eval.max_tokens if evaluating else 0
-    )
+        cfg.rollout.max_tokens, cfg.eval.max_tokens if evaluating else 0)
 
 
 def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
@@ -210,8 +199,7 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
     if on_gpu:
         engine_total = cfg.rollout.gpu_memory_utilization * gpu_gib
         kv_cache = (
-            engine_total - engine_weights - engine_activations - graphs - ENGINE_NON_TORCH_GIB
-        )
+            engine_total - engine_weights - engine_activations - graphs - ENGINE_NON_TORCH_GIB)
     else:  # CPU: the KV cache is sized in GiB
         kv_cache = cfg.rollout.kv_cache_gib
         engine_total = engine_weights + engine_activations + kv_cache
@@ -230,8 +218,7 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
     row = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
     tokens = max(cfg.train.micro_token_budget, row)  # a row longer than the budget goes alone
     update = update_gib(
-        arch, world, compute_bytes, reduce_bytes, cfg.model.gradient_checkpointing, tokens, tokens
-    )
+        arch, world, compute_bytes, reduce_bytes, cfg.model.gradient_checkpointing, tokens, tokens)
     probe_tokens = cfg.data.max_prompt_tokens + 512  # train.PROBE_TOKENS
     probe = (gathered + probe_tokens * arch.layer_activation_bytes(compute_bytes) / GIB
              + 2 * 512 * arch.vocab * compute_bytes / GIB)
@@ -341,28 +328,23 @@ def problems(plan, cfg, arch):
         if gib > usable:
             found.append(
                 f"{name} needs {gib:.1f} GiB per GPU, more than {usable:.1f} of {plan['free_gib']:g} "
-                f"(keeping {HEADROOM:.0%} of the GPU free)"
-            )
+                f"(keeping {HEADROOM:.0%} of the GPU free)")
     if plan["kv_full_length_sequences"] < 1:
         found.append(
             f"the KV cache ({plan['kv_cache_gib']:.1f} GiB) holds no sequence of max_model_len "
-            f"{plan['max_model_len']} ({plan['kv_sequence_gib']:.2f} GiB): vLLM refuses to start"
-        )
+            f"{plan['max_model_len']} ({plan['kv_sequence_gib']:.2f} GiB): vLLM refuses to start")
     if plan["max_model_len"] > arch.max_positions:
         found.append(
             f"max_model_len {plan['max_model_len']} (data.max_prompt_tokens + the longest response) "
-            f"exceeds the model's context, max_position_embeddings = {arch.max_positions}"
-        )
+            f"exceeds the model's context, max_position_embeddings = {arch.max_positions}")
     if plan["host_gib"] is not None and plan["host_gib_per_node"] > plan["host_gib"]:
         found.append(
             f"host memory {plan['host_gib_per_node']:.0f} GiB per node exceeds hardware.host_gib "
-            f"({plan['host_gib']:g})"
-        )
+            f"({plan['host_gib']:g})")
     if plan["world_size"] % cfg.rollout.tensor_parallel_size:
         found.append(
             f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} does not divide the "
-            f"{plan['world_size']} ranks"
-        )
+            f"{plan['world_size']} ranks")
     return found
 
 
@@ -374,8 +356,7 @@ def suggestions(cfg, arch):
     def fits(overrides):
         try:
             return compute(config.apply_overrides(cfg, overrides), arch)["fits"]
-        # e.g. a micro-batch budget or node count the batch sizes do not allow
-        except config.ConfigError:
+        except config.ConfigError:  # e.g. a micro-batch budget or node count the batches forbid
             return False
 
     utilizations = [f"rollout.gpu_memory_utilization={u / 100:.2f}" for u in range(95, 19, -1)]
@@ -396,8 +377,7 @@ def suggestions(cfg, arch):
         options = (
             [candidate + [u] for u in utilizations]
             if cfg.rollout.kv_cache_gib is None
-            else [candidate]
-        )
+            else [candidate])
         for overrides in options:  # the most KV cache that fits with this change
             if overrides and fits(overrides):
                 return overrides
@@ -413,27 +393,23 @@ def report(plan, cfg_path, suggestion=()):
         f"{plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s) of {plan['gpu_gib']:g} GiB "
         f"({plan['world_size']} ranks, {engine['engines']} engine(s) of tensor-parallel size "
         f"{engine['tensor_parallel_size']})",
-        f"{'per GPU, GiB':<14}{'engine':>8}{'trainer':>9}{'batch':>8}{'context':>9}{'total':>8}",
-    ]
+        f"{'per GPU, GiB':<14}{'engine':>8}{'trainer':>9}{'batch':>8}{'context':>9}{'total':>8}"]
     for name, total in phases.items():
         parts = breakdown[name]
         lines.append(
             f"  {name:<12}{parts['engine']:>8.1f}{parts['trainer']:>9.1f}{parts.get('batch', 0):>8.1f}"
-            f"{parts['context']:>9.1f}{total:>8.1f}"
-        )
+            f"{parts['context']:>9.1f}{total:>8.1f}")
     lines.append(
         f"engine ({engine['dtype']}): weights {engine['weights_gib']:.1f} GiB, activations "
         f"{engine['activations_gib']:.1f}, CUDA graphs {engine['cuda_graphs_gib']:.1f}; KV cache "
         f"{plan['kv_cache_gib']:.1f} GiB = {plan['kv_full_length_sequences']} sequences of "
         f"{plan['max_model_len']} tokens ({plan['kv_sequence_gib']:.2f} GiB each) for the "
-        f"{plan['requests_per_round']} requests of one generation round"
-    )
+        f"{plan['requests_per_round']} requests of one generation round")
     lines.append(
         f"host: {plan['host_gib_per_node']:.0f} GiB on the first node ({plan['gpus_per_node']} ranks x "
         f"({' + '.join(f'{v:.1f} {k}' for k, v in plan['host_gib_per_rank'].items())}) + the "
         f"final export's full model)"
-        + (f" of {plan['host_gib']:g}" if plan["host_gib"] is not None else "")
-    )
+        + (f" of {plan['host_gib']:g}" if plan["host_gib"] is not None else ""))
     if plan["fits"]:
         lines.append("fits")
     else:
@@ -443,18 +419,8 @@ def report(plan, cfg_path, suggestion=()):
     summary = {
         key: plan[key]
         for key in (
-            "fits",
-            "gpu_gib",
-            "world_size",
-            "phases",
-            "kv_cache_gib",
-            "kv_full_length_sequences",
-            "requests_per_round",
-            "host_gib_per_node",
-            "max_model_len",
-            "parameters_b",
-            "problems",
-        )
+            "fits", "gpu_gib", "world_size", "phases", "kv_cache_gib", "kv_full_length_sequences",
+            "requests_per_round", "host_gib_per_node", "max_model_len", "parameters_b", "problems")
     }
     summary["suggestion"] = list(suggestion)
     lines.append(json.dumps(summary))
@@ -487,8 +453,7 @@ def device_problem(cfg, arch, world_size, total_gib, free_gib):
         return None
     return (
         f"error: the memory plan does not fit this GPU ({free_gib:.1f} GiB free): {device_problems[0]}; "
-        f"`python train.py --config ... --plan` shows every phase and a change that fits"
-    )
+        f"`python train.py --config ... --plan` shows every phase and a change that fits")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -528,14 +493,12 @@ def environment_problems(driver_cuda, build_cuda, installed, pins):
         errors.append(
             f"error: the NVIDIA driver supports CUDA {cuda_version(driver_cuda)}, but PyTorch is "
             f"built for CUDA {cuda_version(build_cuda)}: update the driver (the vllm 0.32.0 wheel "
-            f"is a CUDA 13 build: driver >= 580)"
-        )
+            f"is a CUDA 13 build: driver >= 580)")
     for name, version in pins.items():
         if name in installed and installed[name].split("+")[0] != version:
             warnings.append(
                 f"warning: {name} {installed[name]} is installed, the tested pin is {version} "
-                f"(requirements.txt)"
-            )
+                f"(requirements.txt)")
         elif name not in installed:
             errors.append(f"error: {name} is not installed (pip install -r requirements.txt)")
     torch_minor = ".".join(installed.get("torch", "").split(".")[:2])
@@ -543,8 +506,7 @@ def environment_problems(driver_cuda, build_cuda, installed, pins):
     if audio_minor and audio_minor != torch_minor:
         warnings.append(
             f"warning: torchaudio {installed['torchaudio']} (vllm's pin) is built for torch "
-            f"{audio_minor}, not {torch_minor}: `pip uninstall torchaudio` (no text model uses it)"
-        )
+            f"{audio_minor}, not {torch_minor}: `pip uninstall torchaudio` (no text model uses it)")
     return errors, warnings
 
 
@@ -627,6 +589,5 @@ def preflight(cfg, world_size, device):
     errors, warnings = machine_problems(installed_versions())
     free, total = (b / GIB for b in torch.cuda.mem_get_info(device))
     memory = device_problem(
-        cfg, Architecture.from_config_json(cfg.model.path), world_size, total, free
-    )
+        cfg, Architecture.from_config_json(cfg.model.path), world_size, total, free)
     return errors + ([memory] if memory else []), warnings

@@ -147,14 +147,12 @@ def _call_with_deadline(seconds: float, fn, *args):
         # None means the handler was not installed from Python; the default is the closest
         # equivalent
         signal.signal(
-            signal.SIGALRM, signal.SIG_DFL if previous_handler is None else previous_handler
-        )
+            signal.SIGALRM, signal.SIG_DFL if previous_handler is None else previous_handler)
         left, interval = previous_timer
         # the caller had an alarm pending: re-arm what is left of it (at least a microsecond)
         if left > 0:
             signal.setitimer(
-                signal.ITIMER_REAL, max(left - (time.monotonic() - started), 1e-6), interval
-            )
+                signal.ITIMER_REAL, max(left - (time.monotonic() - started), 1e-6), interval)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,8 +166,7 @@ def _call_with_deadline(seconds: float, fn, *args):
 _PLAIN_NUMBER = re.compile(
     r"(?P<minus>-?)(?:(?P<decimal>[0-9]{1,50}(?:\.[0-9]{1,50})?(?:[eE][-+]?[0-9]{1,3})?)"
     r"|\\[dt]?frac\{(?P<frac_p>[0-9]{1,50})\}\{(?P<frac_q>[0-9]{1,50})\}"
-    r"|(?P<slash_p>[0-9]{1,50})/(?P<slash_q>[0-9]{1,50}))"
-)
+    r"|(?P<slash_p>[0-9]{1,50})/(?P<slash_q>[0-9]{1,50}))")
 
 
 def _plain_number(text: str) -> Fraction | None:
@@ -183,8 +180,7 @@ def _plain_number(text: str) -> Fraction | None:
         p, q = (
             (match["frac_p"], match["frac_q"])
             if match["frac_p"]
-            else (match["slash_p"], match["slash_q"])
-        )
+            else (match["slash_p"], match["slash_q"]))
         if int(q) == 0:
             return None
         value = Fraction(int(p), int(q))
@@ -226,8 +222,7 @@ def _boxed_answer_matches(ground_truth: str, answer: str) -> tuple[bool, str]:
     # untouched.
     gold = _parse_gold(ground_truth)
     prediction = parse(
-        "\\boxed{" + answer + "}", extraction_config=_BOXED_PARSE_CONFIG, parsing_timeout=None
-    )
+        "\\boxed{" + answer + "}", extraction_config=_BOXED_PARSE_CONFIG, parsing_timeout=None)
     if not gold or not prediction:
         return False, "parse_error"
     return verify(gold, prediction, timeout_seconds=None), "ok"
@@ -283,8 +278,7 @@ def verify_math(response: str, ground_truth: str, answer_format: str = "boxed",
         return _call_with_deadline(timeout_s, _check_math, response, ground_truth, answer_format)
     except _Timeout:
         return False, "timeout"
-    # math-verify catches its own errors; this catches the rest (e.g. a non-str input)
-    except Exception:
+    except Exception:  # math-verify catches its own errors; this the rest (e.g. a non-str input)
         return False, "parse_error"
 
 
@@ -313,8 +307,8 @@ def verify_sum(response: str, ground_truth: str) -> tuple[bool, str]:
         return False, "parse_error"
     try:
         a, b = int(match.group(1)), int(match.group(2))
-    # more digits than Python converts (4300): the form is right, and the sum cannot be this small
     except ValueError:
+        # more digits than Python converts (4300): the form is right, the sum cannot be this small
         return False, "ok"
     return a > 0 and b > 0 and a + b == target, "ok"
 
@@ -370,14 +364,12 @@ def format_ok(response: str) -> bool:
     """
     if "<think>" in response and "<answer>" in response:
         return (
-            re.search(r"<think>.*?</think>\n<answer>.*?</answer>", response, re.DOTALL) is not None
-        )
+            re.search(r"<think>.*?</think>\n<answer>.*?</answer>", response, re.DOTALL) is not None)
     return "</think>" in response or "boxed" in response
 
 
 def overlong_penalty(
-    length: int, max_response_len: int, buffer_len: int, factor: float = 1.0
-) -> float:
+    length: int, max_response_len: int, buffer_len: int, factor: float = 1.0) -> float:
     """DAPO's overlong reward shaping (docs/method.md, Eq. 21): 0 up to expected = max_response_len
     - buffer_len, then linear down to -factor at max_response_len: min(-(length - expected) /
     buffer_len * factor, 0).
@@ -397,12 +389,8 @@ def overlong_penalty(
 
 
 def compute_rewards(
-    responses: list[str],
-    ground_truths: list[str],
-    data_sources: list[str],
-    response_lengths: list[int],
-    cfg,
-) -> tuple[list[float], list[float], dict[str, float]]:
+    responses: list[str], ground_truths: list[str], data_sources: list[str],
+    response_lengths: list[int], cfg) -> tuple[list[float], list[float], dict[str, float]]:
     """Score a batch. Returns (rewards, accuracies, metrics). An accuracy is 0.0 or 1.0, and
     reward = accuracy + overlong penalty (if on) + cfg.format_weight * format_ok.
 
@@ -417,13 +405,11 @@ def compute_rewards(
     if len(sizes) != 1:
         raise ValueError(
             f"responses, ground_truths, data_sources and response_lengths differ in length: "
-            f"{len(responses)}, {len(ground_truths)}, {len(data_sources)}, {len(response_lengths)}"
-        )
+            f"{len(responses)}, {len(ground_truths)}, {len(data_sources)}, {len(response_lengths)}")
     started = time.perf_counter()
     rewards, accuracies, statuses, formats, penalties = [], [], [], [], []
     for response, ground_truth, source, length in zip(
-        responses, ground_truths, data_sources, response_lengths
-    ):
+        responses, ground_truths, data_sources, response_lengths):
         # a missing response scores as no answer
         response = response if isinstance(response, str) else ""
         if source == SUM_TASK_SOURCE:

@@ -43,21 +43,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 CPU_KV_CACHE_GIB = 1.0
 
 
-def build_engine(
-    model_path,
-    seed,
-    max_model_len,
-    dtype="auto",
-    gpu_memory_utilization=0.3,
-    kv_cache_gib=None,
-    tensor_parallel_size=1,
-    max_num_seqs=256,
-    max_num_batched_tokens=8192,
-    enable_sleep_mode=False,
-    enforce_eager=None,
-    block_size=None,
-    model_runner="v1",
-):
+def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utilization=0.3,
+                 kv_cache_gib=None, tensor_parallel_size=1, max_num_seqs=256,
+                 max_num_batched_tokens=8192, enable_sleep_mode=False, enforce_eager=None,
+                 block_size=None, model_runner="v1"):
     """The local vLLM engine of this rank.
 
     With torchrun, `distributed_executor_backend="external_launcher"` runs the engine inside the
@@ -91,40 +80,14 @@ def build_engine(
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if model_runner == "v2" else "0"
     return LLM(
         **engine_kwargs(
-            model_path,
-            seed,
-            max_model_len,
-            dtype,
-            gpu_memory_utilization,
-            kv_cache_gib,
-            tensor_parallel_size,
-            max_num_seqs,
-            max_num_batched_tokens,
-            enable_sleep_mode,
-            enforce_eager,
-            block_size,
-            on_gpu=torch.cuda.is_available(),
-            distributed=distributed,
-        )
-    )
+            model_path, seed, max_model_len, dtype, gpu_memory_utilization, kv_cache_gib,
+            tensor_parallel_size, max_num_seqs, max_num_batched_tokens, enable_sleep_mode,
+            enforce_eager, block_size, on_gpu=torch.cuda.is_available(), distributed=distributed))
 
 
-def engine_kwargs(
-    model_path,
-    seed,
-    max_model_len,
-    dtype,
-    gpu_memory_utilization,
-    kv_cache_gib,
-    tensor_parallel_size,
-    max_num_seqs,
-    max_num_batched_tokens,
-    enable_sleep_mode,
-    enforce_eager,
-    block_size,
-    on_gpu,
-    distributed,
-):
+def engine_kwargs(model_path, seed, max_model_len, dtype, gpu_memory_utilization, kv_cache_gib,
+                  tensor_parallel_size, max_num_seqs, max_num_batched_tokens, enable_sleep_mode,
+                  enforce_eager, block_size, on_gpu, distributed):
     """The keyword arguments of vLLM's `LLM` (its EngineArgs) for a GPU or a CPU engine (see
     build_engine): a plain dict, so that the GPU arguments can be checked on a machine without
     one."""
@@ -147,8 +110,7 @@ def engine_kwargs(
         logprobs_mode="processed_logprobs",
         enable_sleep_mode=enable_sleep_mode,
         enforce_eager=enforce_eager,
-        gpu_memory_utilization=gpu_memory_utilization,
-    )
+        gpu_memory_utilization=gpu_memory_utilization)
     if kv_cache_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
     if block_size is not None:
@@ -198,18 +160,8 @@ class Rollouts:
         return [len(ids) for ids in self.token_ids]
 
 
-def generate(
-    engine,
-    prompt_token_ids,
-    n,
-    temperature=1.0,
-    top_p=1.0,
-    top_k=0,
-    max_tokens=256,
-    stop=None,
-    seeds=None,
-    use_tqdm=False,
-):
+def generate(engine, prompt_token_ids, n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=256,
+             stop=None, seeds=None, use_tqdm=False):
     """n responses per prompt, with the sampler's per-token log-probs. prompt_token_ids: list of id lists.
     seeds: one per prompt, in [0, 2**56): a prompt's n samples then depend only on its seed and the weights, not on
     the rank (and, on CPU, not on the rest of the batch; GPU kernels may vary with batch composition), which makes
@@ -225,18 +177,9 @@ def generate(
     # the requests' seeds n apart
     params = [
         SamplingParams(
-            n=n,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            max_tokens=max_tokens,
-            stop=stop,
-            logprobs=0,
-            flat_logprobs=True,
-            seed=None if seeds is None else seeds[i] * n,
-        )
-        for i in range(len(prompt_token_ids))
-    ]
+            n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+            stop=stop, logprobs=0, flat_logprobs=True, seed=None if seeds is None else seeds[i] * n)
+        for i in range(len(prompt_token_ids))]
     outputs = engine.generate([{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], params,
                               use_tqdm=use_tqdm)
     rollouts = Rollouts([], [], [], [], [])
@@ -346,22 +289,9 @@ class _Conversation:
     num_invalid: int = 0
 
 
-def generate_with_tools(
-    engine,
-    tokenizer,
-    prompt_token_ids,
-    n,
-    temperature=1.0,
-    top_p=1.0,
-    top_k=0,
-    max_tokens=256,
-    seeds=None,
-    max_turns=4,
-    sandbox_config=None,
-    max_tool_response_tokens=512,
-    tool_turn=QWEN_TOOL_TURN,
-    use_tqdm=False,
-):
+def generate_with_tools(engine, tokenizer, prompt_token_ids, n, temperature=1.0, top_p=1.0, top_k=0,
+                        max_tokens=256, seeds=None, max_turns=4, sandbox_config=None,
+                        max_tool_response_tokens=512, tool_turn=QWEN_TOOL_TURN, use_tqdm=False):
     """n multi-turn responses per prompt: the model may call the code interpreter, sees the output,
     and goes on.
 
@@ -397,8 +327,7 @@ def generate_with_tools(
     wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in tool_turn]
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     conversations = [
-        _Conversation(i, j, list(ids)) for i, ids in enumerate(prompt_token_ids) for j in range(n)
-    ]
+        _Conversation(i, j, list(ids)) for i, ids in enumerate(prompt_token_ids) for j in range(n)]
     for turn in range(max_turns):
         active = [c for c in conversations if c.finish_reason is None]
         if not active:
@@ -406,19 +335,13 @@ def generate_with_tools(
         seeds_now = (
             None
             if seeds is None
-            else [turn_seed(seeds[c.prompt_index], n, c.sample, turn) for c in active]
-        )
+            else [turn_seed(seeds[c.prompt_index], n, c.sample, turn) for c in active])
         completions = _sample_turn(engine, active, seeds_now, max_tokens, sampling, use_tqdm)
         calls = [_model_turn(c, completion, turn, max_turns, max_tokens, tokenizer)
                  for c, completion in zip(active, completions)]
         _tool_turns(
-            [call for call in calls if call is not None],
-            tokenizer,
-            wrapper,
-            max_tool_response_tokens,
-            max_tokens,
-            sandbox_config,
-        )
+            [call for call in calls if call is not None], tokenizer, wrapper,
+            max_tool_response_tokens, max_tokens, sandbox_config)
     return _tool_rollouts(conversations, tokenizer)
 
 
@@ -430,22 +353,13 @@ def _sample_turn(engine, active, seeds, max_tokens, sampling, use_tqdm):
 
     params = [
         SamplingParams(
-            n=1,
-            **sampling,
-            max_tokens=max_tokens - len(c.token_ids),
-            stop=[TOOL_CALL_CLOSE],
-            include_stop_str_in_output=True,
-            logprobs=0,
-            flat_logprobs=True,
-            seed=None if seeds is None else seeds[k],
-        )
-        for k, c in enumerate(active)
-    ]
+            n=1, **sampling, max_tokens=max_tokens - len(c.token_ids), stop=[TOOL_CALL_CLOSE],
+            include_stop_str_in_output=True, logprobs=0, flat_logprobs=True,
+            seed=None if seeds is None else seeds[k])
+        for k, c in enumerate(active)]
     outputs = engine.generate(
-        [{"prompt_token_ids": c.prompt_ids + c.token_ids} for c in active],
-        params,
-        use_tqdm=use_tqdm,
-    )
+        [{"prompt_token_ids": c.prompt_ids + c.token_ids} for c in active], params,
+        use_tqdm=use_tqdm)
     return [request.outputs[0] for request in outputs]
 
 
@@ -550,8 +464,7 @@ def parse_tool_call(text):
 
 _CALL_EXAMPLE = (
     f'{TOOL_CALL_OPEN}{{"name": "{CODE_INTERPRETER}", "arguments": {{"code": "print(1 + 1)"}}}}'
-    f"{TOOL_CALL_CLOSE}"
-)
+    f"{TOOL_CALL_CLOSE}")
 
 
 def tool_turn_ids(tokenizer, content, wrapper, max_content_tokens):
@@ -567,15 +480,13 @@ def tool_turn_ids(tokenizer, content, wrapper, max_content_tokens):
     would merge with the template's newline. The model sees these ids whatever they are, and the
     trainer the same ones."""
     ids = tokenizer.encode(
-        content.rstrip("\n"), add_special_tokens=False, split_special_tokens=True
-    )
+        content.rstrip("\n"), add_special_tokens=False, split_special_tokens=True)
     if len(ids) > max_content_tokens:
         keep_tail = max_content_tokens // 2
         keep_head = max_content_tokens - keep_tail
         omitted = len(ids) - max_content_tokens
         marker = tokenizer.encode(
-            f"\n[... {omitted} tokens of output omitted ...]\n", add_special_tokens=False
-        )
+            f"\n[... {omitted} tokens of output omitted ...]\n", add_special_tokens=False)
         ids = ids[:keep_head] + marker + ids[len(ids) - keep_tail:]
     return wrapper[0] + ids + wrapper[1]
 
@@ -754,14 +665,12 @@ def engine_logprobs(engine, token_ids, prompt_len):
     # never read the prefix cache (vllm/sampling_params.py), so the probe always recomputes the
     # whole sequence with current weights
     params = SamplingParams(
-        max_tokens=1, prompt_logprobs=0, temperature=1.0, flat_logprobs=True, seed=0
-    )
+        max_tokens=1, prompt_logprobs=0, temperature=1.0, flat_logprobs=True, seed=0)
     (request,) = engine.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)
     # position 0 has no log-prob; position t holds log p(token_t | tokens_<t)
     flat = request.prompt_logprobs
     values = [
-        float(flat.logprobs[flat.start_indices[t]]) for t in range(prompt_len, len(token_ids))
-    ]
+        float(flat.logprobs[flat.start_indices[t]]) for t in range(prompt_len, len(token_ids))]
     return torch.tensor(values, dtype=torch.float32)
 
 
@@ -804,15 +713,12 @@ def main():
     import rewards
 
     parser = argparse.ArgumentParser(
-        description="Sample and score responses with the local vLLM engine."
-    )
+        description="Sample and score responses with the local vLLM engine.")
     parser.add_argument("--model", required=True, help="local HF checkpoint directory")
     parser.add_argument(
-        "--data", required=True, help="prompt set: .jsonl or .parquet (see data.py)"
-    )
+        "--data", required=True, help="prompt set: .jsonl or .parquet (see data.py)")
     parser.add_argument(
-        "--prompt-suffix", default=data.STARE_SUFFIX, help='appended to plain rows; "" for none'
-    )
+        "--prompt-suffix", default=data.STARE_SUFFIX, help='appended to plain rows; "" for none')
     parser.add_argument("--n", type=int, default=4, help="responses per prompt")
     parser.add_argument("--limit", type=int, default=16, help="first N prompts only (0 = all)")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -821,72 +727,46 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument(
-        "--kv-cache-gib", type=float, default=None, help="KV cache size; needed on CPU"
-    )
+        "--kv-cache-gib", type=float, default=None, help="KV cache size; needed on CPU")
     parser.add_argument(
         "--max-turns",
         type=int,
         default=0,
         help="> 0: tool use (code interpreter) with up to this "
-        "many model turns, max-tokens counting model and tool tokens; 0: plain sampling",
-    )
+        "many model turns, max-tokens counting model and tool tokens; 0: plain sampling")
     args = parser.parse_args()
 
     examples = data.load_examples(args.data, prompt_suffix=args.prompt_suffix or None)
     examples = examples[:args.limit] if args.limit else examples
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompt_ids, kept, prompt_stats = data.tokenize_prompts(
-        examples, tokenizer, args.max_prompt_tokens
-    )
+        examples, tokenizer, args.max_prompt_tokens)
     engine = build_engine(
-        args.model,
-        seed=args.seed,
-        dtype=args.dtype,
-        max_model_len=args.max_prompt_tokens + args.max_tokens,
-        kv_cache_gib=args.kv_cache_gib,
-    )
+        args.model, seed=args.seed, dtype=args.dtype,
+        max_model_len=args.max_prompt_tokens + args.max_tokens, kv_cache_gib=args.kv_cache_gib)
     start = time.time()
     seeds = [derive_seed(args.seed, "prompt", i) for i in range(len(prompt_ids))]
     if args.max_turns > 0:
         out = generate_with_tools(
-            engine,
-            tokenizer,
-            prompt_ids,
-            n=args.n,
-            temperature=args.temperature,
-            max_tokens=args.max_tokens,
-            seeds=seeds,
-            max_turns=args.max_turns,
-        )
+            engine, tokenizer, prompt_ids, n=args.n, temperature=args.temperature,
+            max_tokens=args.max_tokens, seeds=seeds, max_turns=args.max_turns)
         print("\n\n".join(f"--- {reason}, {calls} call(s):\n{text}" for text, reason, calls in
                           zip(out.full_texts[:4], out.finish_reasons, out.num_calls)))
     else:
         out = generate(
-            engine,
-            prompt_ids,
-            n=args.n,
-            temperature=args.temperature,
-            max_tokens=args.max_tokens,
-            seeds=seeds,
-            use_tqdm=True,
-        )
+            engine, prompt_ids, n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
+            seeds=seeds, use_tqdm=True)
     seconds = time.time() - start
     truths = [kept[i].ground_truth for i in out.prompt_index]
     scores, accuracies, metrics = rewards.compute_rewards(
-        out.texts,
-        truths,
-        [kept[i].data_source for i in out.prompt_index],
-        out.lengths,
-        config.RewardConfig(),
-    )
+        out.texts, truths, [kept[i].data_source for i in out.prompt_index], out.lengths,
+        config.RewardConfig())
     for i in range(0, len(out.texts), args.n):
         print(
             f"[{kept[out.prompt_index[i]].origin}] answer {truths[i]}: "
             + " | ".join(
                 f"{text!r}={acc:g}"
-                for text, acc in zip(out.texts[i : i + args.n], accuracies[i : i + args.n])
-            )
-        )
+                for text, acc in zip(out.texts[i : i + args.n], accuracies[i : i + args.n])))
     metrics.update(
         {
             "rollout/responses": len(out.texts),
@@ -895,8 +775,7 @@ def main():
             "rollout/tokens_per_s": sum(out.lengths) / seconds,
             "prompts/truncated": prompt_stats["num_truncated"],
             "prompts/skipped": prompt_stats["num_skipped"],
-        }
-    )
+        })
     if args.max_turns > 0:
         metrics.update(tool_metrics(out))
     print(
@@ -904,9 +783,7 @@ def main():
             {
                 key: round(value, 4) if isinstance(value, float) else value
                 for key, value in metrics.items()
-            }
-        )
-    )
+            }))
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: the entry point must be guarded

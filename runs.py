@@ -135,15 +135,8 @@ class MetricsLog:
     installed)."""
 
     CONSOLE_KEYS = (
-        "rollout/acc_before_filter",
-        "rollout/acc",
-        "eval/overall/avg@n",
-        "train/entropy",
-        "train/loss",
-        "stare/gate_on",
-        "train/grad_norm",
-        "time/step",
-    )
+        "rollout/acc_before_filter", "rollout/acc", "eval/overall/avg@n", "train/entropy",
+        "train/loss", "stare/gate_on", "train/grad_norm", "time/step")
 
     def __init__(self, out_dir, cfg, rank, first_step=1):
         self.rank, self.log_every = rank, cfg.train.log_every
@@ -161,20 +154,14 @@ class MetricsLog:
             run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
             id_file.write_text(run_id)
             self.wandb_run = wandb.init(
-                project=cfg.train.wandb_project,
-                name=Path(out_dir).name,
-                id=run_id,
-                resume="allow",
-                dir=str(out_dir),
-                config=config.to_dict(cfg),
-            )
+                project=cfg.train.wandb_project, name=Path(out_dir).name, id=run_id, resume="allow",
+                dir=str(out_dir), config=config.to_dict(cfg))
         if rank == 0 and cfg.train.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             # purge_step: events of the steps a resume recomputes are dropped from the old event
             # files
             self.tensorboard = SummaryWriter(
-                str(Path(out_dir) / "tensorboard"), purge_step=first_step
-            )
+                str(Path(out_dir) / "tensorboard"), purge_step=first_step)
 
     def write(self, step, metrics, progress):
         if self.rank != 0:
@@ -191,16 +178,12 @@ class MetricsLog:
                 self.tensorboard.add_scalar(key, value, step)
             self.tensorboard.flush()
         progress.set_postfix(
-            acc=metrics.get("rollout/acc_before_filter"),
-            entropy=metrics.get("train/entropy"),
-            gate=metrics.get("stare/gate_on"),
-            refresh=False,
-        )
+            acc=metrics.get("rollout/acc_before_filter"), entropy=metrics.get("train/entropy"),
+            gate=metrics.get("stare/gate_on"), refresh=False)
         if step % self.log_every == 0:
             progress.write(
                 f"step {step}: "
-                + " ".join(f"{k}={metrics[k]:.4g}" for k in self.CONSOLE_KEYS if k in metrics)
-            )
+                + " ".join(f"{k}={metrics[k]:.4g}" for k in self.CONSOLE_KEYS if k in metrics))
 
     def _append(self, line, step):
         """One whole line or none: a write that fails (a full disk) is cut back off the file."""
@@ -252,6 +235,6 @@ class StopSignals:
         return bool(self.received)
 
     @property
-    # the first signal received; SIGTERM when another rank's signal stopped this one
     def signal_number(self):
+        """The first signal received; SIGTERM when another rank's signal stopped this one."""
         return self.received[0] if self.received else signal.SIGTERM

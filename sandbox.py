@@ -89,8 +89,7 @@ def run_batch(codes: list[str], config=None) -> list[Result]:
         return []
     isolation(config)  # probe once, before the threads race for it
     with ThreadPoolExecutor(
-        max_workers=min(config.max_workers, len(codes)), thread_name_prefix="sandbox"
-    ) as pool:
+        max_workers=min(config.max_workers, len(codes)), thread_name_prefix="sandbox") as pool:
         return list(pool.map(lambda code: run_code(code, config), codes))
 
 
@@ -102,15 +101,8 @@ def run_code(code: str, config=None) -> Result:
         return _run(code, config, isolation(config))
     except Exception as e:  # a sandbox bug or a machine problem; the trainer carries on
         return Result(
-            "",
-            False,
-            "sandbox",
-            f"Error: sandbox failure ({type(e).__name__}: {e})",
-            None,
-            0.0,
-            False,
-            0,
-        )
+            "", False, "sandbox", f"Error: sandbox failure ({type(e).__name__}: {e})", None, 0.0,
+            False, 0)
 
 
 class Unavailable(RuntimeError):
@@ -299,14 +291,8 @@ def _run(code, config, mode):
             code_file.seek(0)
             proc = subprocess.Popen(
                 [python, "-I", "-S", "-B", _THIS_FILE, "--launch", json.dumps(spec)],
-                stdin=code_file,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd="/",
-                start_new_session=True,
-                close_fds=True,
-            )
+                stdin=code_file, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd="/",
+                start_new_session=True, close_fds=True)
         head, tail, total, timed_out = _read_bounded(proc.stdout.fileno(), start + config.timeout_s,
                                                      config.max_output_bytes)
         if timed_out:  # ask the launcher to kill and reap everything, then give it a moment
@@ -342,8 +328,7 @@ def _run(code, config, mode):
     status = None if timed_out else proc.returncode
     error, message = _classify(status, output, config)
     return Result(
-        output, error == "", error, message, status, time.monotonic() - start, truncated, total
-    )
+        output, error == "", error, message, status, time.monotonic() - start, truncated, total)
 
 
 def _read_bounded(fd, deadline, limit):
@@ -521,12 +506,7 @@ _NR_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41}  # glibc has no w
 _NEW_ROOT = "/tmp"  # where C builds the sandbox's root, later PID 2's "/": any directory does
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
 _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE = (
-    1 << 10,
-    1 << 11,
-    1 << 12,
-    1 << 14,
-    1 << 18,
-)
+    1 << 10, 1 << 11, 1 << 12, 1 << 14, 1 << 18)
 _MS_RELATIME, _MS_STRICTATIME = 1 << 21, 1 << 24
 _MOUNT_OPTION_FLAGS = {
     "nosuid": _MS_NOSUID,
@@ -537,12 +517,8 @@ _MOUNT_OPTION_FLAGS = {
     "relatime": _MS_RELATIME,
 }
 (
-    _PR_SET_PDEATHSIG,
-    _PR_CAPBSET_DROP,
-    _PR_SET_SECCOMP,
-    _PR_SET_CHILD_SUBREAPER,
-    _PR_SET_NO_NEW_PRIVS,
-) = 1, 24, 22, 36, 38
+    _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECCOMP, _PR_SET_CHILD_SUBREAPER,
+    _PR_SET_NO_NEW_PRIVS) = 1, 24, 22, 36, 38
 # The seccomp filter of every run (docs/sandbox.md, "Sockets" and "Kernel surface"). Per machine:
 # the AUDIT_ARCH value the kernel reports for its native 64-bit calls; the numbers of socket,
 # socketpair, clone, clone3 and keyctl; and those of the calls that always fail with EPERM: the
@@ -575,13 +551,8 @@ def _libc(name, *args):
 
 def _prctl(option, value):
     _libc(
-        "prctl",
-        option,
-        ctypes.c_ulong(value),
-        ctypes.c_ulong(0),
-        ctypes.c_ulong(0),
-        ctypes.c_ulong(0),
-    )
+        "prctl", option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0),
+        ctypes.c_ulong(0))
 
 
 def _mount(source, target, fstype, flags, data=None):
@@ -913,8 +884,7 @@ def _remount_all_readonly():
             _MS_REMOUNT
             | _MS_BIND
             | _MS_RDONLY
-            | sum(_MOUNT_OPTION_FLAGS.get(o, 0) for o in options)
-        )
+            | sum(_MOUNT_OPTION_FLAGS.get(o, 0) for o in options))
         if "noatime" not in options and "relatime" not in options:
             flags |= _MS_STRICTATIME
         try:
@@ -1044,8 +1014,9 @@ def _seccomp_filter(machine, network):
             labels[item] = len(instructions)
         else:
             instructions.append(item)
-    # noqa: E731
-    jump = lambda i, t: 0 if t is None else t if isinstance(t, int) else labels[t] - i - 1
+
+    def jump(i, t):
+        return 0 if t is None else t if isinstance(t, int) else labels[t] - i - 1
     return b"".join(struct.pack("=HBBI", code, jump(i, jt), jump(i, jf), k)
                     for i, (code, jt, jf, k) in enumerate(instructions))
 
@@ -1060,8 +1031,7 @@ def _install_filter(machine, network):
             return
         raise RuntimeError(
             f"no seccomp filter for this machine ({machine}, {8 * struct.calcsize('P')}-bit "
-            "interpreter), so network=False cannot be enforced (see sandbox.py)"
-        )
+            "interpreter), so network=False cannot be enforced (see sandbox.py)")
 
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
@@ -1069,13 +1039,8 @@ def _install_filter(machine, network):
     instructions = ctypes.create_string_buffer(program, len(program))
     fprog = SockFprog(len(program) // 8, ctypes.addressof(instructions))
     _libc(
-        "prctl",
-        _PR_SET_SECCOMP,
-        ctypes.c_ulong(_SECCOMP_MODE_FILTER),
-        ctypes.byref(fprog),
-        ctypes.c_ulong(0),
-        ctypes.c_ulong(0),
-    )
+        "prctl", _PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(fprog),
+        ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
 def _run_user_code():
@@ -1087,8 +1052,7 @@ def _run_user_code():
         source = f.read()
     try:
         code = compile(source, "main.py", "exec")
-    # SyntaxError, ValueError (null bytes), RecursionError/MemoryError (deep nesting)
-    except Exception as e:
+    except Exception as e:  # SyntaxError, ValueError (null bytes), RecursionError/MemoryError
         traceback.print_exception(type(e), e, None)
         sys.stderr.flush()
         os._exit(_EXIT_SYNTAX)
@@ -1100,8 +1064,7 @@ def _run_user_code():
         exec(code, main.__dict__)
     except SystemExit:
         raise
-    # noqa: B036 - report every uncaught exception, like the interpreter does
-    except BaseException as e:
+    except BaseException as e:  # noqa: B036 - report every uncaught exception, as Python does
         sys.stdout.flush()
         # without this runner's frame
         traceback.print_exception(type(e), e, e.__traceback__.tb_next)
@@ -1113,9 +1076,7 @@ if __name__ == "__main__":
         _launch(json.loads(sys.argv[2]))
     elif sys.argv[1:2] == ["--run"]:
         _run_user_code()
-    # python sandbox.py [FILE | -]: run a file (or stdin) as the model's code would be, print the
-    # tool turn
-    else:
+    else:  # python sandbox.py [FILE | -]: run it as the model's code would be, print the tool turn
         source = sys.stdin.read() if sys.argv[1:] in ([], ["-"]) else open(sys.argv[1]).read()
         try:
             print(f"[sandbox: {isolation()} isolation]", file=sys.stderr)

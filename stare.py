@@ -89,8 +89,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                 coef.sub_(pi * (log_pi + entropy[start:end, None]) * grad_entropy[start:end, None])
             if grad_logprobs is not None:
                 coef.scatter_add_(
-                    -1, tokens_1d[start:end, None], grad_logprobs[start:end, None].float()
-                )
+                    -1, tokens_1d[start:end, None], grad_logprobs[start:end, None].float())
             grad_logits[start:end] = (coef / ctx.temperature).to(grad_logits.dtype)
         return grad_logits, None, None, None
 
@@ -120,8 +119,7 @@ def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None)
         return logprobs.view(tokens.shape), entropy.view(tokens.shape)
     chunk_rows = rows_per_chunk(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
     logprobs, entropy = _ChunkedLogprobEntropy.apply(
-        logits_2d, tokens_1d, float(temperature), chunk_rows
-    )
+        logits_2d, tokens_1d, float(temperature), chunk_rows)
     return logprobs.view(tokens.shape), entropy.view(tokens.shape)
 
 
@@ -149,8 +147,7 @@ def _entropy_geometry(logits, tokens, temperature, chunk_size):
     logits_2d, tokens_1d = flatten_logits(logits, tokens)
     if kernels.supported(logits_2d):
         logprobs, entropy, _, cov_b, s_min = kernels.row_stats(
-            logits_2d, tokens_1d, float(temperature), True
-        )
+            logits_2d, tokens_1d, float(temperature), True)
         return logprobs, entropy, cov_b, s_min
     chunk_rows = rows_per_chunk(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
     num_rows, device = logits_2d.shape[0], logits_2d.device
@@ -253,9 +250,8 @@ def select_top_surprisal(surprisal, candidates, top_ratio):
     return select_top_k(surprisal, candidates, k)
 
 
-def stare_weights(
-    logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1, m=0.9, gate_on=True
-):
+def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1, m=0.9,
+                  gate_on=True):
     """omega, STARE's token weights (Eq. 8), and selection statistics.
 
     logprobs [B, T] (of the sampled tokens; detached here, surprisal s = -logprob), advantages [B]
@@ -280,8 +276,7 @@ def stare_weights(
     # 0-dim 0/1; non_blocking: a CPU flag must not stall the GPU stream
     if isinstance(gate_on, torch.Tensor):
         gate = gate_on.to(device=surprisal.device, dtype=torch.float32, non_blocking=True)
-    # torch.full makes it on the device; torch.tensor(x, device=cuda) would be a blocking copy
-    else:
+    else:  # torch.full makes it on the device; torch.tensor(x, device=cuda) is a blocking copy
         gate = torch.full((), float(bool(gate_on)), device=surprisal.device)
     # omega = 1 + gate * ((w - 1) [L+] + (m - 1) [L-]): arithmetic on the masks, cheaper than
     # torch.where
@@ -324,15 +319,13 @@ class EntropyGate:
     so the caller can log it).
     """
 
-    def __init__(
-        self, target_entropy=0.3, w=1.1, m=0.9, adaptive=False, alpha=0.01, w_max=1.5, m_min=0.5
-    ):
+    def __init__(self, target_entropy=0.3, w=1.1, m=0.9, adaptive=False, alpha=0.01, w_max=1.5,
+                 m_min=0.5):
         if not math.isfinite(target_entropy):
             raise ValueError(f"target_entropy must be finite, got {target_entropy}")
         if not (alpha >= 0 and w_max >= 1 and 0 <= m_min <= 1):
             raise ValueError(
-                f"need alpha >= 0, w_max >= 1, 0 <= m_min <= 1; got {alpha=}, {w_max=}, {m_min=}"
-            )
+                f"need alpha >= 0, w_max >= 1, 0 <= m_min <= 1; got {alpha=}, {w_max=}, {m_min=}")
         self.target_entropy = float(target_entropy)
         self.w, self.m = float(w), float(m)
         self.adaptive, self.alpha = bool(adaptive), float(alpha)
@@ -355,16 +348,8 @@ class EntropyGate:
         return True
 
     _STATE_KEYS = (
-        "target_entropy",
-        "w",
-        "m",
-        "adaptive",
-        "alpha",
-        "w_max",
-        "m_min",
-        "gate_on",
-        "current_entropy",
-    )
+        "target_entropy", "w", "m", "adaptive", "alpha", "w_max", "m_min", "gate_on",
+        "current_entropy")
 
     def state_dict(self):
         return {key: getattr(self, key) for key in self._STATE_KEYS}
@@ -400,8 +385,7 @@ def group_advantages(rewards, group_size, normalize_std=True, eps=1e-6):
         raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size != 0:
         raise ValueError(
-            f"{rewards.numel()} rewards do not split into groups of group_size={group_size}"
-        )
+            f"{rewards.numel()} rewards do not split into groups of group_size={group_size}")
     grouped = rewards.float().view(-1, group_size)  # [num_groups, G]
     if group_size == 1:
         return (grouped / (1.0 + eps) if normalize_std else grouped).view(-1)
@@ -412,9 +396,8 @@ def group_advantages(rewards, group_size, normalize_std=True, eps=1e-6):
     return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)
 
 
-def clipped_surrogate(
-    logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.28, dual_clip=None, mask=None
-):
+def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.28,
+                      dual_clip=None, mask=None):
     """The per-token PPO/GRPO loss to minimise, with clip-higher and optional dual clip (Eq. 2).
 
     logprobs [B, T] (current policy, with grad), old_logprobs [B, T] (behaviour policy), advantages
@@ -445,8 +428,7 @@ def clipped_surrogate(
     if dual_clip is not None:
         dual_bounded = (token_adv < 0) & (token_loss > -token_adv * dual_clip)
         token_loss = torch.where(
-            token_adv < 0, torch.minimum(token_loss, -token_adv * dual_clip), token_loss
-        )
+            token_adv < 0, torch.minimum(token_loss, -token_adv * dual_clip), token_loss)
 
     with torch.no_grad():
         valid = torch.ones_like(log_ratio, dtype=torch.bool) if mask is None else mask.bool()
@@ -470,16 +452,11 @@ def clipped_surrogate(
 
 
 LOSS_AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-)
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def aggregate_loss(
-    token_loss, mask, mode="token-mean", num_tokens=None, num_sequences=None, loss_scale_factor=None
-):
+def aggregate_loss(token_loss, mask, mode="token-mean", num_tokens=None, num_sequences=None,
+                   loss_scale_factor=None):
     """Reduce per-token losses [B, T] over `mask` [B, T] to a scalar (Eq. 3).
 
       token-mean               sum_{i,t} m L / N_tok                          (DAPO; the default)
@@ -498,14 +475,12 @@ def aggregate_loss(
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(
-            f"unknown loss aggregation mode {mode!r}: expected one of {LOSS_AGG_MODES}"
-        )
+            f"unknown loss aggregation mode {mode!r}: expected one of {LOSS_AGG_MODES}")
     valid = mask.to(torch.float32)  # [B, T]
     masked_loss = token_loss.float() * valid  # [B, T]: sums in float32 whatever the loss dtype
     if mode == "token-mean":
         return _divide_by_count(
-            masked_loss.sum(), valid.sum() if num_tokens is None else num_tokens
-        )
+            masked_loss.sum(), valid.sum() if num_tokens is None else num_tokens)
 
     tokens_per_seq = valid.sum(-1)  # [B]
     seq_loss = masked_loss.sum(-1)  # [B]
@@ -513,11 +488,9 @@ def aggregate_loss(
         seq_loss = seq_loss / tokens_per_seq.clamp(min=1)
     elif mode == "seq-mean-token-sum-norm":
         seq_loss = seq_loss / float(
-            token_loss.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        )
+            token_loss.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     return _divide_by_count(
-        seq_loss.sum(), (tokens_per_seq > 0).sum() if num_sequences is None else num_sequences
-    )
+        seq_loss.sum(), (tokens_per_seq > 0).sum() if num_sequences is None else num_sequences)
 
 
 # ==================================================================================================
@@ -594,8 +567,7 @@ def flatten_logits(logits, tokens):
         raise TypeError(f"logits must be a float tensor, got {logits.dtype}")
     if tokens is not None and tuple(logits.shape[:-1]) != tuple(tokens.shape):
         raise ValueError(
-            f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} plus a vocab dim"
-        )
+            f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} plus a vocab dim")
     logits_2d = logits.reshape(-1, logits.shape[-1])  # a view when contiguous
     tokens_1d = None if tokens is None else tokens.reshape(-1).to(torch.long)
     return logits_2d, tokens_1d
@@ -607,8 +579,7 @@ def broadcastable_advantages(advantages, like):
     if advantages.dim() == like.dim() - 1:
         advantages = advantages.unsqueeze(-1)  # [B, 1]
     if advantages.dim() != like.dim() or any(
-        a not in (1, t) for a, t in zip(advantages.shape, like.shape)
-    ):
+        a not in (1, t) for a, t in zip(advantages.shape, like.shape)):
         raise ValueError(
             f"advantages {tuple(advantages.shape)} must be [B] or [B, T] for tokens {tuple(like.shape)}"
         )
@@ -637,8 +608,7 @@ def select_top_k(values, candidates, k, signed=False):
     """
     if values.shape != candidates.shape:
         raise ValueError(
-            f"values {tuple(values.shape)} and candidates {tuple(candidates.shape)} differ"
-        )
+            f"values {tuple(values.shape)} and candidates {tuple(candidates.shape)} differ")
     if candidates.numel() == 0:
         return torch.zeros(candidates.shape, dtype=torch.bool, device=candidates.device)
     flat_candidates = candidates.reshape(-1)  # [N] bool
@@ -648,13 +618,9 @@ def select_top_k(values, candidates, k, signed=False):
     k = k.to(torch.int32).clamp(min=0).clamp(max=flat_candidates.sum(dtype=torch.int32))  # 0-dim
 
     bits = values.reshape(-1).float().view(torch.int32)  # [N]
-    # [N] int64 keys in [0, 2^32) ordered as the floats: negatives' magnitude bits flipped, then
-    # offset
-    if signed:
+    if signed:  # [N] int64 keys in [0, 2^32) ordered as the floats: negatives' bits flipped, offset
         key, high_digits = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() + 2**31, 1 << 16
-    # [N] the bit pattern of a float >= 0; sign-bit patterns (negatives, -0.0) -> 0, NaN patterns ->
-    # +inf
-    else:
+    else:  # [N] the bit pattern of a float >= 0; sign-bit patterns -> 0, NaN patterns -> +inf
         key, high_digits = bits.clamp(0, 0x7F800000), 1 << 15
     in_play = flat_candidates.int()  # [N] 1 for candidates
     # pass 1: the top 16 bits (15 in use unless signed); bin = bits + 1, non-candidates in bin 0
@@ -683,8 +649,7 @@ def _kth_largest_digit(bins, num_digits, k):
     """
     counts = torch.zeros(num_digits + 2, dtype=torch.int32, device=bins.device)  # [D + 2]
     counts.index_add_(
-        0, bins, torch.ones(1, dtype=torch.int32, device=bins.device).expand(bins.numel())
-    )
+        0, bins, torch.ones(1, dtype=torch.int32, device=bins.device).expand(bins.numel()))
     # [D]: in-play elements with digit >= d
     at_or_above = counts[1:num_digits + 1].flip(0).cumsum(0).flip(0)
     digit = (at_or_above >= k).sum() - 1  # the largest digit with >= k elements at or above it

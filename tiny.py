@@ -84,17 +84,10 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # role)
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MODEL_SIZE = dict(
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=512,
-)
+    hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
 
 
 def build_tokenizer():
@@ -117,11 +110,8 @@ def build_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS,
-    )
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -135,18 +125,11 @@ def build_model(tokenizer, seed=0):
     vocab_size = 64 * ((len(tokenizer) + 63) // 64)
     eos_id, pad_id = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     config = Qwen2Config(
-        vocab_size=vocab_size,
-        bos_token_id=pad_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        tie_word_embeddings=False,
-        dtype="float32",
-        **MODEL_SIZE,
-    )
+        vocab_size=vocab_size, bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id,
+        tie_word_embeddings=False, dtype="float32", **MODEL_SIZE)
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(
-        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=pad_id
-    )
+        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=pad_id)
     return model
 
 
@@ -158,15 +141,13 @@ def build_model(tokenizer, seed=0):
 def sum_task_rows(numbers):
     return [
         {"problem": f"Write {n} as a+b with a, b > 0.", "answer": str(n), "data_source": "tiny_sum"}
-        for n in numbers
-    ]
+        for n in numbers]
 
 
 def add_task_rows(pairs):
     return [
         {"problem": f"What is {a}+{b}?", "answer": str(a + b), "data_source": "tiny_add"}
-        for a, b in pairs
-    ]
+        for a, b in pairs]
 
 
 def warmup_response(row, rng):
@@ -207,16 +188,14 @@ def load_split(data_dir, name, tokenizer):
     """A split as the trainer sees it: (rows as dicts, prompt token ids)."""
     examples = data.load_examples(Path(data_dir) / f"{name}.jsonl", prompt_suffix=None)
     prompt_ids, _, _ = data.tokenize_prompts(
-        examples, tokenizer, max_prompt_tokens=512, overflow="error"
-    )
+        examples, tokenizer, max_prompt_tokens=512, overflow="error")
     rows = [
         {
             "answer": e.ground_truth,
             "data_source": e.data_source,
             "problem": e.messages[-1]["content"],
         }
-        for e in examples
-    ]
+        for e in examples]
     return rows, prompt_ids
 
 
@@ -227,8 +206,7 @@ def answer_sequence(tokenizer, prompt_ids, response):
 
 
 def warmup(
-    model, tokenizer, rows, prompt_ids, steps, batch_size=32, lr=3e-3, seed=0, sequence=None
-):
+    model, tokenizer, rows, prompt_ids, steps, batch_size=32, lr=3e-3, seed=0, sequence=None):
     """Teacher-force random correct responses after each prompt (loss on response tokens only).
     Returns the mean loss of the last 50 steps. sequence(i, rng) -> (ids, labels) makes one training
     sequence for row i; the default is prompt + a random correct answer (warmup_response) + EOS."""
@@ -244,8 +222,7 @@ def warmup(
     pad_id = tokenizer.pad_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 50) * (1 - s / steps)
-    )
+        optimizer, lambda s: min(1.0, (s + 1) / 50) * (1 - s / steps))
     model.train()
     recent = []
     for step in range(steps):
@@ -281,21 +258,14 @@ def sample_responses(model, tokenizer, prompt_ids, temperature, max_new_tokens, 
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids])
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
     output = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention,
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=max_new_tokens,
-    )
+        input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=temperature,
+        top_k=0, top_p=1.0, max_new_tokens=max_new_tokens)
     return tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
 
 
 @torch.no_grad()
-def sampled_success_rate(
-    model, tokenizer, rows, prompt_ids, temperature=1.0, max_new_tokens=16, seed=0
-):
+def sampled_success_rate(model, tokenizer, rows, prompt_ids, temperature=1.0, max_new_tokens=16,
+                         seed=0):
     """Fraction of prompts whose sampled response (HF generate, temperature 1) the task's verifier accepts."""
     import config
     import rewards
@@ -320,16 +290,14 @@ TOOL_SHAPES = {"direct": 0.2, "one_call": 0.6, "two_calls": 0.2}
 def mul_task_rows(pairs):
     return [
         {"problem": f"What is {a}*{b}?", "answer": str(a * b), "data_source": MUL_SOURCE}
-        for a, b in pairs
-    ]
+        for a, b in pairs]
 
 
 def make_tool_splits(seed=0, num_train=512, num_test=64):
     """Deterministic, disjoint train/test splits of "What is a*b?" with a 3-digit a and a 2-digit b."""
     rng = random.Random(seed)
     pairs = rng.sample(
-        [(a, b) for a in range(100, 1000) for b in range(10, 100)], num_train + num_test
-    )
+        [(a, b) for a in range(100, 1000) for b in range(10, 100)], num_train + num_test)
     return {
         "mul_train": mul_task_rows(pairs[num_test:]),
         "mul_test": mul_task_rows(sorted(pairs[:num_test])),
@@ -380,8 +348,7 @@ def tool_warmup_sequence(tokenizer, prompt_ids, turns, wrapper):
 
 @torch.no_grad()
 def first_turn_calls(
-    model, tokenizer, rows, prompt_ids, temperature=1.0, max_new_tokens=96, seed=0
-):
+    model, tokenizer, rows, prompt_ids, temperature=1.0, max_new_tokens=96, seed=0):
     """Sample each prompt's first model turn (HF generate) and sort it: -> fractions of turns that
     make a call, that make a valid call, and whose code is exactly print(a*b) for the prompt's a*b;
     and the sampled turns."""
@@ -392,16 +359,12 @@ def first_turn_calls(
         if rollout.TOOL_CALL_CLOSE in text
         else text
         for text in sample_responses(
-            model, tokenizer, prompt_ids, temperature, max_new_tokens, seed
-        )
-    ]
+            model, tokenizer, prompt_ids, temperature, max_new_tokens, seed)]
     calls = [
         rollout.parse_tool_call(t)[0] if t.endswith(rollout.TOOL_CALL_CLOSE) else None
-        for t in turns
-    ]
+        for t in turns]
     expected = [
-        f"print({row['problem'].removeprefix('What is ').removesuffix('?')})" for row in rows
-    ]
+        f"print({row['problem'].removeprefix('What is ').removesuffix('?')})" for row in rows]
     count = len(turns)
     return {"call_rate": sum(t.endswith(rollout.TOOL_CALL_CLOSE) for t in turns) / count,
             "valid_call_rate": sum(c is not None for c in calls) / count,
@@ -734,8 +697,7 @@ def build_tiny(out_dir, seed=0, warmup_steps=800, force=False, from_scratch=Fals
         sum_train_rate, _ = sampled_success_rate(model, tokenizer,
                                                  *(x * 4 for x in loaded["sum_train"]), seed=seed)
         sum_rate, sum_samples = sampled_success_rate(
-            model, tokenizer, *(x * 16 for x in loaded["sum_test"]), seed=seed
-        )
+            model, tokenizer, *(x * 16 for x in loaded["sum_test"]), seed=seed)
         add_rate, _ = sampled_success_rate(model, tokenizer, *loaded["add_test"], seed=seed)
         model.save_pretrained(out_dir / "model")
     summary = {
@@ -883,8 +845,7 @@ def main():
     existing = next(p for p in [Path(args.out), *Path(args.out).parents] if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         parser.error(
-            f"--out {args.out}: cannot create or write it ({existing} is not a writable directory)"
-        )
+            f"--out {args.out}: cannot create or write it ({existing} is not a writable directory)")
     if args.data_only:
         print(json.dumps(write_data(args.out, args.seed), indent=2))
         return

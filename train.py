@@ -101,8 +101,8 @@ class Group:
     responses: list[Response]
 
     @property
-    # dynamic sampling keeps a group only if its responses were not all judged the same
     def varied(self):
+        """Dynamic sampling keeps a group only if its responses were not all judged the same."""
         return len({r.accuracy for r in self.responses}) > 1
 
     @property
@@ -152,8 +152,7 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
             raise runs.RunError(
                 f"error: dynamic sampling kept {len(kept)} of the {cfg.train.train_batch_size} groups needed after "
                 f"{rounds} rounds (algorithm.max_num_gen_batches); the task is too easy or too hard for the model: "
-                f"raise the limit or turn algorithm.dynamic_sampling off"
-            )
+                f"raise the limit or turn algorithm.dynamic_sampling off")
         # the ranks of one engine sample the same prompts together
         tp = cfg.rollout.tensor_parallel_size
         global_indices = round_prompts(data_position, cfg.algorithm.gen_batch_size, rank, world, tp)
@@ -162,8 +161,7 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
         leader = rank % tp == 0  # one rank per engine speaks for its samples
         add_sums(
             local_sums,
-            {k: v if leader or k.startswith("time/") else 0 for k, v in round_sums.items()},
-        )
+            {k: v if leader or k.startswith("time/") else 0 for k, v in round_sums.items()})
         # what every rank sampled in two numbers a group, then only the groups the step keeps, the
         # same on all ranks (the ranks of one engine hold the same groups: the first sends them)
         mine = groups if leader else []
@@ -213,50 +211,32 @@ def generate_round(engine, tokenizer, task, cfg, global_indices):
     in the seeded prompt stream), scored -> (groups, sums over the round's responses)."""
     n, prompts = cfg.rollout.n, [task.prompt_at(g) for g in global_indices]
     sampling = dict(
-        n=n,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
+        n=n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
         max_tokens=cfg.rollout.max_tokens,
-        seeds=[rollout.derive_seed(cfg.train.seed, "prompt", g) for g in global_indices],
-    )
+        seeds=[rollout.derive_seed(cfg.train.seed, "prompt", g) for g in global_indices])
     start = time.time()
     if cfg.rollout.tools:  # multi-turn: the code interpreter's output comes back as tool turns
         out = rollout.generate_with_tools(
-            engine,
-            tokenizer,
-            [task.prompt_ids[p] for p in prompts],
-            max_turns=cfg.rollout.max_turns,
-            sandbox_config=cfg.sandbox,
-            max_tool_response_tokens=cfg.rollout.max_tool_response_tokens,
-            **sampling,
-        )
+            engine, tokenizer, [task.prompt_ids[p] for p in prompts],
+            max_turns=cfg.rollout.max_turns, sandbox_config=cfg.sandbox,
+            max_tool_response_tokens=cfg.rollout.max_tool_response_tokens, **sampling)
     else:
         out = rollout.generate(engine, [task.prompt_ids[p] for p in prompts], **sampling)
     sums = {"time/rollout": time.time() - start}
     start = time.time()
     examples = [task.examples[prompts[i]] for i in out.prompt_index]
     scores, accuracies, reward_metrics = rewards.compute_rewards(
-        out.texts,
-        [e.ground_truth for e in examples],
-        [e.data_source for e in examples],
-        out.lengths,
-        cfg.reward,
-    )
+        out.texts, [e.ground_truth for e in examples], [e.data_source for e in examples],
+        out.lengths, cfg.reward)
     sums["time/reward"] = time.time() - start
     responses = [
         Response(
-            prompt=task.prompt_ids[prompts[out.prompt_index[r]]],
-            tokens=out.token_ids[r],
-            rollout_logprobs=out.logprobs[r],
-            reward=scores[r],
-            accuracy=accuracies[r],
+            prompt=task.prompt_ids[prompts[out.prompt_index[r]]], tokens=out.token_ids[r],
+            rollout_logprobs=out.logprobs[r], reward=scores[r], accuracy=accuracies[r],
             truncated=out.finish_reasons[r] == "length",
             reflection=evaluate.reflection_counts(out.texts[r]),
-            policy_mask=policy_token_mask(out, r),
-        )
-        for r in range(len(out.texts))
-    ]
+            policy_mask=policy_token_mask(out, r))
+        for r in range(len(out.texts))]
     sums.update({"sampled": len(responses), "sampled_correct": sum(accuracies),
                  **{key: reward_metrics[key] * len(responses) for key in REWARD_FRACTIONS}})
     if cfg.rollout.tools:
@@ -279,8 +259,7 @@ def group_responses(groups, cfg, rank, world):
             rewards_, len(group.responses), cfg.algorithm.normalize_std
         )  # [n]
         mine += [
-            dataclasses.replace(r, advantage=float(a)) for r, a in zip(group.responses, advantages)
-        ]
+            dataclasses.replace(r, advantage=float(a)) for r, a in zip(group.responses, advantages)]
     return mine
 
 
@@ -325,8 +304,7 @@ def update_gate(gate, responses, device):
             "entropy": sum(float(r.entropy[r.policy_mask].sum()) for r in responses),
             "surprisal": sum(float(-r.old_logprobs[r.policy_mask].sum()) for r in responses),
         },
-        device,
-    )
+        device)
     tokens = max(sums["tokens"], 1)
     accepted = gate.update(sums["entropy"] / tokens)
     return sums["tokens"], {
@@ -347,19 +325,16 @@ def select_tokens(responses, cfg, gate, step, device):
     if cfg.algorithm.selection_scope != "step" or method not in baselines.SELECTING:
         return {}  # nothing to select, or micro scope: policy_loss selects inside each micro-batch
     fields = ("old_logprobs", "entropy", "policy_mask", "advantage") + baselines.EXTRA_INPUTS.get(
-        method, ()
-    )
+        method, ())
     shared = [types.SimpleNamespace(**{key: getattr(r, key) for key in fields}) for r in responses]
     everyone = [row for rank_rows in all_gather(shared) for row in rank_rows]
     # [B, T] each, B = the step's responses
     batch = loss_batch(everyone, pad_rows, method, device=None)
     batch["logprobs"] = batch["old_logprobs"]  # the selection ranks tokens under pi_old
     generator = torch.Generator().manual_seed(
-        rollout.derive_seed(cfg.train.seed, "selection", step)
-    )
+        rollout.derive_seed(cfg.train.seed, "selection", step))
     selection, metrics = baselines.token_selection(
-        method, batch, cfg.loss, gate=gate, generator=generator
-    )
+        method, batch, cfg.loss, gate=gate, generator=generator)
     offset = (dist.get_rank() if dist.is_initialized() else 0) * len(responses)
     for j, response in enumerate(responses):
         response.selection = {k: v[offset + j, :len(response.tokens)] for k, v in selection.items()}
@@ -403,24 +378,13 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=N
         loss_scale = scaler.scale if scaler is not None else 1.0
         for indices in batches:
             micro_batch_backward(
-                model,
-                [mini_rows[i] for i in indices] or mini_rows[:1],
-                not indices,
-                len(mini_rows),
-                denominators,
-                cfg,
-                gate,
-                step,
-                device,
-                mini_sums,
-                loss_scale,
-            )
+                model, [mini_rows[i] for i in indices] or mini_rows[:1], not indices,
+                len(mini_rows), denominators, cfg, gate, step, device, mini_sums, loss_scale)
         add_sums(device_sums, mini_sums)
         if scaler is not None:
             scaler.unscale(model)
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), cfg.optim.grad_clip or float("inf")
-        )
+            model.parameters(), cfg.optim.grad_clip or float("inf"))
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         grad_norms.append(grad_norm)
         # the one host read
@@ -472,19 +436,8 @@ def loss_denominators(rows, cfg, device):
     return all_reduce({"num_tokens": tokens, "num_sequences": sequences}, device)
 
 
-def micro_batch_backward(
-    model,
-    rows,
-    is_padding,
-    mini_rows,
-    denominators,
-    cfg,
-    gate,
-    step,
-    device,
-    device_sums,
-    loss_scale=1.0,
-):
+def micro_batch_backward(model, rows, is_padding, mini_rows, denominators, cfg, gate, step, device,
+                         device_sums, loss_scale=1.0):
     """Forward and backward of one micro-batch's share of the loss; its loss and statistics added to device_sums."""
     packed = modeling.pack_rows([r.prompt for r in rows], [r.tokens for r in rows], device)
     logits = modeling.response_logits(model, packed)  # [N, V]
@@ -502,28 +455,18 @@ def micro_batch_backward(
     token_weights = None
     if cfg.algorithm.importance_sampling:  # truncated IS: pi_old / pi_rollout, capped (Eq. 11)
         rollout_logprobs = rows_of(
-            torch.tensor(r.rollout_logprobs, dtype=torch.float32) for r in rows
-        )
+            torch.tensor(r.rollout_logprobs, dtype=torch.float32) for r in rows)
         token_weights = torch.exp(batch["old_logprobs"] - rollout_logprobs).clamp(
-            max=cfg.algorithm.is_cap
-        )
+            max=cfg.algorithm.is_cap)
     # micro scope (or grpo / entropy_bonus): policy_loss selects within this micro-batch
     selection = None
     if rows[0].selection is not None:
         selection = {k: rows_of(r.selection[k] for r in rows) for k in rows[0].selection}
     generator = torch.Generator(device=device).manual_seed(
-        rollout.derive_seed(cfg.train.seed, "selection", step)
-    )
+        rollout.derive_seed(cfg.train.seed, "selection", step))
     loss, loss_metrics = baselines.policy_loss(
-        cfg.algorithm.method,
-        batch,
-        cfg.loss,
-        selection=selection,
-        gate=gate,
-        generator=generator,
-        token_weights=token_weights,
-        **(denominators or {}),
-    )
+        cfg.algorithm.method, batch, cfg.loss, selection=selection, gate=gate, generator=generator,
+        token_weights=token_weights, **(denominators or {}))
     # step scope: the loss is already this batch's share of the global mean and FSDP averages
     # gradients over ranks, hence x world; micro scope: each micro-batch's mean weighted by its
     # share of the rows (0 for a padding batch)
@@ -537,12 +480,10 @@ def micro_batch_backward(
             "stats_weight": weight,
             **{
                 f"train/{k}" if "/" not in k else k: torch.where(
-                    weight > 0, v.detach() * weight, 0.0
-                )
+                    weight > 0, v.detach() * weight, 0.0)
                 for k, v in loss_metrics.items()
             },
-        },
-    )
+        })
 
 
 def sync_engine(engine, model, cfg, responses, step, probe, first=False):
@@ -554,8 +495,7 @@ def sync_engine(engine, model, cfg, responses, step, probe, first=False):
         rollout.wake_weights(engine)  # weights first, then the KV cache (vLLM's sleep mode)
     rollout.sync_weights(engine, rollout.full_parameters(model, rollout.engine_dtype(engine)))
     checking = cfg.rollout.sync_check_every and (
-        first or step == 1 or step % cfg.rollout.sync_check_every == 0
-    )
+        first or step == 1 or step % cfg.rollout.sync_check_every == 0)
     if checking and probe is None:
         # same on all ranks
         probe = next((p for p in all_gather(probe_sequence(responses)) if p is not None), None)
@@ -594,8 +534,7 @@ def sync_guard(metrics, cfg, step):
             return (
                 f"error: step {step}: {key} = {metrics[key]:.3g} exceeds rollout.{name} = {bound:g}: the "
                 f"engine is not sampling from the trained weights (a failed weight sync); stopped before this "
-                f"step's checkpoint (metrics.jsonl has the step). Try rollout.sleep_level=1 on GPU"
-            )
+                f"step's checkpoint (metrics.jsonl has the step). Try rollout.sleep_level=1 on GPU")
     return None
 
 
@@ -603,8 +542,7 @@ def batch_metrics(responses, num_tokens, device):
     """Rollout statistics of the training batch (the kept groups) and the predicted first-order
     entropy change of its update by quadrant (Eq. 6), over all ranks."""
     mismatch = [
-        (torch.tensor(r.rollout_logprobs) - r.old_logprobs).abs()[r.policy_mask] for r in responses
-    ]
+        (torch.tensor(r.rollout_logprobs) - r.old_logprobs).abs()[r.policy_mask] for r in responses]
     sums = all_reduce(
         {
             "responses": len(responses),
@@ -617,22 +555,18 @@ def batch_metrics(responses, num_tokens, device):
             "reflection_words": sum(r.reflection[0] for r in responses),
             "words": sum(r.reflection[1] for r in responses),
         },
-        device,
-    )
+        device)
     maxima = all_reduce(
         {
             "length": max((len(r.tokens) for r in responses), default=0),
             "mismatch": max((float(m.max()) for m in mismatch if m.numel()), default=0.0),
         },
         device,
-        op=dist.ReduceOp.MAX,
-    )
+        op=dist.ReduceOp.MAX)
     dynamics = stare.entropy_dynamics(
         torch.tensor([r.advantage for r in responses]),
-        pad_rows([r.sensitivity for r in responses]),
-        pad_rows([r.policy_mask for r in responses]),
-        num_tokens=num_tokens,
-    )
+        pad_rows([r.sensitivity for r in responses]), pad_rows([r.policy_mask for r in responses]),
+        num_tokens=num_tokens)
     count = sums["responses"]
     return {
         "rollout/acc": sums["correct"] / count,
@@ -658,8 +592,7 @@ def train_step(run, state, step, stage=lambda name: None, first=False):
     start = time.time()
     stage("rollout")
     groups, state.data_position, rollout_metrics = sample_groups(
-        run.engine, run.tokenizer, run.task, cfg, state.data_position, rank, world, device
-    )
+        run.engine, run.tokenizer, run.task, cfg, state.data_position, rank, world, device)
     if cfg.rollout.enable_sleep_mode:
         # free the engine for the update (GPU)
         rollout.release_memory(run.engine, cfg.rollout.sleep_level)
@@ -674,8 +607,7 @@ def train_step(run, state, step, stage=lambda name: None, first=False):
     stage("update")
     with timer("time/update"):
         update_metrics = policy_update(
-            run.model, run.optimizer, responses, cfg, run.gate, step, device, state.scaler
-        )
+            run.model, run.optimizer, responses, cfg, run.gate, step, device, state.scaler)
         run.scheduler.step()
     skipped = update_metrics["train/nonfinite_updates"]  # not a float16 overflow the scale absorbs
     state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
@@ -686,8 +618,7 @@ def train_step(run, state, step, stage=lambda name: None, first=False):
     stage("weight sync")
     with timer("time/sync"):
         state.probe, sync_error = sync_engine(
-            run.engine, run.model, cfg, responses, step, state.probe, first
-        )
+            run.engine, run.model, cfg, responses, step, state.probe, first)
     elapsed = time.time() - start
     return {
         **rollout_metrics,
@@ -716,8 +647,7 @@ def main(argv):
     if len(argv) < 2 or argv[0] != "--config":
         print(
             "usage: train.py --config CONFIG.yaml [--export | --plan] [section.key=value ...]",
-            file=sys.stderr,
-        )
+            file=sys.stderr)
         return 2
     if planning:
         return plan.main(argv[1], argv[2:])
@@ -755,25 +685,21 @@ def train(run, state):
     log = runs.MetricsLog(run.out_dir, cfg, run.rank, first_step=first_step)
     stop = runs.StopSignals()
     progress = tqdm(
-        range(first_step, cfg.train.total_steps + 1),
-        desc="train",
-        disable=run.rank != 0,
-        initial=state.step,
-        total=cfg.train.total_steps,
-    )
+        range(first_step, cfg.train.total_steps + 1), desc="train", disable=run.rank != 0,
+        initial=state.step, total=cfg.train.total_steps)
     if run.benchmarks and cfg.eval.before_train and state.step == 0:
         log.write(0, evaluation(run), progress)  # the starting point of every eval curve
     try:
         for step in progress:
-            metrics = {**train_step(run, state, step, first=step == first_step,
-                                    stage=lambda name: progress.set_postfix_str(
-                                        f"step {step}: {name}", refresh=True)),
-                       **run.task.metrics}  # data/*: what loading the prompts did
+            def stage(name):  # the stage running now, beside the progress bar
+                progress.set_postfix_str(f"step {step}: {name}", refresh=True)
+            metrics = train_step(run, state, step, first=step == first_step, stage=stage)
+            metrics.update(run.task.metrics)  # data/*: what loading the prompts did
             if run.benchmarks and (step % cfg.eval.every == 0 or step == cfg.train.total_steps):
                 metrics.update(evaluation(run))
             log.write(step, metrics, progress)
-            problem = sync_guard(metrics, cfg, step)
             # before this step's checkpoint: the last one holds weights the engine sampled well
+            problem = sync_guard(metrics, cfg, step)
             if problem:
                 raise runs.RunError(problem)
             state.step = step
@@ -782,18 +708,10 @@ def train(run, state):
             if (
                 stopping
                 or step == cfg.train.total_steps
-                or (cfg.train.save_every and step % cfg.train.save_every == 0)
-            ):
+                or (cfg.train.save_every and step % cfg.train.save_every == 0)):
                 path = checkpoints.save_checkpoint(
-                    run.out_dir,
-                    step,
-                    run.model,
-                    run.optimizer,
-                    trainer_state(run, state),
-                    cfg,
-                    run.rank,
-                    run.world,
-                )
+                    run.out_dir, step, run.model, run.optimizer, trainer_state(run, state), cfg,
+                    run.rank, run.world)
                 if run.rank == 0:
                     progress.write(f"step {step}: checkpoint {path}")
             # at the last step: finish normally (export included)
@@ -862,8 +780,7 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
         agree(
             f"error: the GPU preflight found {len(errors)} problem(s), listed above"
             if errors
-            else None
-        )
+            else None)
     checkpoint = checkpoints.resume_checkpoint(cfg, check_later=not export_only, rank=rank)
     if cfg.loss.agg_mode == "seq-mean-token-sum-norm" and cfg.loss.loss_scale_factor is None:
         # Dr.GRPO's constant must not be the padded width of each micro-batch: use the response
@@ -890,8 +807,7 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
         max_tokens = max(cfg.rollout.max_tokens, cfg.eval.max_tokens if benchmarks else 0)
         say(
             rank,
-            "building the vLLM engine (on a GPU the first start compiles and captures CUDA graphs)",
-        )
+            "building the vLLM engine (on a GPU the first start compiles and captures CUDA graphs)")
         engine = rollout.build_engine(
             # one seed per engine, or every engine samples alike (vLLM #15980); the ranks of one
             # engine share it
@@ -905,15 +821,13 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
             max_num_seqs=cfg.rollout.max_num_seqs,
             enable_sleep_mode=cfg.rollout.enable_sleep_mode,
             enforce_eager=cfg.rollout.enforce_eager,
-            model_runner=cfg.rollout.model_runner,
-        )
+            model_runner=cfg.rollout.model_runner)
         runner = rollout.engine_runner(engine)
         task.metrics["rollout/model_runner_v2"] = float(runner == "v2")  # recorded with every step
         if runner != cfg.rollout.model_runner and rank == 0:
             print(
                 f"warning: vLLM runs model runner {runner}, not rollout.model_runner={cfg.rollout.model_runner}",
-                file=sys.stderr,
-            )
+                file=sys.stderr)
     try:
         # after the engine, whose start reseeds every global RNG (rollout.py)
         torch.manual_seed(cfg.train.seed)
@@ -926,21 +840,8 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_lambda(cfg))
         gate = stare.EntropyGate(**vars(cfg.gate))
         run = Run(
-            cfg,
-            rank,
-            world,
-            device,
-            Path(cfg.train.out_dir),
-            tokenizer,
-            task,
-            benchmarks,
-            engine,
-            model,
-            optimizer,
-            scheduler,
-            gate,
-            checkpoint,
-        )
+            cfg, rank, world, device, Path(cfg.train.out_dir), tokenizer, task, benchmarks, engine,
+            model, optimizer, scheduler, gate, checkpoint)
         if export_only:
             return run, None
         state = resume(run, checkpoint) if checkpoint is not None else TrainerState()
@@ -950,8 +851,7 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
             try:
                 (run.out_dir / "config.yaml").write_text(config.to_yaml(cfg))
                 kept = runs.keep_metrics(
-                    run.out_dir / "metrics.jsonl", state.step if checkpoint is not None else None
-                )
+                    run.out_dir / "metrics.jsonl", state.step if checkpoint is not None else None)
             except OSError as error:
                 raise runs.RunError(f"error: cannot write to train.out_dir {run.out_dir} "
                                     f"({error.strerror}: {error.filename})") from None
@@ -960,11 +860,9 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
                 print(
                     f"warning: {run.out_dir} held metrics of an earlier run but no checkpoint "
                     f"to resume from; they are kept as {kept}",
-                    file=sys.stderr,
-                )
+                    file=sys.stderr)
         return run, state
-    # vLLM's clean-up at exit needs the process group that main destroys after an error
-    except BaseException:
+    except BaseException:  # vLLM's clean-up at exit needs the process group main destroys
         if engine is not None:
             rollout.shutdown_engine(engine)
         raise
@@ -985,8 +883,7 @@ def load_task(cfg, tokenizer, rank):
                     for example in data.load_examples(path, prompt_suffix=cfg.data.prompt_suffix)]
         tools = [rollout.CODE_INTERPRETER_TOOL] if cfg.rollout.tools else None
         prompt_ids, examples, stats = data.tokenize_prompts(
-            examples, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overflow, tools=tools
-        )
+            examples, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overflow, tools=tools)
         benchmarks = (evaluate.load_benchmarks(cfg.eval.files, prompt_suffix=cfg.data.prompt_suffix)
                       if cfg.eval.files and cfg.eval.every else {})
     except ValueError as error:
@@ -995,8 +892,7 @@ def load_task(cfg, tokenizer, rank):
     report = (
         f"{total} training prompts; {stats['num_truncated']} ({stats['num_truncated'] / total:.1%}) cut to "
         f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} from the left, {stats['num_skipped']} "
-        f"({stats['num_skipped'] / total:.1%}) skipped (data.overflow={cfg.data.overflow})"
-    )
+        f"({stats['num_skipped'] / total:.1%}) skipped (data.overflow={cfg.data.overflow})")
     if not prompt_ids:
         raise runs.RunError(f"data error: no training prompt is left: {report}")
     if rank == 0:
@@ -1017,20 +913,15 @@ def resume(run, checkpoint):
     factor = learning_rate_lambda(cfg)(run.scheduler.last_epoch)
     for group in run.optimizer.param_groups:
         group.update(
-            initial_lr=cfg.optim.lr,
-            lr=cfg.optim.lr * factor,
-            betas=tuple(cfg.optim.betas),
-            weight_decay=cfg.optim.weight_decay,
-        )
+            initial_lr=cfg.optim.lr, lr=cfg.optim.lr * factor, betas=tuple(cfg.optim.betas),
+            weight_decay=cfg.optim.weight_decay)
     # the gate's state; its settings come from this run's config (w and m too, unless they adapt)
     carried = ("gate_on", "current_entropy") + (("w", "m") if run.gate.adaptive else ())
     run.gate.load_state_dict(
-        {**run.gate.state_dict(), **{key: saved["gate"][key] for key in carried}}
-    )
+        {**run.gate.state_dict(), **{key: saved["gate"][key] for key in carried}})
     # the engine started from model.path
     rollout.sync_weights(
-        run.engine, rollout.full_parameters(run.model, rollout.engine_dtype(run.engine))
-    )
+        run.engine, rollout.full_parameters(run.model, rollout.engine_dtype(run.engine)))
     changed = runs.config_differences((checkpoint / "config.yaml").read_text(), run.cfg)
     if run.rank == 0:
         print(
@@ -1038,13 +929,10 @@ def resume(run, checkpoint):
             + (
                 f"; config keys changed since, this run's values apply: {', '.join(changed)}"
                 if changed
-                else ""
-            ),
-            file=sys.stderr,
-        )
+                else ""),
+            file=sys.stderr)
     state = TrainerState(
-        **{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved}
-    )
+        **{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved})
     state.scaler = LossScaler(**state.scaler) if isinstance(state.scaler, dict) else state.scaler
     return state
 
@@ -1061,19 +949,11 @@ def evaluation(run):
     """evaluate.py's sampler and verifier on the engine's current weights -> eval/... metrics."""
     cfg, start = run.cfg, time.time()
     result = evaluate.evaluate(
-        run.engine,
-        run.tokenizer,
-        run.benchmarks,
-        n=cfg.eval.n,
-        tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-        temperature=cfg.eval.temperature,
-        top_p=cfg.eval.top_p,
-        max_tokens=cfg.eval.max_tokens,
-        reward_cfg=cfg.reward,
-        seed=cfg.train.seed,
-        max_prompt_tokens=cfg.data.max_prompt_tokens,
-        overflow=cfg.data.overflow,
-    )
+        run.engine, run.tokenizer, run.benchmarks, n=cfg.eval.n,
+        tensor_parallel_size=cfg.rollout.tensor_parallel_size, temperature=cfg.eval.temperature,
+        top_p=cfg.eval.top_p, max_tokens=cfg.eval.max_tokens, reward_cfg=cfg.reward,
+        seed=cfg.train.seed, max_prompt_tokens=cfg.data.max_prompt_tokens,
+        overflow=cfg.data.overflow)
     return {**evaluate.flatten_metrics(result), "time/eval": time.time() - start}
 
 
@@ -1106,11 +986,9 @@ def setup_distributed(timeout_minutes=60):
     if use_cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(
-        "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes)
-    )
+        "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
     device = (
-        torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
-    )
+        torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu"))
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -1130,8 +1008,7 @@ class LossScaler:
     def unscale(self, model):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         torch._foreach_mul_(
-            [g.to_local() if hasattr(g, "to_local") else g for g in grads], 1.0 / self.scale
-        )
+            [g.to_local() if hasattr(g, "to_local") else g for g in grads], 1.0 / self.scale)
 
     def update(self, finite):
         self.good_steps = self.good_steps + 1 if finite else 0
@@ -1150,8 +1027,7 @@ def learning_rate_lambda(cfg):
         if cfg.optim.schedule == "constant":
             return 1.0
         progress = (step - cfg.optim.warmup_steps) / max(
-            1, cfg.train.total_steps - cfg.optim.warmup_steps
-        )
+            1, cfg.train.total_steps - cfg.optim.warmup_steps)
         cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return cfg.optim.min_lr_ratio + (1 - cfg.optim.min_lr_ratio) * cosine
     return factor
@@ -1162,8 +1038,7 @@ def equal_count_micro_batches(responses, token_budget, device):
     forward and backward are collectives, so every rank must run the same number of them (a mismatch
     hangs)."""
     batches = modeling.micro_batches(
-        [len(r.prompt) + len(r.tokens) for r in responses], token_budget
-    )
+        [len(r.prompt) + len(r.tokens) for r in responses], token_budget)
     count = all_reduce({"count": len(batches)}, device, op=dist.ReduceOp.MAX)["count"]
     return batches + [[]] * (int(count) - len(batches))
 
@@ -1197,8 +1072,7 @@ def all_reduce(values, device, op=dist.ReduceOp.SUM):
     """A dict of numbers (floats or 0-dim tensors) reduced over ranks in one collective -> dict of floats."""
     keys = sorted(values)
     stacked = torch.stack(
-        [torch.as_tensor(values[k], dtype=torch.float64, device=device) for k in keys]
-    )
+        [torch.as_tensor(values[k], dtype=torch.float64, device=device) for k in keys])
     if dist.is_initialized():
         dist.all_reduce(stacked, op=op)
     return dict(zip(keys, stacked.tolist()))

@@ -40,14 +40,9 @@ def responses(cfg):
                 train.Response(
                     prompt=prompt,
                     tokens=torch.randint(3, 300, (length,), generator=generator).tolist(),
-                    rollout_logprobs=[0.0] * length,
-                    reward=reward,
-                    accuracy=reward,
-                    truncated=False,
-                    reflection=(0, 0),
-                    policy_mask=torch.ones(length, dtype=torch.bool),
-                )
-            )
+                    rollout_logprobs=[0.0] * length, reward=reward, accuracy=reward,
+                    truncated=False, reflection=(0, 0),
+                    policy_mask=torch.ones(length, dtype=torch.bool)))
     groups = [train.Group(rows[i].prompt, rows[i:i + 4]) for i in range(0, 12, 4)]
     out = train.group_responses(groups, cfg, 0, 1)
     for r in out:
@@ -73,15 +68,9 @@ def update(model_dir, param_dtype, scaler, nan_loss=False):
     cfg = config.load(
         "configs/tiny.yaml",
         [
-            f"model.path={model_dir}",
-            f"model.param_dtype={param_dtype}",
-            "algorithm.method=grpo",
-            "optim.grad_clip=0",
-            "rollout.n=4",
-            "train.train_batch_size=3",
-            "train.mini_batch_size=3",
-        ],
-    )
+            f"model.path={model_dir}", f"model.param_dtype={param_dtype}", "algorithm.method=grpo",
+            "optim.grad_clip=0", "rollout.n=4", "train.train_batch_size=3",
+            "train.mini_batch_size=3"])
     model = modeling.build_model(cfg, DEVICE, 1)
     # the float32 shards, before any forward
     before = [full(p).detach().clone() for p in model.parameters()]
@@ -92,13 +81,11 @@ def update(model_dir, param_dtype, scaler, nan_loss=False):
     baselines.policy_loss = nan_policy_loss if nan_loss else REAL_POLICY_LOSS
     try:
         metrics = train.policy_update(
-            model, torch.optim.SGD(model.parameters(), lr=1.0), rows, cfg, gate, 1, DEVICE, scaler
-        )
+            model, torch.optim.SGD(model.parameters(), lr=1.0), rows, cfg, gate, 1, DEVICE, scaler)
     finally:
         baselines.policy_loss = REAL_POLICY_LOSS
     change = torch.cat(
-        [(b - full(p).detach()).flatten() for b, p in zip(before, model.parameters())]
-    )
+        [(b - full(p).detach()).flatten() for b, p in zip(before, model.parameters())])
     return change, metrics
 
 

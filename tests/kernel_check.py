@@ -51,8 +51,7 @@ def check(device, vocab_size=1000, num_rows=37, dtype=torch.float32, tolerance=2
     for seed, temperature in ((0, 1.0), (1, 0.7)):
         logits, tokens = awkward_logits(num_rows, vocab_size, dtype, device, seed)
         grad_lp, grad_h = torch.randn(
-            2, num_rows, generator=torch.Generator().manual_seed(seed)
-        ).to(device)
+            2, num_rows, generator=torch.Generator().manual_seed(seed)).to(device)
 
         fast = logits.clone().requires_grad_()
         lp, h = stare.token_logprobs_and_entropy(fast, tokens, temperature)
@@ -78,27 +77,18 @@ def check(device, vocab_size=1000, num_rows=37, dtype=torch.float32, tolerance=2
             close(
                 stare.entropy_sensitivity(logits, tokens, temperature),
                 exact(stare.entropy_sensitivity, logits.float(), tokens, temperature),
-                "sensitivity",
-            )
+                "sensitivity")
             close(
                 stare.critical_surprisal(logits, temperature),
-                exact(stare.critical_surprisal, logits.float(), temperature),
-                "critical surprisal",
-            )
+                exact(stare.critical_surprisal, logits.float(), temperature), "critical surprisal")
             for soft in (False, True):
                 for kappa in (0.02, 1.0):
                     close(
                         baselines.minp_proxy_logprobs(logits, tokens, temperature, kappa, soft),
                         exact(
-                            baselines.minp_proxy_logprobs,
-                            logits.float(),
-                            tokens,
-                            temperature,
-                            kappa,
-                            soft,
-                        ),
-                        f"min-p proxy {soft=} {kappa=}",
-                    )
+                            baselines.minp_proxy_logprobs, logits.float(), tokens, temperature,
+                            kappa, soft),
+                        f"min-p proxy {soft=} {kappa=}")
     empty = torch.zeros(0, vocab_size, device=device, dtype=dtype)
     assert stare.token_logprobs_and_entropy(empty, torch.zeros(0, dtype=torch.long, device=device))[
         0

@@ -27,8 +27,7 @@ def main(model_dir, result_path):
                                   kv_cache_gib=0.2, max_num_seqs=32, enforce_eager=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt = data.chat_template_ids(
-        tokenizer, [{"role": "user", "content": "Write 23 as a+b with a, b > 0."}]
-    )
+        tokenizer, [{"role": "user", "content": "Write 23 as a+b with a, b > 0."}])
 
     # same prompt, no per-prompt seed: each rank's own stream (seeded base + rank) decides
     samples = rollout.generate(engine, [prompt], n=8, max_tokens=16).token_ids
@@ -51,8 +50,7 @@ def main(model_dir, result_path):
     # gathered in float32
     gathered_dtypes, full_tensor = set(), DTensor.full_tensor
     DTensor.full_tensor = lambda self, *a, **k: (
-        gathered_dtypes.add(str(self.dtype)) or full_tensor(self, *a, **k)
-    )
+        gathered_dtypes.add(str(self.dtype)) or full_tensor(self, *a, **k))
     try:
         half = dict(rollout.full_parameters(model, torch.bfloat16))
     finally:
@@ -75,8 +73,7 @@ def main(model_dir, result_path):
                     "half_exact": half_exact,
                     "engine_dtype": str(rollout.engine_dtype(engine)),
                 },
-                f,
-            )
+                f)
     dist.barrier()
     # this also tears down the default process group (see rollout.shutdown_engine)
     rollout.shutdown_engine(engine)

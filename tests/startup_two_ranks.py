@@ -19,10 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-# noqa: E402,F401  (imported before the measurement: the classes
-import transformers.models.llama.modeling_llama
-# noqa: E402,F401   cost the same whatever the model's size)
-import transformers.models.qwen2.modeling_qwen2
+# imported before the measurement: the classes cost the same whatever the model's size
+import transformers.models.llama.modeling_llama  # noqa: E402,F401
+import transformers.models.qwen2.modeling_qwen2  # noqa: E402,F401
 
 import config  # noqa: E402
 import modeling  # noqa: E402
@@ -64,8 +63,7 @@ def main(model_dir, out_dir):
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
     ids = torch.randint(
-        0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0)
-    )
+        0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     model.eval()
     with torch.no_grad():
         sharded_logits = model(input_ids=ids, use_cache=False).logits

@@ -37,8 +37,7 @@ def cells(batch):
         (i, t, adv[i].item())
         for i in range(mask.shape[0])
         for t in range(mask.shape[1])
-        if mask[i, t]
-    ]
+        if mask[i, t]]
 
 
 def surrogate_loop(lp, old, a, cfg):
@@ -51,8 +50,7 @@ def token_mean_loop(batch, per_token, denominator_cells=None):
     """sum over valid tokens of per_token(i, t, a) / the number of tokens in the denominator."""
     valid = cells(batch)
     return sum(per_token(i, t, a) for i, t, a in valid) / len(
-        denominator_cells if denominator_cells else valid
-    )
+        denominator_cells if denominator_cells else valid)
 
 
 def lp(batch, key, i, t):
@@ -68,13 +66,8 @@ def lp(batch, key, i, t):
 def test_minp_proxy_matches_loop(temperature, soft):
     batch = make_batch(seed=1)
     proxy = baselines.minp_proxy_logprobs(
-        batch["logits"],
-        batch["tokens"],
-        temperature=temperature,
-        kappa=0.1,
-        soft=soft,
-        chunk_size=4,
-    )
+        batch["logits"], batch["tokens"], temperature=temperature, kappa=0.1, soft=soft,
+        chunk_size=4)
     logits = batch["logits"].double()
     for i in range(6):
         for t in range(9):
@@ -83,13 +76,11 @@ def test_minp_proxy_matches_loop(temperature, soft):
             fill = min(z) if soft else -1e4
             filtered = [zi if pi >= 0.1 * max(p) else fill for zi, pi in zip(z, p)]
             log_norm = math.log(
-                sum(math.exp(f / temperature - max(filtered) / temperature) for f in filtered)
-            )
+                sum(math.exp(f / temperature - max(filtered) / temperature) for f in filtered))
             expected = (
                 filtered[batch["tokens"][i, t]] / temperature
                 - max(filtered) / temperature
-                - log_norm
-            )
+                - log_norm)
             # filtered: ~ -1e4
             assert proxy[i, t].item() == pytest.approx(expected, rel=1e-6, abs=1e-4)
 
@@ -98,8 +89,7 @@ def test_minp_proxy_is_a_distribution_over_the_kept_set():
     logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(2)) * 3
     every_token = torch.arange(30).expand(5, 30)
     proxy = baselines.minp_proxy_logprobs(
-        logits[:, None, :].expand(5, 30, 30), every_token, kappa=0.05
-    ).exp()
+        logits[:, None, :].expand(5, 30, 30), every_token, kappa=0.05).exp()
     probs = torch.softmax(logits, -1)
     kept = probs >= 0.05 * probs.amax(-1, keepdim=True)
     torch.testing.assert_close(proxy.sum(-1), torch.ones(5), atol=1e-5, rtol=0)
@@ -120,8 +110,7 @@ def test_stapo_mask_and_loss_match_loop():
     # loose, to select some
     cfg = config.LossConfig(stapo_prob_threshold=0.2, stapo_entropy_quantile=0.6)
     spurious, threshold = baselines.stapo_spurious_mask(
-        batch["logprobs"], batch["entropy"], batch["advantages"], batch["mask"], 0.2, 0.6
-    )
+        batch["logprobs"], batch["entropy"], batch["advantages"], batch["mask"], 0.2, 0.6)
     expected_threshold = torch.quantile(batch["entropy"][batch["mask"]], 0.6).item()
     assert threshold.item() == pytest.approx(expected_threshold, rel=1e-6)
     expected = [
@@ -129,8 +118,7 @@ def test_stapo_mask_and_loss_match_loop():
         for i, t, a in cells(batch)
         if a > 0
         and math.exp(lp(batch, "logprobs", i, t)) < 0.2
-        and batch["entropy"][i, t] < expected_threshold
-    ]
+        and batch["entropy"][i, t] < expected_threshold]
     assert sorted(map(tuple, spurious.nonzero().tolist())) == expected and expected
     # only positive-advantage tokens
     assert (batch["advantages"][:, None].expand(6, 9)[spurious] > 0).all()
@@ -152,14 +140,12 @@ def test_lp_reg_selection_and_loss_match_loop():
     batch = make_batch(seed=4)
     cfg = config.LossConfig(lp_reg_neg_ratio=0.4, lp_reg_coef=0.7)
     selected = baselines.lp_reg_mask(
-        batch["logprobs"], batch["proxy_logprobs"], batch["advantages"], batch["mask"], 0.4
-    )
+        batch["logprobs"], batch["proxy_logprobs"], batch["advantages"], batch["mask"], 0.4)
     negative = [(i, t) for i, t, a in cells(batch) if a < 0]
     k = max(1, int(0.4 * len(negative)))
     lowest = sorted(negative, key=lambda it: lp(batch, "logprobs", *it))[:k] if k > 1 else []
     expected = sorted(
-        it for it in lowest if lp(batch, "logprobs", *it) < lp(batch, "proxy_logprobs", *it)
-    )
+        it for it in lowest if lp(batch, "logprobs", *it) < lp(batch, "proxy_logprobs", *it))
     assert sorted(map(tuple, selected.nonzero().tolist())) == expected and expected
     # invariants: A < 0 and pi < pi_proxy on every selected token
     assert (batch["advantages"][:, None].expand(6, 9)[selected] < 0).all()
@@ -183,11 +169,9 @@ def test_lp_reg_regulariser_pushes_low_probabilities_up():
     without = dataclasses.replace(with_reg, lp_reg_coef=0.0)
     selection, _ = baselines.token_selection("lp_reg", batch, with_reg)
     (grad_with,) = torch.autograd.grad(
-        baselines.policy_loss("lp_reg", batch, with_reg, selection)[0], batch["logprobs"]
-    )
+        baselines.policy_loss("lp_reg", batch, with_reg, selection)[0], batch["logprobs"])
     (grad_without,) = torch.autograd.grad(
-        baselines.policy_loss("lp_reg", batch, without, selection)[0], batch["logprobs"]
-    )
+        baselines.policy_loss("lp_reg", batch, without, selection)[0], batch["logprobs"])
     regulariser_grad = grad_with - grad_without  # d(beta k3)/d log pi / N
     selected = selection["regularized"]
     assert selected.any()
@@ -224,8 +208,7 @@ def test_lp_reg_needs_more_than_one_token():
     num_negative = sum(a < 0 for _, _, a in cells(batch))
     rho = 1.5 / num_negative  # int(rho n) = 1
     assert not baselines.lp_reg_mask(
-        batch["logprobs"], batch["proxy_logprobs"], batch["advantages"], batch["mask"], rho
-    ).any()
+        batch["logprobs"], batch["proxy_logprobs"], batch["advantages"], batch["mask"], rho).any()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -243,8 +226,7 @@ def covariance_loop(batch):
 def test_covariance_matches_loop():
     batch = make_batch(seed=7)
     covariance = baselines.advantage_logprob_covariance(
-        batch["logprobs"], batch["advantages"], batch["mask"]
-    )
+        batch["logprobs"], batch["advantages"], batch["mask"])
     for (i, t), value in covariance_loop(batch).items():
         assert covariance[i, t].item() == pytest.approx(value, abs=1e-6)
     assert (covariance[~batch["mask"]] == 0).all()
@@ -264,14 +246,11 @@ def test_clip_cov_detaches_the_documented_count_reproducibly():
     candidates = {(i, t) for i, t, a in cells(batch) if candidate(i, t, a)}
     k = max(1, int(0.05 * len(cells(batch))))
     first, _ = baselines.token_selection(
-        "clip_cov", batch, cfg, generator=torch.Generator().manual_seed(0)
-    )
+        "clip_cov", batch, cfg, generator=torch.Generator().manual_seed(0))
     again, _ = baselines.token_selection(
-        "clip_cov", batch, cfg, generator=torch.Generator().manual_seed(0)
-    )
+        "clip_cov", batch, cfg, generator=torch.Generator().manual_seed(0))
     other, _ = baselines.token_selection(
-        "clip_cov", batch, cfg, generator=torch.Generator().manual_seed(1)
-    )
+        "clip_cov", batch, cfg, generator=torch.Generator().manual_seed(1))
     detached = set(map(tuple, first["detached"].nonzero().tolist()))
     assert torch.equal(first["detached"], again["detached"])  # same generator state, same tokens
     assert not torch.equal(first["detached"], other["detached"])  # it is random
@@ -284,9 +263,7 @@ def test_clip_cov_detaches_the_documented_count_reproducibly():
             0.0
             if (i, t) in detached
             else surrogate_loop(
-                lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t), a, cfg
-            )
-        )
+                lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t), a, cfg))
 
     assert loss.item() == pytest.approx(token_mean_loop(batch, per_token), rel=1e-5)
     (grad,) = torch.autograd.grad(loss, batch["logprobs"])
@@ -319,16 +296,14 @@ def test_kl_cov_ranks_near_tied_covariances_exactly(monkeypatch):
     # the shift merges them
     assert covariance[0, 1] - covariance[0, 0] == covariance[0, 2] - covariance[0, 0]
     monkeypatch.setattr(
-        baselines, "advantage_logprob_covariance", lambda logprobs, advantages, mask: covariance
-    )
+        baselines, "advantage_logprob_covariance", lambda logprobs, advantages, mask: covariance)
     mask = torch.ones_like(covariance, dtype=torch.bool)
     # k = 1
     chosen = baselines.kl_cov_mask(torch.zeros_like(covariance), torch.zeros(1), mask, ratio=0.2)
     assert (
         chosen.nonzero().tolist()
         == [[0, int(torch.topk(covariance.flatten(), 1).indices)]]
-        == [[0, 2]]
-    )
+        == [[0, 2]])
     # k = 3
     chosen = baselines.kl_cov_mask(torch.zeros_like(covariance), torch.zeros(1), mask, ratio=0.5)
     assert chosen.nonzero().tolist() == [[0, 1], [0, 2], [0, 4]]
@@ -588,8 +563,7 @@ def test_neutral_setting_reproduces_grpo_exactly(method):
     grpo_loss, _ = baselines.policy_loss("grpo", batch, cfg)
     (grpo_grad,) = torch.autograd.grad(grpo_loss, batch["logprobs"])
     loss, metrics = baselines.policy_loss(
-        method, batch, cfg, generator=torch.Generator().manual_seed(0)
-    )
+        method, batch, cfg, generator=torch.Generator().manual_seed(0))
     (grad,) = torch.autograd.grad(loss, batch["logprobs"])
     assert torch.equal(loss, grpo_loss) and torch.equal(grad, grpo_grad)
     assert metrics["touched_frac"] == 0
@@ -628,8 +602,7 @@ def test_step_selection_makes_micro_batches_add_up(method, agg_mode):
     batch = make_batch(seed=13, batch_size=8, width=10)
     cfg = config.LossConfig(agg_mode=agg_mode, **ACTIVE[method])
     selection, _ = baselines.token_selection(
-        method, batch, cfg, generator=torch.Generator().manual_seed(0)
-    )
+        method, batch, cfg, generator=torch.Generator().manual_seed(0))
     # the selection is not trivial (not constant over the batch), so the test can tell the scopes
     # apart
     assert method in ("grpo", "entropy_bonus", "w_reinforce") or any(
@@ -644,13 +617,8 @@ def test_step_selection_makes_micro_batches_add_up(method, agg_mode):
         micro = {key: value[rows] for key, value in batch.items()}
         micro_selection = {key: value[rows] for key, value in selection.items()}
         loss, _ = baselines.policy_loss(
-            method,
-            micro,
-            cfg,
-            selection=micro_selection,
-            num_tokens=num_tokens,
-            num_sequences=num_sequences,
-        )
+            method, micro, cfg, selection=micro_selection, num_tokens=num_tokens,
+            num_sequences=num_sequences)
         accumulated = accumulated + loss
     (accumulated_grad,) = torch.autograd.grad(accumulated, batch["logprobs"])
     torch.testing.assert_close(accumulated, full, atol=1e-6, rtol=1e-5)
@@ -663,8 +631,7 @@ def test_every_method_reports_the_same_touched_key_and_one_switch_selects_it():
     for method in baselines.METHODS:
         cfg = config.LossConfig(**ACTIVE[method])
         selection, _ = baselines.token_selection(
-            method, batch, cfg, generator=torch.Generator().manual_seed(0)
-        )
+            method, batch, cfg, generator=torch.Generator().manual_seed(0))
         loss, metrics = baselines.policy_loss(method, batch, cfg, selection=selection)
         assert torch.isfinite(loss) and loss.dim() == 0
         keys = keys or set(metrics)
@@ -684,15 +651,13 @@ def test_token_advantages_bf16_and_empty_batches(method):
     loss, _ = baselines.policy_loss(method, batch, cfg, selection=selection)
     token_batch = dict(batch, advantages=batch["advantages"][:, None].expand(6, 9))
     assert torch.equal(
-        baselines.policy_loss(method, token_batch, cfg, selection=selection)[0], loss
-    )
+        baselines.policy_loss(method, token_batch, cfg, selection=selection)[0], loss)
     # bf16 log-probs run and stay close to float32
     bf16_batch = {k: (v.detach().bfloat16() if v.is_floating_point() and k != "advantages" else v)
                   for k, v in batch.items()}
     bf16_loss, _ = baselines.policy_loss(method, bf16_batch, cfg, selection=selection)
     assert bf16_loss.dtype == torch.float32 and bf16_loss.item() == pytest.approx(
-        loss.item(), abs=0.05
-    )
+        loss.item(), abs=0.05)
     # a batch with no rows gives 0, not an error
     empty = {k: v[:0] for k, v in batch.items()}
     assert baselines.policy_loss(method, empty, cfg, generator=generator)[0].item() == 0.0
@@ -744,8 +709,7 @@ def test_token_weights_multiply_each_token_loss():
 
     def per_token(i, t, a):
         return weights[i, t].item() * surrogate_loop(
-            lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t), a, cfg
-        )
+            lp(batch, "logprobs", i, t), lp(batch, "old_logprobs", i, t), a, cfg)
 
     assert weighted.item() == pytest.approx(token_mean_loop(batch, per_token), rel=1e-5)
     assert torch.equal(baselines.policy_loss("grpo", batch, cfg, token_weights=torch.ones(6, 9))[0],
@@ -777,10 +741,7 @@ def test_selection_metrics_say_why_a_method_touched_nothing():
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
     _, few = baselines.token_selection("lp_reg", {**batch, "advantages": advantages}, cfg)
     assert (int(few["lp_reg/candidates"]), int(few["lp_reg/k"]), int(few["lp_reg/selected"])) == (
-        100,
-        0,
-        0,
-    )
+        100, 0, 0)
     wide = config.LossConfig(lp_reg_neg_ratio=0.05)  # k = 5: the 5 least likely negative tokens
     _, some = baselines.token_selection("lp_reg", {**batch, "advantages": advantages}, wide)
     assert (int(some["lp_reg/k"]), int(some["lp_reg/selected"])) == (5, 5)
@@ -788,5 +749,4 @@ def test_selection_metrics_say_why_a_method_touched_nothing():
     assert (
         int(stare_metrics["stare/positive_tokens"])
         == int(stare_metrics["stare/negative_tokens"])
-        == 100
-    )
+        == 100)

@@ -20,8 +20,7 @@ def test_bench_does_not_import_trl():
     # a fresh interpreter: another test may already have imported trl into this one
     code = "import sys; from tools import bench; assert 'trl' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run(
-        [sys.executable, "-c", code], check=True, cwd=Path(bench.__file__).resolve().parents[1]
-    )
+        [sys.executable, "-c", code], check=True, cwd=Path(bench.__file__).resolve().parents[1])
 
 
 def test_trl_compare_without_trl_names_the_requirements_file(monkeypatch):
@@ -29,8 +28,7 @@ def test_trl_compare_without_trl_names_the_requirements_file(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *rest: None if name == "trl" else real_find_spec(name, *rest))
     args = argparse.Namespace(
-        trl_worker=None, tiny="unused", steps=6, prompts=16, threads=None, result=None
-    )
+        trl_worker=None, tiny="unused", steps=6, prompts=16, threads=None, result=None)
     with pytest.raises(SystemExit) as exit_info:
         bench.bench_trl_compare(args)
     assert "pip install -r requirements-bench.txt" in str(exit_info.value.code)
@@ -47,8 +45,7 @@ def test_trl_step_does_the_work_of_ours(tiny_dir, tmp_path):
         cfg.algorithm.gen_batch_size
         == cfg.train.train_batch_size
         == cfg.train.mini_batch_size
-        == prompts
-    )
+        == prompts)
     completions = prompts * cfg.rollout.n
 
     timer = bench.TrlStepTimes()
@@ -58,19 +55,12 @@ def test_trl_step_does_the_work_of_ours(tiny_dir, tmp_path):
     # reference model
     assert args.generation_batch_size == args.per_device_train_batch_size == completions
     assert (args.steps_per_generation, args.gradient_accumulation_steps, args.num_iterations) == (
-        1,
-        1,
-        1,
-    )
+        1, 1, 1)
     assert (
         args.num_generations == cfg.rollout.n
-        and args.max_completion_length == cfg.rollout.max_tokens
-    )
+        and args.max_completion_length == cfg.rollout.max_tokens)
     assert (args.temperature, args.top_p, args.top_k) == (
-        cfg.rollout.temperature,
-        cfg.rollout.top_p,
-        cfg.rollout.top_k,
-    )
+        cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
     assert args.beta == 0.0 and trainer.ref_model is None
     assert (args.learning_rate, args.lr_scheduler_type) == (cfg.optim.lr, "constant")
     assert not args.gradient_checkpointing and not args.bf16 and not args.fp16
@@ -78,8 +68,7 @@ def test_trl_step_does_the_work_of_ours(tiny_dir, tmp_path):
     # the same prompt token ids as data.py gives train.py
     examples = data.load_examples(cfg.data.train_files[0], prompt_suffix=cfg.data.prompt_suffix)
     ours_ids, _, _ = data.tokenize_prompts(
-        examples, trainer.processing_class, cfg.data.max_prompt_tokens
-    )
+        examples, trainer.processing_class, cfg.data.max_prompt_tokens)
     trl_ids, _, _ = trainer._tokenize_prompts([e.messages for e in examples])
     assert [list(ids) for ids in trl_ids] == ours_ids
 
@@ -101,26 +90,12 @@ def test_update_runs_train_stages_on_cpu():
     # the tiny shape through train.py's stages in a fresh process (it starts its own process group)
     completed = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "tools.bench",
-            "update",
-            "--size",
-            "tiny",
-            "--rows",
-            "6",
-            "--max-response",
-            "40",
-            "--budget",
-            "60",
-            "--repeats",
-            "1",
-        ],
+            sys.executable, "-m", "tools.bench", "update", "--size", "tiny", "--rows", "6",
+            "--max-response", "40", "--budget", "60", "--repeats", "1"],
         cwd=Path(bench.__file__).resolve().parents[1],
         capture_output=True,
         text=True,
-        timeout=300,
-    )
+        timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(completed.stdout.strip().splitlines()[-1])
     assert result["padding_share"] == 0.0 and result["micro_batches"] >= 2
@@ -149,12 +124,8 @@ def test_gpu_smoke_engine_cycles_run_on_cpu(tmp_path):
     # engine against a float32 trainer on CPU (the GPU adds sleep mode, CUDA graphs and the
     # free-memory readings)
     completed = subprocess.run(
-        [sys.executable, "-c", SMOKE_CPU, str(tmp_path / "model")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(bench.__file__).resolve().parents[1],
-    )
+        [sys.executable, "-c", SMOKE_CPU, str(tmp_path / "model")], capture_output=True, text=True,
+        timeout=600, cwd=Path(bench.__file__).resolve().parents[1])
     assert completed.returncode == 0, completed.stderr[-3000:]
     reports = json.loads(completed.stdout.strip().splitlines()[-1])
     report = reports["engine"]
@@ -180,12 +151,8 @@ def test_gpu_smoke_without_cuda_says_so_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     completed = subprocess.run(
-        [sys.executable, "-m", "tools.bench", "gpu-smoke"],
-        capture_output=True,
-        text=True,
-        cwd=Path(bench.__file__).resolve().parents[1],
-        timeout=120,
-    )
+        [sys.executable, "-m", "tools.bench", "gpu-smoke"], capture_output=True, text=True,
+        cwd=Path(bench.__file__).resolve().parents[1], timeout=120)
     assert completed.returncode == 2 and completed.stdout == ""
     assert completed.stderr.strip().splitlines() == [
         'gpu-smoke needs CUDA: run it on a GPU machine (docs/benchmarks.md, "A new GPU machine")']

@@ -26,8 +26,7 @@ def write_trainer_state(out_dir, step, corrupt=False):
     path.mkdir(parents=True)
     dcp.save(
         {"model": {"weight": torch.arange(4096.0), "bias": torch.ones(3)}},
-        checkpoint_id=path / "sharded",
-    )
+        checkpoint_id=path / "sharded")
     torch.save({}, path / "rng_rank0.pt")
     if corrupt:
         (path / "trainer.pt").write_bytes(b"PK\x03\x04 truncated")
@@ -60,8 +59,7 @@ def test_one_run_per_out_dir_and_a_stale_lock_is_taken_over(tmp_path):
 def test_a_fresh_start_keeps_earlier_metrics_and_a_resume_drops_only_later_steps(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
     path.write_text(
-        "".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "x"'
-    )
+        "".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "x"')
     assert runs.keep_metrics(path, 3) is None
     assert f"warning: {path}:6 is not a metrics record (JSONDecodeError" in capsys.readouterr().err
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
@@ -83,14 +81,12 @@ def test_an_unreadable_checkpoint_falls_back_to_the_one_before(tmp_path, capsys)
     assert "step_00000004/trainer.pt cannot be read" in capsys.readouterr().err
     named = config.load(
         "configs/tiny.yaml",
-        [f"train.out_dir={tmp_path}", f"train.resume={tmp_path / 'checkpoints' / 'step_00000004'}"],
-    )
+        [f"train.out_dir={tmp_path}", f"train.resume={tmp_path / 'checkpoints' / 'step_00000004'}"])
     with pytest.raises(runs.RunError, match="cannot be read.*train.resume="):
         # a checkpoint named explicitly is used or refused, never replaced
         checkpoints.resume_checkpoint(named)
     with pytest.raises(
-        runs.RunError, match="checkpoints after step 0.*step_00000002, step_00000004"
-    ):
+        runs.RunError, match="checkpoints after step 0.*step_00000002, step_00000004"):
         checkpoints.resume_checkpoint(config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}",
                                                                         "train.resume=never"]))
 
@@ -107,8 +103,7 @@ def test_a_truncated_or_missing_shard_is_found_before_anything_loads(tmp_path, c
         f"{shard} is truncated" in warning and "falling back to the checkpoint before it" in warning
     )
     named = config.load(
-        "configs/tiny.yaml", [f"train.out_dir={tmp_path}", f"train.resume={latest}"]
-    )
+        "configs/tiny.yaml", [f"train.out_dir={tmp_path}", f"train.resume={latest}"])
     with pytest.raises(runs.RunError, match="is truncated.*train.resume="):
         checkpoints.resume_checkpoint(named)
     shard.unlink()
@@ -138,8 +133,7 @@ def stepped_linear(inputs, outputs):
 
 
 def test_a_failed_save_says_why_removes_its_files_and_keeps_the_previous_checkpoint(
-    tmp_path, monkeypatch, process_group
-):
+    tmp_path, monkeypatch, process_group):
     cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}", "train.keep_last=3"])
     model, optimizer = stepped_linear(3, 2)
     first = checkpoints.save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1}, cfg, 0, 1)
@@ -205,8 +199,7 @@ def test_a_full_disk_during_a_save_loses_nothing(small_disk, process_group):
         checkpoints.save_checkpoint(small_disk, 2, model, optimizer, {"step": 2}, cfg, 0, 1)
     message = str(error.value)
     assert message.startswith(
-        f"error: saving the checkpoint of step 2 to {small_disk / 'checkpoints'} failed"
-    )
+        f"error: saving the checkpoint of step 2 to {small_disk / 'checkpoints'} failed")
     assert "(the file system is full)" in message and str(first) in message and "\n" not in message
     # no .tmp left
     assert sorted(p.name for p in (small_disk / "checkpoints").iterdir()) == ["step_00000001"]
@@ -222,9 +215,8 @@ def flip_middle_bytes(path):
     path.write_bytes(bytes(data))
 
 
-def test_checksums_are_written_at_save_and_a_changed_shard_is_never_loaded(
-    tmp_path, capsys, process_group
-):
+def test_checksums_are_written_at_save_and_a_changed_shard_is_never_loaded(tmp_path, capsys,
+                                                                           process_group):
     from tools import checkpoint as checkpoint_tool
 
     cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}", "train.keep_last=3"])
@@ -269,8 +261,7 @@ def test_a_checkpoint_of_another_shape_is_refused_in_one_line(tmp_path, process_
     cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}"])
     small = torch.nn.Linear(4, 3)
     saved = checkpoints.save_checkpoint(
-        tmp_path, 1, small, torch.optim.AdamW(small.parameters()), {"step": 1}, cfg, 0, 1
-    )
+        tmp_path, 1, small, torch.optim.AdamW(small.parameters()), {"step": 1}, cfg, 0, 1)
     larger = torch.nn.Linear(4, 5)
     with pytest.raises(runs.RunError) as error:
         checkpoints.load_checkpoint(saved, larger, None, 0)

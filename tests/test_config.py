@@ -18,8 +18,7 @@ def test_every_shipped_config_loads_and_round_trips(path, tmp_path):
     cfg = config.load(path)
     gpus = {"1.5b": 8, "7b": 16, "14b": 16, "32b": 32}  # the node counts the configs' comments give
     config.check(
-        cfg, world_size=next((n for size, n in gpus.items() if f"{size}_" in path.name), 2)
-    )
+        cfg, world_size=next((n for size, n in gpus.items() if f"{size}_" in path.name), 2))
     resolved = tmp_path / "config.yaml"
     resolved.write_text(config.to_yaml(cfg))
     assert config.load(resolved) == cfg  # what a run saves reloads to the same config
@@ -30,21 +29,14 @@ def test_paper_config_values():
     # the reference run (docs/method.md, "The reference release"): spot checks of every section
     assert (cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.dual_clip) == (0.2, 0.28, 10.0)
     assert (cfg.loss.stare_variant, cfg.loss.stare_top_ratio, cfg.gate.w, cfg.gate.m) == (
-        "O1",
-        0.1,
-        1.1,
-        0.9,
-    )
+        "O1", 0.1, 1.1, 0.9)
     assert (
         cfg.gate.target_entropy,
         cfg.algorithm.gen_batch_size,
         cfg.algorithm.max_num_gen_batches,
     ) == (0.3, 192, 10)
     assert (cfg.train.train_batch_size, cfg.rollout.n, cfg.train.micro_token_budget) == (
-        64,
-        8,
-        8192,
-    )
+        64, 8, 8192)
     assert (
         cfg.optim.lr,
         cfg.optim.grad_clip,
@@ -61,17 +53,14 @@ def test_long_cot_configs_scale_the_reweighting_and_length():
     short = config.load(Path(CONFIGS[0]).with_name("qwen2.5_math_7b_short_stare.yaml"))
     long7 = config.load(Path(CONFIGS[0]).with_name("qwen7b_long.yaml"))
     assert (long7.gate.w, long7.gate.m) == (
-        1.1,
-        0.9,
-    ) and long7.rollout.max_tokens > short.rollout.max_tokens
+        1.1, 0.9) and long7.rollout.max_tokens > short.rollout.max_tokens
     # the reference README: W = 1.05, M = 0.95 and a longer max_response
     for size in ("14b", "32b"):
         cfg = config.load(Path(CONFIGS[0]).with_name(f"qwen{size}_long.yaml"))
         assert (cfg.gate.w, cfg.gate.m) == (1.05, 0.95)
         assert (
             cfg.rollout.max_tokens > long7.rollout.max_tokens
-            and cfg.eval.max_tokens == cfg.rollout.max_tokens
-        )
+            and cfg.eval.max_tokens == cfg.rollout.max_tokens)
         assert cfg.train.micro_token_budget >= cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
         assert (cfg.loss, cfg.algorithm) == (long7.loss, long7.algorithm)
         assert cfg.gate == dataclasses.replace(long7.gate, w=1.05, m=0.95)
@@ -83,15 +72,9 @@ def test_overrides_are_typed(tmp_path):
     cfg = config.load(
         path,
         [
-            "train.total_steps=7",
-            "optim.lr=3e-5",
-            "loss.dual_clip=null",
-            "rollout.kv_cache_gib=1",
-            "data.train_files=[x.jsonl, y.parquet]",
-            "data.prompt_suffix=",
-            "algorithm.method=kl_cov",
-        ],
-    )
+            "train.total_steps=7", "optim.lr=3e-5", "loss.dual_clip=null", "rollout.kv_cache_gib=1",
+            "data.train_files=[x.jsonl, y.parquet]", "data.prompt_suffix=",
+            "algorithm.method=kl_cov"])
     assert cfg.train.total_steps == 7 and cfg.optim.lr == 3e-5 and cfg.loss.dual_clip is None
     # ints widen to floats
     assert cfg.rollout.kv_cache_gib == 1.0 and isinstance(cfg.rollout.kv_cache_gib, float)
@@ -104,8 +87,7 @@ def test_overrides_are_typed(tmp_path):
     [
         (
             "algorithm.methd=grpo",
-            "'algorithm.methd': unknown key (did you mean 'algorithm.method'?)",
-        ),
+            "'algorithm.methd': unknown key (did you mean 'algorithm.method'?)"),
         ("trian.total_steps=3", "'trian': unknown key (did you mean 'train'?)"),
         ("train.total_steps=3.5", "'train.total_steps': expected int, got 3.5"),
         ("train.total_steps=true", "'train.total_steps': expected int, got True"),
@@ -115,23 +97,19 @@ def test_overrides_are_typed(tmp_path):
         ("algorithm.method=stapoo", "did you mean 'stapo'?"),
         (
             "train.mini_batch_size=24",
-            "'train.mini_batch_size': must divide train.train_batch_size (64)",
-        ),
+            "'train.mini_batch_size': must divide train.train_batch_size (64)"),
         (
             "algorithm.gen_batch_size=32",
-            "'algorithm.gen_batch_size': must be >= train.train_batch_size (64)",
-        ),
+            "'algorithm.gen_batch_size': must be >= train.train_batch_size (64)"),
         ("rollout.n=1", "'rollout.n': must be >= 2"),
         ("optim.lr=0", "'optim.lr': must be > 0"),
         (
             "loss.stare_top_ratio=1.5",
-            "config section 'loss': invalid loss config: stare_top_ratio=1.5",
-        ),
+            "config section 'loss': invalid loss config: stare_top_ratio=1.5"),
         ("loss.clip_low=-0.1", "config section 'loss': invalid loss config: clip_low=-0.1"),
         (
             "reward.overlong_buffer_len=512",
-            "config section 'reward': max_response_len (0) must be > overlong_buffer_len",
-        ),
+            "config section 'reward': max_response_len (0) must be > overlong_buffer_len"),
         ("optim.lr=fast", "'optim.lr': expected float, got 'fast'"),
         ("rollout.top_p=1.5", "'rollout.top_p': must be in (0, 1]"),
         ("totalsteps", "must look like section.key=value"),
@@ -144,9 +122,7 @@ def test_overrides_are_typed(tmp_path):
         ("rollout.gpu_memory_utilization=1.5",
          "'rollout.gpu_memory_utilization': must be in (0, 1]"),
         ("rollout.kv_cache_gib=0", "'rollout.kv_cache_gib': must be > 0 or null"),
-        ("hardware.host_gib=-1", "'hardware.host_gib': must be > 0 or null"),
-    ],
-)
+        ("hardware.host_gib=-1", "'hardware.host_gib': must be > 0 or null")])
 def test_bad_overrides_name_the_key(override, message, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("data:\n  train_files: [a.jsonl]\n")
@@ -159,8 +135,7 @@ def test_world_size_and_file_errors(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(
         "data:\n  train_files: [a.jsonl]\ntrain:\n  train_batch_size: 6\n  mini_batch_size: 6\n"
-        "algorithm:\n  gen_batch_size: 6\n"
-    )
+        "algorithm:\n  gen_batch_size: 6\n")
     cfg = config.load(path)
     config.check(cfg, world_size=3)
     with pytest.raises(config.ConfigError, match="divisible by the number of ranks \\(4\\)"):
@@ -190,10 +165,8 @@ def test_paths_are_checked_with_where_they_are_read_from(tiny_dir, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     base = [
         f"model.path={tiny_dir / 'model'}",
-        f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
-        "eval.files=[]",
-        f"train.out_dir={tmp_path / 'run'}",
-    ]
+        f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]",
+        f"train.out_dir={tmp_path / 'run'}"]
     config.check_paths(config.load(REPO / "configs" / "tiny.yaml", base))  # all good
 
     def problem(*overrides):
@@ -207,8 +180,7 @@ def test_paths_are_checked_with_where_they_are_read_from(tiny_dir, tmp_path, mon
     assert (
         "does not exist" in message
         and "nothing is downloaded" in message
-        and "--local-dir models/Qwen2.5-7B" in message
-    )
+        and "--local-dir models/Qwen2.5-7B" in message)
     (tmp_path / "run_dir" / "hf").mkdir(parents=True)
     (tmp_path / "run_dir" / "hf" / "config.json").write_text("{}")
     assert "training run's directory; its model is" in problem("model.path=run_dir")
@@ -217,19 +189,15 @@ def test_paths_are_checked_with_where_they_are_read_from(tiny_dir, tmp_path, mon
     assert (
         "not a Hugging Face model directory" in message
         and "config.json" in message
-        and "weights" in message
-    )
+        and "weights" in message)
     assert "'data.train_files[1]'" in problem(
-        f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'},x.jsonl]"
-    )
+        f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'},x.jsonl]")
     assert "'eval.files[0]'" in problem("eval.files=[missing.jsonl]")
     assert problem("rollout.max_tokens=500") == (  # 64 + 500 > the tiny model's 512 positions
         "data.max_prompt_tokens + rollout.max_tokens (or eval.max_tokens) = 564 tokens exceeds the model's context "
-        f"(max_position_embeddings = 512 in {tiny_dir / 'model' / 'config.json'})"
-    )
+        f"(max_position_embeddings = 512 in {tiny_dir / 'model' / 'config.json'})")
     assert "'train.resume'" in problem("train.resume=nowhere") and "no trainer.pt" in problem(
-        "train.resume=nowhere"
-    )
+        "train.resume=nowhere")
     (tmp_path / "file").write_text("")
     assert "'train.out_dir'" in problem("train.out_dir=file/run")
     # what a run writes may not be what it reads, nor of the wrong kind

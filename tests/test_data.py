@@ -21,8 +21,7 @@ CHARACTERS = [chr(code) for code in range(32, 127)] + ["\n"]
 VOCAB = {token: index for index, token in enumerate(SPECIAL_TOKENS + ["<unk>"] + CHARACTERS)}
 QWEN_STYLE_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +32,7 @@ def tokenizer():
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens(SPECIAL_TOKENS)
     wrapped = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     wrapped.chat_template = QWEN_STYLE_TEMPLATE
     return wrapped
 
@@ -43,13 +41,11 @@ def expected_ids(messages):
     """The chat template written out by hand, then tokenized by walking the string: special token or one character."""
     text = (
         "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        + "<|im_start|>assistant\n"
-    )
+        + "<|im_start|>assistant\n")
     ids, position = [], 0
     while position < len(text):
         special = next(
-            (token for token in SPECIAL_TOKENS if text.startswith(token, position)), None
-        )
+            (token for token in SPECIAL_TOKENS if text.startswith(token, position)), None)
         token = special or text[position]
         ids.append(VOCAB[token])
         position += len(token)
@@ -72,8 +68,7 @@ VERL_ROWS = [
     {
         "prompt": [
             {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "1+1? Answer in \\boxed{}."},
-        ],
+            {"role": "user", "content": "1+1? Answer in \\boxed{}."}],
         "reward_model": {"ground_truth": "2", "style": "rule"},
         "data_source": "Short_CoT",
         "extra_info": {"index": 0},
@@ -82,12 +77,10 @@ VERL_ROWS = [
         "prompt": [{"role": "user", "content": "6*7?"}],
         "reward_model": {"ground_truth": 42},
         "data_source": "AIME24",
-    },
-]
+    }]
 PLAIN_ROWS = [
     {"problem": "What is 2+3?", "answer": "5", "data_source": "toy"},
-    {"problem": "What is 6*7?", "answer": 42},
-]
+    {"problem": "What is 6*7?", "answer": 42}]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,8 +99,7 @@ def check_verl_examples(examples, origins):
 def check_plain_examples(examples, origins, stem):
     assert [e.messages for e in examples] == [
         [{"role": "user", "content": "What is 2+3?\n" + data.STARE_SUFFIX}],
-        [{"role": "user", "content": "What is 6*7?\n" + data.STARE_SUFFIX}],
-    ]
+        [{"role": "user", "content": "What is 6*7?\n" + data.STARE_SUFFIX}]]
     assert [e.ground_truth for e in examples] == ["5", "42"]
     assert [e.data_source for e in examples] == ["toy", stem]
     assert [e.origin for e in examples] == origins
@@ -142,16 +134,13 @@ def test_verl_parquet_integer_ground_truth_column(tmp_path):
             "prompt": [{"role": "user", "content": "q"}],
             "reward_model": {"ground_truth": 7},
             "data_source": "d",
-        }
-    ]
+        }]
     assert data.load_examples(write_parquet(tmp_path / "ints.parquet", rows))[0].ground_truth == "7"
 
 
 def test_plain_parquet(tmp_path):
     rows = [
-        {**PLAIN_ROWS[0], "answer": "5"},
-        {**PLAIN_ROWS[1], "answer": "42", "data_source": None},
-    ]
+        {**PLAIN_ROWS[0], "answer": "5"}, {**PLAIN_ROWS[1], "answer": "42", "data_source": None}]
     # a null data_source falls back like an absent one
     path = write_parquet(tmp_path / "plain.parquet", rows)
     check_plain_examples(data.load_examples(path), [f"{path} row 1", f"{path} row 2"], stem="plain")
@@ -195,8 +184,7 @@ def test_stare_suffix_matches_the_reference():
     # DAPO-Math-17K problem.
     assert (
         data.STARE_SUFFIX
-        == r"Please reason step by step, and put your final answer within \boxed{}."
-    )
+        == r"Please reason step by step, and put your final answer within \boxed{}.")
 
 
 @pytest.mark.parametrize(
@@ -213,14 +201,11 @@ def test_stare_suffix_matches_the_reference():
         (1e-05, "0.00001"),
         (1.5e20, "150000000000000000000"),
         ("  3/4 ", "  3/4 "),  # strings are kept exactly
-        ("\\frac{1}{2}", "\\frac{1}{2}"),
-    ],
-)
+        ("\\frac{1}{2}", "\\frac{1}{2}")])
 def test_ground_truth_numbers_and_strings(tmp_path, answer, expected):
     plain = write_jsonl(tmp_path / "plain.jsonl", [{"problem": "p", "answer": answer}])
     verl = write_jsonl(
-        tmp_path / "verl.jsonl", [{**VERL_ROWS[1], "reward_model": {"ground_truth": answer}}]
-    )
+        tmp_path / "verl.jsonl", [{**VERL_ROWS[1], "reward_model": {"ground_truth": answer}}])
     assert data.load_examples(plain)[0].ground_truth == expected
     assert data.load_examples(verl)[0].ground_truth == expected
 
@@ -231,9 +216,7 @@ def test_data_source_precedence(tmp_path):
     # row, else file stem
     assert [e.data_source for e in data.load_examples(path)] == ["own", "math_train"]
     assert [e.data_source for e in data.load_examples(path, default_data_source="dflt")] == [
-        "own",
-        "dflt",
-    ]
+        "own", "dflt"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,8 +232,7 @@ MALFORMED_JSONL_ROWS = [
     ('"just a string"', "row must be a JSON object, got str"),
     (
         {"question": "p", "answer": 1},
-        "row has neither 'prompt' (verl format) nor 'problem' (plain format)",
-    ),
+        "row has neither 'prompt' (verl format) nor 'problem' (plain format)"),
     ({"problem": "p"}, "missing field 'answer'"),
     ({"problem": "p", "answer": None}, "missing field 'answer'"),
     ({"problem": None, "answer": 1}, "missing field 'problem'"),
@@ -264,45 +246,35 @@ MALFORMED_JSONL_ROWS = [
     ({"prompt": [{"role": "user", "content": "q"}]}, "missing field 'reward_model'"),
     (
         {**GOOD_VERL, "reward_model": "1"},
-        "field 'reward_model' must be an object with a 'ground_truth'",
-    ),
+        "field 'reward_model' must be an object with a 'ground_truth'"),
     ({**GOOD_VERL, "reward_model": {"style": "rule"}}, "missing field 'reward_model.ground_truth'"),
     (
         {**GOOD_VERL, "reward_model": {"ground_truth": " "}},
-        "field 'reward_model.ground_truth' is empty",
-    ),
+        "field 'reward_model.ground_truth' is empty"),
     (
         {**GOOD_VERL, "prompt": []},
-        "field 'prompt' must be a non-empty list of {role, content} messages",
-    ),
+        "field 'prompt' must be a non-empty list of {role, content} messages"),
     (
         {**GOOD_VERL, "prompt": "q"},
-        "field 'prompt' must be a non-empty list of {role, content} messages",
-    ),
+        "field 'prompt' must be a non-empty list of {role, content} messages"),
     (
         {**GOOD_VERL, "prompt": None},
-        "field 'prompt' must be a non-empty list of {role, content} messages",
-    ),
+        "field 'prompt' must be a non-empty list of {role, content} messages"),
     (
         {**GOOD_VERL, "prompt": ["q"]},
-        "field 'prompt' must be a non-empty list of {role, content} messages",
-    ),
+        "field 'prompt' must be a non-empty list of {role, content} messages"),
     (
         {**GOOD_VERL, "prompt": [{"role": "user"}]},
-        "field 'prompt' message 1 needs a string 'content', got None",
-    ),
+        "field 'prompt' message 1 needs a string 'content', got None"),
     (
         {**GOOD_VERL, "prompt": [{"content": "q"}]},
-        "field 'prompt' message 1 needs a string 'role', got None",
-    ),
+        "field 'prompt' message 1 needs a string 'role', got None"),
     (
         {
             **GOOD_VERL,
             "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": ""}],
         },
-        "field 'prompt' message 2 has empty 'content'",
-    ),
-]
+        "field 'prompt' message 2 has empty 'content'")]
 
 
 @pytest.mark.parametrize("bad_row, problem", MALFORMED_JSONL_ROWS)
@@ -323,9 +295,7 @@ def test_malformed_jsonl_row_names_file_line_and_problem(tmp_path, bad_row, prob
         ([GOOD_VERL, {**GOOD_VERL, "reward_model": {"ground_truth": None}}],
          "row 2: missing field 'reward_model.ground_truth'"),
         ([{**GOOD_VERL, "prompt": []}, GOOD_VERL],
-         "row 1: field 'prompt' must be a non-empty list of {role, content} messages"),
-    ],
-)
+         "row 1: field 'prompt' must be a non-empty list of {role, content} messages")])
 def test_malformed_parquet_row_names_file_row_and_problem(tmp_path, rows, problem):
     path = write_parquet(tmp_path / "bad.parquet", rows)
     with pytest.raises(ValueError) as raised:
@@ -336,8 +306,7 @@ def test_malformed_parquet_row_names_file_row_and_problem(tmp_path, rows, proble
 def test_invalid_utf8_names_the_line(tmp_path):
     path = tmp_path / "bytes.jsonl"
     path.write_bytes(
-        json.dumps(GOOD_PLAIN).encode() + b"\n" + b'{"problem": "\xff", "answer": 1}\n'
-    )
+        json.dumps(GOOD_PLAIN).encode() + b"\n" + b'{"problem": "\xff", "answer": 1}\n')
     with pytest.raises(ValueError, match=re.escape(f"{path}:2: not valid UTF-8")):
         data.load_examples(path)
 
@@ -363,8 +332,7 @@ def test_file_level_errors(tmp_path):
     csv.write_text("problem,answer\n")
     with pytest.raises(
         ValueError,
-        match=re.escape(f"{csv}: unknown extension '.csv' (expected .jsonl or .parquet)"),
-    ):
+        match=re.escape(f"{csv}: unknown extension '.csv' (expected .jsonl or .parquet)")):
         data.load_examples(csv)
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n  \n\n")
@@ -372,8 +340,7 @@ def test_file_level_errors(tmp_path):
         data.load_examples(blank)
     empty_table = tmp_path / "empty.parquet"
     pyarrow.parquet.write_table(
-        pyarrow.table({"problem": pyarrow.array([], pyarrow.string())}), empty_table
-    )
+        pyarrow.table({"problem": pyarrow.array([], pyarrow.string())}), empty_table)
     with pytest.raises(ValueError, match=re.escape(f"{empty_table}: no examples")):
         data.load_examples(empty_table)
     corrupt = tmp_path / "corrupt.parquet"
@@ -392,16 +359,14 @@ def test_save_jsonl_round_trip(tmp_path):
         {"problem": "What is 2+3?", "answer": "5", "data_source": "toy"},
         # non-ASCII survives; no data_source -> file stem
         {"problem": "Solve x² = 4, x > 0.", "answer": 2},
-        {"problem": "Half of 1?", "answer": 0.5, "data_source": None},
-    ]
+        {"problem": "Half of 1?", "answer": 0.5, "data_source": None}]
     path = tmp_path / "splits" / "train.jsonl"  # parent directory is created
     assert data.save_jsonl((row for row in rows), path) == 3  # a generator is fine
     written = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     assert written == [rows[0], rows[1], {"problem": "Half of 1?", "answer": 0.5}]
     examples = data.load_examples(path)
     assert [e.messages[0]["content"] for e in examples] == [
-        r["problem"] + "\n" + data.STARE_SUFFIX for r in rows
-    ]
+        r["problem"] + "\n" + data.STARE_SUFFIX for r in rows]
     assert [e.ground_truth for e in examples] == ["5", "2", "0.5"]
     assert [e.data_source for e in examples] == ["toy", "train", "train"]
 
@@ -410,12 +375,9 @@ def test_save_jsonl_round_trip(tmp_path):
     "bad_row, problem",
     [
         ({"problem": "p", "answer": 1, "split": "train"}, "unknown field(s) ['split']"),
-        ({"answer": 1}, "missing field 'problem'"),
-        ({"problem": "p"}, "missing field 'answer'"),
+        ({"answer": 1}, "missing field 'problem'"), ({"problem": "p"}, "missing field 'answer'"),
         ({"problem": "p", "answer": float("nan")}, "field 'answer' must be finite, got nan"),
-        ("p", "row must be a dict, got str"),
-    ],
-)
+        ("p", "row must be a dict, got str")])
 def test_save_jsonl_rejects_bad_rows_and_writes_nothing(tmp_path, bad_row, problem):
     path = tmp_path / "out.jsonl"
     with pytest.raises(ValueError) as raised:
@@ -436,15 +398,13 @@ def test_save_jsonl_rejects_no_rows(tmp_path):
 
 def make_example(content, origin="t.jsonl:1", system=None):
     messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": content}
-    ]
+        {"role": "user", "content": content}]
     return data.Example(messages=messages, ground_truth="1", data_source="t", origin=origin)
 
 
 def test_tokenizer_fixture_is_character_level(tokenizer):
     assert tokenizer.decode(expected_ids([{"role": "user", "content": "a b"}])) == (
-        "<|im_start|>user\na b<|im_end|>\n<|im_start|>assistant\n"
-    )
+        "<|im_start|>user\na b<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_tokenization_matches_hand_built_template(tokenizer, tmp_path):
@@ -476,14 +436,9 @@ class StubTokenizer:
 @pytest.mark.parametrize(
     "wrap",
     [
-        lambda ids: ids,
-        lambda ids: {"input_ids": ids, "attention_mask": [1] * len(ids)},
-        lambda ids: transformers.BatchEncoding({"input_ids": ids}),
-        lambda ids: [ids],
-        lambda ids: torch.tensor([ids]),
-        lambda ids: np.array(ids),
-    ],
-)
+        lambda ids: ids, lambda ids: {"input_ids": ids, "attention_mask": [1] * len(ids)},
+        lambda ids: transformers.BatchEncoding({"input_ids": ids}), lambda ids: [ids],
+        lambda ids: torch.tensor([ids]), lambda ids: np.array(ids)])
 def test_chat_template_ids_accepts_every_return_shape(wrap):
     ids = data.chat_template_ids(StubTokenizer(wrap), [{"role": "user", "content": "abc"}])
     assert ids == [3, 99] and all(type(token) is int for token in ids)
@@ -496,8 +451,7 @@ def overflow_examples():
     cap = overhead + 10
     contents = ["short", "x" * 25 + "TAIL", "y" * 10, "z" * 40 + "END"]
     examples = [
-        make_example(content, origin=f"t.jsonl:{i}") for i, content in enumerate(contents, start=1)
-    ]
+        make_example(content, origin=f"t.jsonl:{i}") for i, content in enumerate(contents, start=1)]
     return examples, cap
 
 
@@ -538,11 +492,9 @@ def test_overflow_error_names_origin_and_length(tokenizer):
     with pytest.raises(ValueError) as raised:
         data.tokenize_prompts(examples, tokenizer, cap, overflow="error")
     assert (
-        str(raised.value) == f"t.jsonl:2: prompt is {length} tokens, over max_prompt_tokens={cap}"
-    )
+        str(raised.value) == f"t.jsonl:2: prompt is {length} tokens, over max_prompt_tokens={cap}")
     _, kept, _ = data.tokenize_prompts(
-        examples[:1] + examples[2:3], tokenizer, cap, overflow="error"
-    )
+        examples[:1] + examples[2:3], tokenizer, cap, overflow="error")
     assert len(kept) == 2  # at the cap is not over it
 
 
@@ -560,8 +512,7 @@ def test_everything_skipped_gives_zero_stats(tokenizer):
 
 def test_invalid_arguments(tokenizer):
     with pytest.raises(
-        ValueError, match=re.escape("overflow must be one of ('left_truncate', 'skip', 'error')")
-    ):
+        ValueError, match=re.escape("overflow must be one of ('left_truncate', 'skip', 'error')")):
         data.tokenize_prompts([make_example("a")], tokenizer, 10, overflow="right")
     for cap in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_prompt_tokens must be a positive int"):
@@ -575,16 +526,13 @@ def test_tools_reach_the_chat_template(tokenizer):
     listing = copy.copy(tokenizer)
     listing.chat_template = (
         "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t['function']['name'] }}"
-        "{% endfor %}<|im_end|>\n{% endif %}" + QWEN_STYLE_TEMPLATE
-    )
+        "{% endfor %}<|im_end|>\n{% endif %}" + QWEN_STYLE_TEMPLATE)
     messages = [{"role": "user", "content": "abc"}]
     tool = {"type": "function", "function": {"name": "code_interpreter", "parameters": {}}}
     plain = data.chat_template_ids(listing, messages)
     with_tools = data.chat_template_ids(listing, messages, tools=[tool])
     assert "code_interpreter" in listing.decode(
-        with_tools
-    ) and "code_interpreter" not in listing.decode(plain)
+        with_tools) and "code_interpreter" not in listing.decode(plain)
     ids, _, _ = data.tokenize_prompts(
-        [data.Example(messages, "1", "x", "t")], listing, 500, tools=[tool]
-    )
+        [data.Example(messages, "1", "x", "t")], listing, 500, tools=[tool])
     assert ids == [with_tools]

@@ -86,18 +86,13 @@ def test_maj_at_k_uses_disjoint_blocks_in_order():
 
 def test_answer_keys_group_equivalent_spellings():
     responses = [
-        r"so \boxed{\frac{1}{2}}",
-        r"\boxed{0.5}",
-        r"\boxed{\dfrac{1}{2}.}",
-        r"\boxed{ 1/2 }",
-        r"\boxed{3}",
-    ]
+        r"so \boxed{\frac{1}{2}}", r"\boxed{0.5}", r"\boxed{\dfrac{1}{2}.}", r"\boxed{ 1/2 }",
+        r"\boxed{3}"]
     keys = [evaluate.answer_key(r, "math") for r in responses]
     assert keys[:4] == ["1/2"] * 4 and keys[4] == "3"
     assert evaluate.answer_key("no box here", "math") is None
     assert evaluate.answer_key(r"\boxed{\left( 1, 2 \right)}", "math") == evaluate.answer_key(
-        r"\boxed{(1,2)}", "m"
-    )
+        r"\boxed{(1,2)}", "m")
     assert evaluate.answer_key(r"\boxed{90^\circ}", "m") == evaluate.answer_key(r"\boxed{90}", "m")
     assert evaluate.answer_key(r"\boxed{\text{(B)}}", "m") == "(B)"
     # the sum task: the decomposition is the answer, so 3+4 and 4+3 are different votes
@@ -122,14 +117,11 @@ def test_bootstrap_se_matches_the_closed_form_and_is_seeded():
 
 def test_reflection_words():
     hits, words = evaluate.reflection_counts(
-        "Wait, let me double-check this. Hmm, HOWEVER the checkpoint is fine."
-    )
+        "Wait, let me double-check this. Hmm, HOWEVER the checkpoint is fine.")
     assert (hits, words) == (4, 11)  # Wait, double-check (once), Hmm, HOWEVER; not "checkpoint"
     assert evaluate.reflection_counts("awaiting a check-in") == (0, 3)
     assert evaluate.reflection_counts("wait " * 5) == (5, 5) and evaluate.reflection_counts("") == (
-        0,
-        0,
-    )
+        0, 0)
 
 
 def test_default_n_from_benchmark_names():
@@ -207,8 +199,7 @@ def test_converter_amc23_json_array_with_float_answers(tmp_path):
     # JSON lines under a .json name (what datasets' to_json writes) work too
     lines = write_jsonl(tmp_path / "amc_lines.json", [{"question": "P", "answer": "3"}])
     assert [e.ground_truth for e in convert_and_load("amc23", [lines], tmp_path / "x.jsonl")] == [
-        "3"
-    ]
+        "3"]
 
 
 def test_converter_math500(tmp_path):
@@ -222,14 +213,11 @@ def test_converter_math500(tmp_path):
                 "subject": "Precalculus",
                 "level": 2,
                 "unique_id": "test/precalculus/807.json",
-            }
-        ],
-    )
+            }])
     (example,) = convert_and_load("math500", [source], tmp_path / "math500.jsonl")
     assert (
         example.ground_truth == "\\left( 3, \\frac{\\pi}{2} \\right)"
-        and example.data_source == "Math500"
-    )
+        and example.data_source == "Math500")
 
 
 def test_converter_minerva_answer_from_the_boxed_solution(tmp_path):
@@ -262,9 +250,7 @@ def test_converter_olympiadbench_final_answer_lists(tmp_path):
                 "final_answer": ["$1$", "$-3$"],
                 "is_multiple_answer": True,
                 "unit": None,
-            },
-        ],
-    )
+            }])
     examples = convert_and_load("olympiadbench", [source], tmp_path / "olympiadbench.jsonl")
     assert [e.ground_truth for e in examples] == ["\\frac{1}{2}", "1, -3"]
     assert {e.data_source for e in examples} == {"OlympiadBench"}
@@ -278,22 +264,18 @@ def test_converter_errors_name_file_line_and_field(tmp_path, capsys):
         tmp_path / "bad.jsonl", [{"problem": "P", "answer": "1"}, {"problem": "Q", "solution": "s"}]
     )
     with pytest.raises(
-        ValueError, match=r"bad\.jsonl:2: missing field 'answer' or 'Answer' \(row has "
-    ):
+        ValueError, match=r"bad\.jsonl:2: missing field 'answer' or 'Answer' \(row has "):
         benchmarks.convert("aime24", [bad], out)
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: field 'solution' has no \\boxed"):
         benchmarks.convert("minerva", [bad], out)
     no_problem = write_parquet(
-        tmp_path / "p.parquet", [{"question": "Q", "final_answer": ["1"]}, {"final_answer": ["2"]}]
-    )
+        tmp_path / "p.parquet", [{"question": "Q", "final_answer": ["1"]}, {"final_answer": ["2"]}])
     with pytest.raises(
-        ValueError, match=r"p\.parquet row 2: missing field 'question' or 'problem'"
-    ):
+        ValueError, match=r"p\.parquet row 2: missing field 'question' or 'problem'"):
         benchmarks.convert("olympiadbench", [no_problem], out)
     empty_list = write_jsonl(tmp_path / "e.jsonl", [{"question": "Q", "final_answer": []}])
     with pytest.raises(
-        ValueError, match=r"e\.jsonl:1: field 'final_answer' must be a non-empty list"
-    ):
+        ValueError, match=r"e\.jsonl:1: field 'final_answer' must be a non-empty list"):
         benchmarks.convert("olympiadbench", [empty_list], out)
     blank = write_jsonl(tmp_path / "blank.jsonl", [{"problem": "P", "answer": "  "}])
     with pytest.raises(ValueError, match=r"blank\.jsonl:1: field 'answer' must be a non-empty"):
@@ -325,50 +307,21 @@ def test_converter_errors_name_file_line_and_field(tmp_path, capsys):
 
 def run_evaluate(tiny_dir, out_dir, nproc=1):
     args = [
-        "evaluate.py",
-        "--model",
-        str(tiny_dir / "model"),
-        "--data",
-        str(tiny_dir / "data" / "sum_test.jsonl"),
-        str(tiny_dir / "data" / "add_test.jsonl"),
-        "--limit",
-        "5",
-        "--prompt-suffix",
-        "",
-        "--max-tokens",
-        "16",
-        "--max-prompt-tokens",
-        "64",
-        "--dtype",
-        "float32",
-        "--kv-cache-gib",
-        "0.25",
-        "--seed",
-        "3",
-        "--out",
-        str(out_dir / "results.json"),
-        "--samples",
-        str(out_dir / "samples.jsonl"),
-    ]
+        "evaluate.py", "--model", str(tiny_dir / "model"), "--data",
+        str(tiny_dir / "data" / "sum_test.jsonl"), str(tiny_dir / "data" / "add_test.jsonl"),
+        "--limit", "5", "--prompt-suffix", "", "--max-tokens", "16", "--max-prompt-tokens", "64",
+        "--dtype", "float32", "--kv-cache-gib", "0.25", "--seed", "3", "--out",
+        str(out_dir / "results.json"), "--samples", str(out_dir / "samples.jsonl")]
     launcher = (
         [sys.executable]
         if nproc == 1
         else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            "29653",
-        ]
-    )
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", "29653"])
     env = dict(
-        os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")
-    )
+        os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
     completed = subprocess.run(
-        launcher + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
+        launcher + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-4000:]
     result = json.loads((out_dir / "results.json").read_text())
     samples = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
@@ -452,12 +405,10 @@ def test_cli_writes_the_table_json_and_samples(one_process, tiny_dir):
         assert 0 <= metrics["avg@n_se"] <= 0.5
     assert (
         result["benchmarks"]["sum_test"]["prompts"] == 4
-        and result["benchmarks"]["add_test"]["prompts"] == 5
-    )
+        and result["benchmarks"]["add_test"]["prompts"] == 5)
     overall = result["overall"]
     assert overall["avg@n"] == pytest.approx(
-        np.mean([m["avg@n"] for m in result["benchmarks"].values()])
-    )
+        np.mean([m["avg@n"] for m in result["benchmarks"].values()]))
     assert overall["prompts"] == 9
     # the console table names every benchmark and the pass@k/maj@k rows
     for text in ("benchmark", "sum_test", "add_test", "overall", "pass@k%", "maj@k%", "avg@n%"):
@@ -485,9 +436,7 @@ def test_two_ranks_give_the_same_result(one_process, tiny_dir, tmp_path):
         (" $\\frac{1}{2}$ ", "\\frac{1}{2}"),
         ("3", "3"),
         # inner delimiters: left alone
-        ("$x=1$ or $x=2$", "$x=1$ or $x=2$"),
-    ],
-)
+        ("$x=1$ or $x=2$", "$x=1$ or $x=2$")])
 def test_answer_dollars_are_stripped_only_around_the_whole_answer(text, want):
     assert benchmarks._strip_dollars(text) == want
 
@@ -501,8 +450,7 @@ def test_distinct_correct_fraction_by_hand():
 
 
 def test_bad_paths_and_values_fail_before_any_engine_starts(
-    tiny_dir, tmp_path, capsys, monkeypatch
-):
+    tiny_dir, tmp_path, capsys, monkeypatch):
     def no_engine(*args, **kwargs):
         raise AssertionError("the engine must not start")
 
@@ -513,27 +461,19 @@ def test_bad_paths_and_values_fail_before_any_engine_starts(
     cases = [
         (
             [
-                "--model",
-                str(tmp_path / "nope"),
-                "--data",
-                good[3],
-                "--out",
-                str(tmp_path / "r.json"),
-            ],
-            "--model: " + str(tmp_path / "nope") + " does not exist; nothing is downloaded",
-        ),
+                "--model", str(tmp_path / "nope"), "--data", good[3], "--out",
+                str(tmp_path / "r.json")],
+            "--model: " + str(tmp_path / "nope") + " does not exist; nothing is downloaded"),
         (
             good[:2] + ["--data", "missing.jsonl"] + good[4:] + ["--out", str(tmp_path / "r.json")],
-            "--data[0]: missing.jsonl (relative to the working directory",
-        ),
+            "--data[0]: missing.jsonl (relative to the working directory"),
         (good + ["--out", str(tmp_path / "file" / "r.json")],
          f"--out: {tmp_path / 'file' / 'r.json'} cannot be created "
          f"({tmp_path / 'file'} is a file)"),
         (
             good
             + ["--out", str(tmp_path / "r.json"), "--samples", str(tmp_path / "file" / "s.jsonl")],
-            "--samples: " + str(tmp_path / "file" / "s.jsonl") + " cannot be created",
-        ),
+            "--samples: " + str(tmp_path / "file" / "s.jsonl") + " cannot be created"),
         # an output that names an input, or another output: refused, the data file unchanged
         (good + ["--out", good[3]], f"--out: {good[3]} would overwrite --data[0] ({good[3]})"),
         (good + ["--out", str(tmp_path / "r.json"), "--samples", good[3]],
@@ -546,17 +486,14 @@ def test_bad_paths_and_values_fail_before_any_engine_starts(
         (good + ["--out", str(tmp_path / "r.json"), "--n", "0"], "--n must be >= 1, got 0"),
         (
             good + ["--out", str(tmp_path / "r.json"), "--temperature", "-1"],
-            "--temperature must be > 0 and finite, got -1.0",
-        ),
+            "--temperature must be > 0 and finite, got -1.0"),
         # a sampling value vLLM would refuse only once its engine is built
         (good + ["--out", str(tmp_path / "r.json"), "--temperature", "inf"],
          "--temperature must be > 0 and finite, got inf"),
         (
             good + ["--out", str(tmp_path / "r.json"), "--max-tokens", "600"],
             "--max-prompt-tokens + --max-tokens = 664 tokens exceeds the model's context "
-            "(max_position_embeddings = 512",
-        ),
-    ]
+            "(max_position_embeddings = 512")]
     data_before = Path(good[3]).read_bytes()
     for argv, message in cases:
         assert evaluate.main(argv) == 2

@@ -17,17 +17,9 @@ BACKENDS = ["default", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTIO
 def gpu_model(attn_implementation, dtype):
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        attn_implementation=attn_implementation,
-    )
+        vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+        tie_word_embeddings=False, attn_implementation=attn_implementation)
     return Qwen2ForCausalLM(config).to(device="cuda", dtype=dtype)
 
 
@@ -68,8 +60,7 @@ def test_packed_bf16_update_is_finite_and_matches_float32(attention, float32_ref
         with torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, backend)):
             try:
                 grads, loss = packed_gradients(model, prompts, responses)
-            # e.g. flash attention takes no mask (transformers' packed sdpa has one)
-            except RuntimeError as error:
+            except RuntimeError as error:  # e.g. flash attention takes no mask (packed sdpa has)
                 pytest.skip(f"{backend} cannot run packed rows: {str(error)[:200]}")
     else:
         grads, loss = packed_gradients(model, prompts, responses)
@@ -90,12 +81,10 @@ def test_varlen_attention_confines_rows_on_gpu():
     model = gpu_model("varlen", torch.bfloat16).eval()
     with torch.no_grad():
         before = modeling.response_logits(
-            model, modeling.pack_rows(prompts, responses, torch.device("cuda"))
-        )
+            model, modeling.pack_rows(prompts, responses, torch.device("cuda")))
         prompts[3] = [(t + 1) % 4096 for t in prompts[3]]
         after = modeling.response_logits(
-            model, modeling.pack_rows(prompts, responses, torch.device("cuda"))
-        )
+            model, modeling.pack_rows(prompts, responses, torch.device("cuda")))
     first, last = sum(len(r) for r in responses[:3]), sum(len(r) for r in responses[:4])
     assert torch.equal(before[:first], after[:first]) and torch.equal(before[last:], after[last:])
     assert not torch.equal(before[first:last], after[first:last])

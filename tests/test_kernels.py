@@ -15,11 +15,7 @@ pytest.importorskip("triton")
 def test_kernels_match_the_exact_code_in_the_triton_interpreter():
     script = Path(__file__).with_name("kernel_check.py")
     completed = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-    )
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"})
     assert completed.returncode == 0, completed.stdout + completed.stderr[-3000:]
     assert "bfloat16: worst error" in completed.stdout

@@ -75,3 +75,32 @@ def test_lines_stay_within_100_columns_but_for_a_few():
     lines = [line for path in files for line in path.read_text().splitlines()]
     long = [line for line in lines if len(line) > 100]
     assert len(long) <= 0.05 * len(lines), f"{len(long)} of {len(lines)} lines are over 100 columns"
+
+
+def misplaced_comments(text):
+    """Comment lines where a formatter leaves them and a reader does not look: between a decorator
+    and its def, right before an except/else/elif/finally (the comment reads as the block's last
+    line), or a `# noqa` alone on its line (it exempts nothing) -> [(line number, text)]."""
+    lines = text.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        comment = line.strip()
+        if not comment.startswith("#"):
+            continue
+        following = next((x.strip() for x in lines[i + 1:] if x.strip()), "")
+        before = lines[i - 1].strip() if i else ""
+        if ("noqa" in comment or before.startswith("@")
+                or following.split(" ")[0].rstrip(":") in ("except", "else", "elif", "finally")):
+            found.append((i + 1, comment))
+    return found
+
+
+def test_comments_sit_where_they_belong():
+    assert misplaced_comments("@property\n# why\ndef f(self):\n    pass\n") == [(2, "# why")]
+    assert misplaced_comments("try:\n    f()\n# why\nexcept OSError:\n    pass\n") == [(3, "# why")]
+    assert misplaced_comments("x = 1\n# noqa: E731\n") == [(2, "# noqa: E731")]
+    assert misplaced_comments("try:\n    f()\nexcept OSError:  # why\n    pass\n") == []
+    files = [*REPO.glob("*.py"), *REPO.glob("tools/*.py"), *REPO.glob("tests/*.py")]
+    found = [f"{path.name}:{n}: {comment}" for path in files
+             for n, comment in misplaced_comments(path.read_text())]
+    assert found == [], "\n".join(found)

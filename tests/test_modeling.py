@@ -21,17 +21,9 @@ def small_model(attn_implementation, seed=0):
     """A random Qwen2 with grouped-query attention (4 query heads, 2 KV heads), in float64."""
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        attn_implementation=attn_implementation,
-    )
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        tie_word_embeddings=False, attn_implementation=attn_implementation)
     return Qwen2ForCausalLM(config).to(torch.float64)
 
 
@@ -88,8 +80,7 @@ def test_packed_rows_match_each_row_alone(mix, attn_implementation):
     weights_h = torch.randn(num_response, generator=generator, dtype=torch.float64)
     reference = small_model("eager")
     want_logits, want_lp, want_h, want_grads = per_row_reference(
-        reference, prompts, responses, weights_lp, weights_h
-    )
+        reference, prompts, responses, weights_lp, weights_h)
 
     model = small_model(attn_implementation)
     packed = modeling.pack_rows(prompts, responses, torch.device("cpu"))
@@ -110,8 +101,7 @@ def test_packed_rows_match_each_row_alone(mix, attn_implementation):
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, want_grads[name], rtol=1e-5, atol=1e-6, msg=name)
     stare_logprobs, stare_entropy = stare.token_logprobs_and_entropy(
-        logits.detach(), packed.response_ids
-    )
+        logits.detach(), packed.response_ids)
     torch.testing.assert_close(stare_logprobs, want_lp.float(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(stare_entropy, want_h.float(), rtol=1e-6, atol=1e-6)
 
@@ -122,12 +112,10 @@ def test_rows_do_not_see_each_other():
     model = small_model("varlen").eval()
     with torch.no_grad():
         before = modeling.response_logits(
-            model, modeling.pack_rows(prompts, responses, torch.device("cpu"))
-        )
+            model, modeling.pack_rows(prompts, responses, torch.device("cpu")))
         prompts[1] = [t % 96 + 1 for t in prompts[1]]
         after = modeling.response_logits(
-            model, modeling.pack_rows(prompts, responses, torch.device("cpu"))
-        )
+            model, modeling.pack_rows(prompts, responses, torch.device("cpu")))
     assert torch.equal(before[:6], after[:6]) and torch.equal(before[10:], after[10:])
     assert not torch.equal(before[6:10], after[6:10])
 
@@ -179,15 +167,13 @@ STARTUP_SHAPE = dict(
     # ~0.1B; an odd
     num_key_value_heads=4,
     vocab_size=32_003,
-    max_position_embeddings=512,
-)
+    max_position_embeddings=512)
 #                     vocabulary, so the two ranks' shards of the embedding differ in size
 
 
 @pytest.mark.parametrize("architecture,tied", [("qwen2", False), ("qwen2", True), ("llama", True)])
-def test_sharded_start_up_reads_each_rank_its_rows_and_never_the_whole_model(
-    architecture, tied, tmp_path
-):
+def test_sharded_start_up_reads_each_rank_its_rows_and_never_the_whole_model(architecture, tied,
+                                                                             tmp_path):
     config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
                                  "llama": (LlamaConfig, LlamaForCausalLM)}[architecture]
     torch.manual_seed(0)
@@ -200,24 +186,15 @@ def test_sharded_start_up_reads_each_rank_its_rows_and_never_the_whole_model(
     path = os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(Path(__file__).with_name("startup_two_ranks.py")),
-        str(tmp_path / "model"),
-        str(tmp_path),
-    ]
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(Path(__file__).with_name("startup_two_ranks.py")), str(tmp_path / "model"),
+        str(tmp_path)]
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     vocab = STARTUP_SHAPE["vocab_size"]
     assert [r["shard_rows"]["model.embed_tokens.weight"] for r in ranks] == [
-        [0, 16_002],
-        [16_002, vocab],
-    ]
+        [0, 16_002], [16_002, vocab]]
     for rank in ranks:
         # every local shard equals the checkpoint's rows, in float32
         assert rank["mismatched"] == []
@@ -261,8 +238,7 @@ def packed_qkv(lengths=(5, 1, 9), heads=4, kv_heads=2, dim=16, seed=0):
     query = torch.randn(1, heads, total, dim, generator=generator, dtype=torch.float64)
     key, value = (
         torch.randn(1, kv_heads, total, dim, generator=generator, dtype=torch.float64)
-        for _ in range(2)
-    )
+        for _ in range(2))
     cu_seq_lens = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     return query, key, value, cu_seq_lens, max(lengths)
 
@@ -284,17 +260,8 @@ def repeated_reference(query, key, value, cu_seq_lens, scale):
 def test_packed_grouped_query_attention_equals_repeated_heads():
     query, key, value, cu, longest = packed_qkv()
     out, _ = modeling._varlen_attention(
-        None,
-        query,
-        key,
-        value,
-        None,
-        scaling=0.25,
-        cu_seq_lens_q=cu,
-        cu_seq_lens_k=cu,
-        max_length_q=longest,
-        max_length_k=longest,
-    )
+        None, query, key, value, None, scaling=0.25, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+        max_length_q=longest, max_length_k=longest)
     assert torch.allclose(out, repeated_reference(query, key, value, cu, 0.25), atol=1e-12)
 
 
@@ -305,19 +272,8 @@ def test_the_flash_varlen_call_gets_unrepeated_heads_and_the_right_arguments(nat
     query, key, value, cu, longest = packed_qkv()
     calls = []
 
-    def stub(
-        q,
-        k,
-        v,
-        cu_seq_q,
-        cu_seq_k,
-        max_q,
-        max_k,
-        *,
-        scale=None,
-        window_size=(-1, -1),
-        enable_gqa=False,
-    ):
+    def stub(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+             enable_gqa=False):
         calls.append(
             dict(
                 q=tuple(q.shape),
@@ -327,46 +283,23 @@ def test_the_flash_varlen_call_gets_unrepeated_heads_and_the_right_arguments(nat
                 same_cu=cu_seq_q is cu_seq_k,
                 max=(max_q, max_k),
                 window=window_size,
-                gqa=enable_gqa,
-            )
-        )
+                gqa=enable_gqa))
         out = repeated_reference(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            cu_seq_q,
-            scale,
-        )
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], cu_seq_q,
+            scale)
         return out[0]  # [L, H, D]
 
     monkeypatch.setattr(modeling, "use_flash_varlen", lambda q: True)
     monkeypatch.setattr(modeling, "varlen_attn", stub)
     monkeypatch.setattr(modeling, "VARLEN_GQA", native)
     out, _ = modeling._varlen_attention(
-        None,
-        query,
-        key,
-        value,
-        None,
-        scaling=0.25,
-        cu_seq_lens_q=cu,
-        cu_seq_lens_k=cu,
-        max_length_q=longest,
-        max_length_k=longest,
-    )
+        None, query, key, value, None, scaling=0.25, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+        max_length_q=longest, max_length_k=longest)
     total = int(cu[-1])
     # native: the two KV heads as they are; else repeated for the older wrapper
     kv_heads = 2 if native else 4
     assert calls == [
         dict(
-            q=(total, 4, 16),
-            k=(total, kv_heads, 16),
-            v=(total, kv_heads, 16),
-            dtype=torch.int32,
-            same_cu=True,
-            max=(9, 9),
-            window=(-1, 0),
-            gqa=native,
-        )
-    ]
+            q=(total, 4, 16), k=(total, kv_heads, 16), v=(total, kv_heads, 16), dtype=torch.int32,
+            same_cu=True, max=(9, 9), window=(-1, 0), gqa=native)]
     assert torch.allclose(out, repeated_reference(query, key, value, cu, 0.25), atol=1e-12)

@@ -41,36 +41,16 @@ def small_setup(tmp_path, *overrides):
     (directory / "config.json").write_text(
         json.dumps(
             dict(
-                model_type="qwen2",
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=1000,
-                max_position_embeddings=1024,
-                tie_word_embeddings=False,
-                torch_dtype="float32",
-            )
-        )
-    )
+                model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                max_position_embeddings=1024, tie_word_embeddings=False, torch_dtype="float32")))
     cfg = config.load(
         overrides=[
-            "data.train_files=[unused.jsonl]",
-            f"model.path={directory}",
-            "data.max_prompt_tokens=64",
-            "rollout.max_tokens=192",
-            "eval.every=0",
-            "train.micro_token_budget=512",
-            "rollout.max_num_seqs=8",
-            "hardware.gpus_per_node=2",
-            "hardware.gpu_gib=4.0",
-            "algorithm.gen_batch_size=64",
-            "model.param_dtype=bfloat16",
-            "rollout.enforce_eager=true",
-            *overrides,
-        ]
-    )
+            "data.train_files=[unused.jsonl]", f"model.path={directory}",
+            "data.max_prompt_tokens=64", "rollout.max_tokens=192", "eval.every=0",
+            "train.micro_token_budget=512", "rollout.max_num_seqs=8", "hardware.gpus_per_node=2",
+            "hardware.gpu_gib=4.0", "algorithm.gen_batch_size=64", "model.param_dtype=bfloat16",
+            "rollout.enforce_eager=true", *overrides])
     return cfg, plan.Architecture.from_config_json(directory)
 
 
@@ -102,8 +82,7 @@ def test_a_small_model_by_hand(tmp_path):
     per_token = 2 * 2 * (5 * 64 + 4 * 64 + 3 * 32 + 4 * 128) + 2 * 8 * 64
     batch = 2 * (128_064 + 2 * layer) + 6 * layer + 512 * per_token + 2 * 512 * 1000 * 2
     assert p["phases"]["update"] == pytest.approx(
-        2.0 + 16 * n / 2 / GIB + batch / GIB + context, abs=0.01
-    )
+        2.0 + 16 * n / 2 / GIB + batch / GIB + context, abs=0.01)
     # the export: the engine (awake: no sleep mode), the trainer's shards and the embedding in bf16
     assert p["phases"]["export"] == pytest.approx(
         2.0 + 12 * n / 2 / GIB + 1000 * 64 * 2 / GIB + context, abs=0.01)
@@ -118,17 +97,11 @@ def test_a_small_model_by_hand(tmp_path):
     assert host == {"process": 6.0, "groups": round(groups, 2), "sleep_copy": round(2 * n / GIB, 2)}
     assert p["fits"]  # 2 GiB of engine + 1.5 of CUDA context + ~0.1 of trainer < 95% of 4 GiB
     smaller, _ = small_setup(
-        tmp_path / "2", "rollout.gpu_memory_utilization=0.5", "hardware.gpu_gib=3.0"
-    )
+        tmp_path / "2", "rollout.gpu_memory_utilization=0.5", "hardware.gpu_gib=3.0")
     # 1.5 engine + 1.5 context + the trainer > 95% of 3 GiB
     problems = plan.compute(smaller, arch)["problems"]
     assert [p.split(" needs ")[0] for p in problems] == [
-        "startup",
-        "rollout",
-        "update",
-        "sync_probe",
-        "export",
-    ]
+        "startup", "rollout", "update", "sync_probe", "export"]
     assert problems[0].endswith("GiB per GPU, more than 2.9 of 3 (keeping 5% of the GPU free)")
 
 
@@ -136,51 +109,29 @@ def test_a_small_model_by_hand(tmp_path):
 # update), world size 1, bf16 compute, float32 master weights and reduction: docs/benchmarks.md,
 # "tools/bench.py update".
 MEASURED_H100 = [
-    ("1.5b", True, 32_768, 45),
-    ("1.5b", True, 16_384, 37),
-    ("1.5b", False, 8_192, 52),
-    ("1.5b", True, 65_536, 57),
-    ("1.5b", False, 12_288, 67),
-    ("0.5b", False, 16_384, 41),
-]
+    ("1.5b", True, 32_768, 45), ("1.5b", True, 16_384, 37), ("1.5b", False, 8_192, 52),
+    ("1.5b", True, 65_536, 57), ("1.5b", False, 12_288, 67), ("0.5b", False, 16_384, 41)]
 
 
 @pytest.mark.parametrize("size,checkpointing,budget,measured_gib", MEASURED_H100)
 def test_the_update_peak_reproduces_the_h100_measurements(
-    size, checkpointing, budget, measured_gib
-):
+    size, checkpointing, budget, measured_gib):
     from tools import bench
 
     shape = bench.QWEN25[size]
     arch = plan.Architecture(
-        size,
-        shape["hidden_size"],
-        shape["num_hidden_layers"],
-        shape["num_attention_heads"],
-        shape["num_key_value_heads"],
-        shape["hidden_size"] // shape["num_attention_heads"],
-        shape["intermediate_size"],
-        shape["vocab_size"],
-        shape["tie_word_embeddings"],
-        32_768,
-        "float32",
-    )
+        size, shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"],
+        shape["num_key_value_heads"], shape["hidden_size"] // shape["num_attention_heads"],
+        shape["intermediate_size"], shape["vocab_size"], shape["tie_word_embeddings"], 32_768,
+        "float32")
     lengths = bench.realistic_lengths(32, 0)  # the benchmark's rows (--rows 32 --seed 0)
     batches = modeling.micro_batches([p + r for p, r in lengths], budget)
     peak = max(
         sum(
             plan.update_gib(
-                arch,
-                1,
-                2,
-                4,
-                checkpointing,
-                sum(lengths[i][0] + lengths[i][1] for i in b),
-                sum(lengths[i][1] for i in b),
-            ).values()
-        )
-        for b in batches
-    )
+                arch, 1, 2, 4, checkpointing, sum(lengths[i][0] + lengths[i][1] for i in b),
+                sum(lengths[i][1] for i in b)).values())
+        for b in batches)
     assert abs(peak / measured_gib - 1) < 0.15, (peak, measured_gib)
 
 
@@ -249,16 +200,13 @@ def test_the_gpu_preflight_names_each_problem_in_one_line():
         12080, 13000, {**good, "transformers": "5.17.0", "torchaudio": "2.11.0"}, pins)
     assert errors == [
         "error: the NVIDIA driver supports CUDA 12.8, but PyTorch is built for CUDA 13.0: update the "
-        "driver (the vllm 0.32.0 wheel is a CUDA 13 build: driver >= 580)"
-    ]
+        "driver (the vllm 0.32.0 wheel is a CUDA 13 build: driver >= 580)"]
     assert any(
         w.startswith("warning: transformers 5.17.0 is installed, the tested pin is 5.19.0")
-        for w in warnings
-    )
+        for w in warnings)
     assert any(
         w.startswith("warning: torchaudio 2.11.0 (vllm's pin) is built for torch 2.11, not 2.13")
-        for w in warnings
-    )
+        for w in warnings)
     # CUDA's minor-version compatibility: a 13.0 driver runs a 13.2 build
     assert plan.environment_problems(13000, 13020, good, pins)[0] == []
     missing = {k: v for k, v in good.items() if k != "vllm"}

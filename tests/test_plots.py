@@ -49,8 +49,7 @@ def write_run(directory, records, target=None, tail="", method="stare"):
     (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
     if target is not None:  # as train.py writes it
         (directory / "config.yaml").write_text(config.to_yaml(config.load(
-            "configs/tiny.yaml", [f"gate.target_entropy={target}", f"algorithm.method={method}"]
-        )))
+            "configs/tiny.yaml", [f"gate.target_entropy={target}", f"algorithm.method={method}"])))
     return directory
 
 
@@ -61,17 +60,12 @@ def assert_png(path):
 
 def test_two_runs_give_every_figure(tmp_path, monkeypatch):
     stare_run = write_run(
-        tmp_path / "stare", [record(s, with_eval=s % 5 == 0) for s in range(1, 16)], target=0.3
-    )
+        tmp_path / "stare", [record(s, with_eval=s % 5 == 0) for s in range(1, 16)], target=0.3)
     # GRPO-ds: no selection keys, a target that no gate uses (no region of its own), and a
     # half-written last line (still running)
     grpo_run = write_run(
-        tmp_path / "grpo",
-        [record(s, with_stare=False) for s in range(1, 11)],
-        target=0.5,
-        tail='{"step": 11, "rollout/a',
-        method="grpo",
-    )
+        tmp_path / "grpo", [record(s, with_stare=False) for s in range(1, 11)], target=0.5,
+        tail='{"step": 11, "rollout/a', method="grpo")
     drawn = {}
     real_finish = plots._finish
 
@@ -90,8 +84,7 @@ def test_two_runs_give_every_figure(tmp_path, monkeypatch):
     lines = {line.get_label(): line for line in entropy_ax.get_lines()}
     assert list(lines["stare"].get_xdata()) == list(range(1, 16))
     assert list(lines["stare"].get_ydata()) == pytest.approx(
-        [0.40 - 0.01 * s for s in range(1, 16)]
-    )
+        [0.40 - 0.01 * s for s in range(1, 16)])
     assert list(lines["grpo"].get_xdata()) == list(range(1, 11))  # the partial line 11 was skipped
     gate_markers = [line for line in entropy_ax.get_lines() if line.get_linestyle() == "None"
                     and len(line.get_xdata()) > 0]
@@ -100,12 +93,7 @@ def test_two_runs_give_every_figure(tmp_path, monkeypatch):
     spans = [p for p in entropy_ax.patches]  # the gate region of the one positive target
     assert len(spans) == 1 and spans[0].get_extents().height > 0
     assert [ax.get_title().split(":")[0] for ax in drawn["dynamics"]] == [
-        "pos_high",
-        "pos_low",
-        "neg_high",
-        "neg_low",
-        "total",
-    ]
+        "pos_high", "pos_low", "neg_high", "neg_low", "total"]
     pos_high = [line for line in drawn["dynamics"][0].get_lines() if line.get_label() == "stare"][0]
     assert list(pos_high.get_ydata()) == pytest.approx([1e-3 * s for s in range(1, 16)])
     assert [ax.get_title() for ax in drawn["eval"]] == ["aime24", "overall"]
@@ -116,8 +104,7 @@ def test_two_runs_give_every_figure(tmp_path, monkeypatch):
 def test_missing_keys_are_skipped(tmp_path):
     run = write_run(
         tmp_path / "minimal",
-        [{"step": s, "rollout/acc": 0.1 * s, "train/loss": float("nan")} for s in range(1, 5)],
-    )
+        [{"step": s, "rollout/acc": 0.1 * s, "train/loss": float("nan")} for s in range(1, 5)])
     written = plots.plot_runs([run], tmp_path / "figs")
     assert [p.name for p in written] == ["accuracy.png"]
     assert_png(written[0])
@@ -127,13 +114,8 @@ def test_missing_keys_are_skipped(tmp_path):
 
 def test_series_keeps_finite_numbers_and_falls_back_to_the_next_key():
     records = [
-        {"step": 1, "a": 1.0},
-        {"step": 2, "a": float("nan")},
-        {"step": 3},
-        {"step": 4, "a": True},
-        {"step": 5, "a": 2},
-        {"step": 6, "b": 7.0},
-    ]
+        {"step": 1, "a": 1.0}, {"step": 2, "a": float("nan")}, {"step": 3}, {"step": 4, "a": True},
+        {"step": 5, "a": 2}, {"step": 6, "b": 7.0}]
     assert plots.series(records, ("a",)) == ([1, 5], [1.0, 2])
     assert plots.series(records, ("missing", "b")) == ([6], [7.0])
     assert plots.series(records, ("missing",)) == ([], [])
@@ -153,8 +135,7 @@ def test_reading_errors_and_labels(tmp_path, monkeypatch):
     b = write_run(tmp_path / "y" / "run", [record(1)], target=0.3)
     assert (
         plots.target_entropy(a / "config.yaml") == 0.3
-        and plots.target_entropy(tmp_path / "none.yaml") is None
-    )
+        and plots.target_entropy(tmp_path / "none.yaml") is None)
     (tmp_path / "old.yaml").write_text("algorithm:\n  target_entropy: 0.2\n")  # before the rename
     assert plots.target_entropy(tmp_path / "old.yaml") == 0.2
     labels = {}
@@ -173,15 +154,13 @@ def test_reading_errors_and_labels(tmp_path, monkeypatch):
 
 def test_values_that_cannot_be_plotted_are_reported_with_their_file(tmp_path, capsys):
     run = write_run(
-        tmp_path / "run", [record(1), {**record(2), "train/entropy": "n/a"}], target=0.3
-    )
+        tmp_path / "run", [record(1), {**record(2), "train/entropy": "n/a"}], target=0.3)
     records = plots.read_metrics(run / "metrics.jsonl")
     assert len(records) == 2
     note = capsys.readouterr().err
     assert (
         f"{run / 'metrics.jsonl'}: 'train/entropy' is not a number on 1 line(s) (line 2: 'n/a')"
-        in note
-    )
+        in note)
     (run / "config.yaml").write_text("algorithm: [target_entropy\n")
     assert plots.main([str(run), "--out", str(tmp_path / "figs")]) == 1
     assert f"{run / 'config.yaml'}: not valid YAML" in capsys.readouterr().err

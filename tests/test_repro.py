@@ -33,8 +33,7 @@ def test_sampler_logprobs_mask_and_first_token_distribution(random_tiny):
     with torch.no_grad():
         eos_model.lm_head.weight[eos] *= 6.0
     tokens, mask, logprobs = repro.sample(
-        eos_model, prompts, 16, 12, eos, pad, torch.Generator().manual_seed(0)
-    )
+        eos_model, prompts, 16, 12, eos, pad, torch.Generator().manual_seed(0))
     assert tokens.shape == mask.shape == logprobs.shape and tokens.shape[0] == 32
     lengths = mask.sum(1)
     # some stop early, not all at once
@@ -45,8 +44,7 @@ def test_sampler_logprobs_mask_and_first_token_distribution(random_tiny):
         assert (
             mask[row, :length].all()
             and not mask[row, length:].any()
-            and (tokens[row, length:] == pad).all()
-        )
+            and (tokens[row, length:] == pad).all())
         ends = (tokens[row, :length] == eos).nonzero()
         assert (len(ends) == 0 and length == 12) or ends.flatten().tolist() == [length - 1]
     if (tokens == eos).any(1).all():  # every row ended: the tensors stop at the longest response
@@ -58,26 +56,22 @@ def test_sampler_logprobs_mask_and_first_token_distribution(random_tiny):
             length = int(lengths[row])
             sequence = torch.cat([prompts[row // 16], tokens[row, :length]])[None]
             forward = torch.log_softmax(
-                eos_model(input_ids=sequence).logits[0, prompts.shape[1] - 1 : -1], -1
-            )
+                eos_model(input_ids=sequence).logits[0, prompts.shape[1] - 1 : -1], -1)
             want = forward.gather(-1, tokens[row, :length, None])[:, 0]
             assert (
                 torch.allclose(logprobs[row, :length], want, atol=1e-5)
-                and (logprobs[row, length:] == 0).all()
-            )
+                and (logprobs[row, length:] == 0).all())
     # all rows stop at EOS -> the width is the longest response, not max_tokens
     with torch.no_grad():
         eos_model.lm_head.weight[eos] *= 5.0
     short, short_mask, _ = repro.sample(
-        eos_model, prompts, 16, 200, eos, pad, torch.Generator().manual_seed(0)
-    )
+        eos_model, prompts, 16, 200, eos, pad, torch.Generator().manual_seed(0))
     assert short.shape[1] == int(short_mask.sum(1).max()) < 200
 
     # first tokens of many samples follow the softmax: every frequency within 5 standard errors
     samples = 4000
     first, _, _ = repro.sample(
-        model, prompts[:1], samples, 1, eos, pad, torch.Generator().manual_seed(2)
-    )
+        model, prompts[:1], samples, 1, eos, pad, torch.Generator().manual_seed(2))
     with torch.no_grad():
         probs = torch.softmax(model(input_ids=prompts[:1]).logits[0, -1], -1)
     counts = torch.bincount(first[:, 0], minlength=probs.numel()).float() / samples
@@ -130,40 +124,16 @@ def test_short_runs_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
     STARE the same first batch, the comparison's stare_o1 (a sweep point) is not run twice, and a
     second call reruns nothing."""
     argv = [
-        "--tiny",
-        str(tiny_dir),
-        "--out",
-        str(tmp_path),
-        "--methods",
-        "grpo",
-        "stare_o1",
-        "--ws",
-        "4",
-        "--ps",
-        "0.05",
-        "--seeds",
-        "0",
-        "--steps",
-        "3",
-        "--prompts-per-step",
-        "4",
-        "--target-entropy",
-        "10",
-        "--workers",
-        "1",
-        "--final-window",
-        "2",
-    ]
+        "--tiny", str(tiny_dir), "--out", str(tmp_path), "--methods", "grpo", "stare_o1", "--ws",
+        "4", "--ps", "0.05", "--seeds", "0", "--steps", "3", "--prompts-per-step", "4",
+        "--target-entropy", "10", "--workers", "1", "--final-window", "2"]
     assert repro.main(argv) == 0
     grpo = repro.read_records(tmp_path / "compare" / "grpo_seed0" / "metrics.jsonl")
     stare_run = repro.read_records(tmp_path / "sweep" / "stare_o1_w4_p0.05_seed0" / "metrics.jsonl")
     assert [r["step"] for r in grpo] == [r["step"] for r in stare_run] == [1, 2, 3]
     for key in (
-        "train/kept_groups",
-        "rollout/acc_before_filter",
-        "rollout/distinct_correct_frac",
-        "train/entropy",
-    ):
+        "train/kept_groups", "rollout/acc_before_filter", "rollout/distinct_correct_frac",
+        "train/entropy"):
         # same model, seed and prompts: the same first batch
         assert grpo[0].get(key) == stare_run[0].get(key)
     assert all(r["stare/gate_on"] == 1.0 for r in stare_run)
@@ -182,8 +152,7 @@ def test_short_runs_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
                repro.read_heldout(tmp_path / "sweep" / "stare_o1_w4_p0.05_seed0")]
     assert [sorted(h) for h in heldout] == [[0, 3], [0, 3]] and heldout[0][0] == heldout[1][0]
     assert summary["compare_heldout"]["stare_o1"]["heldout/pass@64"]["per_seed"] == [
-        heldout[1][3]["heldout/pass@64"]
-    ]
+        heldout[1][3]["heldout/pass@64"]]
     assert (tmp_path / "compare_heldout.png").stat().st_size > 0
     runs = [tmp_path / "compare" / "grpo_seed0" / "metrics.jsonl",
             tmp_path / "sweep" / "stare_o1_w4_p0.05_seed0" / "metrics.jsonl"]
@@ -218,10 +187,8 @@ def test_heldout_summary_against_subset_enumeration():
     for k in (1, 2, 4, 6):
         by_hand = [
             statistics.mean(
-                any(row[i] for i in subset) for subset in itertools.combinations(range(n), k)
-            )
-            for row in correct
-        ]
+                any(row[i] for i in subset) for subset in itertools.combinations(range(n), k))
+            for row in correct]
         assert metrics[f"heldout/pass@{k}"] == pytest.approx(statistics.mean(by_hand))
     assert set(metrics) == {f"heldout/pass@{k}" for k in (1, 2, 4, 6)} | {
         "heldout/avg@6", "heldout/solved_frac", "heldout/distinct_correct_frac", "heldout/correct"}
@@ -252,27 +219,9 @@ def test_payoff_quick_variant(countdown_dir, tmp_path, capsys):
     all), every 2 steps and at the end; pass@k rises with k, and the summary pairs each setting with
     GRPO."""
     argv = [
-        "--tiny",
-        str(countdown_dir),
-        "--out",
-        str(tmp_path),
-        "--part",
-        "payoff",
-        "--seeds",
-        "0",
-        "--steps",
-        "4",
-        "--eval-every",
-        "2",
-        "--eval-n",
-        "8",
-        "--entropy-coefs",
-        "0.05",
-        "--prompts-per-step",
-        "4",
-        "--workers",
-        "1",
-    ]
+        "--tiny", str(countdown_dir), "--out", str(tmp_path), "--part", "payoff", "--seeds", "0",
+        "--steps", "4", "--eval-every", "2", "--eval-n", "8", "--entropy-coefs", "0.05",
+        "--prompts-per-step", "4", "--workers", "1"]
     assert repro.main(argv) == 0
     summary = json.loads((tmp_path / "payoff" / "summary.json").read_text())
     settings = ["grpo", "stare_paper", "stare_holding", "lp_reg", "entropy_bonus_0.05"]
@@ -289,8 +238,7 @@ def test_payoff_quick_variant(countdown_dir, tmp_path, capsys):
         for record in heldout.values():
             passes = [record[f"heldout/pass@{k}"] for k in (1, 2, 4, 8)]
             assert passes == sorted(passes) and record["heldout/pass@1"] == pytest.approx(
-                record["heldout/avg@8"]
-            )
+                record["heldout/avg@8"])
             assert record["heldout/pass@8"] == pytest.approx(record["heldout/solved_frac"])
         final = summary["runs"][name]["heldout/pass@8"]
         assert final["per_seed"] == [heldout[4]["heldout/pass@8"]]
@@ -304,8 +252,7 @@ def test_payoff_quick_variant(countdown_dir, tmp_path, capsys):
     assert set(summary["entropy_matched_bonus"].values()) == {"entropy_bonus_0.05"}
     assert (tmp_path / "payoff" / "payoff.png").stat().st_size > 0
     sha = hashlib.sha256(
-        (countdown_dir / "countdown_model" / "model.safetensors").read_bytes()
-    ).hexdigest()
+        (countdown_dir / "countdown_model" / "model.safetensors").read_bytes()).hexdigest()
     assert summary["model_sha256"] == {"countdown": sha}
     assert "paired difference from GRPO" in capsys.readouterr().out
     # a subset of the settings: GRPO comes along, and complete runs are read back, not rerun

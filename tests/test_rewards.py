@@ -32,8 +32,7 @@ import rewards
     (r"\boxed{1} and \boxed{2", None),  # the last box is never closed
     ("no box at all", None),
     (r"\boxed 5", None),  # no brace
-    ("", None),
-])
+    ("", None)])
 def test_extract_boxed(text, expected):
     assert rewards.extract_boxed(text) == expected
 
@@ -66,26 +65,13 @@ EQUIVALENT = [  # (ground truth, boxed prediction): the same mathematical answer
     ("5", "x=5"),  # the prediction's equation is unwrapped when the gold is a plain value
     (r"\frac{1}{3}", "0.333333"),  # 6-decimal rounding
     (r"\pi", r"\pi"),
-    (r"\text{Evelyn}", r"\text{Evelyn}"),
-]
+    (r"\text{Evelyn}", r"\text{Evelyn}")]
 
 NOT_EQUIVALENT = [
-    (r"\frac{1}{2}", "0.25"),
-    ("3/4", "4/3"),
-    ("0.75", "0.7"),
-    ("[1,2)", "[1,2]"),
-    ("(1,2)", "[1,2]"),
-    ("(1,2)", "(2,1)"),
-    ("-3", "3"),
-    ("x^2+1", "x^2-1"),
-    ("1000", "100"),
-    (r"\sqrt{2}", "2"),
-    (r"\pi", "3.14"),
-    ("10", "11"),
-    ("0.5", "0.50001"),
-    (r"\{1,2\}", r"\{1,3\}"),
-    ("2", "x=3"),
-]
+    (r"\frac{1}{2}", "0.25"), ("3/4", "4/3"), ("0.75", "0.7"), ("[1,2)", "[1,2]"),
+    ("(1,2)", "[1,2]"), ("(1,2)", "(2,1)"), ("-3", "3"), ("x^2+1", "x^2-1"), ("1000", "100"),
+    (r"\sqrt{2}", "2"), (r"\pi", "3.14"), ("10", "11"), ("0.5", "0.50001"),
+    (r"\{1,2\}", r"\{1,3\}"), ("2", "x=3")]
 
 
 @pytest.mark.parametrize("gold, prediction", EQUIVALENT)
@@ -96,9 +82,7 @@ def test_equivalent_answers_are_correct(gold, prediction):
 @pytest.mark.parametrize("gold, prediction", NOT_EQUIVALENT)
 def test_different_answers_are_wrong(gold, prediction):
     assert rewards.verify_math(rf"Thus the answer is \boxed{{{prediction}}}.", gold) == (
-        False,
-        "ok",
-    )
+        False, "ok")
 
 
 def math_verify_verdict(gold, prediction):
@@ -124,15 +108,11 @@ def math_verify_verdict(gold, prediction):
         ("1", "1.0000000001"),
         ("0.75", "0.7500000001"),
         ("123456789012345678901", "123456789012345678902"),
-        ("5", "1/0"),
-    ],
-)
+        ("5", "1/0")])
 def test_plain_number_shortcut_agrees_with_math_verify(gold, prediction):
     # rewards.py decides pairs of plain numbers without sympy; math-verify is the independent oracle
     assert rewards.verify_math(rf"\boxed{{{prediction}}}", gold) == (
-        math_verify_verdict(gold, prediction),
-        "ok",
-    )
+        math_verify_verdict(gold, prediction), "ok")
 
 
 @pytest.mark.parametrize("response, gold, expected", [
@@ -168,8 +148,7 @@ def test_unknown_answer_format_is_a_programming_error():
 
 
 @pytest.mark.parametrize(
-    "answer", [r"9^{9^{9^{9^{9}}}}", r"\frac{1}{2}" * 2000, r"\sqrt{" * 300 + "2" + "}" * 300]
-)
+    "answer", [r"9^{9^{9^{9^{9}}}}", r"\frac{1}{2}" * 2000, r"\sqrt{" * 300 + "2" + "}" * 300])
 def test_pathological_input_returns_within_the_deadline(answer, monkeypatch):
     # Python's own hook for exceptions raised in __del__ (sympy's caches), as in a run: pytest's
     # hook fails the test when the deadline's alarm lands while it formats one
@@ -224,9 +203,7 @@ def test_deadline_restores_the_callers_alarm():
     try:
         signal.setitimer(signal.ITIMER_REAL, 5.0)
         assert rewards.verify_math(r"\boxed{9^{9^{9^{9^{9}}}}}", "3", timeout_s=0.2) == (
-            False,
-            "timeout",
-        )
+            False, "timeout")
         left, _ = signal.getitimer(signal.ITIMER_REAL)
         assert 4.0 < left < 4.9  # the caller's timer runs on, less the time the check took
         assert signal.getsignal(signal.SIGALRM) is callers_handler and not fired
@@ -262,10 +239,8 @@ def test_batch_of_1000_with_known_correctness():
             golds.append(str(n)), responses.append(rf"... \boxed{{{n + 1}}}"), expected.append(0.0)
         elif kind == 2:  # fraction answered as a decimal: n/8 is exact in at most 3 decimals
             (
-                golds.append(rf"\frac{{{n}}}{{8}}"),
-                responses.append(rf"... \boxed{{{n / 8}}}"),
-                expected.append(1.0),
-            )
+                golds.append(rf"\frac{{{n}}}{{8}}"), responses.append(rf"... \boxed{{{n / 8}}}"),
+                expected.append(1.0))
         elif kind == 3:  # radicals through sympy: a*sqrt(2) = sqrt(2 a^2); a*sqrt(3) is not
             a = n % 10 + 1
             right = n % 2 == 0
@@ -276,8 +251,7 @@ def test_batch_of_1000_with_known_correctness():
         else:  # no box
             golds.append(str(n)), responses.append(f"the answer is {n}"), expected.append(0.0)
     _, accuracies, metrics = rewards.compute_rewards(
-        responses, golds, ["Short_CoT"] * 1000, [0] * 1000, config.RewardConfig()
-    )
+        responses, golds, ["Short_CoT"] * 1000, [0] * 1000, config.RewardConfig())
     assert accuracies == expected
     assert metrics["rollout/no_answer_frac"] == 0.2 and metrics["rollout/parse_error_frac"] == 0.0
 
@@ -309,8 +283,7 @@ def test_batch_of_1000_with_known_correctness():
     ("", "7", (False, "no_answer")),
     (r"\boxed{3+4}", "seven", (False, "parse_error")),  # a bad ground truth
     # beyond int()'s digit limit: valid form, wrong sum
-    ("\\boxed{" + "1" * 5000 + "+1}", "7", (False, "ok")),
-])
+    ("\\boxed{" + "1" * 5000 + "+1}", "7", (False, "ok"))])
 def test_verify_sum(response, gold, expected):
     assert rewards.verify_sum(response, gold) == expected
 
@@ -357,8 +330,7 @@ def test_countdown_value_agrees_with_python_on_random_expressions():
 ])
 def test_overlong_penalty_closed_form(length, expected):
     assert rewards.overlong_penalty(length, max_response_len=100, buffer_len=20) == pytest.approx(
-        expected
-    )
+        expected)
 
 
 def test_overlong_penalty_factor_and_invalid_buffer():
@@ -380,8 +352,7 @@ def test_overlong_penalty_factor_and_invalid_buffer():
     (r"The answer is \boxed{42}.", True),  # contains "boxed"
     ("The answer is 42.", False),
     ("<think>unfinished", False),
-    ("", False),
-])
+    ("", False)])
 def test_format_ok(response, expected):
     assert rewards.format_ok(response) is expected
 
@@ -393,8 +364,7 @@ def test_format_ok(response, expected):
 
 def test_compute_rewards_routing_composition_and_metrics():
     cfg = config.RewardConfig(
-        timeout_s=0.5, overlong_buffer_len=10, max_response_len=100, format_weight=0.5
-    )
+        timeout_s=0.5, overlong_buffer_len=10, max_response_len=100, format_weight=0.5)
     batch = [  # (response, ground truth, data source, length, acc, overlong penalty, format_ok)
         (r"\boxed{3+4}", "7", "tiny_sum", 50, 1.0, 0.0, True),
         (r"\boxed{7}", "7", "tiny_sum", 95, 0.0, -0.5, True),  # the sum task needs a+b: parse_error
@@ -403,8 +373,7 @@ def test_compute_rewards_routing_composition_and_metrics():
         ("The answer is 7.", "7", "Short_CoT", 10, 0.0, 0.0, False),  # no box
         (r"<think>hm</think> so \boxed{\frac{3}{4}}", "0.75", "AIME24", 90, 1.0, 0.0, True),
         (r"\boxed{9^{9^{9^{9^{9}}}}}", "3", "Math500", 0, 0.0, 0.0, True),  # times out
-        (r"\boxed{2*3+1}", "1,2,3=7", "tiny_countdown", 0, 1.0, 0.0, True),
-    ]
+        (r"\boxed{2*3+1}", "1,2,3=7", "tiny_countdown", 0, 1.0, 0.0, True)]
     responses, golds, sources, lengths, accs, penalties, formats = map(list, zip(*batch))
     scores, accuracies, metrics = rewards.compute_rewards(responses, golds, sources, lengths, cfg)
     assert accuracies == accs
@@ -429,8 +398,7 @@ def test_compute_rewards_routing_composition_and_metrics():
 def test_default_config_rewards_accuracy_only():
     responses = [r"\boxed{2}", r"\boxed{3}", "no box", "<think>x</think>\n<answer>1</answer>"]
     scores, accuracies, metrics = rewards.compute_rewards(
-        responses, ["2", "2", "2", "1"], ["math"] * 4, [10**6] * 4, config.RewardConfig()
-    )
+        responses, ["2", "2", "2", "1"], ["math"] * 4, [10**6] * 4, config.RewardConfig())
     assert scores == accuracies == [1.0, 0.0, 0.0, 0.0]
     assert metrics["rollout/overlong_penalty_mean"] == 0.0  # off, whatever the lengths
     assert metrics["rollout/format_ok_frac"] == 0.75  # logged though not rewarded
@@ -445,22 +413,11 @@ def test_compute_rewards_empty_batch_and_length_mismatch():
 
 def test_compute_rewards_never_raises_on_content():
     weird = [
-        "",
-        "\x00",
-        "\\boxed{",
-        "}}}{{{",
-        "\\boxed{\\boxed{\\boxed{}}}",
-        "\ud800",
-        "$" * 10_000,
-        "\\boxed{3+}",
-    ]
+        "", "\x00", "\\boxed{", "}}}{{{", "\\boxed{\\boxed{\\boxed{}}}", "\ud800", "$" * 10_000,
+        "\\boxed{3+}"]
     scores, accuracies, _ = rewards.compute_rewards(
-        weird * 2,
-        ["1", "x"] * len(weird),
-        ["math"] * len(weird) + ["tiny_sum"] * len(weird),
-        [0] * (2 * len(weird)),
-        config.RewardConfig(timeout_s=1.0),
-    )
+        weird * 2, ["1", "x"] * len(weird), ["math"] * len(weird) + ["tiny_sum"] * len(weird),
+        [0] * (2 * len(weird)), config.RewardConfig(timeout_s=1.0))
     assert len(scores) == 2 * len(weird) and set(accuracies) == {0.0}
 
 
@@ -473,8 +430,7 @@ def test_compute_rewards_never_raises_on_content():
     ({"max_response_len": -1}, "max_response_len"),
     ({"overlong_buffer_len": 100}, "max_response_len"),  # shaping on, max_response_len left at 0
     ({"overlong_buffer_len": 100, "max_response_len": 100}, "max_response_len"),
-    ({"format_weight": math.inf}, "format_weight"),
-])
+    ({"format_weight": math.inf}, "format_weight")])
 def test_reward_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         config.RewardConfig(**kwargs)
@@ -482,8 +438,7 @@ def test_reward_config_errors_name_the_field(kwargs, field):
 
 def test_reward_config_accepts_overlong_shaping_when_consistent():
     cfg = config.RewardConfig(
-        overlong_buffer_len=4096, max_response_len=20480, overlong_penalty_factor=1.0
-    )
+        overlong_buffer_len=4096, max_response_len=20480, overlong_penalty_factor=1.0)
     assert cfg.overlong_buffer_len == 4096
 
 
@@ -494,6 +449,5 @@ def test_exponent_notation_and_missing_responses():
     assert rewards.verify_math("\\boxed{2.5e-07}", "0.00000025") == (True, "ok")
     assert rewards.verify_math("\\boxed{2.5e-06}", "2.5e-07") == (False, "ok")
     scores, accuracies, metrics = rewards.compute_rewards(
-        [None, "\\boxed{1}"], ["1", "1"], ["x", "x"], [0, 1], config.RewardConfig()
-    )
+        [None, "\\boxed{1}"], ["1", "1"], ["x", "x"], [0, 1], config.RewardConfig())
     assert accuracies == [0.0, 1.0] and metrics["rollout/no_answer_frac"] == 0.5

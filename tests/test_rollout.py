@@ -20,15 +20,8 @@ def engine(tiny_dir):
     # start-up; 32-token blocks (the CPU minimum) so the ~49-token prompts fill a block that the
     # prefix cache reuses (the CPU default block is 128 tokens, longer than every prompt here)
     engine = rollout.build_engine(
-        tiny_dir / "model",
-        seed=0,
-        max_model_len=128,
-        dtype="float32",
-        kv_cache_gib=0.25,
-        max_num_seqs=64,
-        enforce_eager=True,
-        block_size=32,
-    )
+        tiny_dir / "model", seed=0, max_model_len=128, dtype="float32", kv_cache_gib=0.25,
+        max_num_seqs=64, enforce_eager=True, block_size=32)
     yield engine
     # the engine's process group outlives it otherwise, and the next module's engine would take this
     # process for a torchrun rank (rollout.build_engine)
@@ -59,8 +52,7 @@ def sampler_error(model, prompts, out, temperature=1.0):
         positions = torch.arange(len(prompts[prompt_index]) - 1, len(sequence) - 1)
         expected = log_pi[positions, torch.tensor(ids)]
         worst = max(
-            worst, (torch.tensor(logprobs, dtype=torch.float64) - expected).abs().max().item()
-        )
+            worst, (torch.tensor(logprobs, dtype=torch.float64) - expected).abs().max().item())
     return worst
 
 
@@ -69,8 +61,7 @@ def test_generate_shapes_and_stop_reasons(engine, prompts, tiny_dir):
     out = rollout.generate(engine, prompts, n=4, temperature=1.0, max_tokens=24, seeds=[0, 1, 2])
     assert out.prompt_index == [0] * 4 + [1] * 4 + [2] * 4  # prompt-major, contiguous groups
     assert (
-        len(out.token_ids) == len(out.logprobs) == len(out.finish_reasons) == len(out.texts) == 12
-    )
+        len(out.token_ids) == len(out.logprobs) == len(out.finish_reasons) == len(out.texts) == 12)
     for ids, logprobs, reason in zip(out.token_ids, out.logprobs, out.finish_reasons):
         assert len(ids) == len(logprobs) <= 24 and all(lp <= 0 for lp in logprobs)
         assert reason in ("stop", "length")
@@ -107,8 +98,7 @@ def test_engine_logprobs_match_an_independent_forward(engine, prompts, tiny_dir,
     # processed log-probs: those of the distribution actually sampled, softmax(logits / T)
     model = load_model(tiny_dir)
     out = rollout.generate(
-        engine, prompts, n=2, temperature=temperature, max_tokens=24, seeds=[3, 4, 5]
-    )
+        engine, prompts, n=2, temperature=temperature, max_tokens=24, seeds=[3, 4, 5])
     worst = sampler_error(model, prompts, out, temperature)
     print(f"T={temperature}: max |vLLM sampler log-prob - transformers log-prob| = {worst:.2e}")
     assert worst < 1e-4
@@ -118,8 +108,7 @@ def test_weight_sync_is_checkable(engine, prompts, tiny_dir):
     model = load_model(tiny_dir)
     probe = (
         list(prompts[0])
-        + rollout.generate(engine, prompts[:1], n=1, max_tokens=12, seeds=[7]).token_ids[0]
-    )
+        + rollout.generate(engine, prompts[:1], n=1, max_tokens=12, seeds=[7]).token_ids[0])
     before = rollout.generate(engine, prompts, n=4, max_tokens=24, seeds=[20, 21, 22])
     assert rollout.weight_sync_error(engine, model, probe, len(prompts[0])) < 1e-4
 
@@ -151,8 +140,7 @@ def test_the_trainer_side_of_the_probe_runs_the_head_only_where_it_compares(tiny
     shapes = []
     model.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.logits.shape)))
     ids = torch.randint(
-        5, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)
-    ).tolist()
+        5, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     logprobs = rollout.trainer_logprobs(model, ids, 30)
     assert shapes == [(1, 10, model.config.vocab_size)]  # 10 positions, not 40
     with torch.no_grad():  # the plain formula over the whole sequence
@@ -189,22 +177,11 @@ def test_two_ranks_sample_differently_and_fsdp2_sync_streams(tiny_dir, tmp_path)
     result_path = tmp_path / "result.json"
     repo_root = str(Path(__file__).resolve().parents[1])
     env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")])),
-    )
+        os.environ, OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")])))
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        "29611",
-        str(script),
-        str(tiny_dir / "model"),
-        str(result_path),
-    ]
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+        "29611", str(script), str(tiny_dir / "model"), str(result_path)]
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads(result_path.read_text())
@@ -225,8 +202,7 @@ def test_sleep_wake_sync_cycle_on_gpu(tiny_dir, prompts):
     model = load_model(tiny_dir).cuda()
     probe = (
         list(prompts[0])
-        + rollout.generate(engine, prompts[:1], n=1, max_tokens=12, seeds=[7]).token_ids[0]
-    )
+        + rollout.generate(engine, prompts[:1], n=1, max_tokens=12, seeds=[7]).token_ids[0])
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
@@ -246,26 +222,14 @@ def test_the_gpu_engine_arguments_are_vllms_and_build_a_v1_config_on_cpu(tiny_di
     from vllm.engine.arg_utils import EngineArgs
 
     kwargs = rollout.engine_kwargs(
-        tiny_dir / "model",
-        seed=3,
-        max_model_len=256,
-        dtype="bfloat16",
-        gpu_memory_utilization=0.75,
-        kv_cache_gib=None,
-        tensor_parallel_size=2,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        enable_sleep_mode=True,
-        enforce_eager=False,
-        block_size=None,
-        on_gpu=True,
-        distributed=True,
-    )
+        tiny_dir / "model", seed=3, max_model_len=256, dtype="bfloat16",
+        gpu_memory_utilization=0.75, kv_cache_gib=None, tensor_parallel_size=2, max_num_seqs=256,
+        max_num_batched_tokens=8192, enable_sleep_mode=True, enforce_eager=False, block_size=None,
+        on_gpu=True, distributed=True)
     assert set(kwargs) <= {f.name for f in dataclasses.fields(EngineArgs)}
     assert (
         kwargs["distributed_executor_backend"] == "external_launcher"
-        and "kv_cache_memory_bytes" not in kwargs
-    )
+        and "kv_cache_memory_bytes" not in kwargs)
     assert "enable_chunked_prefill" not in kwargs  # the CPU-only workaround stays off on GPU
     # what build_engine sets for model_runner="v1"
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -278,5 +242,4 @@ def test_the_gpu_engine_arguments_are_vllms_and_build_a_v1_config_on_cpu(tiny_di
     assert engine_config.cache_config.enable_prefix_caching
     assert engine_config.scheduler_config.max_num_batched_tokens == 8192
     assert (
-        engine_config.model_config.seed == 3 and engine_config.model_config.dtype == torch.bfloat16
-    )
+        engine_config.model_config.seed == 3 and engine_config.model_config.dtype == torch.bfloat16)

@@ -22,8 +22,7 @@ from config import SandboxConfig
 
 LANDLOCK = sandbox._landlock_abi() > 0  # "process" mode confines files only where Landlock exists
 FAST = dict(
-    timeout_s=2.0, cpu_s=2, memory_mb=512, max_processes=8, max_file_mb=8, max_output_bytes=4096
-)
+    timeout_s=2.0, cpu_s=2, memory_mb=512, max_processes=8, max_file_mb=8, max_output_bytes=4096)
 
 
 def _usable_python(mode, tmp_root):
@@ -72,8 +71,7 @@ def run(code, config, **overrides):
 
 def batch(codes, config, **overrides):
     return sandbox.run_batch(
-        [textwrap.dedent(c) for c in codes], dataclasses.replace(config, **overrides)
-    )
+        [textwrap.dedent(c) for c in codes], dataclasses.replace(config, **overrides))
 
 
 def runner_processes():
@@ -112,8 +110,7 @@ def test_private_working_directory(mode_config):
     mode, config = mode_config
     result = run(
         "import os; print(os.getcwd(), os.environ['HOME'], os.environ['TMPDIR'], os.listdir('.'))",
-        config,
-    )
+        config)
     cwd, home, tmpdir, listing = result.output.split(" ", 3)
     assert cwd == home == tmpdir
     if mode == "namespaces":
@@ -133,8 +130,7 @@ def test_environment_is_not_inherited(mode_config, monkeypatch):
     monkeypatch.setenv("STARE_TEST_SECRET", "hunter2")
     result = run(
         "import os; print(os.environ.get('STARE_TEST_SECRET'), os.environ['OMP_NUM_THREADS'])",
-        config,
-    )
+        config)
     assert result.output == "None 1\n"
 
 
@@ -153,8 +149,7 @@ def test_batch_runs_in_parallel_and_keeps_order(mode_config):
     elapsed = time.monotonic() - start
     assert [r.output for r in results] == [f"{i}\n" for i in range(6)]
     assert elapsed < 5.0, (
-        f"{elapsed:.1f} s: the batch did not run in parallel (one at a time takes > 7.5 s)"
-    )
+        f"{elapsed:.1f} s: the batch did not run in parallel (one at a time takes > 7.5 s)")
     assert sandbox.run_batch([], config) == []
 
 
@@ -183,8 +178,7 @@ def test_missing_module(mode_config):
     result = run("print('before')\nimport no_such_module_xyz", config)
     assert result.error == "exception"
     assert result.output.startswith(
-        'before\nTraceback (most recent call last):\n  File "main.py", line 2'
-    )
+        'before\nTraceback (most recent call last):\n  File "main.py", line 2')
     assert "ModuleNotFoundError: No module named 'no_such_module_xyz'" in result.output
     assert "sandbox.py" not in result.output  # the runner's own frame is not shown
 
@@ -207,8 +201,7 @@ def test_infinite_loop_times_out(mode_config):
     assert time.monotonic() - start < config.timeout_s + 1.0
     assert (result.error, result.exit_code, result.output) == ("timeout", None, "started\n")
     assert sandbox.format_result(result).endswith(
-        "Error: timed out after 2 s (the code was killed)"
-    )
+        "Error: timed out after 2 s (the code was killed)")
 
 
 def test_cpu_limit(mode_config):
@@ -226,8 +219,7 @@ def test_allocating_10_gib(mode_config):
     assert (
         result.error == "memory"
         and "MemoryError" in result.output
-        and "allocated" not in result.output
-    )
+        and "allocated" not in result.output)
     assert time.monotonic() - start < 3
 
 
@@ -288,8 +280,7 @@ def test_print_100_mb(mode_config):
     tracemalloc.start()
     try:
         result = run(
-            "import sys\nsys.stdout.write('x' * 100_000_000)\nprint('END')", config, timeout_s=20
-        )
+            "import sys\nsys.stdout.write('x' * 100_000_000)\nprint('END')", config, timeout_s=20)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -297,8 +288,7 @@ def test_print_100_mb(mode_config):
     assert result.output.startswith("x" * 100) and result.output.endswith("xxEND\n")
     assert (
         "bytes of output omitted" in result.output
-        and len(result.output) < config.max_output_bytes + 100
-    )
+        and len(result.output) < config.max_output_bytes + 100)
     assert peak < 2 * 2**20, f"the trainer held {peak} bytes"
     assert result.duration_s < 10
 
@@ -347,8 +337,7 @@ def host_unix_server(request):
         where = (
             os.path.dirname(os.path.abspath(__file__))
             if request.param == "project"
-            else request.param
-        )
+            else request.param)
         directory = tempfile.mkdtemp(prefix="sandbox-s05-", dir=where)
         os.chmod(directory, 0o711)
         address = os.path.join(directory, "s.sock")
@@ -441,15 +430,8 @@ def test_no_way_around_the_socket_filter(mode_config, host_unix_server):
     """
     result = run(code, config)
     attempts = [
-        "raw socket",
-        "x32 socket",
-        "dgram pair",
-        "seqpacket pair",
-        "raw dgram pair",
-        "pair connect",
-        "pair sendto",
-        "io_uring",
-    ]
+        "raw socket", "x32 socket", "dgram pair", "seqpacket pair", "raw dgram pair",
+        "pair connect", "pair sendto", "io_uring"]
     if os.uname().machine != "x86_64":
         attempts.remove("x32 socket")
     lines = result.output.splitlines()
@@ -513,11 +495,8 @@ def test_abstract_sockets_are_per_network_namespace():
         server.listen(1)
         server.setblocking(False)
         output = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(probe)],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        ).stdout
+            [sys.executable, "-c", textwrap.dedent(probe)], capture_output=True, text=True,
+            timeout=20).stdout
         if output.startswith("no namespaces"):
             pytest.skip(output.strip())
         assert output == "ECONNREFUSED\n"
@@ -564,12 +543,10 @@ def test_kill_everything_stays_in_its_namespace(mode_config):
     results = batch(
         [
             "import time\ntime.sleep(1.0)\nprint('survived')",
-            "import os, time\ntime.sleep(0.3)\nos.kill(-1, 9)",
-        ],
+            "import os, time\ntime.sleep(0.3)\nos.kill(-1, 9)"],
         config,
         max_workers=2,
-        timeout_s=10,
-    )
+        timeout_s=10)
     assert results[0].ok and results[0].output == "survived\n"
     if mode == "namespaces":
         assert "ProcessLookupError" in results[1].output  # there was nobody else to kill
@@ -581,10 +558,8 @@ def test_writing_outside(mode_config):
         pytest.skip("documented: 'process' mode without Landlock leaves world-writable places")
     private = ["/tmp", "/dev/shm"] if mode == "namespaces" else ["."]  # its tmpfs (also /dev/shm)
     targets = [
-        tempfile.mkdtemp(),
-        tempfile.mkdtemp(dir="/var/tmp"),
-        os.path.dirname(os.path.abspath(__file__)),
-    ]
+        tempfile.mkdtemp(), tempfile.mkdtemp(dir="/var/tmp"),
+        os.path.dirname(os.path.abspath(__file__))]
     for target in targets[:2]:
         os.chmod(target, 0o777)  # writable by anyone: only the sandbox can stop it
     name = f"sandbox-escape-{os.getpid()}"
@@ -1047,8 +1022,7 @@ def test_a_broken_sandbox_is_a_result_not_an_exception(tmp_root):
     config = SandboxConfig(isolation="process", python="/nonexistent/python3", tmp_root=tmp_root)
     result = sandbox.run_code("print(1)", config)
     assert (result.ok, result.error) == (False, "sandbox") and result.message.startswith(
-        "Error: sandbox failure"
-    )
+        "Error: sandbox failure")
     assert os.listdir(tmp_root) == []
 
 

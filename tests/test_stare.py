@@ -63,13 +63,10 @@ def test_gradients_match_autograd_of_naive_computation(use, temperature):
     reference_logits = logits.detach().double().requires_grad_(True)
     tokens = torch.randint(0, 20, (2, 6), generator=torch.Generator().manual_seed(3))
     upstream_lp, upstream_h = (
-        torch.randn(2, 6, dtype=torch.float64),
-        torch.randn(2, 6, dtype=torch.float64),
-    )
+        torch.randn(2, 6, dtype=torch.float64), torch.randn(2, 6, dtype=torch.float64))
 
     logprobs, entropy = stare.token_logprobs_and_entropy(
-        logits, tokens, temperature=temperature, chunk_size=5
-    )
+        logits, tokens, temperature=temperature, chunk_size=5)
     log_pi = torch.log_softmax(reference_logits / temperature, dim=-1)
     ref_logprobs = log_pi.gather(-1, tokens[..., None]).squeeze(-1)
     ref_entropy = -(log_pi.exp() * log_pi).sum(-1)
@@ -94,8 +91,7 @@ def test_backward_saves_no_float32_copy_of_the_logits():
         logprobs, entropy = stare.token_logprobs_and_entropy(logits, tokens, chunk_size=5)
     assert any(t.data_ptr() == logits.data_ptr() for t in saved)
     other_bytes = sum(
-        t.numel() * t.element_size() for t in saved if t.data_ptr() != logits.data_ptr()
-    )
+        t.numel() * t.element_size() for t in saved if t.data_ptr() != logits.data_ptr())
     # per-row vectors only (lse, entropy, tokens); a float32 copy is 3840
     assert other_bytes <= 3 * 4 * 24 + 8 * 24
     (logprobs.sum() + entropy.sum()).backward()  # and backward still works from what was saved
@@ -198,15 +194,13 @@ def test_sensitivity_has_zero_mean_under_the_policy():
     ).double()  # [6, 15]
     expected_drift = (torch.softmax(logits, -1) * sensitivity).sum(-1)
     torch.testing.assert_close(
-        expected_drift, torch.zeros(6, dtype=torch.float64), atol=1e-6, rtol=0
-    )
+        expected_drift, torch.zeros(6, dtype=torch.float64), atol=1e-6, rtol=0)
 
 
 def test_sensitivity_closed_form_cases():
     # Uniform pi: every token has S = 0.
     assert torch.allclose(
-        stare.entropy_sensitivity(torch.zeros(1, 5), torch.tensor([2])), torch.zeros(1), atol=1e-7
-    )
+        stare.entropy_sensitivity(torch.zeros(1, 5), torch.tensor([2])), torch.zeros(1), atol=1e-7)
     # Two tokens: reinforcing the rare one raises entropy, the common one lowers it.
     logits = torch.log(torch.tensor([[0.9, 0.1], [0.9, 0.1]]))
     sensitivity = stare.entropy_sensitivity(logits, torch.tensor([1, 0]))
@@ -215,11 +209,8 @@ def test_sensitivity_closed_form_cases():
     probs = torch.tensor([0.70, 0.15, 0.08, 0.04, 0.02, 0.01], dtype=torch.float64)
     sensitivity = stare.entropy_sensitivity(probs.log().expand(3, 6), torch.tensor([0, 1, 5]))
     torch.testing.assert_close(
-        sensitivity.double(),
-        torch.tensor([-0.16822, 0.41082, 0.31081], dtype=torch.float64),
-        atol=1e-5,
-        rtol=0,
-    )
+        sensitivity.double(), torch.tensor([-0.16822, 0.41082, 0.31081], dtype=torch.float64),
+        atol=1e-5, rtol=0)
 
 
 def test_critical_surprisal_is_the_sign_change_of_sensitivity():
@@ -233,11 +224,8 @@ def test_critical_surprisal_is_the_sign_change_of_sensitivity():
     # g(s0) = 0 with g(s) = e^{-s}(s - H) - B, B computed here independently
     cov_b = (log_pi.exp() ** 2 * (-log_pi - entropy[:, None])).sum(-1)
     torch.testing.assert_close(
-        torch.exp(-s0) * (s0 - entropy) - cov_b,
-        torch.zeros(200, dtype=torch.float64),
-        atol=1e-6,
-        rtol=0,
-    )
+        torch.exp(-s0) * (s0 - entropy) - cov_b, torch.zeros(200, dtype=torch.float64), atol=1e-6,
+        rtol=0)
     assert (s0 <= entropy + 1e-6).all() and (s0 >= -log_pi.max(-1).values - 1e-6).all()
     clear = (surprisal - s0).abs() > 1e-4  # away from the root, the signs must agree
     assert clear.sum() > 150
@@ -294,8 +282,7 @@ def test_select_exact_k_edge_cases():
     assert torch.equal(stare.select_top_surprisal(surprisal, surprisal > 30, 1.0), surprisal > 30)
     # empty tensors
     assert stare.select_top_surprisal(
-        torch.zeros(0, 5), torch.zeros(0, 5, dtype=torch.bool), 0.3
-    ).shape == (0, 5)
+        torch.zeros(0, 5), torch.zeros(0, 5, dtype=torch.bool), 0.3).shape == (0, 5)
 
 
 def test_select_with_ties_takes_exactly_k_first_in_order():
@@ -353,8 +340,7 @@ def test_select_large_batch_with_a_crowded_top_bucket():
     for k in (1, 777, 50_000, 159_000):
         selected = stare.select_top_k(surprisal, candidates, k)
         order = torch.sort(
-            torch.where(candidates, surprisal, -1.0), descending=True, stable=True
-        ).indices[:k]
+            torch.where(candidates, surprisal, -1.0), descending=True, stable=True).indices[:k]
         expected = torch.zeros(200_000, dtype=torch.bool)
         expected[order] = True
         assert torch.equal(selected, expected)
@@ -369,9 +355,7 @@ def test_signed_select_top_k_orders_every_float_as_sort_does():
             * 10.0 ** torch.randint(-30, 30, (3000,), generator=generator),
             torch.tensor([-0.0, 0.0, -1e-40, 1e-40, float("-inf"), float("inf")]),
             # near-ties that a float32 shift by -100 would merge
-            near + 4e-6 * torch.arange(5),
-        ]
-    )
+            near + 4e-6 * torch.arange(5)])
     values = values[torch.randperm(len(values), generator=generator)]
     candidates = torch.rand(len(values), generator=generator) < 0.9
     for k in (1, 2, 57, int(candidates.sum()) - 1):
@@ -402,19 +386,15 @@ def test_selection_makes_no_host_sync():
     # without a GPU, what the CUDA test below catches with sync-debug mode.
     logprobs = torch.empty(8, 32, device="meta")
     advantages, mask = (
-        torch.empty(8, device="meta"),
-        torch.empty(8, 32, dtype=torch.bool, device="meta"),
-    )
+        torch.empty(8, device="meta"), torch.empty(8, 32, dtype=torch.bool, device="meta"))
     stare.select_top_surprisal(-logprobs, mask, 0.1)
     stare.select_top_k(-logprobs, mask, torch.empty((), dtype=torch.int64, device="meta"))
     for variant in ("O1", "C2"):
         for gate_on in (True, False, torch.empty((), dtype=torch.bool, device="meta")):
             weights, stats = stare.stare_weights(
-                logprobs, advantages, mask, variant=variant, gate_on=gate_on
-            )
+                logprobs, advantages, mask, variant=variant, gate_on=gate_on)
             assert weights.device.type == "meta" and all(
-                v.device.type == "meta" for v in stats.values()
-            )
+                v.device.type == "meta" for v in stats.values())
 
 
 def test_select_bad_ratio_and_shapes():
@@ -440,10 +420,7 @@ def test_quadrant_masks_match_loop():
     for i in range(4):
         for t in range(6):
             a, valid, high = (
-                advantages[i].item(),
-                mask[i, t].item(),
-                surprisal[i, t] >= threshold[i, t],
-            )
+                advantages[i].item(), mask[i, t].item(), surprisal[i, t] >= threshold[i, t])
             expected = [valid and a > 0 and high, valid and a > 0 and not high,
                         valid and a < 0 and high, valid and a < 0 and not high]
             assert [q[i, t].item() for q in masks] == expected
@@ -464,8 +441,7 @@ def stare_weights_loop(logprobs, advantages, mask, variant, top_ratio, w, m, gat
     if not gate_on:
         return weights
     flat = [
-        (i, t) for i in range(logprobs.shape[0]) for t in range(logprobs.shape[1]) if mask[i, t]
-    ]
+        (i, t) for i in range(logprobs.shape[0]) for t in range(logprobs.shape[1]) if mask[i, t]]
     for sign, value in ((1, w), (-1, m)):
         if sign < 0 and variant == "O1":
             continue
@@ -488,25 +464,20 @@ def test_stare_weights_match_loop(variant, top_ratio):
     mask = torch.rand(6, 10, generator=generator) < 0.85
     mask[3] = False  # an all-masked row
     weights, stats = stare.stare_weights(
-        logprobs, advantages, mask, variant=variant, top_ratio=top_ratio, w=1.2, m=0.8
-    )
+        logprobs, advantages, mask, variant=variant, top_ratio=top_ratio, w=1.2, m=0.8)
     expected = stare_weights_loop(
-        logprobs, advantages, mask, variant.upper(), top_ratio, 1.2, 0.8, True
-    )
+        logprobs, advantages, mask, variant.upper(), top_ratio, 1.2, 0.8, True)
     torch.testing.assert_close(weights, expected)
     # the stats count what the loop selected
     valid = mask.sum().item()
     assert stats["pos_selected_frac"].item() == pytest.approx(
-        ((expected == 1.2) & mask).sum().item() / valid
-    )
+        ((expected == 1.2) & mask).sum().item() / valid)
     assert stats["neg_selected_frac"].item() == pytest.approx(
-        ((expected == 0.8) & mask).sum().item() / valid
-    )
+        ((expected == 0.8) & mask).sum().item() / valid)
     assert stats["mean_weight"].item() == pytest.approx(expected[mask].mean().item(), rel=1e-6)
     token_adv = advantages[:, None].expand(6, 10)
     assert stats["pos_candidate_frac"].item() == pytest.approx(
-        ((token_adv > 0) & mask).sum().item() / valid
-    )
+        ((token_adv > 0) & mask).sum().item() / valid)
 
 
 def test_stare_weights_gate_and_advantage_shapes():
@@ -517,19 +488,16 @@ def test_stare_weights_gate_and_advantage_shapes():
     on, _ = stare.stare_weights(logprobs, advantages, mask, variant="C2", top_ratio=0.25)
     # token-level advantages give the same result as sequence advantages broadcast
     on_tokens, _ = stare.stare_weights(
-        logprobs, advantages[:, None].expand(4, 8), mask, variant="C2", top_ratio=0.25
-    )
+        logprobs, advantages[:, None].expand(4, 8), mask, variant="C2", top_ratio=0.25)
     assert torch.equal(on, on_tokens)
     assert (on != 1).any()
     # gate off (bool or tensor): all ones, but the stats still report the selection
     off, stats = stare.stare_weights(
-        logprobs, advantages, mask, variant="C2", top_ratio=0.25, gate_on=False
-    )
+        logprobs, advantages, mask, variant="C2", top_ratio=0.25, gate_on=False)
     assert (
         torch.equal(off, torch.ones(4, 8))
         and stats["pos_selected_frac"] > 0
-        and stats["mean_weight"] == 1
-    )
+        and stats["mean_weight"] == 1)
     off_tensor, _ = stare.stare_weights(logprobs, advantages, mask, variant="C2", top_ratio=0.25,
                                         gate_on=torch.tensor(False))
     on_tensor, _ = stare.stare_weights(logprobs, advantages, mask, variant="C2", top_ratio=0.25,
@@ -554,8 +522,7 @@ def test_stare_weights_gate_and_advantage_shapes():
 
 def test_gate_follows_a_scripted_entropy_sequence():
     gate = stare.EntropyGate(
-        target_entropy=0.3, w=1.1, m=0.9, adaptive=True, alpha=0.1, w_max=1.25, m_min=0.8
-    )
+        target_entropy=0.3, w=1.1, m=0.9, adaptive=True, alpha=0.1, w_max=1.25, m_min=0.8)
     assert gate.gate_on  # on before the first update, as the reference
     script = [  # (batch entropy, gate_on, w, m) after the update
         (0.5, False, 1.0, 1.0),       # above target: w, m move towards 1 (clipped there)
@@ -566,14 +533,12 @@ def test_gate_follows_a_scripted_entropy_sequence():
         # exactly at target: strict '<' turns it off, sign 0 leaves w, m
         (0.3, False, 1.25, 0.8),
         (float("inf"), False, 1.25, 0.8),
-        (0.31, False, 1.15, 0.9),
-    ]
+        (0.31, False, 1.15, 0.9)]
     for entropy, gate_on, w, m in script:
         accepted = gate.update(entropy)
         assert accepted == math.isfinite(entropy)
         assert (gate.gate_on, gate.w, gate.m) == (gate_on, pytest.approx(w), pytest.approx(m)), (
-            entropy
-        )
+            entropy)
     assert gate.current_entropy == 0.31
     # a 0-dim tensor works too
     assert gate.update(torch.tensor(0.1, dtype=torch.float64)) and gate.gate_on
@@ -622,8 +587,7 @@ def test_group_advantages_equal_rewards_are_exactly_zero():
 
 def test_group_advantages_size_one_and_errors():
     torch.testing.assert_close(
-        stare.group_advantages(torch.tensor([1.0, 0.0]), 1), torch.tensor([1 / (1 + 1e-6), 0.0])
-    )
+        stare.group_advantages(torch.tensor([1.0, 0.0]), 1), torch.tensor([1 / (1 + 1e-6), 0.0]))
     rewards = torch.tensor([1.0, 0.0])
     # mean 0: A = r
     assert torch.equal(stare.group_advantages(rewards, 1, normalize_std=False), rewards)
@@ -656,8 +620,7 @@ def test_clipped_surrogate_matches_loop(dual_clip):
     mask = torch.ones(5, 7, dtype=torch.bool)
     mask[2, 3:] = False
     loss, stats = stare.clipped_surrogate(
-        new, old, advantages, clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, mask=mask
-    )
+        new, old, advantages, clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, mask=mask)
     clipped = dual = 0
     for i in range(5):
         for t in range(7):
@@ -670,8 +633,7 @@ def test_clipped_surrogate_matches_loop(dual_clip):
                 dual += (
                     dual_clip is not None
                     and a < 0
-                    and max(-a * r, -a * min(max(r, 0.8), 1.28)) > -a * dual_clip
-                )
+                    and max(-a * r, -a * min(max(r, 0.8), 1.28)) > -a * dual_clip)
     num_valid = mask.sum().item()
     assert stats["clip_frac"].item() == pytest.approx(clipped / num_valid)
     assert stats["dual_clip_frac"].item() == pytest.approx(dual / num_valid)
@@ -714,8 +676,7 @@ def test_clipped_surrogate_rejects_bad_clips():
 def aggregate_loop(loss, mask, mode, scale=None):
     rows = [
         [loss[i, t].item() for t in range(loss.shape[1]) if mask[i, t]]
-        for i in range(loss.shape[0])
-    ]
+        for i in range(loss.shape[0])]
     nonempty = [row for row in rows if row]
     if mode == "token-mean":
         return sum(sum(row) for row in rows) / max(1, sum(len(row) for row in rows))
@@ -733,8 +694,7 @@ def test_aggregate_loss_matches_loop(mode):
     mask = torch.rand(5, 8, generator=generator) < 0.7
     mask[1] = False  # an empty sequence
     assert stare.aggregate_loss(loss, mask, mode).item() == pytest.approx(
-        aggregate_loop(loss, mask, mode), rel=1e-5
-    )
+        aggregate_loop(loss, mask, mode), rel=1e-5)
     # nothing valid: 0, not NaN
     assert stare.aggregate_loss(loss, torch.zeros_like(mask), mode).item() == 0.0
     if mode == "seq-mean-token-sum-norm":
@@ -752,11 +712,9 @@ def test_aggregate_loss_in_half_precision(dtype):
     mask = torch.ones(1, 257, dtype=torch.bool)
     assert stare.aggregate_loss(loss, mask).item() == 1.0
     assert stare.aggregate_loss(loss, mask, num_tokens=100_000).item() == pytest.approx(
-        257 / 100_000
-    )
+        257 / 100_000)
     assert stare.aggregate_loss(
-        loss, mask, num_tokens=torch.tensor(100_000)
-    ).item() == pytest.approx(257 / 100_000)
+        loss, mask, num_tokens=torch.tensor(100_000)).item() == pytest.approx(257 / 100_000)
     assert stare.aggregate_loss(loss, mask).dtype == torch.float32
 
 
@@ -778,8 +736,7 @@ def test_micro_batch_accumulation_equals_full_batch(mode):
     def loss_of(rows, width):
         logprobs, _ = stare.token_logprobs_and_entropy(logits[rows, :width], tokens[rows, :width])
         token_loss, _ = stare.clipped_surrogate(
-            logprobs, old_logprobs[rows, :width], advantages[rows], dual_clip=3.0
-        )
+            logprobs, old_logprobs[rows, :width], advantages[rows], dual_clip=3.0)
         return token_loss * weights[rows, :width], None
 
     mask[0:2, 7:] = False  # rows 0-1 end by position 7, so their micro-batch can be cut to width 7
@@ -793,13 +750,8 @@ def test_micro_batch_accumulation_equals_full_batch(mode):
     for rows, width in ((slice(0, 2), 7), (slice(2, 5), 9), (slice(5, 6), 9)):
         token_loss, _ = loss_of(rows, width)
         accumulated = accumulated + stare.aggregate_loss(
-            token_loss,
-            mask[rows, :width],
-            mode=mode,
-            num_tokens=num_tokens,
-            num_sequences=num_sequences,
-            loss_scale_factor=scale,
-        )
+            token_loss, mask[rows, :width], mode=mode, num_tokens=num_tokens,
+            num_sequences=num_sequences, loss_scale_factor=scale)
     (accumulated_grad,) = torch.autograd.grad(accumulated, logits)
     torch.testing.assert_close(accumulated, full_loss, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(accumulated_grad, full_grad, atol=1e-7, rtol=1e-5)
@@ -833,8 +785,7 @@ def test_entropy_dynamics_matches_loop_and_quadrant_sum():
         assert stats[f"{q}/frac"].item() == pytest.approx(count / num_valid)
         assert stats[f"{q}/dH"].item() == pytest.approx(dh / num_valid, abs=1e-6)
     assert stats["total/dH"].item() == pytest.approx(
-        sum(stats[f"{q}/dH"].item() for q in stare.QUADRANTS), abs=1e-6
-    )
+        sum(stats[f"{q}/dH"].item() for q in stare.QUADRANTS), abs=1e-6)
     # The quadrant signs of Eq. 6: A*S > 0 exactly in pos_high and neg_low (pos_high's S = 0
     # boundary aside).
     assert stats["pos_high/dH"] >= 0 and stats["neg_low/dH"] >= 0
@@ -850,23 +801,15 @@ def test_entropy_dynamics_predicts_the_entropy_change_of_a_tabular_step():
     advantages = torch.tensor([1.3, -0.6, 0.8])
     mask = torch.ones(3, 5, dtype=torch.bool)
     weights, _ = stare.stare_weights(
-        torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1),
-        advantages,
-        mask,
-        variant="C2",
-        top_ratio=0.3,
-        w=1.5,
-        m=0.5,
-    )
+        torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1), advantages, mask,
+        variant="C2", top_ratio=0.3, w=1.5, m=0.5)
     stats = stare.entropy_dynamics(
-        advantages, stare.entropy_sensitivity(logits, tokens), mask, weights=weights
-    )
+        advantages, stare.entropy_sensitivity(logits, tokens), mask, weights=weights)
     eta = 1e-5
     step = (torch.nn.functional.one_hot(tokens, 12) - torch.softmax(logits, -1)) * (
         weights.double() * advantages[:, None].double())[..., None]
     measured = (entropy_of(logits + eta * step) - entropy_of(logits - eta * step)).mean() / (
-        2 * eta
-    )
+        2 * eta)
     assert stats["total/dH"].item() == pytest.approx(measured.item(), rel=1e-4, abs=1e-7)
 
 
@@ -889,10 +832,8 @@ def test_selection_never_syncs_host_and_device():
         stare.select_top_surprisal(-logprobs, mask & (advantages[:, None] > 0), 0.1)
         for variant in ("O1", "C2"):
             stare.stare_weights(
-                logprobs, advantages, mask, variant=variant, top_ratio=0.1, gate_on=True
-            )
+                logprobs, advantages, mask, variant=variant, top_ratio=0.1, gate_on=True)
             stare.stare_weights(
-                logprobs, advantages, mask, variant=variant, top_ratio=0.1, gate_on=gate_off
-            )
+                logprobs, advantages, mask, variant=variant, top_ratio=0.1, gate_on=gate_off)
     finally:
         torch.cuda.set_sync_debug_mode("default")

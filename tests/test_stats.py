@@ -105,8 +105,7 @@ def synthetic_runs(seeds=8, prompts=8):
     """GRPO's pass@1 rises 0.1 -> 0.3 over 100 steps, then stays; "better" solves 1 + seed more
     samples (of 64) of every prompt at every step after 0; the others equal GRPO."""
     def record(step, extra):
-        counts = [round(64 * (0.1 + 0.2 * min(step, 100) / 100)) + (extra if step else 0)
-                  ] * prompts
+        counts = [round(64 * (0.1 + 0.2 * min(step, 100) / 100)) + (extra if step else 0)] * prompts
         pass1 = statistics.fmean(c / 64 for c in counts)
         metrics = {"heldout/pass@1": pass1, "heldout/pass@8": 1 - (1 - pass1) ** 8,
                    "heldout/pass@64": min(1.0, 2 * pass1), "heldout/correct": counts,

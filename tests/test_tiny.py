@@ -55,8 +55,7 @@ def test_model_shape(tiny_dir):
     assert (
         config.eos_token_id
         == tokenizer.eos_token_id
-        == tokenizer.convert_tokens_to_ids("<|im_end|>")
-    )
+        == tokenizer.convert_tokens_to_ids("<|im_end|>"))
     assert config.vocab_size >= len(tokenizer)
 
 
@@ -73,21 +72,13 @@ def test_splits_are_disjoint_and_verifiable(tiny_dir):
         rows = [{"answer": e.ground_truth, "data_source": e.data_source} for e in examples]
         responses = [tiny.warmup_response(row, rng) for row in rows]
         _, accuracies, _ = rewards.compute_rewards(
-            responses,
-            [r["answer"] for r in rows],
-            [r["data_source"] for r in rows],
-            [0] * len(rows),
-            config.RewardConfig(),
-        )
+            responses, [r["answer"] for r in rows], [r["data_source"] for r in rows],
+            [0] * len(rows), config.RewardConfig())
         assert all(a == 1.0 for a in accuracies)
         wrong = [f"\\boxed{{{int(r['answer']) + 1}}}" for r in rows]
         _, accuracies, _ = rewards.compute_rewards(
-            wrong,
-            [r["answer"] for r in rows],
-            [r["data_source"] for r in rows],
-            [0] * len(rows),
-            config.RewardConfig(),
-        )
+            wrong, [r["answer"] for r in rows], [r["data_source"] for r in rows], [0] * len(rows),
+            config.RewardConfig())
         assert not any(accuracies)
 
 
@@ -107,10 +98,7 @@ def test_tool_variant(tiny_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tool_model")
     wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in rollout.QWEN_TOOL_TURN]
     turns = [
-        (tiny.tool_call_text("print(347*29)"), False),
-        ("10063", True),
-        ("\\boxed{10063}", False),
-    ]
+        (tiny.tool_call_text("print(347*29)"), False), ("10063", True), ("\\boxed{10063}", False)]
     prompt = data.chat_template_ids(tokenizer, [{"role": "user", "content": "What is 347*29?"}])
     ids, labels = tiny.tool_warmup_sequence(tokenizer, prompt, turns, wrapper)
     call = tokenizer.encode(turns[0][0], add_special_tokens=False)
@@ -120,8 +108,7 @@ def test_tool_variant(tiny_dir):
     assert labels == [-100] * len(prompt) + call + [-100] * len(tool) + answer
     assert rollout.parse_tool_call(turns[0][0]) == ("print(347*29)", None)
     _, accuracies, _ = rewards.compute_rewards(
-        [turns[-1][0]], ["10063"], ["tiny_mul"], [0], config.RewardConfig()
-    )
+        [turns[-1][0]], ["10063"], ["tiny_mul"], [0], config.RewardConfig())
     assert accuracies == [1.0]
 
 
@@ -134,8 +121,7 @@ def test_countdown_variant(countdown_dir):
     assert summary["countdown_test_success_rate_t1"] <= 0.5
     splits = {
         split: data.load_examples(
-            countdown_dir / "data" / f"countdown_{split}.jsonl", prompt_suffix=None
-        )
+            countdown_dir / "data" / f"countdown_{split}.jsonl", prompt_suffix=None)
         for split in ("train", "test", "fresh")
     }
     digits = {
@@ -171,8 +157,7 @@ def test_countdown_variant(countdown_dir):
         assert set(solutions[tuple(map(int, (a, b, c))), int(target)]) == found
         assert all(
             rewards.verify_countdown(f"\\boxed{{{s}}}", example.ground_truth) == (True, "ok")
-            for s in found
-        )
+            for s in found)
 
 
 def test_data_only_writes_the_tasks_without_a_model(tiny_dir, tmp_path):
@@ -182,26 +167,15 @@ def test_data_only_writes_the_tasks_without_a_model(tiny_dir, tmp_path):
 
     repo = Path(__file__).resolve().parents[1]
     completed = subprocess.run(
-        [sys.executable, "tiny.py", "--out", str(tmp_path / "d"), "--data-only"],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+        [sys.executable, "tiny.py", "--out", str(tmp_path / "d"), "--data-only"], cwd=repo,
+        capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert not (tmp_path / "d" / "model").exists()
     written = sorted(p.name for p in (tmp_path / "d" / "data").iterdir())
     assert written == [
-        "add_test.jsonl",
-        "add_train.jsonl",
-        "countdown_fresh.jsonl",
-        "countdown_test.jsonl",
-        "countdown_train.jsonl",
-        "mul_test.jsonl",
-        "mul_train.jsonl",
-        "sum_test.jsonl",
-        "sum_train.jsonl",
-    ]
+        "add_test.jsonl", "add_train.jsonl", "countdown_fresh.jsonl", "countdown_test.jsonl",
+        "countdown_train.jsonl", "mul_test.jsonl", "mul_train.jsonl", "sum_test.jsonl",
+        "sum_train.jsonl"]
     for name in ("add_train.jsonl", "sum_test.jsonl"):  # the very files the full build writes
         assert (tmp_path / "d" / "data" / name).read_bytes() == (
             tiny_dir / "data" / name
@@ -209,15 +183,10 @@ def test_data_only_writes_the_tasks_without_a_model(tiny_dir, tmp_path):
     (tmp_path / "a_file").write_text("")
     for argv, message in (
         (["--out", str(tmp_path / "a_file" / "x")], "is not a writable directory"),
-        (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
-    ):
+        (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1")):
         bad = subprocess.run(
-            [sys.executable, "tiny.py", *argv],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+            [sys.executable, "tiny.py", *argv], cwd=repo, capture_output=True, text=True,
+            timeout=120)
         assert bad.returncode == 2 and message in bad.stderr
 
 

@@ -36,15 +36,8 @@ def tokenizer(model_dir):
 def engine(model_dir):
     # as in test_rollout.py: float32 (agreement with a transformers forward), eager, 32-token blocks
     engine = rollout.build_engine(
-        model_dir,
-        seed=0,
-        max_model_len=512,
-        dtype="float32",
-        kv_cache_gib=0.25,
-        max_num_seqs=64,
-        enforce_eager=True,
-        block_size=32,
-    )
+        model_dir, seed=0, max_model_len=512, dtype="float32", kv_cache_gib=0.25, max_num_seqs=64,
+        enforce_eager=True, block_size=32)
     yield engine
     # and its process group, so that another module can build its own engine
     rollout.shutdown_engine(engine)
@@ -80,15 +73,8 @@ def recorded(engine, tokenizer, prompts):
         patch.setattr(engine, "generate", recording_generate)
         patch.setattr(sandbox, "run_batch", recording_run_batch)
         out = rollout.generate_with_tools(
-            engine,
-            tokenizer,
-            prompts,
-            n=4,
-            max_tokens=MAX_TOKENS,
-            seeds=[0, 1, 2, 3],
-            max_turns=MAX_TURNS,
-            sandbox_config=SANDBOX,
-        )
+            engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3],
+            max_turns=MAX_TURNS, sandbox_config=SANDBOX)
     return out, engine_calls, sandbox_calls
 
 
@@ -110,9 +96,7 @@ def expected_tool_turn(model_text):
     try:  # a call without its opening tag is invalid too (rindex raises ValueError)
         body = model_text[
             model_text.rindex("<tool_call>") + len("<tool_call>") : model_text.rindex(
-                "</tool_call>"
-            )
-        ]
+                "</tool_call>")]
         call = json.loads(body)
         assert call["name"] == "code_interpreter"
         content = sandbox.format_result(sandbox.run_code(call["arguments"]["code"], SANDBOX))
@@ -132,11 +116,7 @@ def test_conversations_stop_at_different_turns(recorded, tokenizer):
     assert len(set(out.num_turns)) > 1 and max(out.num_calls) > 0
     for i in range(16):
         ids, reason, turns, calls = (
-            out.token_ids[i],
-            out.finish_reasons[i],
-            out.num_turns[i],
-            out.num_calls[i],
-        )
+            out.token_ids[i], out.finish_reasons[i], out.num_turns[i], out.num_calls[i])
         assert len(ids) == len(out.logprobs[i]) == len(out.tool_mask[i]) <= MAX_TOKENS
         assert reason in ("stop", "length", "max_turns")
         model_runs = [r for r in runs(out.tool_mask[i]) if not r[0]]
@@ -147,8 +127,7 @@ def test_conversations_stop_at_different_turns(recorded, tokenizer):
             assert (
                 turns == MAX_TURNS
                 and calls == MAX_TURNS - 1
-                and out.texts[i].endswith("</tool_call>")
-            )
+                and out.texts[i].endswith("</tool_call>"))
         if reason == "length":
             assert len(ids) == MAX_TOKENS
         assert out.num_errors[i] <= calls and out.num_timeouts[i] <= out.num_errors[i]
@@ -165,8 +144,7 @@ def test_conversations_stop_at_different_turns(recorded, tokenizer):
         last = runs(out.tool_mask[i])[-1]
         if not last[0]:
             assert out.texts[i] == tokenizer.decode(
-                out.token_ids[i][last[1] :], skip_special_tokens=True
-            )
+                out.token_ids[i][last[1] :], skip_special_tokens=True)
         assert out.full_texts[i] == tokenizer.decode(out.token_ids[i])
 
 
@@ -175,8 +153,7 @@ def test_tool_mask_marks_exactly_the_tool_turns(recorded, tokenizer):
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     checked = 0
     for ids, mask, logprobs, reason in zip(
-        out.token_ids, out.tool_mask, out.logprobs, out.finish_reasons
-    ):
+        out.token_ids, out.tool_mask, out.logprobs, out.finish_reasons):
         pieces = runs(mask)
         assert not pieces[0][0]  # a response starts with the model's turn (no prefill here)
         for k, (is_tool, start, end) in enumerate(pieces):
@@ -186,8 +163,7 @@ def test_tool_mask_marks_exactly_the_tool_turns(recorded, tokenizer):
             # a tool run follows a model turn that ends in a call, and is exactly the tool turn of
             # that call
             model_text = tokenizer.decode(
-                ids[pieces[k - 1][1] : pieces[k - 1][2]], skip_special_tokens=True
-            )
+                ids[pieces[k - 1][1] : pieces[k - 1][2]], skip_special_tokens=True)
             assert model_text.endswith("</tool_call>")
             prefix, content, suffix = expected_tool_turn(model_text)
             turn, head, tail = ids[start:end], encode(prefix), encode(suffix)
@@ -198,8 +174,7 @@ def test_tool_mask_marks_exactly_the_tool_turns(recorded, tokenizer):
                 checked += 1
             else:
                 assert turn[: len(head)] == head[: len(turn)] and (
-                    cut or turn[len(turn) - len(tail) :] == tail
-                )
+                    cut or turn[len(turn) - len(tail) :] == tail)
             assert all(lp == 0.0 for lp in logprobs[start:end])
             # and the model speaks next
             assert cut or (k + 1 < len(pieces) and not pieces[k + 1][0])
@@ -214,19 +189,16 @@ def test_model_token_logprobs_match_an_independent_forward(recorded, tokenizer, 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     worst, model_tokens = 0.0, 0
     for prompt_index, ids, logprobs, mask in zip(
-        out.prompt_index, out.token_ids, out.logprobs, out.tool_mask
-    ):
+        out.prompt_index, out.token_ids, out.logprobs, out.tool_mask):
         prompt = prompts[prompt_index]
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([list(prompt) + ids])).logits[0].double()
         log_pi = torch.log_softmax(logits, -1)[
-            torch.arange(len(prompt) - 1, len(prompt) + len(ids) - 1), torch.tensor(ids)
-        ]
+            torch.arange(len(prompt) - 1, len(prompt) + len(ids) - 1), torch.tensor(ids)]
         keep = ~torch.tensor(mask)
         worst = max(
             worst,
-            (torch.tensor(logprobs, dtype=torch.float64)[keep] - log_pi[keep]).abs().max().item(),
-        )
+            (torch.tensor(logprobs, dtype=torch.float64)[keep] - log_pi[keep]).abs().max().item())
         model_tokens += int(keep.sum())
     print(f"max |engine - transformers| over {model_tokens} model tokens = {worst:.2e}")
     assert worst < 1e-4
@@ -235,29 +207,15 @@ def test_model_token_logprobs_match_an_independent_forward(recorded, tokenizer, 
 def test_same_seeds_same_responses_whatever_the_batch(recorded, engine, tokenizer, prompts):
     out = recorded[0]
     again = rollout.generate_with_tools(
-        engine,
-        tokenizer,
-        prompts,
-        n=4,
-        max_tokens=MAX_TOKENS,
-        seeds=[0, 1, 2, 3],
-        max_turns=MAX_TURNS,
-        sandbox_config=SANDBOX,
-    )
+        engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3],
+        max_turns=MAX_TURNS, sandbox_config=SANDBOX)
     assert again.token_ids == out.token_ids and again.tool_mask == out.tool_mask
     assert again.finish_reasons == out.finish_reasons
     # a prompt alone samples what it sampled in the batch, although the batch's conversations ended
     # at other turns
     alone = rollout.generate_with_tools(
-        engine,
-        tokenizer,
-        prompts[2:3],
-        n=4,
-        max_tokens=MAX_TOKENS,
-        seeds=[2],
-        max_turns=MAX_TURNS,
-        sandbox_config=SANDBOX,
-    )
+        engine, tokenizer, prompts[2:3], n=4, max_tokens=MAX_TOKENS, seeds=[2], max_turns=MAX_TURNS,
+        sandbox_config=SANDBOX)
     assert alone.token_ids == out.token_ids[8:12]
     # the first turn is what rollout.generate samples with the same seed (seed * n + j, vLLM's child
     # seeds)
@@ -269,9 +227,8 @@ def test_same_seeds_same_responses_whatever_the_batch(recorded, engine, tokenize
         assert single.token_ids[i][:first] == out.token_ids[i][:first]
 
 
-def test_max_turns_ends_conversations_whose_last_turn_calls(
-    recorded, engine, tokenizer, prompts, monkeypatch
-):
+def test_max_turns_ends_conversations_whose_last_turn_calls(recorded, engine, tokenizer, prompts,
+                                                            monkeypatch):
     # the same seeds with one turn fewer: every turn samples what it sampled before (a turn's seed
     # does not depend on max_turns), so the conversations that called twice now end by max_turns,
     # their second call not run
@@ -279,25 +236,15 @@ def test_max_turns_ends_conversations_whose_last_turn_calls(
     ran = []
     real_run_batch = sandbox.run_batch
     monkeypatch.setattr(
-        sandbox,
-        "run_batch",
-        lambda codes, config=None: ran.extend(codes) or real_run_batch(codes, config),
-    )
+        sandbox, "run_batch",
+        lambda codes, config=None: ran.extend(codes) or real_run_batch(codes, config))
     short = rollout.generate_with_tools(
-        engine,
-        tokenizer,
-        prompts,
-        n=4,
-        max_tokens=MAX_TOKENS,
-        seeds=[0, 1, 2, 3],
-        max_turns=MAX_TURNS - 1,
-        sandbox_config=SANDBOX,
-    )
+        engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3],
+        max_turns=MAX_TURNS - 1, sandbox_config=SANDBOX)
     # (which conversations call twice depends on the warmed-up model, hence on the CPU it was built
     # on)
     assert ("max_turns" in short.finish_reasons) == any(
-        calls >= MAX_TURNS - 1 for calls in out.num_calls
-    )
+        calls >= MAX_TURNS - 1 for calls in out.num_calls)
     assert ran == sandbox_calls[0]  # the first turn's calls only
     for i in range(16):
         tool_runs = [r for r in runs(out.tool_mask[i]) if r[0]]
@@ -305,28 +252,19 @@ def test_max_turns_ends_conversations_whose_last_turn_calls(
         if len(tool_runs) < MAX_TURNS - 1:
             assert (
                 short.token_ids[i] == out.token_ids[i]
-                and short.finish_reasons[i] == out.finish_reasons[i]
-            )
+                and short.finish_reasons[i] == out.finish_reasons[i])
         else:
             _, _, end = [r for r in runs(out.tool_mask[i]) if not r[0]][MAX_TURNS - 2]
             assert (
                 short.finish_reasons[i] == "max_turns"
-                and short.token_ids[i] == out.token_ids[i][:end]
-            )
+                and short.token_ids[i] == out.token_ids[i][:end])
             assert short.num_turns[i] == MAX_TURNS - 1 and short.num_calls[i] == MAX_TURNS - 2
             assert short.texts[i].endswith("</tool_call>")
     # a single turn: no code runs at all
     monkeypatch.setattr(sandbox, "run_batch", lambda codes, config=None: pytest.fail("code ran"))
     one = rollout.generate_with_tools(
-        engine,
-        tokenizer,
-        prompts,
-        n=4,
-        max_tokens=MAX_TOKENS,
-        seeds=[0, 1, 2, 3],
-        max_turns=1,
-        sandbox_config=SANDBOX,
-    )
+        engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3], max_turns=1,
+        sandbox_config=SANDBOX)
     assert not any(map(any, one.tool_mask)) and sum(one.num_calls) == 0
     assert [r == "max_turns" for r in one.finish_reasons] == [t > 1 for t in out.num_turns]
     assert "max_turns" in one.finish_reasons  # most first turns call: the single-turn run ends them
@@ -345,35 +283,23 @@ def prefilled(prompts, examples, tokenizer, quote):
         + ")"
         + quote
         + "}}\n"
-        for e in examples
-    ]
+        for e in examples]
     return [
         list(p) + tokenizer.encode(head, add_special_tokens=False)
-        for p, head in zip(prompts, heads)
-    ]
+        for p, head in zip(prompts, heads)]
 
 
 @pytest.mark.parametrize("quote", ['"', "'"])
 def test_prefilled_calls_valid_and_invalid(
-    engine, tokenizer, prompts, examples, monkeypatch, quote
-):
+    engine, tokenizer, prompts, examples, monkeypatch, quote):
     ran = []
     real_run_batch = sandbox.run_batch
     monkeypatch.setattr(
-        sandbox,
-        "run_batch",
-        lambda codes, config=None: ran.extend(codes) or real_run_batch(codes, config),
-    )
+        sandbox, "run_batch",
+        lambda codes, config=None: ran.extend(codes) or real_run_batch(codes, config))
     out = rollout.generate_with_tools(
-        engine,
-        tokenizer,
-        prefilled(prompts[:2], examples, tokenizer, quote),
-        n=2,
-        max_tokens=MAX_TOKENS,
-        seeds=[5, 6],
-        max_turns=2,
-        sandbox_config=SANDBOX,
-    )
+        engine, tokenizer, prefilled(prompts[:2], examples, tokenizer, quote), n=2,
+        max_tokens=MAX_TOKENS, seeds=[5, 6], max_turns=2, sandbox_config=SANDBOX)
     close = tokenizer.encode("</tool_call>", add_special_tokens=False)
     prefix = tokenizer.encode(rollout.QWEN_TOOL_TURN[0], add_special_tokens=False)
     for i in range(4):
@@ -399,33 +325,18 @@ def test_token_budget_counts_tool_tokens(engine, tokenizer, prompts, examples):
     # a budget that ends inside the tool turn: the result is cut to it and the conversation ends by
     # length
     out = rollout.generate_with_tools(
-        engine,
-        tokenizer,
-        prefilled(prompts[:2], examples, tokenizer, '"'),
-        n=2,
-        max_tokens=30,
-        seeds=[5, 6],
-        max_turns=3,
-        sandbox_config=SANDBOX,
-    )
+        engine, tokenizer, prefilled(prompts[:2], examples, tokenizer, '"'), n=2, max_tokens=30,
+        seeds=[5, 6], max_turns=3, sandbox_config=SANDBOX)
     assert out.finish_reasons == ["length"] * 4 and out.lengths == [30] * 4
     # 12: the model's "</tool_call>"
     assert all(mask == [False] * 12 + [True] * 18 for mask in out.tool_mask)
     # a budget that ends inside the model's first turn: no tool turn at all
     out = rollout.generate_with_tools(
-        engine,
-        tokenizer,
-        prompts,
-        n=2,
-        max_tokens=12,
-        seeds=[0, 1, 2, 3],
-        max_turns=3,
-        sandbox_config=SANDBOX,
-    )
+        engine, tokenizer, prompts, n=2, max_tokens=12, seeds=[0, 1, 2, 3], max_turns=3,
+        sandbox_config=SANDBOX)
     assert max(out.lengths) <= 12 and not any(map(any, out.tool_mask)) and sum(out.num_calls) == 0
     assert all(
-        r == "stop" or (r == "length" and n == 12) for r, n in zip(out.finish_reasons, out.lengths)
-    )
+        r == "stop" or (r == "length" and n == 12) for r, n in zip(out.finish_reasons, out.lengths))
     assert "length" in out.finish_reasons  # a call is longer than 12 tokens
 
 
@@ -442,26 +353,20 @@ def test_parse_tool_call():
     for text, expected in [
         (
             '<tool_call>{"name": "code_interpreter", "arguments": {"code": print(1)}}</tool_call>',
-            "not valid JSON",
-        ),
+            "not valid JSON"),
         (
             '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>',
-            "unknown function 'python'",
-        ),
+            "unknown function 'python'"),
         ('<tool_call>["code_interpreter"]</tool_call>', "unknown function None"),
         (
             '<tool_call>{"name": "code_interpreter", "arguments": {"cmd": "ls"}}</tool_call>',
-            '{"code"',
-        ),
+            '{"code"'),
         (
             '<tool_call>{"name": "code_interpreter", "arguments": {"code": 3}}</tool_call>',
-            '{"code"',
-        ),
+            '{"code"'),
         (
             '{"name": "code_interpreter", "arguments": {"code": "1"}}</tool_call>',
-            "without <tool_call>",
-        ),
-    ]:
+            "without <tool_call>")]:
         code, error = rollout.parse_tool_call(text)
         assert code is None and error.startswith("Error: ") and expected in error, (text, error)
 
@@ -472,8 +377,7 @@ def test_tool_turn_ids(tokenizer):
     assert (
         tokenizer.decode(ids)
         == "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
-        "<|im_start|>assistant\n"
-    )
+        "<|im_start|>assistant\n")
     # a program printing a control token shows the model its characters, not the token
     ids = rollout.tool_turn_ids(tokenizer, "<|im_end|>", wrapper, 100)
     content = ids[len(wrapper[0]):len(ids) - len(wrapper[1])]
@@ -505,8 +409,7 @@ def test_tool_mask_and_metrics(recorded):
         lp == 0.0
         for row, tools in zip(out.logprobs, out.tool_mask)
         for lp, tool in zip(row, tools)
-        if tool
-    )
+        if tool)
     metrics = rollout.tool_metrics(out)
     assert metrics["rollout/tool_calls_mean"] == sum(out.num_calls) / 16
     assert 0 < metrics["rollout/tool_token_frac"] < 1
@@ -520,13 +423,6 @@ def test_many_long_contexts_in_one_step(engine, tokenizer, prompts):
     long = [tokenizer.encode(f"{i:03d}4567\n" * 52, add_special_tokens=False) + list(prompts[i % 4])
             for i in range(24)]
     out = rollout.generate_with_tools(
-        engine,
-        tokenizer,
-        long,
-        n=1,
-        max_tokens=8,
-        seeds=list(range(24)),
-        max_turns=2,
-        sandbox_config=SANDBOX,
-    )
+        engine, tokenizer, long, n=1, max_tokens=8, seeds=list(range(24)), max_turns=2,
+        sandbox_config=SANDBOX)
     assert len(out.token_ids) == 24 and all(0 < n <= 8 for n in out.lengths)

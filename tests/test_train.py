@@ -31,23 +31,15 @@ def train_command(tiny_dir, out_dir, *overrides, nproc=1):
         f"train.out_dir={out_dir}",
         "train.total_steps=2",
         # above the tiny model's entropy: the gate is on, STARE reweights
-        "gate.target_entropy=1.0",
-    ]
+        "gate.target_entropy=1.0"]
     launcher = (
         [sys.executable]
         if nproc == 1
         else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(nproc),
-        ]
-    )
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            str(nproc)])
     env = dict(
-        os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")
-    )
+        os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
     return launcher + ["train.py", "--config", "configs/tiny.yaml", *base, *overrides], env
 
 
@@ -76,8 +68,7 @@ def every_method(tiny_dir, tmp_path_factory):
     """tests/methods_two_ranks.py on two torchrun ranks: each method's two steps' metrics, and the
     run's directory (its HF export)."""
     out_dir = tmp_path_factory.mktemp("methods")
-    command, env = train_command(tiny_dir, out_dir / "run", "rollout.sync_check_every=1",
-                                 nproc=2)
+    command, env = train_command(tiny_dir, out_dir / "run", "rollout.sync_check_every=1", nproc=2)
     config_at = command.index("--config")
     command = (command[:config_at - 1] + [str(REPO / "tests" / "methods_two_ranks.py"),
                str(out_dir / "metrics.json")] + command[config_at + 1:])
@@ -120,21 +111,14 @@ def test_two_ranks_match_one_and_export_loads(tiny_dir, tmp_path):
     # generation rounds of 16 prompts for 16 varied groups: dynamic sampling needs several rounds
     # per step
     one = check_finished(
-        run_train(tiny_dir, tmp_path / "one", "algorithm.gen_batch_size=16"), tmp_path / "one"
-    )
+        run_train(tiny_dir, tmp_path / "one", "algorithm.gen_batch_size=16"), tmp_path / "one")
     two = check_finished(
         run_train(tiny_dir, tmp_path / "two", "algorithm.gen_batch_size=16", nproc=2),
-        tmp_path / "two",
-    )
+        tmp_path / "two")
     # step scope + samples seeded by global prompt index: the first update is the same whatever the
     # world size
     for key in (
-        "rollout/acc",
-        "train/entropy",
-        "train/loss",
-        "train/grad_norm",
-        "stare/pos_selected_frac",
-    ):
+        "rollout/acc", "train/entropy", "train/loss", "train/grad_norm", "stare/pos_selected_frac"):
         assert two[0][key] == pytest.approx(one[0][key], rel=1e-4, abs=1e-7), key
     assert one[0]["rollout/gen_rounds"] == two[0]["rollout/gen_rounds"] >= 2
     # all-wrong groups were dropped
@@ -143,16 +127,14 @@ def test_two_ranks_match_one_and_export_loads(tiny_dir, tmp_path):
         torch.load(
             checkpoints.list_checkpoints(tmp_path / run)[-1] / "trainer.pt", weights_only=False
         )["data_position"]
-        for run in ("one", "two")
-    ]
+        for run in ("one", "two")]
     assert positions[0] == positions[1] == 16 * sum(m["rollout/gen_rounds"] for m in one)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "hf", dtype=torch.float32)
     initial = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
     changed = [
         name
         for name, p in exported.state_dict().items()
-        if not torch.equal(p, initial.state_dict()[name])
-    ]
+        if not torch.equal(p, initial.state_dict()[name])]
     assert len(changed) > len(exported.state_dict()) // 2  # training moved (almost) every weight
 
 
@@ -161,20 +143,13 @@ def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, t
     # each rank; the ranks sample the same prompts with the same seeds, so the step equals the
     # one-rank step
     one = check_finished(
-        run_train(tiny_dir, tmp_path / "one", "algorithm.gen_batch_size=16"), tmp_path / "one"
-    )
+        run_train(tiny_dir, tmp_path / "one", "algorithm.gen_batch_size=16"), tmp_path / "one")
     tp = check_finished(run_train(tiny_dir, tmp_path / "tp", "algorithm.gen_batch_size=16",
                                   "rollout.tensor_parallel_size=2", "hardware.gpus_per_node=2",
                                   "rollout.sync_check_every=1", nproc=2), tmp_path / "tp")
     for key in (
-        "rollout/acc",
-        "rollout/acc_before_filter",
-        "rollout/gen_rounds",
-        "train/entropy",
-        "train/loss",
-        "train/grad_norm",
-        "stare/pos_selected_frac",
-    ):
+        "rollout/acc", "rollout/acc_before_filter", "rollout/gen_rounds", "train/entropy",
+        "train/loss", "train/grad_norm", "stare/pos_selected_frac"):
         assert tp[0][key] == pytest.approx(one[0][key], rel=1e-4, abs=1e-6), key
     for record in tp:
         # both halves of the engine hold the new weights
@@ -196,8 +171,7 @@ def test_round_prompts_give_each_engine_its_share_once():
 
 def test_update_does_not_depend_on_micro_batch_size(tiny_dir, tmp_path):
     big = check_finished(
-        run_train(tiny_dir, tmp_path / "big", "train.total_steps=1"), tmp_path / "big", steps=1
-    )
+        run_train(tiny_dir, tmp_path / "big", "train.total_steps=1"), tmp_path / "big", steps=1)
     small = check_finished(run_train(tiny_dir, tmp_path / "small", "train.total_steps=1",
                                      "train.micro_token_budget=256"), tmp_path / "small", steps=1)
     assert small[0]["train/micro_batches"] > big[0]["train/micro_batches"]
@@ -218,14 +192,8 @@ def test_micro_scope_and_two_mini_batches_on_two_ranks(tiny_dir, tmp_path):
     # the reference's per-micro-batch selection, two optimizer steps per training step, a small
     # token budget
     completed = run_train(
-        tiny_dir,
-        tmp_path / "run",
-        "algorithm.selection_scope=micro",
-        "train.mini_batch_size=8",
-        "train.micro_token_budget=600",
-        "rollout.sync_check_every=1",
-        nproc=2,
-    )
+        tiny_dir, tmp_path / "run", "algorithm.selection_scope=micro", "train.mini_batch_size=8",
+        "train.micro_token_budget=600", "rollout.sync_check_every=1", nproc=2)
     metrics = check_finished(completed, tmp_path / "run")
     for record in metrics:
         assert record["rollout/sync_probe_error"] < 1e-4  # both optimizer steps reached the engine
@@ -294,29 +262,19 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
     # everything a step reads from the past: a warm-up + cosine schedule, an adaptive gate, the sync
     # probe, evaluations
     steps = [
-        "train.total_steps=4",
-        "train.save_every=2",
-        "train.keep_last=1",
-        "optim.warmup_steps=3",
-        "optim.schedule=cosine",
-        "gate.adaptive=true",
-        "gate.alpha=0.1",
-        "rollout.sync_check_every=2",
-        f"eval.files=[{tiny_dir / 'data' / 'sum_test.jsonl'}]",
-        "eval.n=2",
-        "eval.every=2",
-    ]
+        "train.total_steps=4", "train.save_every=2", "train.keep_last=1", "optim.warmup_steps=3",
+        "optim.schedule=cosine", "gate.adaptive=true", "gate.alpha=0.1",
+        "rollout.sync_check_every=2", f"eval.files=[{tiny_dir / 'data' / 'sum_test.jsonl'}]",
+        "eval.n=2", "eval.every=2"]
     full = check_finished(
-        run_train(tiny_dir, tmp_path / "full", *steps, nproc=2), tmp_path / "full", 4
-    )
+        run_train(tiny_dir, tmp_path / "full", *steps, nproc=2), tmp_path / "full", 4)
 
     # the same run, killed (SIGKILL, every process) once step 2's checkpoint is written and step 3
     # is logged
     out = tmp_path / "killed"
     command, env = train_command(tiny_dir, out, *steps, nproc=2)
     process = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_until(
         process, lambda: (out / "checkpoints" / "step_00000002").exists() and logged_steps(out) >= 4
     )
@@ -337,11 +295,9 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
     assert len({m["stare/w"] for m in full[1:]}) > 1 and len({m["train/lr"] for m in full[1:]}) > 1
     evaluated = [m["step"] for m in full if "eval/sum_test/avg@n" in m]
     assert evaluated == [0, 2, 4] and all(
-        0 <= m["eval/overall/pass@2"] <= 1 for m in full if m["step"] in evaluated
-    )
+        0 <= m["eval/overall/pass@2"] <= 1 for m in full if m["step"] in evaluated)
     want = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "full" / "hf", dtype=torch.float32
-    ).state_dict()
+        tmp_path / "full" / "hf", dtype=torch.float32).state_dict()
     got = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).state_dict()
     assert all(torch.equal(got[name], want[name]) for name in want)
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000004"]  # keep_last=1
@@ -350,37 +306,22 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
     from tools import plots
 
     written = plots.plot_runs(
-        [tmp_path / "full", out], tmp_path / "figures", labels=["uninterrupted", "resumed"]
-    )
+        [tmp_path / "full", out], tmp_path / "figures", labels=["uninterrupted", "resumed"])
     assert sorted(p.name for p in written) == [
-        "accuracy.png",
-        "dynamics.png",
-        "entropy.png",
-        "eval.png",
-        "length.png",
-        "selection.png",
-    ]
+        "accuracy.png", "dynamics.png", "entropy.png", "eval.png", "length.png", "selection.png"]
     assert all(p.stat().st_size > 10_000 for p in written)
 
 
 def test_sigterm_saves_a_checkpoint_that_exports(tiny_dir, tmp_path):
     out = tmp_path / "run"
     args = [
-        "train.py",
-        "--config",
-        "configs/tiny.yaml",
-        f"model.path={tiny_dir / 'model'}",
-        f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
-        "eval.files=[]",
-        f"train.out_dir={out}",
-        "train.total_steps=1000",
-        "train.save_every=0",
-    ]
+        "train.py", "--config", "configs/tiny.yaml", f"model.path={tiny_dir / 'model'}",
+        f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]",
+        f"train.out_dir={out}", "train.total_steps=1000", "train.save_every=0"]
     # a file, not a pipe nobody reads until the end
     with open(tmp_path / "console.txt", "w") as console:
         process = subprocess.Popen(
-            [sys.executable] + args, cwd=REPO, stdout=console, stderr=subprocess.STDOUT
-        )
+            [sys.executable] + args, cwd=REPO, stdout=console, stderr=subprocess.STDOUT)
         wait_until(process, lambda: logged_steps(out) >= 1)
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=300)
@@ -392,36 +333,25 @@ def test_sigterm_saves_a_checkpoint_that_exports(tiny_dir, tmp_path):
     assert "stopped by a signal" in output
 
     exported = subprocess.run(
-        [sys.executable] + args + ["--export"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+        [sys.executable] + args + ["--export"], cwd=REPO, capture_output=True, text=True,
+        timeout=300)
     assert exported.returncode == 0, exported.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(out / f"hf_step_{step}", dtype=torch.float32)
     initial = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
     assert any(
-        not torch.equal(p, initial.state_dict()[name]) for name, p in model.state_dict().items()
-    )
+        not torch.equal(p, initial.state_dict()[name]) for name, p in model.state_dict().items())
 
 
 def test_only_complete_checkpoints_count(tmp_path):
     root = tmp_path / "checkpoints"
     for name, complete in (
-        ("step_00000010", True),
-        ("step_00000002", True),
-        (".step_00000020.tmp", True),
-        ("step_00000030", False),
-        (".step_00000001.deleting", True),
-    ):
+        ("step_00000010", True), ("step_00000002", True), (".step_00000020.tmp", True),
+        ("step_00000030", False), (".step_00000001.deleting", True)):
         (root / name).mkdir(parents=True)
         if complete:
             (root / name / "trainer.pt").write_bytes(b"")
     assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == [
-        "step_00000002",
-        "step_00000010",
-    ]
+        "step_00000002", "step_00000010"]
 
 
 def test_metrics_log_writes_jsonl_and_mirrors_to_wandb(tmp_path, monkeypatch):
@@ -482,8 +412,7 @@ def test_nonfinite_loss_skips_the_step_then_stops_the_run(tiny_dir, tmp_path):
             "optim.max_nonfinite_steps=2",
             # one micro-batch, so policy_loss call k = step k
             "train.micro_token_budget=100000",
-            *overrides,
-        ]
+            *overrides]
         return subprocess.run(
             [sys.executable] + args,
             cwd=REPO,
@@ -491,8 +420,7 @@ def test_nonfinite_loss_skips_the_step_then_stops_the_run(tiny_dir, tmp_path):
                 filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))),
             capture_output=True,
             text=True,
-            timeout=900,
-        )
+            timeout=900)
 
     # one bad step: skipped (no update), counted, and the run goes on
     out = tmp_path / "one"
@@ -501,12 +429,10 @@ def test_nonfinite_loss_skips_the_step_then_stops_the_run(tiny_dir, tmp_path):
     metrics = read_metrics(out)
     assert [m["train/skipped_updates"] for m in metrics] == [0, 1, 0]
     assert not math.isfinite(metrics[1]["train/loss"]) and not math.isfinite(
-        metrics[1]["train/grad_norm"]
-    )
+        metrics[1]["train/grad_norm"])
     assert all(
         math.isfinite(m["train/loss"]) and math.isfinite(m["train/grad_norm"])
-        for m in (metrics[0], metrics[2])
-    )
+        for m in (metrics[0], metrics[2]))
     weights = [checkpoint_weights(out / "checkpoints" / f"step_{s:08d}") for s in (1, 2, 3)]
     # step 2 changed nothing
     assert all(torch.equal(weights[1][k], weights[0][k]) for k in weights[0])
@@ -521,33 +447,25 @@ def test_nonfinite_loss_skips_the_step_then_stops_the_run(tiny_dir, tmp_path):
     assert completed.returncode != 0
     assert (
         "non-finite loss or gradient norm in 3 consecutive steps (optim.max_nonfinite_steps=2)"
-        in completed.stderr
-    )
+        in completed.stderr)
     assert [p.name for p in checkpoints.list_checkpoints(out)] == [
-        f"step_{s:08d}" for s in (1, 2, 3)
-    ]
+        f"step_{s:08d}" for s in (1, 2, 3)]
 
 
 def test_dynamic_sampling_gives_up_with_a_clear_error(tiny_dir, tmp_path):
     # every group of the tiny sum task is all-wrong or mixed; demanding 16 varied groups from one
     # round of 16 fails
     completed = run_train(
-        tiny_dir,
-        tmp_path / "run",
-        "algorithm.gen_batch_size=16",
-        "algorithm.max_num_gen_batches=1",
-        "train.total_steps=1",
-    )
+        tiny_dir, tmp_path / "run", "algorithm.gen_batch_size=16",
+        "algorithm.max_num_gen_batches=1", "train.total_steps=1")
     assert completed.returncode != 0
     assert (
         "dynamic sampling kept" in completed.stderr
-        and "algorithm.max_num_gen_batches" in completed.stderr
-    )
+        and "algorithm.max_num_gen_batches" in completed.stderr)
 
 
 def test_a_changed_shard_is_never_loaded_and_another_model_is_refused_in_one_line(
-    tiny_dir, tmp_path
-):
+    tiny_dir, tmp_path):
     from transformers import AutoConfig
 
     out = tmp_path / "run"
@@ -602,25 +520,16 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tiny_dir, tmp_path):
     # the tiny tool model is never right; DAPO's overlong shaping makes rewards (and so advantages)
     # differ anyway
     command = [
-        sys.executable,
-        "train.py",
-        "--config",
-        "configs/tiny_tool.yaml",
+        sys.executable, "train.py", "--config", "configs/tiny_tool.yaml",
         f"model.path={tiny_dir / 'tool_model'}",
-        f"data.train_files=[{tiny_dir / 'data' / 'mul_train.jsonl'}]",
-        f"train.out_dir={out}",
-        "train.total_steps=2",
-        "reward.overlong_buffer_len=300",
-        "reward.max_response_len=400",
-        "rollout.sync_check_every=1",
-        "optim.lr=1e-5",
-    ]
+        f"data.train_files=[{tiny_dir / 'data' / 'mul_train.jsonl'}]", f"train.out_dir={out}",
+        "train.total_steps=2", "reward.overlong_buffer_len=300", "reward.max_response_len=400",
+        "rollout.sync_check_every=1", "optim.lr=1e-5"]
     completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     metrics = check_finished(completed, out)
     assert (
         metrics[0]["rollout/tool_calls_mean"] > 0.3
-        and 0.1 < metrics[0]["rollout/tool_token_frac"] < 0.9
-    )
+        and 0.1 < metrics[0]["rollout/tool_token_frac"] < 0.9)
     # the mode the run used, as this process finds it (auto stops rather than fall back)
     assert metrics[0]["rollout/sandbox_namespaces"] == float(sandbox.isolation() == "namespaces")
     for record in metrics:
@@ -629,8 +538,7 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tiny_dir, tmp_path):
         policy_tokens = (
             record["rollout/response_length_mean"]
             * responses
-            * (1 - record["rollout/tool_token_frac"])
-        )
+            * (1 - record["rollout/tool_token_frac"]))
         assert record["train/tokens"] == pytest.approx(policy_tokens, abs=0.5)
         # tool tokens' rollout log-prob is a 0.0 placeholder
         assert record["rollout/logprob_mismatch_max"] < 1e-3
@@ -663,13 +571,9 @@ def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
 
     generator = torch.Generator().manual_seed(0)
     tool_masks = [
-        [False, False, True, True, True, False, False],
-        [False, True, True, False],
-        [False] * 5,
-    ]
+        [False, False, True, True, True, False, False], [False, True, True, False], [False] * 5]
     out = types.SimpleNamespace(
-        token_ids=[list(range(10, 10 + len(m))) for m in tool_masks], tool_mask=tool_masks
-    )
+        token_ids=[list(range(10, 10 + len(m))) for m in tool_masks], tool_mask=tool_masks)
     policy_masks = [train.policy_token_mask(out, i) for i in range(len(tool_masks))]
     mask = train.pad_rows(policy_masks)
     tool = train.pad_rows([torch.tensor(m) for m in tool_masks])
@@ -690,21 +594,13 @@ def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
     gate = stare.EntropyGate(target_entropy=10.0)  # on
     for method in ("stare", "kl_cov", "high_entropy"):
         selection, _ = baselines.token_selection(
-            method, batch, cfg.loss, gate=gate, generator=generator
-        )
+            method, batch, cfg.loss, gate=gate, generator=generator)
         for name, chosen in selection.items():
             if chosen.dtype == torch.bool and name != "kept":
                 assert not (chosen & tool).any(), (method, name)  # never a tool token
         loss, _ = baselines.policy_loss(
-            method,
-            batch,
-            cfg.loss,
-            selection=selection,
-            gate=gate,
-            generator=generator,
-            num_tokens=float(tensors["mask"].sum()),
-            num_sequences=3.0,
-        )
+            method, batch, cfg.loss, selection=selection, gate=gate, generator=generator,
+            num_tokens=float(tensors["mask"].sum()), num_sequences=3.0)
         (gradient,) = torch.autograd.grad(loss, logprobs)
         assert (gradient[tool] == 0).all() and (gradient[tensors["mask"]] != 0).any(), method
 
@@ -714,21 +610,13 @@ def test_the_sync_probe_is_the_prompt_and_at_most_512_response_tokens():
 
     def response(length, truncated=False):
         return train.Response(
-            prompt=[1, 2, 3],
-            tokens=list(range(10, 10 + length)),
-            rollout_logprobs=[0.0] * length,
-            reward=0.0,
-            accuracy=0.0,
-            truncated=truncated,
-            reflection=(0, 0),
-            policy_mask=torch.ones(length, dtype=torch.bool),
-        )
+            prompt=[1, 2, 3], tokens=list(range(10, 10 + length)), rollout_logprobs=[0.0] * length,
+            reward=0.0, accuracy=0.0, truncated=truncated, reflection=(0, 0),
+            policy_mask=torch.ones(length, dtype=torch.bool))
 
     assert train.PROBE_TOKENS == 512
     assert train.probe_sequence([response(0), response(17_000)]) == (
-        [1, 2, 3] + list(range(10, 522)),
-        3,
-    )
+        [1, 2, 3] + list(range(10, 522)), 3)
     # a truncated response filled the context: the probe asks for one more token, so it drops the
     # last
     assert train.probe_sequence([response(5, truncated=True)]) == ([1, 2, 3, 10, 11, 12, 13], 3)
@@ -748,20 +636,12 @@ def random_responses(generator, groups=3, n=4, vocab=300):
             length = int(torch.randint(1, 12, (1,), generator=generator))
             tokens = torch.randint(3, vocab, (length,), generator=generator).tolist()
             reward = (
-                float(k % 2) if k < 2 else float(torch.randint(0, 2, (1,), generator=generator))
-            )
+                float(k % 2) if k < 2 else float(torch.randint(0, 2, (1,), generator=generator)))
             responses.append(
                 train.Response(
-                    prompt=prompt,
-                    tokens=tokens,
-                    rollout_logprobs=[0.0] * length,
-                    reward=reward,
-                    accuracy=reward,
-                    truncated=False,
-                    reflection=(0, 0),
-                    policy_mask=torch.ones(length, dtype=torch.bool),
-                )
-            )
+                    prompt=prompt, tokens=tokens, rollout_logprobs=[0.0] * length, reward=reward,
+                    accuracy=reward, truncated=False, reflection=(0, 0),
+                    policy_mask=torch.ones(length, dtype=torch.bool)))
         out.append(train.Group(prompt, responses))
     return out
 
@@ -778,19 +658,12 @@ def test_stages_give_the_log_probs_and_the_update_of_an_independent_computation(
     cfg = config.load(
         "configs/tiny.yaml",
         [
-            "algorithm.method=grpo",
-            "optim.grad_clip=0",
-            f"train.micro_token_budget={budget}",
-            "train.train_batch_size=3",
-            "train.mini_batch_size=3",
-            "rollout.n=4",
-        ],
-    )
+            "algorithm.method=grpo", "optim.grad_clip=0", f"train.micro_token_budget={budget}",
+            "train.train_batch_size=3", "train.mini_batch_size=3", "rollout.n=4"])
     model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
     responses = train.group_responses(
-        random_responses(torch.Generator().manual_seed(budget)), cfg, 0, 1
-    )
+        random_responses(torch.Generator().manual_seed(budget)), cfg, 0, 1)
     train.old_policy_pass(model, responses, cfg, torch.device("cpu"))
 
     reference_loss = 0.0
@@ -815,8 +688,7 @@ def test_stages_give_the_log_probs_and_the_update_of_an_independent_computation(
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     metrics = train.policy_update(model, optimizer, responses, cfg, gate, 1, torch.device("cpu"))
     assert metrics["train/skipped_updates"] == 0 and (metrics["train/micro_batches"] > 1) == (
-        budget == 8
-    )
+        budget == 8)
     for old, new, ref in zip(before, model.parameters(), reference.parameters()):
         # float32: a parameter minus its updated value keeps ~1e-7 of the parameter's size
         assert (old - new.detach() - ref.grad).abs().max() <= 1e-5 * ref.grad.abs().max() + 1e-6
@@ -833,8 +705,7 @@ def test_bad_starts_fail_fast_in_one_line_and_leave_the_run_as_it_was(tiny_dir, 
         ([f"data.train_files=[{broken}]"], f"{broken}:2: invalid JSON"),
         (["data.overflow=skip", "data.max_prompt_tokens=2", "train.micro_token_budget=4096"],
          "no training prompt is left: 16 training prompts; 0 (0.0%) cut"),
-        (["model.path=models/not-here"], "nothing is downloaded"),
-    ]
+        (["model.path=models/not-here"], "nothing is downloaded")]
     for overrides, message in cases:
         start = time.time()
         completed = run_train(tiny_dir, out, *overrides)
@@ -865,8 +736,7 @@ def test_a_gpu_config_without_cuda_stops_in_one_line_before_anything_loads(tiny_
 def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path):
     out = tmp_path / "run"
     check_finished(
-        run_train(tiny_dir, out, "train.total_steps=1", "train.save_every=1"), out, steps=1
-    )
+        run_train(tiny_dir, out, "train.total_steps=1", "train.save_every=1"), out, steps=1)
     completed = run_train(tiny_dir, out, "optim.lr=1e-4")
     metrics = check_finished(completed, out)
     assert [m["train/lr"] for m in metrics] == [pytest.approx(3e-4), pytest.approx(1e-4)]
@@ -882,9 +752,8 @@ def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-def test_the_sync_probe_runs_at_step_one_and_a_broken_bound_stops_the_run_in_one_line(
-    tiny_dir, tmp_path
-):
+def test_the_sync_probe_runs_at_step_one_and_a_broken_bound_stops_the_run_in_one_line(tiny_dir,
+                                                                                      tmp_path):
     # tiny.yaml checks every 5th step: step 1 is checked all the same (the first sync of the run)
     # steps 1 and 2
     first, second = check_finished(run_train(tiny_dir, tmp_path / "ok"), tmp_path / "ok")
@@ -912,23 +781,18 @@ def test_float16_loss_scaling_keeps_the_gradients_that_float16_loses(tiny_dir, t
     # float32 one
     completed = subprocess.run(
         [
-            sys.executable,
-            "tests/fp16_update.py",
-            str(tiny_dir / "model"),
-            str(tmp_path / "fp16.json"),
-        ],
+            sys.executable, "tests/fp16_update.py", str(tiny_dir / "model"),
+            str(tmp_path / "fp16.json")],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
-    )
+        timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads((tmp_path / "fp16.json").read_text())
     assert result["reference_max_abs"] < 1e-4  # the premise: a tiny update (entries ~1e-7 to 1e-5)
     assert (
         result["plain"]["underflowed"] == result["entries"]
-        and result["plain"]["relative_error"] == 1.0
-    )
+        and result["plain"]["relative_error"] == 1.0)
     assert result["scaled"]["underflowed"] < 0.01 * result["entries"]
     assert result["scaled"]["relative_error"] < 0.05  # float16 compute against float32
     assert result["scaled_loss_scale"] == 2.0**16 and result["scale_after"] == 2.0**16

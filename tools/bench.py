@@ -77,8 +77,7 @@ def bench_logprob_memory(args):
     for dtype in (torch.float32, torch.bfloat16):
         logits = (
             torch.randn(args.tokens, args.vocab, generator=generator, device=device, dtype=dtype)
-            * 4
-        )
+            * 4)
         tokens = torch.randint(0, args.vocab, (args.tokens,), generator=generator, device=device)
         # warm-up (allocator, kernels), then check the two agree before measuring them
         chunked_out = stare.token_logprobs_and_entropy(logits, tokens)
@@ -88,8 +87,7 @@ def bench_logprob_memory(args):
         with torch.no_grad():
             naive = peak_extra_bytes(lambda: naive_logprobs_and_entropy(logits, tokens), device)
             chunked = peak_extra_bytes(
-                lambda: stare.token_logprobs_and_entropy(logits, tokens), device
-            )
+                lambda: stare.token_logprobs_and_entropy(logits, tokens), device)
         name = "float32" if dtype == torch.float32 else "bfloat16"
         results[name] = {
             "naive_peak_mib": round(naive / 2**20, 1),
@@ -101,8 +99,7 @@ def bench_logprob_memory(args):
     # the headline keys: the worse of the two dtypes
     worst = max(("float32", "bfloat16"), key=lambda name: results[name]["ratio"])
     results.update(
-        {key: results[worst][key] for key in ("naive_peak_mib", "chunked_peak_mib", "ratio")}
-    )
+        {key: results[worst][key] for key in ("naive_peak_mib", "chunked_peak_mib", "ratio")})
     results["goal_ratio"] = 0.125
     return results
 
@@ -139,8 +136,7 @@ def bench_logprob_time(args):
     dtype = getattr(torch, args.dtype)
     generator = torch.Generator(device=device).manual_seed(0)
     logits = (
-        torch.randn(args.tokens, args.vocab, generator=generator, device=device, dtype=dtype) * 4
-    )
+        torch.randn(args.tokens, args.vocab, generator=generator, device=device, dtype=dtype) * 4)
     tokens = torch.randint(0, args.vocab, (args.tokens,), generator=generator, device=device)
     weights = torch.randn(2, args.tokens, generator=generator, device=device)
 
@@ -177,8 +173,7 @@ def bench_logprob_time(args):
                         "peak_extra_mib": round(peak_extra_bytes(run, device) / 2**20, 1)}
     result["ratio_to_floor"] = round(result["triton"]["fwd_bwd_ms"] / floor_ms, 2)
     result["memory_ratio_to_naive"] = round(
-        result["triton"]["peak_extra_mib"] / result["naive"]["peak_extra_mib"], 4
-    )
+        result["triton"]["peak_extra_mib"] / result["naive"]["peak_extra_mib"], 4)
     with torch.no_grad():
         for name, fn in {
             "sensitivity": lambda: stare.entropy_sensitivity(logits, tokens),
@@ -189,21 +184,12 @@ def bench_logprob_time(args):
     if args.sweep:  # block size and warps of the kernels
         sweep = {}
         for block, warps in (
-            (1024, 4),
-            (2048, 4),
-            (2048, 8),
-            (4096, 8),
-            (4096, 16),
-            (8192, 8),
-            (8192, 16),
-        ):
+            (1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16)):
             with (
                 mock.patch.object(kernels, "BLOCK", block),
-                mock.patch.object(kernels, "NUM_WARPS", warps),
-            ):
+                mock.patch.object(kernels, "NUM_WARPS", warps)):
                 sweep[f"{block}x{warps}"] = round(
-                    cuda_ms(forward_backward(variants["triton"]), args.repeats), 2
-                )
+                    cuda_ms(forward_backward(variants["triton"]), args.repeats), 2)
         result["sweep_fwd_bwd_ms"] = sweep
     return result
 
@@ -215,41 +201,17 @@ def bench_logprob_time(args):
 # Qwen2.5 shapes (the Math models share them); "tiny" is a CPU-sized model of the same architecture.
 QWEN25 = {
     "tiny": dict(
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=4096,
-        tie_word_embeddings=False,
-    ),
+        hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=False),
     "0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151_936,
-        tie_word_embeddings=True,
-    ),
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True),
     "1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151_936,
-        tie_word_embeddings=True,
-    ),
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True),
     "7b": dict(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152_064,
-        tie_word_embeddings=False,
-    ),
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152_064, tie_word_embeddings=False),
 }
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak (SXM datasheet)
 
@@ -261,11 +223,8 @@ def random_qwen(size, device, attn_implementation="varlen"):
     import modeling  # noqa: F401  (registers the "varlen" attention)
 
     config = Qwen2Config(
-        max_position_embeddings=32_768,
-        rope_theta=10_000.0,
-        attn_implementation=attn_implementation,
-        **QWEN25[size],
-    )
+        max_position_embeddings=32_768, rope_theta=10_000.0,
+        attn_implementation=attn_implementation, **QWEN25[size])
     with torch.device(device):
         return Qwen2ForCausalLM(config).to(torch.float32)
 
@@ -279,8 +238,7 @@ def model_flops(config, rows, backward):
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     body = layers * (
-        hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * config.intermediate_size
-    )
+        hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * config.intermediate_size)
     tokens = sum(p + r for p, r in rows)
     responses = sum(r for _, r in rows)
     # 4 * q_dim * L^2 / 2 per layer
@@ -297,10 +255,8 @@ def realistic_lengths(num_rows, seed, max_response=3000):
     return [
         (
             max(1, int(rng.randint(100, 400) * scale)),
-            max(1, min(max_response, int(rng.lognormvariate(6.8, 0.7) * scale))),
-        )
-        for _ in range(num_rows)
-    ]
+            max(1, min(max_response, int(rng.lognormvariate(6.8, 0.7) * scale))))
+        for _ in range(num_rows)]
 
 
 def synthetic_responses(lengths, vocab_size, seed, group_size=8):
@@ -312,23 +268,15 @@ def synthetic_responses(lengths, vocab_size, seed, group_size=8):
     advantages = torch.cat(
         [
             stare.group_advantages(rewards[i : i + group_size], len(rewards[i : i + group_size]))
-            for i in range(0, len(lengths), group_size)
-        ]
-    )
+            for i in range(0, len(lengths), group_size)])
     return [
         train.Response(
             prompt=torch.randint(0, vocab_size, (p,), generator=generator).tolist(),
             tokens=torch.randint(0, vocab_size, (r,), generator=generator).tolist(),
-            rollout_logprobs=[-1.0] * r,
-            reward=float(rewards[i]),
-            accuracy=float(rewards[i]),
-            truncated=False,
-            reflection=(0, r),
-            policy_mask=torch.ones(r, dtype=torch.bool),
-            advantage=float(advantages[i]),
-        )
-        for i, (p, r) in enumerate(lengths)
-    ]
+            rollout_logprobs=[-1.0] * r, reward=float(rewards[i]), accuracy=float(rewards[i]),
+            truncated=False, reflection=(0, r), policy_mask=torch.ones(r, dtype=torch.bool),
+            advantage=float(advantages[i]))
+        for i, (p, r) in enumerate(lengths)]
 
 
 def bench_update(args):
@@ -351,14 +299,11 @@ def bench_update(args):
                 "gate.target_entropy=1e9",  # gate on
                 f"train.micro_token_budget={args.budget}",
                 f"model.gradient_checkpointing={str(args.gc).lower()}",
-                f"model.attn_implementation={args.attention}",
-            ]
-        )
+                f"model.attn_implementation={args.attention}"])
 
     torch.manual_seed(0)
     model = modeling.shard_model(
-        random_qwen(args.size, device, args.attention), cfg_for(methods[0]), device, world
-    )
+        random_qwen(args.size, device, args.attention), cfg_for(methods[0]), device, world)
     cfg = cfg_for(methods[0])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
@@ -386,8 +331,7 @@ def bench_update(args):
         train.update_gate(gate, responses, device)
         select = timed(lambda: train.select_tokens(responses, cfg, gate, step, device))
         update = timed(
-            lambda: train.policy_update(model, optimizer, responses, cfg, gate, step, device)
-        )
+            lambda: train.policy_update(model, optimizer, responses, cfg, gate, step, device))
         return {"no_grad": no_grad, "select": select, "update": update}
 
     for method in methods:  # warm-up: kernel compilation, the allocator, cuDNN/cuBLAS heuristics
@@ -400,14 +344,11 @@ def bench_update(args):
     device_name = torch.cuda.get_device_name() if on_cuda else "cpu"
     peak = next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in device_name), None)
     no_grad_flops, update_flops = (
-        model_flops(model.config, lengths, False),
-        model_flops(model.config, lengths, True),
-    )
+        model_flops(model.config, lengths, False), model_flops(model.config, lengths, True))
     batches = modeling.micro_batches([p + r for p, r in lengths], args.budget)
     real_tokens = sum(p + r for p, r in lengths)
     padded_tokens = sum(
-        len(b) * (max(lengths[i][0] for i in b) + max(lengths[i][1] for i in b)) for b in batches
-    )
+        len(b) * (max(lengths[i][0] for i in b) + max(lengths[i][1] for i in b)) for b in batches)
     result = {
         "size": args.size,
         "device": device_name,
@@ -431,10 +372,7 @@ def bench_update(args):
     for method, method_runs in runs.items():
         summary = {}
         for stage, flops in (
-            ("no_grad", no_grad_flops),
-            ("select", None),
-            ("update", update_flops),
-        ):
+            ("no_grad", no_grad_flops), ("select", None), ("update", update_flops)):
             seconds = statistics.median(run[stage][0] for run in method_runs)
             summary[stage] = {"s": round(seconds, 4)}
             if flops and peak:
@@ -450,8 +388,7 @@ def bench_update(args):
     if args.method != "grpo":
         update = {m: statistics.median(run["update"][0] for run in runs[m]) for m in methods}
         result[f"{args.method}_over_grpo_update"] = round(
-            update[args.method] / update["grpo"] - 1, 4
-        )
+            update[args.method] / update["grpo"] - 1, 4)
     torch.distributed.destroy_process_group()
     return result
 
@@ -478,18 +415,15 @@ def make_step_batch(num_tokens, device, seed=0):
 
 def grpo_loss(logprobs, old_logprobs, advantages, mask):
     token_loss, _ = stare.clipped_surrogate(
-        logprobs, old_logprobs, advantages, dual_clip=10.0, mask=mask
-    )
+        logprobs, old_logprobs, advantages, dual_clip=10.0, mask=mask)
     return stare.aggregate_loss(token_loss, mask)
 
 
 def stare_loss(logprobs, old_logprobs, advantages, mask):
     weights, _ = stare.stare_weights(
-        old_logprobs, advantages, mask, variant="O1", top_ratio=0.1, gate_on=True
-    )
+        old_logprobs, advantages, mask, variant="O1", top_ratio=0.1, gate_on=True)
     token_loss, _ = stare.clipped_surrogate(
-        logprobs, old_logprobs, advantages, dual_clip=10.0, mask=mask
-    )
+        logprobs, old_logprobs, advantages, dual_clip=10.0, mask=mask)
     return stare.aggregate_loss(token_loss * weights, mask)
 
 
@@ -563,20 +497,15 @@ def random_math_problem(rng):
         return (
             str(a / q),
             f"\\frac{{{a}}}{{{q}}}",
-            lambda: f"\\frac{{{a + rng.randint(1, 9)}}}{{{q}}}",
-        )
+            lambda: f"\\frac{{{a + rng.randint(1, 9)}}}{{{q}}}")
     if kind == "fraction":
         return (
-            f"\\frac{{{a}}}{{{b + a}}}",
-            f"{a}/{b + a}",
-            lambda: f"\\dfrac{{{b + a}}}{{{a + rng.randint(0, 5)}}}",
-        )
+            f"\\frac{{{a}}}{{{b + a}}}", f"{a}/{b + a}",
+            lambda: f"\\dfrac{{{b + a}}}{{{a + rng.randint(0, 5)}}}")
     if kind == "radical":
         return (
-            f"{a}\\sqrt{{2}}",
-            f"\\sqrt{{{2 * a * a}}}",
-            lambda: f"{a}\\sqrt{{{rng.choice([3, 5, 6])}}}",
-        )
+            f"{a}\\sqrt{{2}}", f"\\sqrt{{{2 * a * a}}}",
+            lambda: f"{a}\\sqrt{{{rng.choice([3, 5, 6])}}}")
     if kind == "polynomial":
         return f"x^2+{a}x+{b}", f"{b}+{a}x+x^2", lambda: f"x^2+{b}x+{a + rng.randint(1, 9)}"
     return f"[{a}, {a + b})", f"[{a},{a + b})", lambda: f"({a}, {a + b + rng.randint(0, 3)}]"
@@ -597,14 +526,12 @@ def reward_batch(num_responses, seed, group_size=16):
                 if draw < 0.4
                 else wrong_answer()
                 if draw < 0.9
-                else None
-            )
+                else None)
             reasoning = "Let me work through this step by step. " * rng.randint(2, 12)
             ending = (
                 f"So the final answer is \\boxed{{{answer}}}."
                 if answer
-                else "So the final answer is unclear."
-            )
+                else "So the final answer is unclear.")
             responses.append(reasoning + ending)
             ground_truths.append(gold)
     return responses, ground_truths, ["Short_CoT"] * num_responses
@@ -621,8 +548,7 @@ def bench_reward_throughput(args):
     responses, ground_truths, data_sources = reward_batch(args.responses, seed=0)
     start = time.perf_counter()
     _, accuracies, _ = rewards.compute_rewards(
-        responses, ground_truths, data_sources, [0] * len(responses), cfg
-    )
+        responses, ground_truths, data_sources, [0] * len(responses), cfg)
     seconds = time.perf_counter() - start
     return {
         "responses": len(responses),
@@ -638,14 +564,8 @@ def bench_reward_throughput(args):
 
 
 STAGE_KEYS = [
-    "time/rollout",
-    "time/reward",
-    "time/old_logprobs",
-    "time/update",
-    "time/sync",
-    "time/step",
-    "time/tokens_per_s",
-]
+    "time/rollout", "time/reward", "time/old_logprobs", "time/update", "time/sync", "time/step",
+    "time/tokens_per_s"]
 
 
 def tiny_overrides(tiny_dir):
@@ -654,9 +574,7 @@ def tiny_overrides(tiny_dir):
     tiny_dir = Path(tiny_dir).resolve()  # train.py runs in this file's directory
     return [
         f"model.path={tiny_dir / 'model'}",
-        f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
-        "eval.files=[]",
-    ]
+        f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]"]
 
 
 def run_train_py(tiny_dir, steps, overrides=()):
@@ -669,23 +587,15 @@ def run_train_py(tiny_dir, steps, overrides=()):
 
     with tempfile.TemporaryDirectory() as out_dir:
         command = [
-            sys.executable,
-            "train.py",
-            "--config",
-            "configs/tiny.yaml",
-            *tiny_overrides(tiny_dir),
-            f"train.out_dir={out_dir}",
-            f"train.total_steps={steps}",
-            *overrides,
-        ]
+            sys.executable, "train.py", "--config", "configs/tiny.yaml", *tiny_overrides(tiny_dir),
+            f"train.out_dir={out_dir}", f"train.total_steps={steps}", *overrides]
         start = time.perf_counter()
         completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
         wall = time.perf_counter() - start
         if completed.returncode != 0:
             raise RuntimeError(completed.stderr[-3000:])
         records = [
-            json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
-        ]
+            json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     return records, wall
 
 
@@ -717,8 +627,7 @@ def bench_train_step(args):
 # --------------------------------------------------------------------------------------------------
 
 TRL_MISSING = (
-    "trl-compare needs TRL (not in requirements.txt): pip install -r requirements-bench.txt"
-)
+    "trl-compare needs TRL (not in requirements.txt): pip install -r requirements-bench.txt")
 
 
 def compare_overrides(prompts):
@@ -727,12 +636,9 @@ def compare_overrides(prompts):
     step, one optimizer step each. rollout.n, rollout.max_tokens, the sampling and the optimizer are
     configs/tiny.yaml's (8, 16, T=1, AdamW)."""
     return [
-        "algorithm.method=grpo",
-        "algorithm.dynamic_sampling=false",
-        f"algorithm.gen_batch_size={prompts}",
-        f"train.train_batch_size={prompts}",
-        f"train.mini_batch_size={prompts}",
-    ]
+        "algorithm.method=grpo", "algorithm.dynamic_sampling=false",
+        f"algorithm.gen_batch_size={prompts}", f"train.train_batch_size={prompts}",
+        f"train.mini_batch_size={prompts}"]
 
 
 def compare_config(tiny_dir, prompts):
@@ -805,13 +711,11 @@ def trl_trainer(cfg, out_dir, steps, use_vllm, timer=None):
                 for e in data.load_examples(path, prompt_suffix=cfg.data.prompt_suffix)]
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     _, _, stats = data.tokenize_prompts(
-        examples, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overflow
-    )
+        examples, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overflow)
     # TRL would not cut them as data.py does: unequal prompts
     if stats["num_truncated"] or stats["num_skipped"]:
         raise ValueError(
-            f"prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}: {stats}"
-        )
+            f"prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}: {stats}")
     # conversational rows: TRL applies the tokenizer's chat template with add_generation_prompt, as
     # data.py does
     dataset = datasets.Dataset.from_list([{"prompt": e.messages, "ground_truth": e.ground_truth,
@@ -826,8 +730,7 @@ def trl_trainer(cfg, out_dir, steps, use_vllm, timer=None):
             timer.add("completions", len(completion_ids))
             timer.add("response_tokens", sum(len(ids) for ids in completion_ids))
         scores, _, _ = rewards.compute_rewards(
-            texts, ground_truth, data_source, [len(i) for i in completion_ids], cfg.reward
-        )
+            texts, ground_truth, data_source, [len(i) for i in completion_ids], cfg.reward)
         return scores
 
     completions = cfg.train.train_batch_size * cfg.rollout.n
@@ -887,25 +790,18 @@ def trl_trainer(cfg, out_dir, steps, use_vllm, timer=None):
         # length
         use_vllm=use_vllm,
         vllm_mode="colocate",
-        vllm_max_model_length=cfg.data.max_prompt_tokens + cfg.rollout.max_tokens,
-    )
+        vllm_max_model_length=cfg.data.max_prompt_tokens + cfg.rollout.max_tokens)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32,
                                                  attn_implementation=cfg.model.attn_implementation)
     trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=verifier,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[timer.callback] if timer is not None else None,
-    )
+        model=model, reward_funcs=verifier, args=args, train_dataset=dataset,
+        processing_class=tokenizer, callbacks=[timer.callback] if timer is not None else None)
     if timer is not None:
         # includes the vLLM weight sync, taken out below
         timer.wrap(trainer, "_generate_single_turn", "generate")
         timer.wrap(trainer, "_calculate_rewards", "reward")
         timer.wrap(
-            trainer, "_get_per_token_logps_and_entropies", "old_logprobs", only_without_grad=True
-        )
+            trainer, "_get_per_token_logps_and_entropies", "old_logprobs", only_without_grad=True)
         if use_vllm:
             timer.wrap(trainer.vllm_generation, "sync_weights", "sync")
     return trainer
@@ -921,8 +817,7 @@ def trl_worker(args):
         timer = TrlStepTimes()
         with tempfile.TemporaryDirectory() as out_dir:
             trainer = trl_trainer(
-                cfg, out_dir, args.steps, use_vllm=args.trl_worker == "vllm", timer=timer
-            )
+                cfg, out_dir, args.steps, use_vllm=args.trl_worker == "vllm", timer=timer)
             start = time.perf_counter()
             trainer.train()
             result = {"train_s": time.perf_counter() - start, "steps": timer.steps}
@@ -948,16 +843,9 @@ def run_trl(tiny_dir, steps, prompts, variant):
     with tempfile.TemporaryDirectory() as scratch:
         result_path = Path(scratch) / "result.json"
         command = [
-            sys.executable,
-            "-m",
-            "tools.bench",
-            "trl-compare",
-            f"--tiny={tiny_dir}",
-            f"--steps={steps}",
-            f"--prompts={prompts}",
-            f"--trl-worker={variant}",
-            f"--result={result_path}",
-        ]
+            sys.executable, "-m", "tools.bench", "trl-compare", f"--tiny={tiny_dir}",
+            f"--steps={steps}", f"--prompts={prompts}", f"--trl-worker={variant}",
+            f"--result={result_path}"]
         # everything is local
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
         start = time.perf_counter()
@@ -993,8 +881,7 @@ def trl_summary(result, wall):
     # the rest of the step: the loss forward and backward, clipping, AdamW, TRL's batch preparation
     # and metrics
     summary["update_and_rest_s"] = round(
-        mean("step_s") - mean("generate") - mean("reward") - mean("old_logprobs"), 3
-    )
+        mean("step_s") - mean("generate") - mean("reward") - mean("old_logprobs"), 3)
     summary["tokens_per_s"] = round(summary["response_tokens_per_step"] / mean("step_s"), 1)
     return summary
 
@@ -1008,8 +895,7 @@ def pin_threads(threads):
 
     cores = sorted(os.sched_getaffinity(0))[:threads]
     os.environ.update(
-        OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores))
-    )
+        OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)))
 
 
 def bench_trl_compare(args):
@@ -1096,8 +982,7 @@ def bench_trl_compare(args):
         f"(trl_vllm.engine_dtype; ours rollout.dtype={cfg.rollout.dtype}), torch.compile of the model (ours "
         f"rollout.enforce_eager={str(cfg.rollout.enforce_eager).lower()}), and a KV cache sized as a fraction of RAM "
         f"(vllm_gpu_memory_utilization; ours rollout.kv_cache_gib={cfg.rollout.kv_cache_gib}); it sends n requests "
-        "of one sample per prompt where ours sends one request of n samples",
-    ]
+        "of one sample per prompt where ours sends one request of n samples"]
     return result
 
 
@@ -1113,8 +998,7 @@ STARTUP_SHAPE = dict(
     # ~0.25B
     num_key_value_heads=4,
     vocab_size=32_000,
-    max_position_embeddings=2048,
-)
+    max_position_embeddings=2048)
 
 
 def bench_startup_memory(args):
@@ -1135,19 +1019,10 @@ def bench_startup_memory(args):
         gc.collect()
         repo = REPO
         command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(args.ranks),
-            str(repo / "tests" / "startup_two_ranks.py"),
-            tmp + "/model",
-            tmp,
-        ]
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            str(args.ranks), str(repo / "tests" / "startup_two_ranks.py"), tmp + "/model", tmp]
         subprocess.run(
-            command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
-        )
+            command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.ranks)]
     return {
         "ranks": args.ranks,
@@ -1176,8 +1051,7 @@ def smoke_model(directory, shape=SMOKE_SHAPE):
     eos, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(
-        Qwen2Config(eos_token_id=eos, pad_token_id=pad, bos_token_id=pad, **shape)
-    )
+        Qwen2Config(eos_token_id=eos, pad_token_id=pad, bos_token_id=pad, **shape))
     model.to(torch.bfloat16).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
@@ -1430,8 +1304,7 @@ def bench_gpu_smoke(args):
     if not torch.cuda.is_available():
         print(
             'gpu-smoke needs CUDA: run it on a GPU machine (docs/benchmarks.md, "A new GPU machine")',
-            file=sys.stderr,
-        )
+            file=sys.stderr)
         sys.exit(2)
     import plan
     import train
@@ -1494,25 +1367,20 @@ def bench_gpu_smoke(args):
 
 def main():
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     memory = commands.add_parser(
-        "logprob-memory", help="peak memory of chunked vs naive log-probs/entropy"
-    )
+        "logprob-memory", help="peak memory of chunked vs naive log-probs/entropy")
     memory.add_argument("--tokens", type=int, default=4096)
     memory.add_argument("--vocab", type=int, default=151_936)  # Qwen2.5
     train_step = commands.add_parser(
-        "train-step", help="per-stage time of train.py on the tiny default"
-    )
+        "train-step", help="per-stage time of train.py on the tiny default")
     train_step.add_argument(
-        "--tiny", default="runs/tiny", help="the tiny default's directory (built if missing)"
-    )
+        "--tiny", default="runs/tiny", help="the tiny default's directory (built if missing)")
     train_step.add_argument("--steps", type=int, default=6)
     train_step.add_argument("--method", default="stare")
     update = commands.add_parser(
-        "update", help="the no-grad pass and the update of train.py on a Qwen2.5 shape"
-    )
+        "update", help="the no-grad pass and the update of train.py on a Qwen2.5 shape")
     update.add_argument("--size", default="1.5b", choices=list(QWEN25))
     update.add_argument("--method", default="stare", help="timed against grpo in the same run")
     update.add_argument("--rows", type=int, default=32, help="responses in the step")
@@ -1520,8 +1388,7 @@ def main():
     update.add_argument("--gc", action="store_true", help="gradient checkpointing")
     update.add_argument("--attention", default="varlen", help="model.attn_implementation")
     update.add_argument(
-        "--max-response", type=int, default=3000, help="longest response (lengths scale with it)"
-    )
+        "--max-response", type=int, default=3000, help="longest response (lengths scale with it)")
     update.add_argument("--repeats", type=int, default=3)
     update.add_argument("--seed", type=int, default=0)
     speed = commands.add_parser("logprob-time", help="time of the log-prob/entropy kernels (CUDA)")
@@ -1534,36 +1401,29 @@ def main():
         type=float,
         default=3.0e12,
         help="device memory bytes/s for the floor "
-        "(an H100 SXM copy measures ~3.0e12 counting reads and writes)",
-    )
+        "(an H100 SXM copy measures ~3.0e12 counting reads and writes)")
     speed.add_argument(
-        "--sweep", action="store_true", help="also time other block sizes and warp counts"
-    )
+        "--sweep", action="store_true", help="also time other block sizes and warp counts")
     overhead = commands.add_parser("stare-overhead", help="time of the STARE loss vs the GRPO loss")
     overhead.add_argument("--tokens", type=int, default=2**20)
     overhead.add_argument("--repeats", type=int, default=15)
     for sub in (memory, overhead):
         sub.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     throughput = commands.add_parser(
-        "reward-throughput", help="responses per second of rewards.compute_rewards"
-    )
+        "reward-throughput", help="responses per second of rewards.compute_rewards")
     throughput.add_argument("--responses", type=int, default=2000)
     compare = commands.add_parser(
-        "trl-compare", help="train.py's step vs TRL's GRPOTrainer step at equal work"
-    )
+        "trl-compare", help="train.py's step vs TRL's GRPOTrainer step at equal work")
     compare.add_argument(
-        "--tiny", default="runs/tiny", help="the tiny default's directory (built if missing)"
-    )
+        "--tiny", default="runs/tiny", help="the tiny default's directory (built if missing)")
     compare.add_argument("--steps", type=int, default=6)
     compare.add_argument(
-        "--prompts", type=int, default=16, help="prompts per step (each gets rollout.n responses)"
-    )
+        "--prompts", type=int, default=16, help="prompts per step (each gets rollout.n responses)")
     compare.add_argument(
         "--threads",
         type=int,
         help="OpenMP threads of every side (default: one per core); 1 "
-        "when other jobs share the cores (see the module docstring)",
-    )
+        "when other jobs share the cores (see the module docstring)")
     # internal: one TRL run
     compare.add_argument("--trl-worker", choices=["hf", "vllm"], help=argparse.SUPPRESS)
     # internal: where the TRL run writes its records
@@ -1573,8 +1433,7 @@ def main():
     smoke.add_argument("--runner", default="v1", choices=["v1", "v2"], help="vLLM's model runner")
     smoke.add_argument("--sleep-level", type=int, default=2, choices=[1, 2])
     startup = commands.add_parser(
-        "startup-memory", help="peak memory per rank of the sharded start-up (CPU)"
-    )
+        "startup-memory", help="peak memory per rank of the sharded start-up (CPU)")
     startup.add_argument("--ranks", type=int, default=2)
     startup.add_argument("--tied", action="store_true", help="tied input and output embeddings")
     args = parser.parse_args()

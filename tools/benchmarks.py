@@ -61,11 +61,7 @@ BENCHMARKS = {
     "math500": ("Math500", ("problem",), ("answer",), "plain"),
     "minerva": ("Minerva", ("problem", "question"), ("answer", "solution"), "boxed_solution"),
     "olympiadbench": (
-        "OlympiadBench",
-        ("question", "problem"),
-        ("final_answer", "answer"),
-        "answer_list",
-    ),
+        "OlympiadBench", ("question", "problem"), ("final_answer", "answer"), "answer_list"),
 }
 
 
@@ -115,8 +111,7 @@ def read_rows(path):
             yield f"{path}:{number}", row
     else:
         raise ValueError(
-            f"{path}: unknown extension {extension!r} (expected .parquet, .jsonl or .json)"
-        )
+            f"{path}: unknown extension {extension!r} (expected .parquet, .jsonl or .json)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,8 +137,7 @@ def _strip_dollars(text):
             len(text) > 2 * len(delimiter)
             and text.startswith(delimiter)
             and text.endswith(delimiter)
-            and "$" not in inner
-        ):
+            and "$" not in inner):
             return inner.strip()
     return text
 
@@ -157,15 +151,13 @@ def convert_row(benchmark, origin, row):
     _, problem = _first_present(row, problem_fields)
     if problem is None:
         raise ValueError(
-            f"{origin}: missing field {' or '.join(map(repr, problem_fields))} (row has {keys})"
-        )
+            f"{origin}: missing field {' or '.join(map(repr, problem_fields))} (row has {keys})")
     if not isinstance(problem, str) or not problem.strip():
         raise ValueError(f"{origin}: the problem must be a non-empty string, got {problem!r}")
     field, answer = _first_present(row, answer_fields)
     if answer is None:
         raise ValueError(
-            f"{origin}: missing field {' or '.join(map(repr, answer_fields))} (row has {keys})"
-        )
+            f"{origin}: missing field {' or '.join(map(repr, answer_fields))} (row has {keys})")
     if reading == "boxed_solution" and field == "solution":
         boxed = rewards.extract_boxed(answer) if isinstance(answer, str) else None
         if boxed is None or not boxed.strip():
@@ -187,8 +179,7 @@ def convert_row(benchmark, origin, row):
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or answer == "" or (
             isinstance(answer, float) and not math.isfinite(answer)):
         raise ValueError(
-            f"{origin}: field {field!r} must be a non-empty string or a number, got {answer!r}"
-        )
+            f"{origin}: field {field!r} must be a non-empty string or a number, got {answer!r}")
     return {"problem": problem, "answer": answer, "data_source": source}
 
 
@@ -197,11 +188,9 @@ def convert(benchmark, inputs, out) -> int:
     Nothing is written if any row is bad."""
     if benchmark not in BENCHMARKS:
         raise ValueError(
-            f"unknown benchmark {benchmark!r} (expected one of {', '.join(BENCHMARKS)})"
-        )
+            f"unknown benchmark {benchmark!r} (expected one of {', '.join(BENCHMARKS)})")
     rows = [
-        convert_row(benchmark, origin, row) for path in inputs for origin, row in read_rows(path)
-    ]
+        convert_row(benchmark, origin, row) for path in inputs for origin, row in read_rows(path)]
     if not rows:
         raise ValueError(f"{', '.join(map(str, inputs))}: no rows")
     return data.save_jsonl(rows, out)
@@ -209,17 +198,13 @@ def convert(benchmark, inputs, out) -> int:
 
 def main(argv):
     parser = argparse.ArgumentParser(
-        description="Convert a downloaded benchmark into data.py's JSONL format."
-    )
+        description="Convert a downloaded benchmark into data.py's JSONL format.")
     parser.add_argument("benchmark", choices=sorted(BENCHMARKS))
     parser.add_argument(
-        "inputs", nargs="+", help=".parquet / .jsonl / .json files (concatenated in order)"
-    )
+        "inputs", nargs="+", help=".parquet / .jsonl / .json files (concatenated in order)")
     parser.add_argument(
-        "--out",
-        required=True,
-        help="output .jsonl (name it after the benchmark, e.g. aime24.jsonl)",
-    )
+        "--out", required=True,
+        help="output .jsonl (name it after the benchmark, e.g. aime24.jsonl)")
     args = parser.parse_args(argv)
     try:
         config.check_files(args.inputs, "inputs")

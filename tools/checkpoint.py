@@ -37,8 +37,7 @@ def main(argv):
     args = parser.parse_args(argv)
     path = Path(args.dir)
     found = [path] if (path / "trainer.pt").is_file() else checkpoints.list_checkpoints(
-        path.parent if path.name == "checkpoints" else path
-    )
+        path.parent if path.name == "checkpoints" else path)
     if not found:
         print(f"error: {path} is not a checkpoint and holds none (no step_N/trainer.pt)",
               file=sys.stderr)

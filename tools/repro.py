@@ -68,8 +68,7 @@ COMPARE_RUNS = {
     "stare_paper": dict(method="stare", stare_variant="O1", stare_w=1.1, stare_top_ratio=0.1),
     "stare_o1": dict(method="stare", stare_variant="O1", stare_w=4.0, stare_top_ratio=0.05),
     "stare_c2": dict(
-        method="stare", stare_variant="C2", stare_w=4.0, stare_m=0.5, stare_top_ratio=0.05
-    ),
+        method="stare", stare_variant="C2", stare_w=4.0, stare_m=0.5, stare_top_ratio=0.05),
     "stapo": dict(method="stapo"),
     "lp_reg": dict(method="lp_reg"),
 }
@@ -121,13 +120,10 @@ def load_task(tiny_dir, tokenizer, max_prompt_tokens, split="sum_train"):
     if len(lengths) != 1:
         raise ValueError(
             f"{path}: tools/repro.py batches prompts without padding and needs equal prompt lengths, "
-            f"got lengths {lengths}"
-        )
+            f"got lengths {lengths}")
     return (
-        torch.tensor(prompt_ids),
-        [e.ground_truth for e in examples],
-        [e.data_source for e in examples],
-    )
+        torch.tensor(prompt_ids), [e.ground_truth for e in examples],
+        [e.data_source for e in examples])
 
 
 def model_sha256(tiny_dir, task):
@@ -160,10 +156,8 @@ def load_model(tiny_dir, task="sum", attn_implementation=modeling.ATTENTION):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(
-        Path(tiny_dir) / TASKS[task][0],
-        dtype=torch.float32,
-        attn_implementation=attn_implementation,
-    )
+        Path(tiny_dir) / TASKS[task][0], dtype=torch.float32,
+        attn_implementation=attn_implementation)
 
 
 @torch.no_grad()
@@ -199,8 +193,7 @@ def sample(model, prompts, n, max_tokens, eos_id, pad_id, generator, temperature
             width = t + 1
             break
         next_logits = model(
-            input_ids=tokens[:, t : t + 1], past_key_values=cache, use_cache=True
-        ).logits[:, -1]
+            input_ids=tokens[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
     return tokens[:, :width], mask[:, :width], sampled_logprobs[:, :width]
 
 
@@ -208,25 +201,14 @@ def sample_groups(model, tokenizer, prompts, truths, sources, cfg, generator):
     """n responses to each prompt ([G, Lp]) from the in-process sampler, scored -> train.Group list."""
     n = cfg.rollout.n
     tokens, mask, logprobs = sample(
-        model,
-        prompts,
-        n,
-        cfg.rollout.max_tokens,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-        generator,
-        cfg.rollout.temperature,
-    )
+        model, prompts, n, cfg.rollout.max_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id,
+        generator, cfg.rollout.temperature)
     lengths = mask.sum(1).tolist()
     responses = [tokens[r, :length].tolist() for r, length in enumerate(lengths)]
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     scores, accuracies, _ = rewards.compute_rewards(
-        texts,
-        [t for t in truths for _ in range(n)],
-        [s for s in sources for _ in range(n)],
-        lengths,
-        cfg.reward,
-    )
+        texts, [t for t in truths for _ in range(n)], [s for s in sources for _ in range(n)],
+        lengths, cfg.reward)
     rows = [
         train.Response(
             prompt=prompts[r // n].tolist(),
@@ -237,17 +219,14 @@ def sample_groups(model, tokenizer, prompts, truths, sources, cfg, generator):
             truncated=lengths[r] == cfg.rollout.max_tokens
             and responses[r][-1] != tokenizer.eos_token_id,
             reflection=evaluate.reflection_counts(texts[r]),
-            policy_mask=torch.ones(lengths[r], dtype=torch.bool),
-        )
-        for r in range(len(responses))
-    ]
+            policy_mask=torch.ones(lengths[r], dtype=torch.bool))
+        for r in range(len(responses))]
     return [train.Group(rows[g * n].prompt, rows[g * n:(g + 1) * n]) for g in range(len(prompts))]
 
 
 @torch.no_grad()
-def heldout_metrics(
-    model, tokenizer, prompts, truths, sources, cfg, n, generator, prompts_per_batch=16
-):
+def heldout_metrics(model, tokenizer, prompts, truths, sources, cfg, n, generator,
+                    prompts_per_batch=16):
     """n samples for each held-out prompt ([P, Lp]) at the rollout temperature, scored ->
     {"heldout/...": value}: avg@n (mean accuracy), unbiased pass@k for k in evaluate.ks_for(n) (per
     prompt, then the mean over prompts), the fraction of prompts solved by at least one sample, the
@@ -258,25 +237,14 @@ def heldout_metrics(
     for start in range(0, len(prompts), prompts_per_batch):
         batch = slice(start, start + prompts_per_batch)
         tokens, mask, _ = sample(
-            model,
-            prompts[batch],
-            n,
-            cfg.rollout.max_tokens,
-            tokenizer.eos_token_id,
-            tokenizer.pad_token_id,
-            generator,
-            cfg.rollout.temperature,
-        )
+            model, prompts[batch], n, cfg.rollout.max_tokens, tokenizer.eos_token_id,
+            tokenizer.pad_token_id, generator, cfg.rollout.temperature)
         lengths = mask.sum(1).tolist()
         responses = [tokens[r, :length].tolist() for r, length in enumerate(lengths)]
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
         _, accuracies, _ = rewards.compute_rewards(
-            texts,
-            [t for t in truths[batch] for _ in range(n)],
-            [s for s in sources[batch] for _ in range(n)],
-            lengths,
-            cfg.reward,
-        )
+            texts, [t for t in truths[batch] for _ in range(n)],
+            [s for s in sources[batch] for _ in range(n)], lengths, cfg.reward)
         groups += [list(zip(responses[p * n:(p + 1) * n], accuracies[p * n:(p + 1) * n]))
                    for p in range(len(texts) // n)]
     return heldout_summary(groups, n)
@@ -288,8 +256,7 @@ def heldout_summary(groups, n):
     metrics = {f"heldout/avg@{n}": statistics.mean(c / n for c in correct_counts)}
     for k in evaluate.ks_for(n):
         metrics[f"heldout/pass@{k}"] = statistics.mean(
-            evaluate.pass_at_k(n, c, k) for c in correct_counts
-        )
+            evaluate.pass_at_k(n, c, k) for c in correct_counts)
     metrics["heldout/solved_frac"] = statistics.mean(c > 0 for c in correct_counts)
     metrics["heldout/distinct_correct_frac"] = evaluate.distinct_correct_fraction(groups)
     metrics["heldout/correct"] = correct_counts
@@ -312,8 +279,7 @@ def critical_w(advantages, sensitivity, logprobs, mask, top_ratio):
         logprobs, advantages, mask, "O1", top_ratio, w=2.0, gate_on=True
     )  # 2 on L+
     lplus = (
-        stare.entropy_dynamics(advantages, sensitivity, mask, weights=doubled)["total/dH"] - grpo
-    )
+        stare.entropy_dynamics(advantages, sensitivity, mask, weights=doubled)["total/dH"] - grpo)
     exists = (lplus > 0) & (grpo < 0)
     w_star = torch.where(exists, 1.0 - grpo / lplus.clamp(min=1e-12), torch.full((), float("nan")))
     return grpo, lplus, w_star
@@ -325,14 +291,10 @@ def run_config(spec):
     overrides = [
         f"{keys.get(key, 'loss.' + key)}={value}"
         for key, value in spec.loss.items()
-        if key != "method"
-    ]
+        if key != "method"]
     overrides += [
-        f"algorithm.method={spec.loss['method']}",
-        f"gate.target_entropy={spec.target_entropy}",
-        f"train.seed={spec.seed}",
-        f"train.total_steps={spec.steps}",
-    ]
+        f"algorithm.method={spec.loss['method']}", f"gate.target_entropy={spec.target_entropy}",
+        f"train.seed={spec.seed}", f"train.total_steps={spec.steps}"]
     if spec.lr is not None:
         overrides.append(f"optim.lr={spec.lr}")
     return config.load(TINY_CONFIG, overrides)
@@ -350,8 +312,7 @@ def train_run(spec, tiny_dir, out_dir):
     model_dir, train_split, heldout_split, fresh_split = TASKS[spec.task]
     tokenizer = AutoTokenizer.from_pretrained(Path(tiny_dir) / model_dir)
     prompts, truths, sources = load_task(
-        tiny_dir, tokenizer, cfg.data.max_prompt_tokens, train_split
-    )
+        tiny_dir, tokenizer, cfg.data.max_prompt_tokens, train_split)
     heldout_task = load_task(tiny_dir, tokenizer, cfg.data.max_prompt_tokens, heldout_split)
     if spec.fresh_every and fresh_split is None:
         raise ValueError(f"task {spec.task!r} has no second held-out split (fresh_every)")
@@ -381,16 +342,14 @@ def train_run(spec, tiny_dir, out_dir):
 
         if due(spec.eval_every):
             generator = torch.Generator().manual_seed(
-                rollout.derive_seed(spec.seed, "repro", "heldout", step)
-            )
+                rollout.derive_seed(spec.seed, "repro", "heldout", step))
             record = {
                 "step": step,
                 **heldout_metrics(model, tokenizer, *heldout_task, cfg, spec.eval_n, generator),
             }
             if due(spec.fresh_every):
                 generator = torch.Generator().manual_seed(
-                    rollout.derive_seed(spec.seed, "repro", "fresh", step)
-                )
+                    rollout.derive_seed(spec.seed, "repro", "fresh", step))
                 fresh = heldout_metrics(model, tokenizer, *fresh_task, cfg, spec.eval_n, generator)
                 record.update({"fresh/" + key.split("/", 1)[1]: v for key, v in fresh.items()})
             with open(heldout_log, "a") as log:
@@ -404,8 +363,7 @@ def train_run(spec, tiny_dir, out_dir):
             chosen = torch.cat(
                 [
                     torch.randperm(len(prompts), generator=order)
-                    for _ in range(-(-spec.prompts_per_step // len(prompts)))
-                ]
+                    for _ in range(-(-spec.prompts_per_step // len(prompts)))]
             )[: spec.prompts_per_step]
             model.eval()
             groups = sample_groups(model, tokenizer, prompts[chosen], [truths[p] for p in chosen],
@@ -417,8 +375,7 @@ def train_run(spec, tiny_dir, out_dir):
                 "step": step,
                 "rollout/acc_before_filter": statistics.mean(r.accuracy for r in sampled),
                 "rollout/distinct_correct_frac": evaluate.distinct_correct_fraction(
-                    [[(r.tokens, r.accuracy) for r in group.responses] for group in groups]
-                ),
+                    [[(r.tokens, r.accuracy) for r in group.responses] for group in groups]),
                 "rollout/response_length_mean": statistics.mean(len(r.tokens) for r in sampled),
                 "train/kept_groups": len(kept),
             }
@@ -430,8 +387,7 @@ def train_run(spec, tiny_dir, out_dir):
                 metrics.update(gate_metrics)
                 metrics.update(train.select_tokens(responses, cfg, gate, step, cpu))
                 metrics.update(
-                    train.policy_update(model, optimizer, responses, cfg, gate, step, cpu)
-                )
+                    train.policy_update(model, optimizer, responses, cfg, gate, step, cpu))
                 metrics.update(train.batch_metrics(responses, num_tokens, cpu))
                 metrics.update(critical_w_metrics(responses, spec.predict_ps))
             metrics["stare/gate_on"] = float(gate.gate_on)
@@ -456,8 +412,7 @@ def critical_w_metrics(responses, predict_ps):
                 "repro/dH_grpo": float(dh_grpo),
                 f"repro/dH_lplus@{top_ratio:g}": float(dh_lplus),
                 f"repro/w_critical@{top_ratio:g}": float(w_star),
-            }
-        )
+            })
     return metrics
 
 
@@ -503,8 +458,7 @@ def is_complete(spec, tiny_dir, out_dir):
         and record.exists()
         and json.loads(record.read_text()) == spec_record(spec, tiny_dir)
         and len(read_records(metrics)) >= spec.steps
-        and (not spec.eval_every or (evaluations and evaluations[-1]["step"] == spec.steps))
-    )
+        and (not spec.eval_every or (evaluations and evaluations[-1]["step"] == spec.steps)))
 
 
 def run_all(jobs, workers):
@@ -585,15 +539,12 @@ def summarize_group(records_by_seed, window):
     summary["per_seed"] = {
         "first_gate_on_step": [
             next((r["step"] for r in records if r["stare/gate_on"]), None)
-            for records in records_by_seed
-        ],
+            for records in records_by_seed],
         "gate_on_frac": [
-            statistics.mean(r["stare/gate_on"] for r in records) for records in records_by_seed
-        ],
+            statistics.mean(r["stare/gate_on"] for r in records) for records in records_by_seed],
         "touched_frac": [
             statistics.mean(r["train/touched_frac"] for r in rows) if rows else 0.0
-            for rows in updates
-        ],
+            for rows in updates],
         "seconds": [round(sum(r["time/step"] for r in records), 1) for records in records_by_seed],
     }
     return summary
@@ -647,21 +598,17 @@ def heldout_comparison(runs, steps, ks):
     pass@k (k in ks), solved and distinct-correct fractions after `steps` (seed means, SE, per
     seed), and each one's paired difference from GRPO's."""
     keys = [f"heldout/pass@{k}" for k in ks] + [
-        "heldout/distinct_correct_frac",
-        "heldout/solved_frac",
-    ]
+        "heldout/distinct_correct_frac", "heldout/solved_frac"]
     per_setting = {}
     for name, seeds in runs.items():
         values = {
             "entropy_mean": [
                 plots.mean_and_se([r.get("train/entropy", math.nan) for r in records])[0]
                 # steps without an update (no varied group) skipped
-                for records, _ in seeds
-            ],
+                for records, _ in seeds],
             "entropy_final": [
                 plots.mean_and_se([r.get("train/entropy", math.nan) for r in records[-20:]])[0]
-                for records, _ in seeds
-            ],
+                for records, _ in seeds],
         }
         for key in keys:
             finals = [heldout[steps].get(key) for _, heldout in seeds]
@@ -684,15 +631,10 @@ def run_payoff(args, out, workers):
     GRPO and the settings that do not depend on it first, then STARE at the W that GRPO's batches
     predict. Writes payoff/summary.json and payoff/payoff.png under out and returns the summary."""
     common = dict(
-        steps=args.steps,
-        prompts_per_step=args.prompts_per_step,
-        target_entropy=args.target_entropy,
-        lr=args.lr,
-        predict_ps=(PAYOFF_RUNS["stare_predicted"]["stare_top_ratio"],),
-        task=args.task,
-        eval_every=args.eval_every,
-        eval_n=args.eval_n,
-    )
+        steps=args.steps, prompts_per_step=args.prompts_per_step,
+        target_entropy=args.target_entropy, lr=args.lr,
+        predict_ps=(PAYOFF_RUNS["stare_predicted"]["stare_top_ratio"],), task=args.task,
+        eval_every=args.eval_every, eval_n=args.eval_n)
     # GRPO always: the baseline of every pair, and the prediction's data
     chosen = {"grpo", *args.payoff_runs}
     settings = {name: loss for name, loss in PAYOFF_RUNS.items()
@@ -705,27 +647,22 @@ def run_payoff(args, out, workers):
     def jobs(names):
         return [
             (
-                RunSpec(name, settings[name], seed=seed, **common),
-                args.tiny,
-                root / f"{name}_seed{seed}",
-            )
+                RunSpec(name, settings[name], seed=seed, **common), args.tiny,
+                root / f"{name}_seed{seed}")
             for name in names
-            for seed in args.seeds
-        ]
+            for seed in args.seeds]
 
     first = jobs(list(settings))
     then = ", then STARE at the predicted W" if "stare_predicted" in chosen else ""
     print(
         f"payoff on {args.task}: {len(first)} runs of {args.steps} steps{then}, {workers} at a time, under {root}",
-        file=sys.stderr,
-    )
+        file=sys.stderr)
     started = time.time()
     results = run_all(first, workers)
     top_ratio = PAYOFF_RUNS["stare_predicted"]["stare_top_ratio"]
     grpo_records = [results[str(root / f"grpo_seed{seed}")] for seed in args.seeds]
     w_c, dh_grpo, dh_lplus, batches = predicted_critical_w(
-        grpo_records, args.target_entropy, top_ratio
-    )
+        grpo_records, args.target_entropy, top_ratio)
     prediction = {
         "w": w_c,
         "top_ratio": top_ratio,
@@ -741,13 +678,11 @@ def run_payoff(args, out, workers):
         print(
             f"no first-order W at P = {top_ratio:g} ({batches} GRPO batches near the target, "
             f"dH_grpo {dh_grpo:.2e}, dH_L+ {dh_lplus:.2e}): STARE at the predicted W is not run",
-            file=sys.stderr,
-        )
+            file=sys.stderr)
     runs = {
         name: [
             (results[str(root / f"{name}_seed{seed}")], read_heldout(root / f"{name}_seed{seed}"))
-            for seed in args.seeds
-        ]
+            for seed in args.seeds]
         for name in settings
     }
     ks = evaluate.ks_for(args.eval_n)
@@ -761,10 +696,8 @@ def run_payoff(args, out, workers):
             bonuses,
             key=lambda bonus: abs(
                 summary["runs"][bonus]["entropy_mean"]["mean"]
-                - summary["runs"][name]["entropy_mean"]["mean"]
-            ),
-            default=None,
-        )
+                - summary["runs"][name]["entropy_mean"]["mean"]),
+            default=None)
         for name in settings
         if name.startswith("stare")
     }
@@ -776,8 +709,7 @@ def run_payoff(args, out, workers):
     summary["seconds_this_invocation"] = round(time.time() - started, 1)
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     plots.plot_payoff(
-        runs, summary["runs"], ks, args.steps, args.target_entropy, root / "payoff.png"
-    )
+        runs, summary["runs"], ks, args.steps, args.target_entropy, root / "payoff.png")
     print_heldout(summary["runs"], ks)
     for name, bonus in summary["entropy_matched_bonus"].items():
         print(f"entropy-matched to {name}: {bonus}")
@@ -790,8 +722,7 @@ def print_heldout(runs, ks):
     """runs: heldout_comparison's result -> a table of entropy and final held-out pass@k with paired differences."""
     shown = [k for k in ks if k in (1, 8, ks[-1])]
     columns = (
-        ["entropy_mean"] + [f"heldout/pass@{k}" for k in shown] + ["heldout/distinct_correct_frac"]
-    )
+        ["entropy_mean"] + [f"heldout/pass@{k}" for k in shown] + ["heldout/distinct_correct_frac"])
     print(f"{'setting':<28}" + "".join(f"{c.split('/')[-1]:>30}" for c in columns))
     for name, stats in runs.items():
         cells = []
@@ -813,65 +744,43 @@ def print_heldout(runs, ks):
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--tiny", default="runs/tiny", help="the tiny default's directory (built if missing)"
-    )
+        "--tiny", default="runs/tiny", help="the tiny default's directory (built if missing)")
     parser.add_argument("--out", default="runs/repro")
     parser.add_argument(
-        "--part",
-        choices=("all", "compare", "sweep", "payoff"),
-        default="all",
-        help="all = compare + sweep; payoff: the held-out comparison (PAYOFF_RUNS), on its own",
-    )
+        "--part", choices=("all", "compare", "sweep", "payoff"), default="all",
+        help="all = compare + sweep; payoff: the held-out comparison (PAYOFF_RUNS), on its own")
     parser.add_argument("--task", choices=list(TASKS), default=None,
                         help="the task (default: sum, but countdown for --part payoff)")
     parser.add_argument(
-        "--eval-every",
-        type=int,
-        default=None,
-        help="held-out evaluation every this many steps and after the last (default 50; 0: none)",
-    )
+        "--eval-every", type=int, default=None,
+        help="held-out evaluation every this many steps and after the last (default 50; 0: none)")
     parser.add_argument("--eval-n", type=int, default=64, help="samples per held-out prompt")
     parser.add_argument("--entropy-coefs", nargs="+", type=float, default=[0.01, 0.02, 0.03, 0.1],
                         help="the entropy bonus's coefficients in --part payoff")
     parser.add_argument(
-        "--payoff-runs",
-        nargs="+",
-        default=list(PAYOFF_RUNS),
-        choices=list(PAYOFF_RUNS),
-        help="the settings of --part payoff (see PAYOFF_RUNS; grpo always runs)",
-    )
+        "--payoff-runs", nargs="+", default=list(PAYOFF_RUNS), choices=list(PAYOFF_RUNS),
+        help="the settings of --part payoff (see PAYOFF_RUNS; grpo always runs)")
     parser.add_argument(
-        "--methods",
-        nargs="+",
-        default=list(COMPARE_RUNS),
-        choices=list(COMPARE_RUNS),
-        help="the comparison's runs (see COMPARE_RUNS)",
-    )
+        "--methods", nargs="+", default=list(COMPARE_RUNS), choices=list(COMPARE_RUNS),
+        help="the comparison's runs (see COMPARE_RUNS)")
     parser.add_argument("--ws", nargs="+", type=float, default=[1.1, 2.0, 4.0, 8.0],
                         help="the sweep's W values (STARE O1)")
     parser.add_argument(
-        "--ps", nargs="+", type=float, default=[0.05, 0.1, 0.2], help="the sweep's P values"
-    )
+        "--ps", nargs="+", type=float, default=[0.05, 0.1, 0.2], help="the sweep's P values")
     parser.add_argument(
-        "--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (payoff: 0 1 2 3 4)"
-    )
+        "--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (payoff: 0 1 2 3 4)")
     parser.add_argument("--steps", type=int, default=None, help="default: 150 (payoff: 300)")
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument(
-        "--target-entropy", type=float, default=0.2, help="STARE's gate target (the sweep's too)"
-    )
+        "--target-entropy", type=float, default=0.2, help="STARE's gate target (the sweep's too)")
     parser.add_argument(
-        "--lr", type=float, default=None, help="default: configs/tiny.yaml's optim.lr"
-    )
+        "--lr", type=float, default=None, help="default: configs/tiny.yaml's optim.lr")
     parser.add_argument(
-        "--final-window", type=int, default=20, help="steps averaged for the final values"
-    )
+        "--final-window", type=int, default=20, help="steps averaged for the final values")
     parser.add_argument(
-        "--workers", type=int, default=None, help="runs in parallel (default: CPU cores)"
-    )
+        "--workers", type=int, default=None, help="runs in parallel (default: CPU cores)")
     args = parser.parse_args(argv)
     payoff = args.part == "payoff"
     defaults = {"seeds": [0, 1, 2, 3, 4] if payoff else [0, 1, 2], "steps": 300 if payoff else 150,
@@ -905,15 +814,10 @@ def main(argv):
         run_payoff(args, out, workers)
         return 0
     common = dict(
-        steps=args.steps,
-        prompts_per_step=args.prompts_per_step,
-        target_entropy=args.target_entropy,
-        lr=args.lr,
-        predict_ps=tuple(sorted(set(args.ps) | {0.1, 0.2})),
-        task=args.task,
-        eval_every=args.eval_every,
-        eval_n=args.eval_n,
-    )
+        steps=args.steps, prompts_per_step=args.prompts_per_step,
+        target_entropy=args.target_entropy, lr=args.lr,
+        predict_ps=tuple(sorted(set(args.ps) | {0.1, 0.2})), task=args.task,
+        eval_every=args.eval_every, eval_n=args.eval_n)
 
     def sweep_name(w, p):
         return f"stare_o1_w{w:g}_p{p:g}"
@@ -927,18 +831,15 @@ def main(argv):
         for p in args.ps:
             for w in args.ws:
                 run_dirs["sweep", sweep_name(w, p)] = (
-                    out / "sweep" / (sweep_name(w, p) + "_seed{seed}")
-                )
+                    out / "sweep" / (sweep_name(w, p) + "_seed{seed}"))
                 for seed in args.seeds:
                     jobs[out / "sweep" / f"{sweep_name(w, p)}_seed{seed}"] = RunSpec(
-                        sweep_name(w, p), sweep_loss(w, p), seed=seed, **common
-                    )
+                        sweep_name(w, p), sweep_loss(w, p), seed=seed, **common)
     sweep_points = {json.dumps(spec.loss, sort_keys=True): spec.name for spec in jobs.values()}
     compare_names = (
         ["grpo"] + [m for m in args.methods if m != "grpo"]
         if args.part in ("all", "compare")
-        else ["grpo"]
-    )
+        else ["grpo"])
     # GRPO always: it is the sweep's baseline and the first-order prediction's data
     for name in compare_names:
         same = sweep_points.get(json.dumps(COMPARE_RUNS[name], sort_keys=True))
@@ -948,13 +849,11 @@ def main(argv):
         run_dirs["compare", name] = out / "compare" / (name + "_seed{seed}")
         for seed in args.seeds:
             jobs[out / "compare" / f"{name}_seed{seed}"] = RunSpec(
-                name, COMPARE_RUNS[name], seed=seed, **common
-            )
+                name, COMPARE_RUNS[name], seed=seed, **common)
     print(
         f"{len(jobs)} runs of {args.steps} steps ({args.prompts_per_step} prompts x 8 responses), "
         f"{workers} at a time, under {out}",
-        file=sys.stderr,
-    )
+        file=sys.stderr)
     started = time.time()
     results = run_all([(spec, args.tiny, out_dir) for out_dir, spec in jobs.items()], workers)
 
@@ -972,20 +871,14 @@ def main(argv):
         heldout_runs = {
             name: [
                 (records, read_heldout(str(run_dirs["compare", name]).format(seed=seed)))
-                for records, seed in zip(compare_groups[name], args.seeds)
-            ]
+                for records, seed in zip(compare_groups[name], args.seeds)]
             for name in compare_names
         }
         ks = evaluate.ks_for(args.eval_n)
         summary["compare_heldout"] = heldout_comparison(heldout_runs, args.steps, ks)
         plots.plot_payoff(
-            heldout_runs,
-            summary["compare_heldout"],
-            ks,
-            args.steps,
-            args.target_entropy,
-            out / "compare_heldout.png",
-        )
+            heldout_runs, summary["compare_heldout"], ks, args.steps, args.target_entropy,
+            out / "compare_heldout.png")
     if args.part in ("all", "sweep"):
         grpo = summary["compare"]["grpo"]
         sweep = {"runs": {}, "critical": {}}
@@ -999,8 +892,7 @@ def main(argv):
             # halfway from GRPO's end to the target
             level = (grpo["entropy"]["mean"] + args.target_entropy) / 2
             predicted, dh_grpo, dh_lplus, batches = predicted_critical_w(
-                compare_groups["grpo"], args.target_entropy, p
-            )
+                compare_groups["grpo"], args.target_entropy, p)
             measured = (crossing(ws, [by_w[w]["entropy"]["mean"] for w in ws], level)
                         # no collapse: no threshold
                         if grpo["entropy"]["mean"] < args.target_entropy else None)
@@ -1047,8 +939,7 @@ def print_summary(summary):
         print(
             f"P = {p}: critical W measured {measured} (final entropy crosses {found['entropy_level']:.3f}), "
             f"first-order {predicted} (dH_grpo {found['dH_grpo']:.2e}, dH_L+ {found['dH_lplus']:.2e}, "
-            f"{found['batches']} batches)"
-        )
+            f"{found['batches']} batches)")
     if "compare_heldout" in summary:
         print("held-out prompts, after the last step:")
         print_heldout(summary["compare_heldout"], evaluate.ks_for(summary["settings"]["eval_n"]))

@@ -126,8 +126,7 @@ def clustered_bootstrap(differences, clusters, resamples=2000, level=0.95, seed=
         chosen_rows = [rng.randrange(rows) for _ in range(rows)]
         chosen_groups = [rng.randrange(len(groups)) for _ in range(len(groups))]
         count = sum(sizes[g] for g in chosen_groups)
-        means.append(sum(sums[r][g] for r in chosen_rows for g in chosen_groups)
-                     / (rows * count))
+        means.append(sum(sums[r][g] for r in chosen_rows for g in chosen_groups) / (rows * count))
     means.sort()
     tail = (1 - level) / 2
     low = means[int(math.floor(tail * (resamples - 1)))]
