@@ -147,9 +147,10 @@ class MetricsLog:
             except OSError as error:
                 raise RunError(f"error: cannot write {self.path} ({error.strerror})") from None
         self.wandb_run = self.tensorboard = None
-        # one W&B run per out_dir, continued on resume (repeated steps keep their
         if rank == 0 and cfg.train.wandb:
-            import wandb                   # first values there: W&B ignores steps it has seen)
+            # one W&B run per out_dir, continued on resume (repeated steps keep their first values
+            # there: W&B ignores steps it has seen)
+            import wandb
             id_file = Path(out_dir) / "wandb_run_id"
             run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
             id_file.write_text(run_id)

@@ -175,9 +175,10 @@ def test_a_full_disk_at_the_metrics_write_leaves_no_partial_line(small_disk):
     log = runs.MetricsLog(small_disk, cfg, rank=0)
     log.write(1, {"x": 1.0}, tqdm(disable=True))
     before = (small_disk / "metrics.jsonl").read_bytes()
-    with open(small_disk / "filler", "wb", buffering=0) as filler:  # the disk is full, but for
-        with pytest.raises(OSError):                                 # the rest of the last page
-            while True:                                              # of metrics.jsonl
+    # the disk is full, but for the rest of the last page of metrics.jsonl
+    with open(small_disk / "filler", "wb", buffering=0) as filler:
+        with pytest.raises(OSError):
+            while True:
                 filler.write(b"\0" * 4096)
     with pytest.raises(runs.RunError) as error:  # past the metrics file's last page
         log.write(2, {"long": "y" * 9000}, tqdm(disable=True))
