@@ -366,59 +366,45 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=N
     model.train()
     num_mini = cfg.train.train_batch_size // cfg.train.mini_batch_size
     mini_size = len(responses) // num_mini
-    micro_batch_count, skipped, nonfinite, grad_norms = 0, 0, 0, []
-    # the loss and its statistics, accumulated on the device and read once at the end
-    device_sums = {}
+    sums, grad_norms, micro_batch_count, skipped, nonfinite = {}, [], 0, 0, 0
     for mini in range(num_mini):
-        mini_rows = responses[mini * mini_size:(mini + 1) * mini_size]
-        batches = equal_count_micro_batches(mini_rows, cfg.train.micro_token_budget, device)
-        micro_batch_count += len(batches)
-        denominators = loss_denominators(mini_rows, cfg, device)
-        mini_sums = {}
+        rows = responses[mini * mini_size:(mini + 1) * mini_size]
+        denominators = loss_denominators(rows, cfg, device)
         loss_scale = scaler.scale if scaler is not None else 1.0
-        for indices in batches:
-            micro_batch_backward(
-                model, [mini_rows[i] for i in indices] or mini_rows[:1], not indices,
-                len(mini_rows), denominators, cfg, gate, step, device, mini_sums, loss_scale)
-        add_sums(device_sums, mini_sums)
+        mini_sums = {}  # the loss and its statistics, summed on the device, read once at the end
+        for indices in equal_count_micro_batches(rows, cfg.train.micro_token_budget, device):
+            share = len(indices) / len(rows)  # of the mini-batch's rows; 0: a padding batch
+            loss, stats = micro_batch_loss(model, [rows[i] for i in indices] or rows[:1], share,
+                                           denominators, cfg, gate, step)
+            (loss * loss_scale).backward()  # loss_scale: float16's dynamic scaling (LossScaler)
+            add_sums(mini_sums, stats)
+            micro_batch_count += 1
+        add_sums(sums, mini_sums)
         if scaler is not None:
             scaler.unscale(model)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), cfg.optim.grad_clip or float("inf"))
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        grad_norms.append(grad_norm)
-        # the one host read
-        finite = all_reduce({"loss": torch.isfinite(mini_sums["loss"]),
-                             "grad": torch.isfinite(grad_norm)}, device, op=dist.ReduceOp.MIN)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or math.inf)
+        grad_norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor
+        finite = all_reduce({"loss": torch.isfinite(mini_sums["loss"]),  # the one host read
+                             "grad": torch.isfinite(grad_norms[-1])}, device, op=dist.ReduceOp.MIN)
         finite_loss, finite_grad = finite["loss"] > 0, finite["grad"] > 0
         if finite_loss and finite_grad:
             optimizer.step()
-        else:
-            skipped += 1
-        # a gradient overflow under a scale > 1 is the scale's to fix; a non-finite loss (the
-        # forward overflowed) is not, whatever the scale: it keeps the scale and counts
-        overflow = scaler is not None and finite_loss and scaler.scale > 1
+        overflow = scaler is not None and scaler.after_step(finite_loss, finite_grad)
+        skipped += not (finite_loss and finite_grad)
         nonfinite += not (finite_loss and finite_grad) and not overflow
-        if scaler is not None and finite_loss:
-            scaler.update(finite_grad)
         optimizer.zero_grad(set_to_none=True)
-    totals = all_reduce(device_sums, device)
+    totals = all_reduce(sums, device)
     grad_norms = torch.stack(grad_norms).double()  # the same on every rank
     step_scope = cfg.algorithm.selection_scope == "step"
-    return {
-        "train/loss": totals.pop("loss") / num_mini / (1 if step_scope else world_size()),
-        "train/grad_norm": float(grad_norms.mean()),
-        "train/grad_norm_max": float(grad_norms.max()),
-        "train/micro_batches": micro_batch_count,
-        "train/skipped_updates": skipped,
-        "train/nonfinite_updates": nonfinite,
-        **({"train/loss_scale": loss_scale} if scaler is not None else {}),
-        **{
-            key: value / max(totals["stats_weight"], 1)
-            for key, value in totals.items()
-            if key != "stats_weight"
-        },
-    }
+    return {"train/loss": totals.pop("loss") / num_mini / (1 if step_scope else world_size()),
+            "train/grad_norm": float(grad_norms.mean()),
+            "train/grad_norm_max": float(grad_norms.max()),
+            "train/micro_batches": micro_batch_count,
+            "train/skipped_updates": skipped,
+            "train/nonfinite_updates": nonfinite,
+            **({"train/loss_scale": loss_scale} if scaler is not None else {}),
+            **{key: value / max(totals["stats_weight"], 1) for key, value in totals.items()
+               if key != "stats_weight"}}
 
 
 def loss_denominators(rows, cfg, device):
@@ -436,14 +422,15 @@ def loss_denominators(rows, cfg, device):
     return all_reduce({"num_tokens": tokens, "num_sequences": sequences}, device)
 
 
-def micro_batch_backward(model, rows, is_padding, mini_rows, denominators, cfg, gate, step, device,
-                         device_sums, loss_scale=1.0):
-    """Forward and backward of one micro-batch's share of the loss; its loss and statistics added to device_sums."""
+def micro_batch_loss(model, rows, share, denominators, cfg, gate, step):
+    """One micro-batch's part of its mini-batch's loss (forward only) -> (the loss to backward, its
+    value and statistics as device sums). share: its rows' share of the mini-batch's rows; 0 for a
+    padding batch, which only keeps this rank in step with the others' collectives."""
+    device = next(model.parameters()).device
     packed = modeling.pack_rows([r.prompt for r in rows], [r.tokens for r in rows], device)
     logits = modeling.response_logits(model, packed)  # [N, V]
     logprobs, entropy = stare.token_logprobs_and_entropy(
-        logits, packed.response_ids, cfg.rollout.temperature
-    )  # [N]
+        logits, packed.response_ids, cfg.rollout.temperature)  # [N]
 
     def rows_of(values):  # per-response [T] tensors -> [b, R] as packed lays them out
         return packed.to_rows(torch.cat(list(values)).to(device))
@@ -451,7 +438,7 @@ def micro_batch_backward(model, rows, is_padding, mini_rows, denominators, cfg, 
     batch = loss_batch(rows, rows_of, cfg.algorithm.method, device)
     # pi_theta's
     batch["logprobs"], batch["entropy"] = packed.to_rows(logprobs), packed.to_rows(entropy)
-    batch["mask"] = batch["mask"] & (not is_padding)
+    batch["mask"] = batch["mask"] & (share > 0)
     token_weights = None
     if cfg.algorithm.importance_sampling:  # truncated IS: pi_old / pi_rollout, capped (Eq. 11)
         rollout_logprobs = rows_of(
@@ -470,20 +457,12 @@ def micro_batch_backward(model, rows, is_padding, mini_rows, denominators, cfg, 
     # step scope: the loss is already this batch's share of the global mean and FSDP averages
     # gradients over ranks, hence x world; micro scope: each micro-batch's mean weighted by its
     # share of the rows (0 for a padding batch)
-    scale = world_size() if denominators else (0 if is_padding else len(rows) / mini_rows)
-    (loss * (scale * loss_scale)).backward()  # loss_scale: float16's dynamic scaling (LossScaler)
+    scale = world_size() if denominators else share
     weight = batch["mask"].sum()  # the statistics are token means over the step
-    add_sums(
-        device_sums,
-        {
-            "loss": loss.detach() * (1 if denominators else scale),
-            "stats_weight": weight,
-            **{
-                f"train/{k}" if "/" not in k else k: torch.where(
-                    weight > 0, v.detach() * weight, 0.0)
-                for k, v in loss_metrics.items()
-            },
-        })
+    return loss * scale, {
+        "loss": loss.detach() * (1 if denominators else scale), "stats_weight": weight,
+        **{f"train/{k}" if "/" not in k else k: torch.where(weight > 0, v.detach() * weight, 0.0)
+           for k, v in loss_metrics.items()}}
 
 
 def sync_engine(engine, model, cfg, responses, step, probe, first=False):
@@ -520,6 +499,18 @@ def probe_sequence(responses):
         tokens = r.tokens[:min(PROBE_TOKENS, len(r.tokens) - r.truncated)]
         if tokens:
             return r.prompt + tokens, len(r.prompt)
+    return None
+
+
+def nonfinite_guard(metrics, state, cfg, step):
+    """One line when more steps in a row than optim.max_nonfinite_steps had a non-finite loss or
+    gradient norm that no float16 loss scale explains (train/nonfinite_updates), else None."""
+    skipped = metrics["train/nonfinite_updates"]
+    state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
+    if state.nonfinite_in_a_row > cfg.optim.max_nonfinite_steps:
+        return (f"error: step {step}: non-finite loss or gradient norm in "
+                f"{state.nonfinite_in_a_row} consecutive steps "
+                f"(optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
     return None
 
 
@@ -588,16 +579,13 @@ def train_step(run, state, step, stage=lambda name: None, first=False):
     """One optimizer step: the algorithm, stage by stage -> its metrics by name. stage(name) is
     called as each long stage begins (the progress line shows it); first: the first step of this
     process (a resumed run's too), whose weight sync is probed."""
-    cfg, device, rank, world = run.cfg, run.device, run.rank, run.world
-    start = time.time()
+    cfg, device, start, timer = run.cfg, run.device, time.time(), Timer()
     stage("rollout")
     groups, state.data_position, rollout_metrics = sample_groups(
-        run.engine, run.tokenizer, run.task, cfg, state.data_position, rank, world, device)
-    if cfg.rollout.enable_sleep_mode:
-        # free the engine for the update (GPU)
+        run.engine, run.tokenizer, run.task, cfg, state.data_position, run.rank, run.world, device)
+    if cfg.rollout.enable_sleep_mode:  # free the engine's memory for the update (GPU)
         rollout.release_memory(run.engine, cfg.rollout.sleep_level)
-    responses = group_responses(groups, cfg, rank, world)
-    timer = Timer()
+    responses = group_responses(groups, cfg, run.rank, run.world)
     stage("old log-probs")
     with timer("time/old_logprobs"):
         old_policy_pass(run.model, responses, cfg, device)
@@ -606,32 +594,18 @@ def train_step(run, state, step, stage=lambda name: None, first=False):
     learning_rate = run.optimizer.param_groups[0]["lr"]  # the rate this step uses
     stage("update")
     with timer("time/update"):
-        update_metrics = policy_update(
-            run.model, run.optimizer, responses, cfg, run.gate, step, device, state.scaler)
+        update_metrics = policy_update(run.model, run.optimizer, responses, cfg, run.gate, step,
+                                       device, state.scaler)
         run.scheduler.step()
-    skipped = update_metrics["train/nonfinite_updates"]  # not a float16 overflow the scale absorbs
-    state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
-    if state.nonfinite_in_a_row > cfg.optim.max_nonfinite_steps:
-        raise runs.RunError(f"error: step {step}: non-finite loss or gradient norm in "
-                            f"{state.nonfinite_in_a_row} consecutive steps "
-                            f"(optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
     stage("weight sync")
     with timer("time/sync"):
-        state.probe, sync_error = sync_engine(
-            run.engine, run.model, cfg, responses, step, state.probe, first)
+        state.probe, sync_error = sync_engine(run.engine, run.model, cfg, responses, step,
+                                              state.probe, first)
     elapsed = time.time() - start
-    return {
-        **rollout_metrics,
-        **batch_metrics(responses, num_tokens, device),
-        **gate_metrics,
-        **selection_metrics,
-        **update_metrics,
-        "train/lr": learning_rate,
-        **timer.times,
-        "time/step": elapsed,
-        "time/tokens_per_s": num_tokens / max(elapsed, 1e-9),
-        **({"rollout/sync_probe_error": sync_error} if sync_error is not None else {}),
-    }
+    return {**rollout_metrics, **batch_metrics(responses, num_tokens, device), **gate_metrics,
+            **selection_metrics, **update_metrics, "train/lr": learning_rate, **timer.times,
+            "time/step": elapsed, "time/tokens_per_s": num_tokens / max(elapsed, 1e-9),
+            **({"rollout/sync_probe_error": sync_error} if sync_error is not None else {})}
 
 
 # ==================================================================================================
@@ -698,17 +672,15 @@ def train(run, state):
             if run.benchmarks and (step % cfg.eval.every == 0 or step == cfg.train.total_steps):
                 metrics.update(evaluation(run))
             log.write(step, metrics, progress)
-            # before this step's checkpoint: the last one holds weights the engine sampled well
-            problem = sync_guard(metrics, cfg, step)
+            # before this step's checkpoint: the last one holds finite weights the engine sampled
+            problem = nonfinite_guard(metrics, state, cfg, step) or sync_guard(metrics, cfg, step)
             if problem:
                 raise runs.RunError(problem)
             state.step = step
             # a signal to any rank
             stopping = all_reduce({"stop": float(stop.requested)}, run.device)["stop"] > 0
-            if (
-                stopping
-                or step == cfg.train.total_steps
-                or (cfg.train.save_every and step % cfg.train.save_every == 0)):
+            if (stopping or step == cfg.train.total_steps
+                    or (cfg.train.save_every and step % cfg.train.save_every == 0)):
                 path = checkpoints.save_checkpoint(
                     run.out_dir, step, run.model, run.optimizer, trainer_state(run, state), cfg,
                     run.rank, run.world)
@@ -1016,6 +988,15 @@ class LossScaler:
             self.scale = max(self.scale / 2, 1.0)
         elif self.good_steps >= self.window:
             self.scale, self.good_steps = self.scale * 2, 0
+
+    def after_step(self, finite_loss, finite_grad):
+        """The scale after a mini-batch's step -> whether a skip was the scale's to fix: a gradient
+        overflow under a scale > 1. A non-finite loss (the forward overflowed) is not, whatever the
+        scale: it keeps the scale."""
+        overflow = finite_loss and self.scale > 1
+        if finite_loss:
+            self.update(finite_grad)
+        return overflow
 
 
 def learning_rate_lambda(cfg):

@@ -74,19 +74,45 @@ def batch(codes, config, **overrides):
         [textwrap.dedent(c) for c in codes], dataclasses.replace(config, **overrides))
 
 
+def read_proc(pid, name):
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read()
+    except OSError:  # gone meanwhile
+        return b""
+
+
+def ancestors(pid):
+    """pid, its parent, its parent's parent, ... up to pid 1."""
+    chain = []
+    while pid > 0 and pid not in chain:
+        chain.append(pid)
+        status = read_proc(pid, "status").decode()
+        pid = int(next((line.split()[1] for line in status.splitlines()
+                        if line.startswith("PPid:")), 0))
+    return chain
+
+
+def started_by_another_test(pid):
+    """Whether a sandboxed process belongs to a test running beside this one (another
+    pytest-xdist worker's). Its first ancestor that is not a sandbox process is that test's process
+    or a trainer it started. A runner that outlived its trainer was reparented to pid 1 or to one of
+    this process's own ancestors: it counts as this test's, the failure the callers look for."""
+    chain = ancestors(pid)
+    if os.getpid() in chain:
+        return False
+    sandboxed = [path.encode() for path in (sandbox._THIS_FILE, sandbox._RUNNER)]
+    owner = next((p for p in chain if not any(m in read_proc(p, "cmdline") for m in sandboxed)), 1)
+    return owner != 1 and owner not in ancestors(os.getpid())
+
+
 def runner_processes():
-    """Pids of sandboxed interpreters still alive (their command line: the runner, --run)."""
+    """Pids of sandboxed interpreters still alive (their command line: the runner, --run), but
+    for those another test started."""
     markers = [path.encode() + b"\0--run" for path in (sandbox._THIS_FILE, sandbox._RUNNER)]
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-                if any(marker in cmdline for marker in markers):
-                    pids.append(int(pid))
-        except OSError:
-            pass
-    return pids
+    return [int(pid) for pid in filter(str.isdigit, os.listdir("/proc"))
+            if any(marker in read_proc(pid, "cmdline") for marker in markers)
+            and not started_by_another_test(int(pid))]
 
 
 # ---------------------------------------------------------------------------------------------------- normal use

@@ -64,6 +64,36 @@ def check_finished(completed, out_dir, steps=2):
 
 
 @pytest.fixture(scope="module")
+def default_run(tiny_dir, tmp_path_factory):
+    """One run of the tiny default, 2 steps, a checkpoint after each: the starting point several
+    tests share (each copies the directory before it changes anything) -> (its directory, its
+    metrics)."""
+    out = tmp_path_factory.mktemp("default") / "run"
+    return out, check_finished(run_train(tiny_dir, out, "train.save_every=1"), out)
+
+
+def copy_run(run_dir, to, steps=None):
+    """A copy of a run's directory; with `steps`, as a run of that many steps would have left it:
+    later checkpoints and metrics lines removed."""
+    shutil.copytree(run_dir, to)
+    if steps is not None:
+        for checkpoint in checkpoints.list_checkpoints(to)[steps:]:
+            shutil.rmtree(checkpoint)
+        kept = [line for line in (to / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line)["step"] <= steps]
+        (to / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+    return to
+
+
+@pytest.fixture(scope="module")
+def one_rank_gen16(tiny_dir, tmp_path_factory):
+    """The tiny default on one rank with generation rounds of 16 prompts (dynamic sampling needs
+    several rounds a step), the reference of the two-rank tests -> (directory, metrics)."""
+    out = tmp_path_factory.mktemp("gen16") / "one"
+    return out, check_finished(run_train(tiny_dir, out, "algorithm.gen_batch_size=16"), out)
+
+
+@pytest.fixture(scope="module")
 def every_method(tiny_dir, tmp_path_factory):
     """tests/methods_two_ranks.py on two torchrun ranks: each method's two steps' metrics, and the
     run's directory (its HF export)."""
@@ -107,11 +137,10 @@ def test_every_method_trains_end_to_end(method, every_method):
     assert torch.isfinite(exported(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
 
 
-def test_two_ranks_match_one_and_export_loads(tiny_dir, tmp_path):
+def test_two_ranks_match_one_and_export_loads(tiny_dir, tmp_path, one_rank_gen16):
     # generation rounds of 16 prompts for 16 varied groups: dynamic sampling needs several rounds
     # per step
-    one = check_finished(
-        run_train(tiny_dir, tmp_path / "one", "algorithm.gen_batch_size=16"), tmp_path / "one")
+    one_dir, one = one_rank_gen16
     two = check_finished(
         run_train(tiny_dir, tmp_path / "two", "algorithm.gen_batch_size=16", nproc=2),
         tmp_path / "two")
@@ -125,9 +154,9 @@ def test_two_ranks_match_one_and_export_loads(tiny_dir, tmp_path):
     assert one[0]["rollout/acc_before_filter"] < one[0]["rollout/acc"]
     positions = [
         torch.load(
-            checkpoints.list_checkpoints(tmp_path / run)[-1] / "trainer.pt", weights_only=False
+            checkpoints.list_checkpoints(run)[-1] / "trainer.pt", weights_only=False
         )["data_position"]
-        for run in ("one", "two")]
+        for run in (one_dir, tmp_path / "two")]
     assert positions[0] == positions[1] == 16 * sum(m["rollout/gen_rounds"] for m in one)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "hf", dtype=torch.float32)
     initial = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
@@ -138,12 +167,12 @@ def test_two_ranks_match_one_and_export_loads(tiny_dir, tmp_path):
     assert len(changed) > len(exported.state_dict()) // 2  # training moved (almost) every weight
 
 
-def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, tmp_path):
+def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, tmp_path,
+                                                                     one_rank_gen16):
     # rollout.tensor_parallel_size=2 on 2 ranks: one engine, half of the weights and KV cache on
     # each rank; the ranks sample the same prompts with the same seeds, so the step equals the
     # one-rank step
-    one = check_finished(
-        run_train(tiny_dir, tmp_path / "one", "algorithm.gen_batch_size=16"), tmp_path / "one")
+    one_dir, one = one_rank_gen16
     tp = check_finished(run_train(tiny_dir, tmp_path / "tp", "algorithm.gen_batch_size=16",
                                   "rollout.tensor_parallel_size=2", "hardware.gpus_per_node=2",
                                   "rollout.sync_check_every=1", nproc=2), tmp_path / "tp")
@@ -154,8 +183,8 @@ def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, t
     for record in tp:
         # both halves of the engine hold the new weights
         assert record["rollout/sync_probe_error"] < 1e-4
-    positions = [torch.load(checkpoints.list_checkpoints(tmp_path / run)[-1] / "trainer.pt",
-                            weights_only=False)["data_position"] for run in ("one", "tp")]
+    positions = [torch.load(checkpoints.list_checkpoints(run)[-1] / "trainer.pt",
+                            weights_only=False)["data_position"] for run in (one_dir, tmp_path / "tp")]
     assert positions[0] == positions[1]  # each round's prompts were sampled once, not once per rank
 
 
@@ -169,9 +198,10 @@ def test_round_prompts_give_each_engine_its_share_once():
         assert sorted(i for share in shares[::tp] for i in share) == list(range(32, 96))
 
 
-def test_update_does_not_depend_on_micro_batch_size(tiny_dir, tmp_path):
-    big = check_finished(
-        run_train(tiny_dir, tmp_path / "big", "train.total_steps=1"), tmp_path / "big", steps=1)
+def test_update_does_not_depend_on_micro_batch_size(tiny_dir, tmp_path, default_run):
+    # step 1 of the default run (its loss and gradient come before any optimizer step, so the run's
+    # length does not change them)
+    big = default_run[1][-2:-1]
     small = check_finished(run_train(tiny_dir, tmp_path / "small", "train.total_steps=1",
                                      "train.micro_token_budget=256"), tmp_path / "small", steps=1)
     assert small[0]["train/micro_batches"] > big[0]["train/micro_batches"]
@@ -465,11 +495,10 @@ def test_dynamic_sampling_gives_up_with_a_clear_error(tiny_dir, tmp_path):
 
 
 def test_a_changed_shard_is_never_loaded_and_another_model_is_refused_in_one_line(
-    tiny_dir, tmp_path):
+    tiny_dir, tmp_path, default_run):
     from transformers import AutoConfig
 
-    out = tmp_path / "run"
-    check_finished(run_train(tiny_dir, out, "train.save_every=1"), out)
+    out = copy_run(default_run[0], tmp_path / "run")  # 2 steps, a checkpoint after each
     first, latest = checkpoints.list_checkpoints(out)
     shard = next((latest / "sharded").glob("*.distcp"))
     data = bytearray(shard.read_bytes())  # bytes in its middle changed, the size the same: only
@@ -733,10 +762,8 @@ def test_a_gpu_config_without_cuda_stops_in_one_line_before_anything_loads(tiny_
     assert not (tmp_path / "run").exists()
 
 
-def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path):
-    out = tmp_path / "run"
-    check_finished(
-        run_train(tiny_dir, out, "train.total_steps=1", "train.save_every=1"), out, steps=1)
+def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path, default_run):
+    out = copy_run(default_run[0], tmp_path / "run", steps=1)  # as a 1-step run leaves it
     completed = run_train(tiny_dir, out, "optim.lr=1e-4")
     metrics = check_finished(completed, out)
     assert [m["train/lr"] for m in metrics] == [pytest.approx(3e-4), pytest.approx(1e-4)]
@@ -752,11 +779,10 @@ def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-def test_the_sync_probe_runs_at_step_one_and_a_broken_bound_stops_the_run_in_one_line(tiny_dir,
-                                                                                      tmp_path):
+def test_the_sync_probe_runs_at_step_one_and_a_broken_bound_stops_the_run_in_one_line(
+        tiny_dir, tmp_path, default_run):
     # tiny.yaml checks every 5th step: step 1 is checked all the same (the first sync of the run)
-    # steps 1 and 2
-    first, second = check_finished(run_train(tiny_dir, tmp_path / "ok"), tmp_path / "ok")
+    first, second = default_run[1][-2:]  # steps 1 and 2
     assert first["rollout/sync_probe_error"] < 1e-4 and "rollout/sync_probe_error" not in second
     assert first["rollout/model_runner_v2"] == 0.0  # the V1 runner, as rollout.model_runner asks
 
