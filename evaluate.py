@@ -57,21 +57,6 @@ PAPER_N = (
 FALLBACK_SMALL_N, FALLBACK_LARGE_N, FALLBACK_SMALL_MAX_PROMPTS = 32, 4, 100
 BOOTSTRAP_RESAMPLES = 1000
 
-# Words that mark self-reflection in a chain of thought ("aha" words). Whole words,
-# case-insensitive; inflected forms are listed explicitly so that "checkpoint" or "awaiting" never
-# count.
-REFLECTION_WORDS = (
-    "wait", "hmm", "however", "alternatively", "actually", "verify", "verifying", "verified",
-    "check", "checking", "recheck", "re-check", "double-check", "double-checking", "reconsider",
-    "re-evaluate", "re-examine", "mistake")
-# longest first: at one position the regex takes the first alternative that matches ("double-check",
-# not "check")
-_REFLECTION_RE = re.compile(
-    r"(?<![\w-])(?:"
-    + "|".join(re.escape(w) for w in sorted(REFLECTION_WORDS, key=len, reverse=True))
-    + r")(?![\w-])",
-    re.IGNORECASE)
-
 
 # ==================================================================================================
 # Metrics: pure functions of counts, answers and texts
@@ -156,25 +141,6 @@ def maj_at_k(keys, correct, k: int) -> float:
         / blocks)
 
 
-def reflection_counts(text: str) -> tuple[int, int]:
-    """(occurrences of REFLECTION_WORDS, whitespace-separated words) in one response."""
-    return len(_REFLECTION_RE.findall(text)), len(text.split())
-
-
-def distinct_correct_fraction(groups):
-    """Diversity of the correct answers: over the groups with at least one correct response, the
-    mean of (distinct correct responses, as token sequences) / (correct responses); None if no group
-    has one. groups: lists of (response token ids, accuracy) pairs. Entropy collapse on a task with
-    many right answers shows here first: the group keeps being right, with ever fewer different
-    answers."""
-    fractions = []
-    for group in groups:
-        correct = [tuple(tokens) for tokens, accuracy in group if accuracy > 0]
-        if correct:
-            fractions.append(len(set(correct)) / len(correct))
-    return sum(fractions) / len(fractions) if fractions else None
-
-
 def bootstrap_se(values, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> float:
     """Bootstrap standard error of the mean of `values` (resampled with replacement, seeded): the
     ddof=1 standard deviation of `resamples` resampled means. 0.0 for fewer than two values."""
@@ -204,7 +170,7 @@ def prompt_seed(seed: int, benchmark: str, index: int) -> int:
     benchmarks, and the same at every evaluation of a run, so step-to-step differences are the
     model's (on GPU, batch composition can still change kernels' rounding). rollout.generate spaces
     it by n for vLLM's per-sample seed + j."""
-    return rollout.derive_seed(seed, "eval", benchmark, index)
+    return data.derive_seed(seed, "eval", benchmark, index)
 
 
 # ==================================================================================================
@@ -232,7 +198,7 @@ def _prompt_record(name, index, example, texts, lengths, finish_reasons, accurac
     n = len(texts)
     keys = [answer_key(text, example.data_source) for text in texts]
     correct = [bool(a) for a in accuracies]
-    hits_words = [reflection_counts(text) for text in texts]
+    hits_words = [rewards.reflection_counts(text) for text in texts]
     record = {
         "benchmark": name,
         "index": index,

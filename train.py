@@ -59,6 +59,7 @@ import rollout
 import runs
 import sandbox
 import stare
+import tool_use
 
 
 # response tokens of the weight-sync probe: enough to see a missed sync, cheap at any length
@@ -107,7 +108,7 @@ class Group:
 
     @property
     def distinct_correct(self):  # the share of distinct right responses; None if none is right
-        return evaluate.distinct_correct_fraction([[(r.tokens, r.accuracy)
+        return rewards.distinct_correct_fraction([[(r.tokens, r.accuracy)
                                                     for r in self.responses]])
 
 
@@ -132,7 +133,7 @@ class Task:
 def epoch_order(num_prompts, seed, shuffle, epoch):
     order = list(range(num_prompts))
     if shuffle:
-        random.Random(rollout.derive_seed(seed, "epoch", epoch)).shuffle(order)
+        random.Random(data.derive_seed(seed, "epoch", epoch)).shuffle(order)
     return order
 
 
@@ -182,7 +183,7 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
         **timings,
     }
     diversity = [fraction for _, fraction in sampled if fraction is not None]
-    if diversity:  # evaluate.distinct_correct_fraction over the step's groups
+    if diversity:  # rewards.distinct_correct_fraction over the step's groups
         metrics["rollout/distinct_correct_frac"] = sum(diversity) / len(diversity)
     if cfg.rollout.tools:  # over every response sampled in the step, all ranks
         metrics.update({"rollout/tool_calls_mean": totals["tool_calls"] / responses,
@@ -213,10 +214,10 @@ def generate_round(engine, tokenizer, task, cfg, global_indices):
     sampling = dict(
         n=n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
         max_tokens=cfg.rollout.max_tokens,
-        seeds=[rollout.derive_seed(cfg.train.seed, "prompt", g) for g in global_indices])
+        seeds=[data.derive_seed(cfg.train.seed, "prompt", g) for g in global_indices])
     start = time.time()
     if cfg.rollout.tools:  # multi-turn: the code interpreter's output comes back as tool turns
-        out = rollout.generate_with_tools(
+        out = tool_use.generate_with_tools(
             engine, tokenizer, [task.prompt_ids[p] for p in prompts],
             max_turns=cfg.rollout.max_turns, sandbox_config=cfg.sandbox,
             max_tool_response_tokens=cfg.rollout.max_tool_response_tokens, **sampling)
@@ -234,7 +235,7 @@ def generate_round(engine, tokenizer, task, cfg, global_indices):
             prompt=task.prompt_ids[prompts[out.prompt_index[r]]], tokens=out.token_ids[r],
             rollout_logprobs=out.logprobs[r], reward=scores[r], accuracy=accuracies[r],
             truncated=out.finish_reasons[r] == "length",
-            reflection=evaluate.reflection_counts(out.texts[r]),
+            reflection=rewards.reflection_counts(out.texts[r]),
             policy_mask=policy_token_mask(out, r))
         for r in range(len(out.texts))]
     sums.update({"sampled": len(responses), "sampled_correct": sum(accuracies),
@@ -332,7 +333,7 @@ def select_tokens(responses, cfg, gate, step, device):
     batch = loss_batch(everyone, pad_rows, method, device=None)
     batch["logprobs"] = batch["old_logprobs"]  # the selection ranks tokens under pi_old
     generator = torch.Generator().manual_seed(
-        rollout.derive_seed(cfg.train.seed, "selection", step))
+        data.derive_seed(cfg.train.seed, "selection", step))
     selection, metrics = baselines.token_selection(
         method, batch, cfg.loss, gate=gate, generator=generator)
     offset = (dist.get_rank() if dist.is_initialized() else 0) * len(responses)
@@ -463,7 +464,7 @@ def micro_batch_backward(model, rows, is_padding, mini_rows, denominators, cfg, 
     if rows[0].selection is not None:
         selection = {k: rows_of(r.selection[k] for r in rows) for k in rows[0].selection}
     generator = torch.Generator(device=device).manual_seed(
-        rollout.derive_seed(cfg.train.seed, "selection", step))
+        data.derive_seed(cfg.train.seed, "selection", step))
     loss, loss_metrics = baselines.policy_loss(
         cfg.algorithm.method, batch, cfg.loss, selection=selection, gate=gate, generator=generator,
         token_weights=token_weights, **(denominators or {}))
@@ -881,7 +882,7 @@ def load_task(cfg, tokenizer, rank):
     try:
         examples = [example for path in cfg.data.train_files
                     for example in data.load_examples(path, prompt_suffix=cfg.data.prompt_suffix)]
-        tools = [rollout.CODE_INTERPRETER_TOOL] if cfg.rollout.tools else None
+        tools = [tool_use.CODE_INTERPRETER_TOOL] if cfg.rollout.tools else None
         prompt_ids, examples, stats = data.tokenize_prompts(
             examples, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overflow, tools=tools)
         benchmarks = (evaluate.load_benchmarks(cfg.eval.files, prompt_suffix=cfg.data.prompt_suffix)
