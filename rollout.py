@@ -1,7 +1,7 @@
 """rollout.py: sampling with vLLM, colocated with training (one in-process engine per torchrun
 rank).
 
-    engine = rollout.build_engine(model_path, seed=base_seed + rank, max_model_len=...)
+    engine = rollout.build_engine(cfg.rollout, model_path, seed=base_seed + rank, max_model_len=...)
     batch = rollout.generate(engine, prompt_token_ids, n=8, temperature=1.0, max_tokens=3072,
                              seeds=[...])
     # every step, after the update:
@@ -35,12 +35,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 # the KV cache on CPU when none is given: vLLM would otherwise take a fraction of the RAM
 CPU_KV_CACHE_GIB = 1.0
+# the engine's batch floor (its profiling batch); raised to max_model_len when that is longer
+MAX_NUM_BATCHED_TOKENS = 8192
 
 
-def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utilization=0.3,
-                 kv_cache_gib=None, tensor_parallel_size=1, max_num_seqs=256,
-                 max_num_batched_tokens=8192, enable_sleep_mode=False, enforce_eager=None,
-                 block_size=None, model_runner="v1"):
+def build_engine(cfg, model_path, seed, max_model_len, block_size=None):
     """The local vLLM engine of this rank.
 
     With torchrun, `distributed_executor_backend="external_launcher"` runs the engine inside the
@@ -49,62 +48,65 @@ def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utili
     point, after the process group and before the optimizer state (the engine sizes its KV cache
     from the memory still free).
 
-    tensor_parallel_size: under torchrun, each run of that many consecutive ranks (rank // tp) forms one engine
-    that holds 1/tp of the weights and KV cache on each of its ranks (vLLM builds the groups from the world of
-    external_launcher). Its ranks must make identical requests in the same order, with the same seed: they run
-    one computation and each gets the whole result.
-    model_path: a local HF checkpoint directory (nothing is downloaded). seed: base seed + rank // tp; with one
-    seed for all engines every engine would sample the same responses (vLLM #15980, verl #974). Building
-    the engine reseeds this process's Python, NumPy and torch RNGs with that seed (vllm/utils/torch_utils.py set_random_seed, called by the
-    workers): set the trainer's own RNG state after `build_engine`, never before.
-    dtype: "auto" is vLLM's choice, which runs a float32 checkpoint in bfloat16 on GPU and x86 CPU; pass
-    "float32" for bit-level agreement with a float32 trainer.
-    kv_cache_gib: the KV cache size in GiB; on CPU (where gpu_memory_utilization would mean a fraction of the
-    machine's RAM) None means CPU_KV_CACHE_GIB. On GPU leave it None and size gpu_memory_utilization so the
-    training state still fits. enforce_eager: None = on CPU only (start-up in seconds; no CUDA graphs there).
-    block_size: KV cache block (and prefix-cache) granularity in tokens; None = vLLM's (128 on CPU, 16 on GPU).
-    model_runner: "v1" or "v2". vLLM 0.32 runs its experimental Model Runner V2 on GPU by default; "v1" asks for
-    the V1 runner, the sibling of the CPU runner that the tests exercise (seeded sampling, processed log-probs,
-    prompt log-probs and the layerwise reload all run that code). `engine_runner(engine)` says which one runs.
+    cfg: config.RolloutConfig (dtype, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size,
+    max_num_seqs, enable_sleep_mode, enforce_eager, model_runner). model_path: a local HF checkpoint
+    directory (nothing is downloaded). max_model_len: prompt + response tokens.
+    seed: base seed + rank // tp; with one seed for all engines every engine would sample the same
+    responses (vLLM #15980, verl #974). Building the engine reseeds this process's Python, NumPy and
+    torch RNGs with that seed (vllm/utils/torch_utils.py set_random_seed, called by the workers):
+    set the trainer's own RNG state after `build_engine`, never before.
+    block_size: KV cache block (and prefix-cache) granularity in tokens; None = vLLM's (128 on CPU,
+    16 on GPU).
+
+    tensor_parallel_size: under torchrun, each run of that many consecutive ranks (rank // tp) forms
+    one engine that holds 1/tp of the weights and KV cache on each of its ranks (vLLM builds the
+    groups from the world of external_launcher). Its ranks must make identical requests in the same
+    order, with the same seed: they run one computation and each gets the whole result.
+    dtype: "auto" is vLLM's choice, which runs a float32 checkpoint in bfloat16 on GPU and x86 CPU;
+    pass "float32" for bit-level agreement with a float32 trainer.
+    kv_cache_gib: the KV cache size in GiB; on CPU (where gpu_memory_utilization would mean a
+    fraction of the machine's RAM) None means CPU_KV_CACHE_GIB. On GPU leave it None and size
+    gpu_memory_utilization so the training state still fits. enforce_eager: None = on CPU only
+    (start-up in seconds; no CUDA graphs there).
+    model_runner: "v1" or "v2". vLLM 0.32 runs its experimental Model Runner V2 on GPU by default;
+    "v1" asks for the V1 runner, the sibling of the CPU runner that the tests exercise (seeded
+    sampling, processed log-probs, prompt log-probs and the layerwise reload all run that code).
+    `engine_runner(engine)` says which one runs.
     """
     from vllm import LLM
 
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     # read by VllmConfig
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if model_runner == "v2" else "0"
-    return LLM(
-        **engine_kwargs(
-            model_path, seed, max_model_len, dtype, gpu_memory_utilization, kv_cache_gib,
-            tensor_parallel_size, max_num_seqs, max_num_batched_tokens, enable_sleep_mode,
-            enforce_eager, block_size, on_gpu=torch.cuda.is_available(), distributed=distributed))
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cfg.model_runner == "v2" else "0"
+    return LLM(**engine_kwargs(cfg, model_path, seed, max_model_len, block_size,
+                               on_gpu=torch.cuda.is_available(), distributed=distributed))
 
 
-def engine_kwargs(model_path, seed, max_model_len, dtype, gpu_memory_utilization, kv_cache_gib,
-                  tensor_parallel_size, max_num_seqs, max_num_batched_tokens, enable_sleep_mode,
-                  enforce_eager, block_size, on_gpu, distributed):
+def engine_kwargs(cfg, model_path, seed, max_model_len, block_size, on_gpu, distributed):
     """The keyword arguments of vLLM's `LLM` (its EngineArgs) for a GPU or a CPU engine (see
     build_engine): a plain dict, so that the GPU arguments can be checked on a machine without
     one."""
+    kv_cache_gib = cfg.kv_cache_gib
     kv_cache_gib = CPU_KV_CACHE_GIB if kv_cache_gib is None and not on_gpu else kv_cache_gib
-    enforce_eager = not on_gpu if enforce_eager is None else enforce_eager
+    enforce_eager = not on_gpu if cfg.enforce_eager is None else cfg.enforce_eager
     kwargs = dict(
         model=str(model_path),
         tokenizer=str(model_path),
         seed=seed,
-        dtype=dtype,
+        dtype=cfg.dtype,
         max_model_len=max_model_len,
-        tensor_parallel_size=tensor_parallel_size,
-        max_num_seqs=max_num_seqs,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        max_num_seqs=cfg.max_num_seqs,
         # V1's memory profiler is misled by the 32k default batch (TRL sets 4096); keep it near one
         # long sequence
-        max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
+        max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, max_model_len),
         # processed: log-probs after temperature, of the distribution actually sampled (the default
         # is before temperature, TRL #4159)
         enable_prefix_caching=True,
         logprobs_mode="processed_logprobs",
-        enable_sleep_mode=enable_sleep_mode,
+        enable_sleep_mode=cfg.enable_sleep_mode,
         enforce_eager=enforce_eager,
-        gpu_memory_utilization=gpu_memory_utilization)
+        gpu_memory_utilization=cfg.gpu_memory_utilization)
     if kv_cache_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
     if block_size is not None:

@@ -809,20 +809,11 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
         say(
             rank,
             "building the vLLM engine (on a GPU the first start compiles and captures CUDA graphs)")
+        # one seed per engine, or every engine samples alike (vLLM #15980); the ranks of one
+        # engine share it
         engine = rollout.build_engine(
-            # one seed per engine, or every engine samples alike (vLLM #15980); the ranks of one
-            # engine share it
-            cfg.model.path,
-            seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size,
-            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-            max_model_len=cfg.data.max_prompt_tokens + max_tokens,
-            dtype=cfg.rollout.dtype,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            kv_cache_gib=cfg.rollout.kv_cache_gib,
-            max_num_seqs=cfg.rollout.max_num_seqs,
-            enable_sleep_mode=cfg.rollout.enable_sleep_mode,
-            enforce_eager=cfg.rollout.enforce_eager,
-            model_runner=cfg.rollout.model_runner)
+            cfg.rollout, cfg.model.path, seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size,
+            max_model_len=cfg.data.max_prompt_tokens + max_tokens)
         runner = rollout.engine_runner(engine)
         task.metrics["rollout/model_runner_v2"] = float(runner == "v2")  # recorded with every step
         if runner != cfg.rollout.model_runner and rank == 0:
@@ -949,12 +940,7 @@ def trainer_state(run, state):
 def evaluation(run):
     """evaluate.py's sampler and verifier on the engine's current weights -> eval/... metrics."""
     cfg, start = run.cfg, time.time()
-    result = evaluate.evaluate(
-        run.engine, run.tokenizer, run.benchmarks, n=cfg.eval.n,
-        tensor_parallel_size=cfg.rollout.tensor_parallel_size, temperature=cfg.eval.temperature,
-        top_p=cfg.eval.top_p, max_tokens=cfg.eval.max_tokens, reward_cfg=cfg.reward,
-        seed=cfg.train.seed, max_prompt_tokens=cfg.data.max_prompt_tokens,
-        overflow=cfg.data.overflow)
+    result = evaluate.evaluate(run.engine, run.tokenizer, run.benchmarks, cfg)
     return {**evaluate.flatten_metrics(result), "time/eval": time.time() - start}
 
 

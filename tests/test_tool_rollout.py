@@ -36,9 +36,9 @@ def tokenizer(model_dir):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     # as in test_rollout.py: float32 (agreement with a transformers forward), eager, 32-token blocks
-    engine = rollout.build_engine(
-        model_dir, seed=0, max_model_len=512, dtype="float32", kv_cache_gib=0.25, max_num_seqs=64,
-        enforce_eager=True, block_size=32)
+    engine_cfg = config.RolloutConfig(dtype="float32", kv_cache_gib=0.25, max_num_seqs=64,
+                                      enforce_eager=True)
+    engine = rollout.build_engine(engine_cfg, model_dir, seed=0, max_model_len=512, block_size=32)
     yield engine
     # and its process group, so that another module can build its own engine
     rollout.shutdown_engine(engine)

@@ -51,9 +51,11 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompt_ids, kept, prompt_stats = data.tokenize_prompts(
         examples, tokenizer, args.max_prompt_tokens)
-    engine = rollout.build_engine(
-        args.model, seed=args.seed, dtype=args.dtype,
-        max_model_len=args.max_prompt_tokens + args.max_tokens, kv_cache_gib=args.kv_cache_gib)
+    # enforce_eager None: on CPU only (rollout.build_engine)
+    engine_cfg = config.RolloutConfig(dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+                                      enforce_eager=None)
+    engine = rollout.build_engine(engine_cfg, args.model, seed=args.seed,
+                                  max_model_len=args.max_prompt_tokens + args.max_tokens)
     start = time.time()
     seeds = [data.derive_seed(args.seed, "prompt", i) for i in range(len(prompt_ids))]
     if args.max_turns > 0:
