@@ -812,8 +812,8 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
         # one seed per engine, or every engine samples alike (vLLM #15980); the ranks of one
         # engine share it
         engine = rollout.build_engine(
-            cfg.rollout, cfg.model.path, seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size,
-            max_model_len=cfg.data.max_prompt_tokens + max_tokens)
+            cfg.rollout, cfg.model.path, max_model_len=cfg.data.max_prompt_tokens + max_tokens,
+            seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size)
         runner = rollout.engine_runner(engine)
         task.metrics["rollout/model_runner_v2"] = float(runner == "v2")  # recorded with every step
         if runner != cfg.rollout.model_runner and rank == 0:
