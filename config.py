@@ -85,7 +85,7 @@ class RolloutConfig:
     max_sync_probe_error: float = 2.0
     # stop when a step's mean |rollout - trainer| log-prob exceeds this
     max_logprob_mismatch: float = 0.25
-    # multi-turn code-interpreter rollouts (rollout.generate_with_tools; sandbox section)
+    # multi-turn code-interpreter rollouts (tool_use.generate_with_tools; sandbox section)
     tools: bool = False
     # tools: model turns per response; max_tokens bounds model + tool tokens together
     max_turns: int = 4

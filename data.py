@@ -4,6 +4,7 @@ prompts.
     examples = data.load_examples("data/train.parquet")          # plain rows get STARE's instruction appended
     prompt_ids, kept, stats = data.tokenize_prompts(examples, tokenizer, max_prompt_tokens=1024)
     data.save_jsonl([{"problem": "Find x if 2x = 84.", "answer": 42}], "data/toy.jsonl")
+    seed = data.derive_seed(base_seed, "prompt", index)   # a prompt's sampling seed, and the like
 
 Pure Python plus pyarrow: no vLLM, no torch, no torch.distributed. Files are chosen by extension:
 .jsonl (one JSON object per line, blank lines skipped) or .parquet (one row per example). Every
@@ -28,6 +29,7 @@ the question is lost), "skip" drops the example (counted in stats["num_skipped"]
 
 import dataclasses
 import decimal
+import hashlib
 import json
 import math
 import numbers
@@ -315,7 +317,7 @@ def chat_template_ids(tokenizer, messages, tools=None) -> list[int]:
     tensors/arrays too.
     """
     # tools: JSON schemas the template lists for the model (Qwen's "# Tools" block), e.g.
-    # rollout.CODE_INTERPRETER_TOOL
+    # tool_use.CODE_INTERPRETER_TOOL
     extra = {"tools": tools} if tools else {}
     encoded = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, **extra)
@@ -325,3 +327,12 @@ def chat_template_ids(tokenizer, messages, tools=None) -> list[int]:
     if ids and isinstance(ids[0], (list, tuple)):  # a batch of one conversation
         (ids,) = ids
     return [int(token) for token in ids]
+
+
+def derive_seed(seed, *parts):
+    """One seed from the run's base seed and what it is for, e.g. derive_seed(seed, "prompt",
+    global_index): a hash into [0, 2**48), so seeds of different purposes or indices never coincide
+    by arithmetic, and none depends on the number of ranks. (vLLM spaces a request's samples as seed
+    * n + j, which stays far below 2**63.)"""
+    digest = hashlib.blake2b(repr((seed,) + parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**48

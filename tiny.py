@@ -25,7 +25,7 @@ are:
     runs/tiny/data/mul_{train,test}.jsonl    "What is a*b?" for a 3-digit a and a 2-digit b (512 / 64 prompts),
                                              checked by math-verify ("tiny_mul"): too long to do in one's head
     runs/tiny/tool_model/     the tiny model after 300 more warm-up steps on code-interpreter conversations in the
-                              rollout's own format (rollout.QWEN_TOOL_TURN): 20% answer at once, 60% call
+                              rollout's own format (tool_use.QWEN_TOOL_TURN): 20% answer at once, 60% call
                               print(a*b) and copy the output into \\boxed{}, 20% check with print(b*a) before answering
     runs/tiny/tool.json       what was built, with the first turns' call rates at temperature 1 (~70% make a valid
                               call; the copied digits are mostly wrong: copying a*b into the code is what RL can
@@ -306,10 +306,10 @@ def make_tool_splits(seed=0, num_train=512, num_test=64):
 
 def tool_call_text(code):
     """A call as Qwen's chat template writes one (its own lines around the JSON)."""
-    import rollout
+    import tool_use
 
-    call = json.dumps({"name": rollout.CODE_INTERPRETER, "arguments": {"code": code}})
-    return f"{rollout.TOOL_CALL_OPEN}\n{call}\n{rollout.TOOL_CALL_CLOSE}"
+    call = json.dumps({"name": tool_use.CODE_INTERPRETER, "arguments": {"code": code}})
+    return f"{tool_use.TOOL_CALL_OPEN}\n{call}\n{tool_use.TOOL_CALL_CLOSE}"
 
 
 def tool_warmup_turns(problem, answer, rng):
@@ -333,12 +333,12 @@ def tool_warmup_turns(problem, answer, rng):
 def tool_warmup_sequence(tokenizer, prompt_ids, turns, wrapper):
     """(ids, labels) of one warm-up conversation, built with the rollout's own tool-turn ids; tool
     outputs get label -100 (not trained: the model does not write them)."""
-    import rollout
+    import tool_use
 
     ids, labels = list(prompt_ids), [-100] * len(prompt_ids)
     for text, is_tool in turns:
         if is_tool:
-            turn = rollout.tool_turn_ids(tokenizer, text, wrapper, max_content_tokens=512)
+            turn = tool_use.tool_turn_ids(tokenizer, text, wrapper, max_content_tokens=512)
             ids, labels = ids + turn, labels + [-100] * len(turn)
         else:
             turn = tokenizer.encode(text, add_special_tokens=False)
@@ -352,21 +352,21 @@ def first_turn_calls(
     """Sample each prompt's first model turn (HF generate) and sort it: -> fractions of turns that
     make a call, that make a valid call, and whose code is exactly print(a*b) for the prompt's a*b;
     and the sampled turns."""
-    import rollout
+    import tool_use
 
     turns = [
-        text.split(rollout.TOOL_CALL_CLOSE)[0] + rollout.TOOL_CALL_CLOSE
-        if rollout.TOOL_CALL_CLOSE in text
+        text.split(tool_use.TOOL_CALL_CLOSE)[0] + tool_use.TOOL_CALL_CLOSE
+        if tool_use.TOOL_CALL_CLOSE in text
         else text
         for text in sample_responses(
             model, tokenizer, prompt_ids, temperature, max_new_tokens, seed)]
     calls = [
-        rollout.parse_tool_call(t)[0] if t.endswith(rollout.TOOL_CALL_CLOSE) else None
+        tool_use.parse_tool_call(t)[0] if t.endswith(tool_use.TOOL_CALL_CLOSE) else None
         for t in turns]
     expected = [
         f"print({row['problem'].removeprefix('What is ').removesuffix('?')})" for row in rows]
     count = len(turns)
-    return {"call_rate": sum(t.endswith(rollout.TOOL_CALL_CLOSE) for t in turns) / count,
+    return {"call_rate": sum(t.endswith(tool_use.TOOL_CALL_CLOSE) for t in turns) / count,
             "valid_call_rate": sum(c is not None for c in calls) / count,
             "exact_code_rate": sum(c == e for c, e in zip(calls, expected)) / count}, turns
 
@@ -742,7 +742,7 @@ def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False, from_scratch
     conversations (the committed reference weights with the default settings, as build_tiny).
     Returns the summary dict written to tool.json. The tiny default's own files are left as they
     are."""
-    import rollout
+    import tool_use
 
     out_dir = Path(out_dir)
     summary_path = out_dir / "tool.json"
@@ -761,7 +761,7 @@ def build_tiny_tool(out_dir, seed=0, warmup_steps=300, force=False, from_scratch
     start = time.time()
     write_splits(make_tool_splits(seed=seed), out_dir)
     rows, prompt_ids = load_split(out_dir / "data", "mul_train", tokenizer)
-    wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in rollout.QWEN_TOOL_TURN]
+    wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in tool_use.QWEN_TOOL_TURN]
 
     def sequence(i, rng):
         turns = tool_warmup_turns(rows[i]["problem"], rows[i]["answer"], rng)

@@ -59,6 +59,7 @@ import rollout
 import runs
 import sandbox
 import stare
+import tool_use
 
 
 # response tokens of the weight-sync probe: enough to see a missed sync, cheap at any length
@@ -107,7 +108,7 @@ class Group:
 
     @property
     def distinct_correct(self):  # the share of distinct right responses; None if none is right
-        return evaluate.distinct_correct_fraction([[(r.tokens, r.accuracy)
+        return rewards.distinct_correct_fraction([[(r.tokens, r.accuracy)
                                                     for r in self.responses]])
 
 
@@ -132,7 +133,7 @@ class Task:
 def epoch_order(num_prompts, seed, shuffle, epoch):
     order = list(range(num_prompts))
     if shuffle:
-        random.Random(rollout.derive_seed(seed, "epoch", epoch)).shuffle(order)
+        random.Random(data.derive_seed(seed, "epoch", epoch)).shuffle(order)
     return order
 
 
@@ -182,7 +183,7 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
         **timings,
     }
     diversity = [fraction for _, fraction in sampled if fraction is not None]
-    if diversity:  # evaluate.distinct_correct_fraction over the step's groups
+    if diversity:  # rewards.distinct_correct_fraction over the step's groups
         metrics["rollout/distinct_correct_frac"] = sum(diversity) / len(diversity)
     if cfg.rollout.tools:  # over every response sampled in the step, all ranks
         metrics.update({"rollout/tool_calls_mean": totals["tool_calls"] / responses,
@@ -213,10 +214,10 @@ def generate_round(engine, tokenizer, task, cfg, global_indices):
     sampling = dict(
         n=n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
         max_tokens=cfg.rollout.max_tokens,
-        seeds=[rollout.derive_seed(cfg.train.seed, "prompt", g) for g in global_indices])
+        seeds=[data.derive_seed(cfg.train.seed, "prompt", g) for g in global_indices])
     start = time.time()
     if cfg.rollout.tools:  # multi-turn: the code interpreter's output comes back as tool turns
-        out = rollout.generate_with_tools(
+        out = tool_use.generate_with_tools(
             engine, tokenizer, [task.prompt_ids[p] for p in prompts],
             max_turns=cfg.rollout.max_turns, sandbox_config=cfg.sandbox,
             max_tool_response_tokens=cfg.rollout.max_tool_response_tokens, **sampling)
@@ -234,7 +235,7 @@ def generate_round(engine, tokenizer, task, cfg, global_indices):
             prompt=task.prompt_ids[prompts[out.prompt_index[r]]], tokens=out.token_ids[r],
             rollout_logprobs=out.logprobs[r], reward=scores[r], accuracy=accuracies[r],
             truncated=out.finish_reasons[r] == "length",
-            reflection=evaluate.reflection_counts(out.texts[r]),
+            reflection=rewards.reflection_counts(out.texts[r]),
             policy_mask=policy_token_mask(out, r))
         for r in range(len(out.texts))]
     sums.update({"sampled": len(responses), "sampled_correct": sum(accuracies),
@@ -332,7 +333,7 @@ def select_tokens(responses, cfg, gate, step, device):
     batch = loss_batch(everyone, pad_rows, method, device=None)
     batch["logprobs"] = batch["old_logprobs"]  # the selection ranks tokens under pi_old
     generator = torch.Generator().manual_seed(
-        rollout.derive_seed(cfg.train.seed, "selection", step))
+        data.derive_seed(cfg.train.seed, "selection", step))
     selection, metrics = baselines.token_selection(
         method, batch, cfg.loss, gate=gate, generator=generator)
     offset = (dist.get_rank() if dist.is_initialized() else 0) * len(responses)
@@ -450,7 +451,7 @@ def micro_batch_loss(model, rows, share, denominators, cfg, gate, step):
     if rows[0].selection is not None:
         selection = {k: rows_of(r.selection[k] for r in rows) for k in rows[0].selection}
     generator = torch.Generator(device=device).manual_seed(
-        rollout.derive_seed(cfg.train.seed, "selection", step))
+        data.derive_seed(cfg.train.seed, "selection", step))
     loss, loss_metrics = baselines.policy_loss(
         cfg.algorithm.method, batch, cfg.loss, selection=selection, gate=gate, generator=generator,
         token_weights=token_weights, **(denominators or {}))
@@ -780,20 +781,11 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
         say(
             rank,
             "building the vLLM engine (on a GPU the first start compiles and captures CUDA graphs)")
+        # one seed per engine, or every engine samples alike (vLLM #15980); the ranks of one
+        # engine share it
         engine = rollout.build_engine(
-            # one seed per engine, or every engine samples alike (vLLM #15980); the ranks of one
-            # engine share it
-            cfg.model.path,
-            seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size,
-            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-            max_model_len=cfg.data.max_prompt_tokens + max_tokens,
-            dtype=cfg.rollout.dtype,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            kv_cache_gib=cfg.rollout.kv_cache_gib,
-            max_num_seqs=cfg.rollout.max_num_seqs,
-            enable_sleep_mode=cfg.rollout.enable_sleep_mode,
-            enforce_eager=cfg.rollout.enforce_eager,
-            model_runner=cfg.rollout.model_runner)
+            cfg.rollout, cfg.model.path, max_model_len=cfg.data.max_prompt_tokens + max_tokens,
+            seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size)
         runner = rollout.engine_runner(engine)
         task.metrics["rollout/model_runner_v2"] = float(runner == "v2")  # recorded with every step
         if runner != cfg.rollout.model_runner and rank == 0:
@@ -853,7 +845,7 @@ def load_task(cfg, tokenizer, rank):
     try:
         examples = [example for path in cfg.data.train_files
                     for example in data.load_examples(path, prompt_suffix=cfg.data.prompt_suffix)]
-        tools = [rollout.CODE_INTERPRETER_TOOL] if cfg.rollout.tools else None
+        tools = [tool_use.CODE_INTERPRETER_TOOL] if cfg.rollout.tools else None
         prompt_ids, examples, stats = data.tokenize_prompts(
             examples, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overflow, tools=tools)
         benchmarks = (evaluate.load_benchmarks(cfg.eval.files, prompt_suffix=cfg.data.prompt_suffix)
@@ -920,12 +912,7 @@ def trainer_state(run, state):
 def evaluation(run):
     """evaluate.py's sampler and verifier on the engine's current weights -> eval/... metrics."""
     cfg, start = run.cfg, time.time()
-    result = evaluate.evaluate(
-        run.engine, run.tokenizer, run.benchmarks, n=cfg.eval.n,
-        tensor_parallel_size=cfg.rollout.tensor_parallel_size, temperature=cfg.eval.temperature,
-        top_p=cfg.eval.top_p, max_tokens=cfg.eval.max_tokens, reward_cfg=cfg.reward,
-        seed=cfg.train.seed, max_prompt_tokens=cfg.data.max_prompt_tokens,
-        overflow=cfg.data.overflow)
+    result = evaluate.evaluate(run.engine, run.tokenizer, run.benchmarks, cfg)
     return {**evaluate.flatten_metrics(result), "time/eval": time.time() - start}
 
 

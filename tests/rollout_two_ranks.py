@@ -14,6 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import config
 import data
 import rollout
 
@@ -23,8 +24,9 @@ def main(model_dir, result_path):
     rank = dist.get_rank()
     # the engine is built after the process group (its construction is a collective) and before any
     # optimizer
-    engine = rollout.build_engine(model_dir, seed=1234 + rank, max_model_len=128, dtype="float32",
-                                  kv_cache_gib=0.2, max_num_seqs=32, enforce_eager=True)
+    engine_cfg = config.RolloutConfig(dtype="float32", kv_cache_gib=0.2, max_num_seqs=32,
+                                      enforce_eager=True)
+    engine = rollout.build_engine(engine_cfg, model_dir, seed=1234 + rank, max_model_len=128)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt = data.chat_template_ids(
         tokenizer, [{"role": "user", "content": "Write 23 as a+b with a, b > 0."}])

@@ -116,11 +116,11 @@ def test_bootstrap_se_matches_the_closed_form_and_is_seeded():
 
 
 def test_reflection_words():
-    hits, words = evaluate.reflection_counts(
+    hits, words = rewards.reflection_counts(
         "Wait, let me double-check this. Hmm, HOWEVER the checkpoint is fine.")
     assert (hits, words) == (4, 11)  # Wait, double-check (once), Hmm, HOWEVER; not "checkpoint"
-    assert evaluate.reflection_counts("awaiting a check-in") == (0, 3)
-    assert evaluate.reflection_counts("wait " * 5) == (5, 5) and evaluate.reflection_counts("") == (
+    assert rewards.reflection_counts("awaiting a check-in") == (0, 3)
+    assert rewards.reflection_counts("wait " * 5) == (5, 5) and rewards.reflection_counts("") == (
         0, 0)
 
 
@@ -445,8 +445,8 @@ def test_distinct_correct_fraction_by_hand():
     groups = [[([1, 2], 1.0), ([1, 2], 1.0), ([3], 1.0), ([4], 0.0)],  # 2 distinct of 3
               [([5], 0.0), ([6], 0.0)],  # no correct answer: not counted
               [([7], 1.0), ([8], 1.0), ([9], 0.0)]]  # 2 of 2
-    assert evaluate.distinct_correct_fraction(groups) == pytest.approx((2 / 3 + 1.0) / 2)
-    assert evaluate.distinct_correct_fraction(groups[1:2]) is None
+    assert rewards.distinct_correct_fraction(groups) == pytest.approx((2 / 3 + 1.0) / 2)
+    assert rewards.distinct_correct_fraction(groups[1:2]) is None
 
 
 def test_bad_paths_and_values_fail_before_any_engine_starts(

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import config
 import data
 import rollout
 
@@ -19,9 +20,10 @@ def engine(tiny_dir):
     # float32 so the engine and a transformers forward agree to ~1e-6; eager: no compile step at
     # start-up; 32-token blocks (the CPU minimum) so the ~49-token prompts fill a block that the
     # prefix cache reuses (the CPU default block is 128 tokens, longer than every prompt here)
-    engine = rollout.build_engine(
-        tiny_dir / "model", seed=0, max_model_len=128, dtype="float32", kv_cache_gib=0.25,
-        max_num_seqs=64, enforce_eager=True, block_size=32)
+    engine_cfg = config.RolloutConfig(dtype="float32", kv_cache_gib=0.25, max_num_seqs=64,
+                                      enforce_eager=True)
+    engine = rollout.build_engine(engine_cfg, tiny_dir / "model", seed=0, max_model_len=128,
+                                  block_size=32)
     yield engine
     # the engine's process group outlives it otherwise, and the next module's engine would take this
     # process for a torchrun rank (rollout.build_engine)
@@ -197,8 +199,9 @@ def test_two_ranks_sample_differently_and_fsdp2_sync_streams(tiny_dir, tmp_path)
 def test_sleep_wake_sync_cycle_on_gpu(tiny_dir, prompts):
     # The per-step order of sleep mode (rollout.release_memory): sleep -> wake weights -> stream
     # weights -> wake KV cache -> generate.
-    engine = rollout.build_engine(tiny_dir / "model", seed=0, max_model_len=128, dtype="float32",
-                                  gpu_memory_utilization=0.2, enable_sleep_mode=True)
+    engine_cfg = config.RolloutConfig(dtype="float32", gpu_memory_utilization=0.2,
+                                      enable_sleep_mode=True, enforce_eager=None)
+    engine = rollout.build_engine(engine_cfg, tiny_dir / "model", seed=0, max_model_len=128)
     model = load_model(tiny_dir).cuda()
     probe = (
         list(prompts[0])
@@ -221,11 +224,11 @@ def test_the_gpu_engine_arguments_are_vllms_and_build_a_v1_config_on_cpu(tiny_di
 
     from vllm.engine.arg_utils import EngineArgs
 
-    kwargs = rollout.engine_kwargs(
-        tiny_dir / "model", seed=3, max_model_len=256, dtype="bfloat16",
-        gpu_memory_utilization=0.75, kv_cache_gib=None, tensor_parallel_size=2, max_num_seqs=256,
-        max_num_batched_tokens=8192, enable_sleep_mode=True, enforce_eager=False, block_size=None,
-        on_gpu=True, distributed=True)
+    engine_cfg = config.RolloutConfig(dtype="bfloat16", gpu_memory_utilization=0.75,
+                                      kv_cache_gib=None, tensor_parallel_size=2, max_num_seqs=256,
+                                      enable_sleep_mode=True, enforce_eager=False)
+    kwargs = rollout.engine_kwargs(engine_cfg, tiny_dir / "model", seed=3, max_model_len=256,
+                                   block_size=None, on_gpu=True, distributed=True)
     assert set(kwargs) <= {f.name for f in dataclasses.fields(EngineArgs)}
     assert (
         kwargs["distributed_executor_backend"] == "external_launcher"

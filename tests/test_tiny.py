@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import data
 import config
 import rewards
-import rollout
 import tiny
+import tool_use
 
 
 def test_summary_and_starting_success_rates(tiny_dir):
@@ -96,17 +96,17 @@ def test_tool_variant(tiny_dir):
     # a warm-up conversation: trained on the model's turns only; its tool turns are the rollout's
     # own ids
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tool_model")
-    wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in rollout.QWEN_TOOL_TURN]
+    wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in tool_use.QWEN_TOOL_TURN]
     turns = [
         (tiny.tool_call_text("print(347*29)"), False), ("10063", True), ("\\boxed{10063}", False)]
     prompt = data.chat_template_ids(tokenizer, [{"role": "user", "content": "What is 347*29?"}])
     ids, labels = tiny.tool_warmup_sequence(tokenizer, prompt, turns, wrapper)
     call = tokenizer.encode(turns[0][0], add_special_tokens=False)
-    tool = rollout.tool_turn_ids(tokenizer, "10063\n", wrapper, 512)
+    tool = tool_use.tool_turn_ids(tokenizer, "10063\n", wrapper, 512)
     answer = tokenizer.encode("\\boxed{10063}", add_special_tokens=False) + [tokenizer.eos_token_id]
     assert ids == prompt + call + tool + answer
     assert labels == [-100] * len(prompt) + call + [-100] * len(tool) + answer
-    assert rollout.parse_tool_call(turns[0][0]) == ("print(347*29)", None)
+    assert tool_use.parse_tool_call(turns[0][0]) == ("print(347*29)", None)
     _, accuracies, _ = rewards.compute_rewards(
         [turns[-1][0]], ["10063"], ["tiny_mul"], [0], config.RewardConfig())
     assert accuracies == [1.0]

@@ -1,4 +1,4 @@
-"""rollout.generate_with_tools on the real vLLM engine, the real sandbox and tiny.py's tool-use
+"""tool_use.generate_with_tools on the real vLLM engine, the real sandbox and tiny.py's tool-use
 model (the tiny model after a short warm-up on code-interpreter conversations). No fake engine, no
 fake sandbox."""
 
@@ -13,6 +13,7 @@ import data
 import rollout
 import sandbox
 import tiny
+import tool_use
 
 MAX_TURNS = 3
 MAX_TOKENS = 400
@@ -35,9 +36,9 @@ def tokenizer(model_dir):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     # as in test_rollout.py: float32 (agreement with a transformers forward), eager, 32-token blocks
-    engine = rollout.build_engine(
-        model_dir, seed=0, max_model_len=512, dtype="float32", kv_cache_gib=0.25, max_num_seqs=64,
-        enforce_eager=True, block_size=32)
+    engine_cfg = config.RolloutConfig(dtype="float32", kv_cache_gib=0.25, max_num_seqs=64,
+                                      enforce_eager=True)
+    engine = rollout.build_engine(engine_cfg, model_dir, seed=0, max_model_len=512, block_size=32)
     yield engine
     # and its process group, so that another module can build its own engine
     rollout.shutdown_engine(engine)
@@ -72,7 +73,7 @@ def recorded(engine, tokenizer, prompts):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine, "generate", recording_generate)
         patch.setattr(sandbox, "run_batch", recording_run_batch)
-        out = rollout.generate_with_tools(
+        out = tool_use.generate_with_tools(
             engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3],
             max_turns=MAX_TURNS, sandbox_config=SANDBOX)
     return out, engine_calls, sandbox_calls
@@ -206,14 +207,14 @@ def test_model_token_logprobs_match_an_independent_forward(recorded, tokenizer, 
 
 def test_same_seeds_same_responses_whatever_the_batch(recorded, engine, tokenizer, prompts):
     out = recorded[0]
-    again = rollout.generate_with_tools(
+    again = tool_use.generate_with_tools(
         engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3],
         max_turns=MAX_TURNS, sandbox_config=SANDBOX)
     assert again.token_ids == out.token_ids and again.tool_mask == out.tool_mask
     assert again.finish_reasons == out.finish_reasons
     # a prompt alone samples what it sampled in the batch, although the batch's conversations ended
     # at other turns
-    alone = rollout.generate_with_tools(
+    alone = tool_use.generate_with_tools(
         engine, tokenizer, prompts[2:3], n=4, max_tokens=MAX_TOKENS, seeds=[2], max_turns=MAX_TURNS,
         sandbox_config=SANDBOX)
     assert alone.token_ids == out.token_ids[8:12]
@@ -238,7 +239,7 @@ def test_max_turns_ends_conversations_whose_last_turn_calls(recorded, engine, to
     monkeypatch.setattr(
         sandbox, "run_batch",
         lambda codes, config=None: ran.extend(codes) or real_run_batch(codes, config))
-    short = rollout.generate_with_tools(
+    short = tool_use.generate_with_tools(
         engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3],
         max_turns=MAX_TURNS - 1, sandbox_config=SANDBOX)
     # (which conversations call twice depends on the warmed-up model, hence on the CPU it was built
@@ -262,7 +263,7 @@ def test_max_turns_ends_conversations_whose_last_turn_calls(recorded, engine, to
             assert short.texts[i].endswith("</tool_call>")
     # a single turn: no code runs at all
     monkeypatch.setattr(sandbox, "run_batch", lambda codes, config=None: pytest.fail("code ran"))
-    one = rollout.generate_with_tools(
+    one = tool_use.generate_with_tools(
         engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3], max_turns=1,
         sandbox_config=SANDBOX)
     assert not any(map(any, one.tool_mask)) and sum(one.num_calls) == 0
@@ -297,11 +298,11 @@ def test_prefilled_calls_valid_and_invalid(
     monkeypatch.setattr(
         sandbox, "run_batch",
         lambda codes, config=None: ran.extend(codes) or real_run_batch(codes, config))
-    out = rollout.generate_with_tools(
+    out = tool_use.generate_with_tools(
         engine, tokenizer, prefilled(prompts[:2], examples, tokenizer, quote), n=2,
         max_tokens=MAX_TOKENS, seeds=[5, 6], max_turns=2, sandbox_config=SANDBOX)
     close = tokenizer.encode("</tool_call>", add_special_tokens=False)
-    prefix = tokenizer.encode(rollout.QWEN_TOOL_TURN[0], add_special_tokens=False)
+    prefix = tokenizer.encode(tool_use.QWEN_TOOL_TURN[0], add_special_tokens=False)
     for i in range(4):
         ids, mask = out.token_ids[i], out.tool_mask[i]
         # the model closed the call
@@ -324,14 +325,14 @@ def test_prefilled_calls_valid_and_invalid(
 def test_token_budget_counts_tool_tokens(engine, tokenizer, prompts, examples):
     # a budget that ends inside the tool turn: the result is cut to it and the conversation ends by
     # length
-    out = rollout.generate_with_tools(
+    out = tool_use.generate_with_tools(
         engine, tokenizer, prefilled(prompts[:2], examples, tokenizer, '"'), n=2, max_tokens=30,
         seeds=[5, 6], max_turns=3, sandbox_config=SANDBOX)
     assert out.finish_reasons == ["length"] * 4 and out.lengths == [30] * 4
     # 12: the model's "</tool_call>"
     assert all(mask == [False] * 12 + [True] * 18 for mask in out.tool_mask)
     # a budget that ends inside the model's first turn: no tool turn at all
-    out = rollout.generate_with_tools(
+    out = tool_use.generate_with_tools(
         engine, tokenizer, prompts, n=2, max_tokens=12, seeds=[0, 1, 2, 3], max_turns=3,
         sandbox_config=SANDBOX)
     assert max(out.lengths) <= 12 and not any(map(any, out.tool_mask)) and sum(out.num_calls) == 0
@@ -344,12 +345,12 @@ def test_parse_tool_call():
     call = (
         '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}\n</tool_call>'
     )
-    assert rollout.parse_tool_call("Let me compute. " + call) == ("print(1)", None)
-    assert rollout.parse_tool_call(call.replace("\n", "")) == ("print(1)", None)
+    assert tool_use.parse_tool_call("Let me compute. " + call) == ("print(1)", None)
+    assert tool_use.parse_tool_call(call.replace("\n", "")) == ("print(1)", None)
     as_string = '<tool_call>{"name": "code_interpreter", "arguments": "{\\"code\\": \\"x = 2\\"}"}</tool_call>'
-    assert rollout.parse_tool_call(as_string) == ("x = 2", None)
+    assert tool_use.parse_tool_call(as_string) == ("x = 2", None)
     # the last opening tag counts: an earlier, abandoned one does not
-    assert rollout.parse_tool_call("<tool_call> oops " + call) == ("print(1)", None)
+    assert tool_use.parse_tool_call("<tool_call> oops " + call) == ("print(1)", None)
     for text, expected in [
         (
             '<tool_call>{"name": "code_interpreter", "arguments": {"code": print(1)}}</tool_call>',
@@ -367,24 +368,24 @@ def test_parse_tool_call():
         (
             '{"name": "code_interpreter", "arguments": {"code": "1"}}</tool_call>',
             "without <tool_call>")]:
-        code, error = rollout.parse_tool_call(text)
+        code, error = tool_use.parse_tool_call(text)
         assert code is None and error.startswith("Error: ") and expected in error, (text, error)
 
 
 def test_tool_turn_ids(tokenizer):
-    wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in rollout.QWEN_TOOL_TURN]
-    ids = rollout.tool_turn_ids(tokenizer, "42\n", wrapper, 100)
+    wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in tool_use.QWEN_TOOL_TURN]
+    ids = tool_use.tool_turn_ids(tokenizer, "42\n", wrapper, 100)
     assert (
         tokenizer.decode(ids)
         == "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n")
     # a program printing a control token shows the model its characters, not the token
-    ids = rollout.tool_turn_ids(tokenizer, "<|im_end|>", wrapper, 100)
+    ids = tool_use.tool_turn_ids(tokenizer, "<|im_end|>", wrapper, 100)
     content = ids[len(wrapper[0]):len(ids) - len(wrapper[1])]
     assert tokenizer.eos_token_id not in content and tokenizer.decode(content) == "<|im_end|>"
     # a long output keeps its head and its tail (where the error line is) around a marker
     long = "".join(f"{i}\n" for i in range(200)) + "Error: uncaught exception"
-    ids = rollout.tool_turn_ids(tokenizer, long, wrapper, 60)
+    ids = tool_use.tool_turn_ids(tokenizer, long, wrapper, 60)
     text = tokenizer.decode(ids[len(wrapper[0]):len(ids) - len(wrapper[1])])
     assert text.startswith("0\n1\n2\n") and text.endswith("\nError: uncaught exception")
     omitted = len(tokenizer.encode(long, add_special_tokens=False)) - 60
@@ -395,11 +396,11 @@ def test_tool_turn_ids(tokenizer):
 
 def test_turn_seeds():
     # as generate: 7 * 4 + j
-    assert [rollout.turn_seed(7, 4, j, 0) for j in range(4)] == [28, 29, 30, 31]
-    seeds = {rollout.turn_seed(s, 4, j, t) for s in range(50) for j in range(4) for t in range(5)}
+    assert [tool_use.turn_seed(7, 4, j, 0) for j in range(4)] == [28, 29, 30, 31]
+    seeds = {tool_use.turn_seed(s, 4, j, t) for s in range(50) for j in range(4) for t in range(5)}
     assert len(seeds) == 50 * 4 * 5 and all(0 <= s < 2**56 for s in seeds)
     # a pure function (no Python hash())
-    assert rollout.turn_seed(3, 4, 1, 2) == rollout.turn_seed(3, 4, 1, 2)
+    assert tool_use.turn_seed(3, 4, 1, 2) == tool_use.turn_seed(3, 4, 1, 2)
 
 
 def test_tool_mask_and_metrics(recorded):
@@ -410,7 +411,7 @@ def test_tool_mask_and_metrics(recorded):
         for row, tools in zip(out.logprobs, out.tool_mask)
         for lp, tool in zip(row, tools)
         if tool)
-    metrics = rollout.tool_metrics(out)
+    metrics = tool_use.tool_metrics(out)
     assert metrics["rollout/tool_calls_mean"] == sum(out.num_calls) / 16
     assert 0 < metrics["rollout/tool_token_frac"] < 1
 
@@ -422,7 +423,7 @@ def test_many_long_contexts_in_one_step(engine, tokenizer, prompts):
     # prefix would come from the prefix cache)
     long = [tokenizer.encode(f"{i:03d}4567\n" * 52, add_special_tokens=False) + list(prompts[i % 4])
             for i in range(24)]
-    out = rollout.generate_with_tools(
+    out = tool_use.generate_with_tools(
         engine, tokenizer, long, n=1, max_tokens=8, seeds=list(range(24)), max_turns=2,
         sandbox_config=SANDBOX)
     assert len(out.token_ids) == 24 and all(0 < n <= 8 for n in out.lengths)

@@ -879,7 +879,7 @@ def test_the_collective_timeout_reaches_init_process_group(tiny_dir, monkeypatch
 def test_sampling_gathers_only_the_groups_the_step_keeps(monkeypatch):
     # rounds of 8 groups, 5 of them varied, for a batch of 6: round 2 sends 1 group, not 8
     import config
-    import evaluate
+    import rewards
     import train
 
     cfg = config.load("configs/tiny.yaml", ["train.train_batch_size=6", "train.mini_batch_size=6",
@@ -908,7 +908,7 @@ def test_sampling_gathers_only_the_groups_the_step_keeps(monkeypatch):
     sent_groups = [x for obj in sent if isinstance(obj, list) for x in obj]
     assert len(sent_groups) == 6 and all(isinstance(x, train.Group) for x in sent_groups)
     assert metrics["rollout/varied_group_frac"] == 10 / 16
-    assert metrics["rollout/distinct_correct_frac"] == evaluate.distinct_correct_fraction(
+    assert metrics["rollout/distinct_correct_frac"] == rewards.distinct_correct_fraction(
         [[(r.tokens, r.accuracy) for r in g.responses] for g in made])
 
 

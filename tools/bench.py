@@ -1209,6 +1209,7 @@ def engine_cycles(model_dir, device, cycles=3, runner="v1", sleep_level=2, sleep
     is a failure (report["ok"] False, report["failures"]). Each cycle also measures two things an
     NCCL group and a GPU decide (gather_memory, probe_memory): the device memory of gathering the
     groups, and what a no-grad forward of the probe leaves gathered and reshard_root frees."""
+    import dataclasses
     import logging
     import re
 
@@ -1232,10 +1233,11 @@ def engine_cycles(model_dir, device, cycles=3, runner="v1", sleep_level=2, sleep
     cfg = smoke_config(model_dir, device, prompts, max_tokens)
     sync_cfg = config.apply_overrides(cfg, [f"rollout.enable_sleep_mode={str(sleep).lower()}"])
     report["free_gib_start"] = free_gib(device)
-    engine = rollout.build_engine(
-        model_dir, seed=0, max_model_len=64 + max_tokens + 1, dtype="bfloat16",
-        gpu_memory_utilization=utilization, kv_cache_gib=kv_cache_gib, enable_sleep_mode=sleep,
-        model_runner=runner)
+    # sleep mode as sync_cfg says; enforce_eager None: on CPU only (rollout.build_engine)
+    engine_cfg = dataclasses.replace(
+        sync_cfg.rollout, dtype="bfloat16", gpu_memory_utilization=utilization,
+        kv_cache_gib=kv_cache_gib, model_runner=runner, enforce_eager=None)
+    engine = rollout.build_engine(engine_cfg, model_dir, seed=0, max_model_len=64 + max_tokens + 1)
     try:
         vllm_config = engine.llm_engine.vllm_config
         shape = vllm_config.model_config.hf_config

@@ -17,7 +17,7 @@ Figures (x axis: the training step, train.py's "step")
   accuracy.png    rollout/acc_before_filter (every sampled response), rollout/acc and rollout/reward_mean (the kept
                   groups), rollout/distinct_correct_frac (distinct correct answers / correct answers per group).
   length.png      rollout/response_length_mean (tokens), rollout/truncated_frac, and
-                  rollout/reflection_per_1k_words (evaluate.reflection_counts pooled over the rollouts).
+                  rollout/reflection_per_1k_words (rewards.reflection_counts pooled over the rollouts).
   dynamics.png    stare/dynamics/<quadrant>/dH for pos_high, pos_low, neg_high, neg_low and total: the predicted
                   first-order entropy change of the update per unit learning rate (stare.entropy_dynamics).
   selection.png   stare/pos_selected_frac (L+), stare/neg_selected_frac (L-) and train/touched_frac (tokens

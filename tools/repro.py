@@ -53,7 +53,6 @@ import data
 import evaluate
 import modeling
 import rewards
-import rollout
 import stare
 import train
 from tools import plots
@@ -218,7 +217,7 @@ def sample_groups(model, tokenizer, prompts, truths, sources, cfg, generator):
             accuracy=accuracies[r],
             truncated=lengths[r] == cfg.rollout.max_tokens
             and responses[r][-1] != tokenizer.eos_token_id,
-            reflection=evaluate.reflection_counts(texts[r]),
+            reflection=rewards.reflection_counts(texts[r]),
             policy_mask=torch.ones(lengths[r], dtype=torch.bool))
         for r in range(len(responses))]
     return [train.Group(rows[g * n].prompt, rows[g * n:(g + 1) * n]) for g in range(len(prompts))]
@@ -230,7 +229,7 @@ def heldout_metrics(model, tokenizer, prompts, truths, sources, cfg, n, generato
     """n samples for each held-out prompt ([P, Lp]) at the rollout temperature, scored ->
     {"heldout/...": value}: avg@n (mean accuracy), unbiased pass@k for k in evaluate.ks_for(n) (per
     prompt, then the mean over prompts), the fraction of prompts solved by at least one sample, the
-    diversity of the correct answers (evaluate.distinct_correct_fraction, None when nothing is
+    diversity of the correct answers (rewards.distinct_correct_fraction, None when nothing is
     correct) and the per-prompt correct counts, in the prompts' order ("heldout/correct")."""
     model.eval()
     groups = []
@@ -258,7 +257,7 @@ def heldout_summary(groups, n):
         metrics[f"heldout/pass@{k}"] = statistics.mean(
             evaluate.pass_at_k(n, c, k) for c in correct_counts)
     metrics["heldout/solved_frac"] = statistics.mean(c > 0 for c in correct_counts)
-    metrics["heldout/distinct_correct_frac"] = evaluate.distinct_correct_fraction(groups)
+    metrics["heldout/distinct_correct_frac"] = rewards.distinct_correct_fraction(groups)
     metrics["heldout/correct"] = correct_counts
     return metrics
 
@@ -323,9 +322,9 @@ def train_run(spec, tiny_dir, out_dir):
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     gate = stare.EntropyGate(**vars(cfg.gate))
-    sampler = torch.Generator().manual_seed(rollout.derive_seed(spec.seed, "repro", "responses"))
+    sampler = torch.Generator().manual_seed(data.derive_seed(spec.seed, "repro", "responses"))
     # the prompt order: the same for every method of a seed
-    order = torch.Generator().manual_seed(rollout.derive_seed(spec.seed, "repro", "prompts"))
+    order = torch.Generator().manual_seed(data.derive_seed(spec.seed, "repro", "prompts"))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # the objective's settings (tools/plots.py reads the target)
@@ -342,14 +341,14 @@ def train_run(spec, tiny_dir, out_dir):
 
         if due(spec.eval_every):
             generator = torch.Generator().manual_seed(
-                rollout.derive_seed(spec.seed, "repro", "heldout", step))
+                data.derive_seed(spec.seed, "repro", "heldout", step))
             record = {
                 "step": step,
                 **heldout_metrics(model, tokenizer, *heldout_task, cfg, spec.eval_n, generator),
             }
             if due(spec.fresh_every):
                 generator = torch.Generator().manual_seed(
-                    rollout.derive_seed(spec.seed, "repro", "fresh", step))
+                    data.derive_seed(spec.seed, "repro", "fresh", step))
                 fresh = heldout_metrics(model, tokenizer, *fresh_task, cfg, spec.eval_n, generator)
                 record.update({"fresh/" + key.split("/", 1)[1]: v for key, v in fresh.items()})
             with open(heldout_log, "a") as log:
@@ -374,7 +373,7 @@ def train_run(spec, tiny_dir, out_dir):
             metrics = {
                 "step": step,
                 "rollout/acc_before_filter": statistics.mean(r.accuracy for r in sampled),
-                "rollout/distinct_correct_frac": evaluate.distinct_correct_fraction(
+                "rollout/distinct_correct_frac": rewards.distinct_correct_fraction(
                     [[(r.tokens, r.accuracy) for r in group.responses] for group in groups]),
                 "rollout/response_length_mean": statistics.mean(len(r.tokens) for r in sampled),
                 "train/kept_groups": len(kept),

@@ -1,0 +1,334 @@
+"""tool_use.py: multi-turn tool use on the rollout engine. The model writes Python in Hermes-style
+tool calls, sandbox.py runs it, the output comes back as a tool turn, and the model goes on.
+
+    batch = tool_use.generate_with_tools(engine, tokenizer, prompt_token_ids, n=8, seeds=[...],
+                                         max_tokens=3072, max_turns=4, sandbox_config=cfg.sandbox)
+    # batch.tool_mask[i][t]: token t of response i is tool output (context, not an action): keep
+    # it out of the loss
+    python -m tools.sample --model runs/tiny/tool_model --data runs/tiny/data/mul_test.jsonl \\
+        --prompt-suffix "" --max-turns 3 --max-tokens 400 --max-prompt-tokens 64  # a demo
+
+Each turn is one rollout engine call (rollout.py: the engine, seeded sampling with the sampler's
+log-probs); this file adds the conversation around it: call parsing, the tool turns and their mask,
+per-turn seeds and the tool statistics. The reference release has only configuration stubs for tool
+use (docs/method.md, "The reference release"), so its format is this project's choice: Hermes-style
+calls of one function, code_interpreter, in Qwen2.5's chat format, run by sandbox.py.
+"""
+
+import dataclasses
+
+import config
+import data
+import rollout
+
+# the one function the model may call (the reference's function_name)
+CODE_INTERPRETER = "code_interpreter"
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+# The tool turn as Qwen2.5's chat template renders it (the "tool" branch of tokenizer_config.json's
+# chat_template, Qwen2.5-*-Instruct; Qwen3's writes the same): after an assistant message that ends
+# in a call,
+#     ...</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n
+# followed by the generation prompt <|im_start|>assistant\n. The model stops on </tool_call>, so the
+# <|im_end|>\n that closes its message is part of the tool turn here. (prefix, suffix) around the
+# content; pass another pair for a model family with another template. The tiny tokenizer has
+# <|im_start|> and <|im_end|> as single ids and spells the rest out character by character, so the
+# same pair serves it.
+QWEN_TOOL_TURN = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n",
+                  "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+# The function as a JSON schema, for the prompt's tool list (apply_chat_template(...,
+# tools=[CODE_INTERPRETER_TOOL]) renders Qwen's "# Tools" system block with it)
+CODE_INTERPRETER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": CODE_INTERPRETER,
+        "description": "Run Python code and return what it prints.",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "the Python code"}},
+            "required": ["code"],
+        },
+    },
+}
+
+
+@dataclasses.dataclass
+class ToolRollouts(rollout.Rollouts):
+    """Rollouts of multi-turn tool use. token_ids is the whole response: model turns and tool turns interleaved,
+    exactly the ids the model saw after the prompt, so prompt ids + token_ids is the sequence a trainer rebuilds.
+    Tool tokens are context, not actions: a trainer leaves them (tool_mask) out of the loss, the entropy statistics
+    and the log-prob mismatch.
+    texts holds what the verifier scores: the model's last turn only (the text after the last tool turn, or the call
+    that ended the response), so that an answer printed by the code earns nothing; full_texts holds everything.
+    finish_reasons: "stop" (the model answered without a call), "length" (the token budget ran out, in a model turn
+    or a tool turn) or "max_turns" (the last allowed turn still made a call; that call is not executed)."""
+
+    # [N] per response token: True = a tool-turn token (not sampled: its logprobs entry is 0.0)
+    tool_mask: list
+    full_texts: list  # [N] the whole response decoded, special tokens and tool turns included
+    num_turns: list  # [N] model turns (engine requests) in the response
+    num_calls: list  # [N] tool turns appended: calls executed plus calls rejected as invalid
+    # [N] tool turns that report an error: invalid calls and failed runs (timeouts included)
+    num_errors: list
+    num_timeouts: list  # [N] runs killed at the sandbox's timeout_s
+    # [N] calls rejected without running: bad JSON, unknown function, no code string
+    num_invalid: list
+
+
+@dataclasses.dataclass
+class _Conversation:
+    """One response under construction (the loop's state for one (prompt, sample))."""
+
+    prompt_index: int
+    sample: int  # j in 0 .. n-1
+    prompt_ids: list
+    token_ids: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    tool_mask: list = dataclasses.field(default_factory=list)
+    answer_text: str = ""  # the text of the latest model turn
+    finish_reason: str | None = None  # None while the conversation goes on
+    num_turns: int = 0
+    num_calls: int = 0
+    num_errors: int = 0
+    num_timeouts: int = 0
+    num_invalid: int = 0
+
+
+def generate_with_tools(engine, tokenizer, prompt_token_ids, n, temperature=1.0, top_p=1.0, top_k=0,
+                        max_tokens=256, seeds=None, max_turns=4, sandbox_config=None,
+                        max_tool_response_tokens=512, tool_turn=QWEN_TOOL_TURN, use_tqdm=False):
+    """n multi-turn responses per prompt: the model may call the code interpreter, sees the output,
+    and goes on.
+
+    Every turn is one engine.generate call over all unfinished conversations, stopping at
+    </tool_call>. A turn that ends in a call gets a tool turn: the call is parsed
+    (`parse_tool_call`), all valid calls of the turn run in one sandbox.run_batch (bounded by
+    sandbox_config.max_workers), an invalid one gets an error message instead, and each result is
+    tokenised once (`tool_turn_ids`) and appended. A conversation ends when the model answers
+    without a call ("stop"), when its turn number max_turns ends in a call ("max_turns"), or when
+    the response reaches max_tokens, model and tool tokens counted together ("length"; each model
+    turn may use what is left, and a tool turn that does not fit is cut to the budget). A call is
+    executed only if its result can be shown.
+
+    prompt_token_ids, n, temperature, top_p, top_k: as in `generate`. tokenizer: the engine's (for
+    the tool turns and full_texts). seeds: one per prompt, in [0, 2**56); sample j of a prompt with
+    seed s uses `turn_seed(s, n, j, turn)` at each turn, so a response depends on its own seed only,
+    not on the batch or on when the other conversations finish (on CPU; GPU kernels may vary with
+    batch composition). max_tool_response_tokens: tokens of one tool output shown to the model (the
+    head and the tail, see `tool_turn_ids`). tool_turn: (prefix, suffix) around the output, see
+    QWEN_TOOL_TURN. -> ToolRollouts, prompt-major like `generate`. The call tags must reach vLLM's
+    detokenized text: plain text, or added tokens not marked special (as <tool_call> is in Qwen2.5).
+
+    A prompt may end inside the assistant's message (a prefill): if it leaves a <tool_call> open,
+    the first turn's call is read from the prefill and the sampled text together; a prefill of
+    '<tool_call>\\n{"name": "code_interpreter", "arguments": {"code": "' thus asks every first turn
+    for a call.
+    """
+    rollout.check_seeds(seeds, prompt_token_ids)
+    if max_turns < 1 or max_tokens < 1:
+        raise ValueError(f"max_turns and max_tokens must be >= 1, got {max_turns} and {max_tokens}")
+    sandbox_config = sandbox_config or config.SandboxConfig()
+    # tokenised once per call
+    wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in tool_turn]
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+    conversations = [
+        _Conversation(i, j, list(ids)) for i, ids in enumerate(prompt_token_ids) for j in range(n)]
+    for turn in range(max_turns):
+        active = [c for c in conversations if c.finish_reason is None]
+        if not active:
+            break
+        seeds_now = (
+            None
+            if seeds is None
+            else [turn_seed(seeds[c.prompt_index], n, c.sample, turn) for c in active])
+        completions = _sample_turn(engine, active, seeds_now, max_tokens, sampling, use_tqdm)
+        calls = [_model_turn(c, completion, turn, max_turns, max_tokens, tokenizer)
+                 for c, completion in zip(active, completions)]
+        _tool_turns(
+            [call for call in calls if call is not None], tokenizer, wrapper,
+            max_tool_response_tokens, max_tokens, sandbox_config)
+    return _tool_rollouts(conversations, tokenizer)
+
+
+def _sample_turn(engine, active, seeds, max_tokens, sampling, use_tqdm):
+    """One engine.generate call over the unfinished conversations: each is its own request (n=1) on
+    its own context, prompt + response so far (the prefix cache spares recomputing what an earlier
+    turn processed), with what is left of the budget. -> one CompletionOutput per conversation."""
+    from vllm import SamplingParams
+
+    params = [
+        SamplingParams(
+            n=1, **sampling, max_tokens=max_tokens - len(c.token_ids), stop=[TOOL_CALL_CLOSE],
+            include_stop_str_in_output=True, logprobs=0, flat_logprobs=True,
+            seed=None if seeds is None else seeds[k])
+        for k, c in enumerate(active)]
+    outputs = engine.generate(
+        [{"prompt_token_ids": c.prompt_ids + c.token_ids} for c in active], params,
+        use_tqdm=use_tqdm)
+    return [request.outputs[0] for request in outputs]
+
+
+def _model_turn(conversation, completion, turn, max_turns, max_tokens, tokenizer):
+    """Append a sampled turn and decide what follows it. -> (conversation, code or None, error or
+    None) when a tool turn is due, else None (the conversation is finished)."""
+    logprobs = rollout.sampled_logprobs(completion)
+    _append(conversation, list(completion.token_ids), logprobs, tool=False)
+    conversation.num_turns += 1
+    conversation.answer_text = completion.text
+    if completion.finish_reason != "stop" or completion.stop_reason != TOOL_CALL_CLOSE:
+        # an answer ("stop"), or out of budget ("length")
+        conversation.finish_reason = completion.finish_reason
+    elif turn + 1 == max_turns:
+        # no turn left to read the result: the call is not run
+        conversation.finish_reason = "max_turns"
+    elif len(conversation.token_ids) == max_tokens:
+        conversation.finish_reason = "length"  # no room left for the result: the call is not run
+    else:
+        text = completion.text
+        # the call may have begun in the prompt (a prefill)
+        if turn == 0 and TOOL_CALL_OPEN not in text:
+            text = _open_call(tokenizer, conversation.prompt_ids) + text
+        return (conversation, *parse_tool_call(text))
+    return None
+
+
+def _tool_turns(calls, tokenizer, wrapper, max_tool_response_tokens, max_tokens, sandbox_config):
+    """Run the valid calls of a turn in one bounded parallel batch, and append every call's tool
+    turn (the output, or the error message of an invalid call), cut to the budget."""
+    import sandbox
+
+    codes = [code for _, code, _ in calls if code is not None]
+    results = iter(sandbox.run_batch(codes, sandbox_config) if codes else [])
+    for conversation, code, error in calls:
+        result = next(results) if code is not None else None
+        _count_call(conversation, result)
+        content = error if result is None else sandbox.format_result(result)
+        ids = tool_turn_ids(tokenizer, content, wrapper, max_tool_response_tokens)
+        room = max_tokens - len(conversation.token_ids)
+        _append(conversation, ids[:room], [0.0] * min(len(ids), room), tool=True)
+        if len(ids) >= room:
+            # the result filled the budget: no room for an answer
+            conversation.finish_reason = "length"
+
+
+def turn_seed(seed, n, sample, turn):
+    """The sampling seed of sample `sample` (0 .. n-1) of the prompt with seed `seed`, at model turn
+    `turn`.
+
+    Turn 0 uses seed * n + sample, the seed vLLM gives that sample in `generate` (child j of a
+    request seeded seed * n gets seed * n + j), so a first turn is exactly what `generate` samples.
+    Later turns derive a seed from (seed, sample, turn): independent of which other conversations
+    are still running."""
+    if turn == 0:
+        return seed * n + sample
+    return data.derive_seed(seed, "turn", sample, turn)
+
+
+def parse_tool_call(text):
+    """The code of the call that ends `text` (a model turn that stopped on </tool_call>) -> (code,
+    None), or (None, error message for the model) when the call is not valid.
+
+    The call is what lies between the last <tool_call> and the final </tool_call>: JSON {"name":
+    "code_interpreter", "arguments": {"code": "..."}} (whitespace around it is allowed, as Qwen's
+    template writes it on its own lines). The arguments may also be a JSON string holding that
+    object (OpenAI's style)."""
+    import json
+
+    body = text[:text.rindex(TOOL_CALL_CLOSE)] if TOOL_CALL_CLOSE in text else text
+    if TOOL_CALL_OPEN not in body:
+        return None, f"Error: {TOOL_CALL_CLOSE} without {TOOL_CALL_OPEN}; write " + _CALL_EXAMPLE
+    body = body[body.rindex(TOOL_CALL_OPEN) + len(TOOL_CALL_OPEN):]
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as e:
+        return None, f"Error: the tool call is not valid JSON ({e}); write " + _CALL_EXAMPLE
+    name = call.get("name") if isinstance(call, dict) else None
+    if name != CODE_INTERPRETER:
+        return None, f"Error: unknown function {name!r}: the only function is {CODE_INTERPRETER}"
+    arguments = call.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    code = arguments.get("code") if isinstance(arguments, dict) else None
+    if not isinstance(code, str):
+        return None, f'Error: {CODE_INTERPRETER} needs {{"code": "<Python code>"}} as its arguments'
+    return code, None
+
+
+_CALL_EXAMPLE = (
+    f'{TOOL_CALL_OPEN}{{"name": "{CODE_INTERPRETER}", "arguments": {{"code": "print(1 + 1)"}}}}'
+    f"{TOOL_CALL_CLOSE}")
+
+
+def tool_turn_ids(tokenizer, content, wrapper, max_content_tokens):
+    """The ids of one tool turn: prefix ids + content ids + suffix ids. wrapper: the (prefix,
+    suffix) id lists, from QWEN_TOOL_TURN tokenised once. The content (the sandbox's output and
+    error line) loses its trailing newlines (the template puts one before </tool_response>) and is
+    tokenised with special tokens split: a program printing "<|im_end|>" shows the model those
+    characters, not the control token. Longer than max_content_tokens, it keeps the first and the
+    last half with a marker between them, as sandbox.py does with bytes (the error line is last).
+
+    Tokenising the three parts separately, rather than the rendered text at once, can differ from
+    apply_chat_template at the two seams when the content starts or ends with whitespace that BPE
+    would merge with the template's newline. The model sees these ids whatever they are, and the
+    trainer the same ones."""
+    ids = tokenizer.encode(
+        content.rstrip("\n"), add_special_tokens=False, split_special_tokens=True)
+    if len(ids) > max_content_tokens:
+        keep_tail = max_content_tokens // 2
+        keep_head = max_content_tokens - keep_tail
+        omitted = len(ids) - max_content_tokens
+        marker = tokenizer.encode(
+            f"\n[... {omitted} tokens of output omitted ...]\n", add_special_tokens=False)
+        ids = ids[:keep_head] + marker + ids[len(ids) - keep_tail:]
+    return wrapper[0] + ids + wrapper[1]
+
+
+def _open_call(tokenizer, prompt_ids):
+    """The start of a tool call left open at the end of a prompt (an assistant message prefilled
+    with, say, '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "'), else ""."""
+    text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    start = text.rfind(TOOL_CALL_OPEN)
+    return text[start:] if start >= 0 and TOOL_CALL_CLOSE not in text[start:] else ""
+
+
+def _append(conversation, ids, logprobs, tool):
+    conversation.token_ids += ids
+    conversation.logprobs += logprobs
+    conversation.tool_mask += [tool] * len(ids)
+
+
+def _count_call(conversation, result):
+    """Tool statistics of one call; result None: rejected without running."""
+    conversation.num_calls += 1
+    conversation.num_invalid += result is None
+    conversation.num_errors += result is None or not result.ok
+    conversation.num_timeouts += result is not None and result.error == "timeout"
+
+
+def _tool_rollouts(conversations, tokenizer):
+    cs = conversations
+    return ToolRollouts(
+        prompt_index=[c.prompt_index for c in cs], token_ids=[c.token_ids for c in cs],
+        logprobs=[c.logprobs for c in cs], finish_reasons=[c.finish_reason for c in cs],
+        texts=[c.answer_text for c in cs], tool_mask=[c.tool_mask for c in cs],
+        full_texts=[tokenizer.decode(c.token_ids, skip_special_tokens=False) for c in cs],
+        num_turns=[c.num_turns for c in cs], num_calls=[c.num_calls for c in cs],
+        num_errors=[c.num_errors for c in cs], num_timeouts=[c.num_timeouts for c in cs],
+        num_invalid=[c.num_invalid for c in cs])
+
+
+def tool_metrics(out):
+    """Batch means of the tool statistics of a ToolRollouts, as rollout/ metrics."""
+    count = max(len(out.token_ids), 1)
+    tokens = max(sum(out.lengths), 1)
+    return {
+        "rollout/tool_calls_mean": sum(out.num_calls) / count,
+        "rollout/tool_turns_mean": sum(out.num_turns) / count,
+        "rollout/tool_error_frac": sum(out.num_errors) / max(sum(out.num_calls), 1),  # per call
+        "rollout/tool_timeout_frac": sum(out.num_timeouts) / max(sum(out.num_calls), 1),
+        "rollout/tool_invalid_frac": sum(out.num_invalid) / max(sum(out.num_calls), 1),
+        "rollout/tool_token_frac": sum(map(sum, out.tool_mask)) / tokens,
+        "rollout/max_turns_frac": out.finish_reasons.count("max_turns") / count,
+    }
