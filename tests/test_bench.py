@@ -1,6 +1,6 @@
-"""tools/bench.py: trl-compare keeps TRL optional and sets its GRPOTrainer up to do the work of
-train.py's step; gpu-smoke's engine cycles run on CPU as they will on a GPU (sleep mode aside), and
-the command says it needs CUDA."""
+"""tools/bench.py, tools/trl_compare.py and tools/gpu_smoke.py: trl-compare keeps TRL optional and
+sets its GRPOTrainer up to do the work of train.py's step; gpu-smoke's engine cycles run on CPU as
+they will on a GPU (sleep mode aside), and the command says it needs CUDA."""
 
 import argparse
 import importlib.util
@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools import bench
+from tools import bench, gpu_smoke, trl_compare
 import data
 
 
 def test_bench_does_not_import_trl():
     # a fresh interpreter: another test may already have imported trl into this one
-    code = "import sys; from tools import bench; assert 'trl' not in sys.modules and 'transformers' not in sys.modules"
+    code = "import sys; from tools import bench, trl_compare; assert 'trl' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run(
         [sys.executable, "-c", code], check=True, cwd=Path(bench.__file__).resolve().parents[1])
 
@@ -30,14 +30,14 @@ def test_trl_compare_without_trl_names_the_requirements_file(monkeypatch):
     args = argparse.Namespace(
         trl_worker=None, tiny="unused", steps=6, prompts=16, threads=None, result=None)
     with pytest.raises(SystemExit) as exit_info:
-        bench.bench_trl_compare(args)
+        trl_compare.bench_trl_compare(args)
     assert "pip install -r requirements-bench.txt" in str(exit_info.value.code)
 
 
 def test_trl_step_does_the_work_of_ours(tiny_dir, tmp_path):
     pytest.importorskip("trl")
     prompts, steps = 4, 2  # a small batch keeps it fast; trl-compare uses 16
-    cfg = bench.compare_config(tiny_dir, prompts)
+    cfg = trl_compare.compare_config(tiny_dir, prompts)
     # ours, from the config train.py runs with: every group of the one generation round is trained
     # on, in one step
     assert cfg.algorithm.method == "grpo" and not cfg.algorithm.dynamic_sampling
@@ -48,8 +48,8 @@ def test_trl_step_does_the_work_of_ours(tiny_dir, tmp_path):
         == prompts)
     completions = prompts * cfg.rollout.n
 
-    timer = bench.TrlStepTimes()
-    trainer = bench.trl_trainer(cfg, tmp_path, steps, use_vllm=False, timer=timer)
+    timer = trl_compare.TrlStepTimes()
+    trainer = trl_compare.trl_trainer(cfg, tmp_path, steps, use_vllm=False, timer=timer)
     args = trainer.args
     # one generation batch of the same size per optimizer step, used once (on-policy), no KL /
     # reference model
@@ -81,7 +81,7 @@ def test_trl_step_does_the_work_of_ours(tiny_dir, tmp_path):
         # on-policy: no no-grad pass
         assert step["step_s"] > step["generate"] > 0 and "old_logprobs" not in step
     # the report averages the steps after the first
-    summary = bench.trl_summary({"steps": timer.steps}, wall=0.0)
+    summary = trl_compare.trl_summary({"steps": timer.steps}, wall=0.0)
     assert summary["completions_per_step"] == completions
     assert summary["response_tokens_per_step"] == timer.steps[1]["response_tokens"]
 
@@ -107,14 +107,14 @@ def test_update_runs_train_stages_on_cpu():
 SMOKE_CPU = """
 import json, sys
 import train
-from tools import bench
+from tools import bench, gpu_smoke
 shape = dict(bench.QWEN25["tiny"], head_dim=64, num_attention_heads=2, num_key_value_heads=1, vocab_size=320,
              max_position_embeddings=512)
-directory = bench.smoke_model(sys.argv[1], shape)
+directory = gpu_smoke.smoke_model(sys.argv[1], shape)
 rank, world, device = train.setup_distributed()
-engine = bench.engine_cycles(directory, device, cycles=2, sleep=False, kv_cache_gib=0.1, prompts=4,
+engine = gpu_smoke.engine_cycles(directory, device, cycles=2, sleep=False, kv_cache_gib=0.1, prompts=4,
                              max_tokens=16)
-trainer = bench.trainer_cycles(directory, device, prompts=4, max_tokens=16)
+trainer = gpu_smoke.trainer_cycles(directory, device, prompts=4, max_tokens=16)
 print(json.dumps({"engine": engine, "trainer": trainer}))
 """
 
