@@ -23,3 +23,17 @@ def countdown_dir(tiny_dir):
     tiny.build_tiny_countdown(tiny_dir)
     return tiny_dir
 
+
+
+# pytest-xdist (pytest.ini: --dist loadgroup) spreads the tests over workers, but keeps on one
+# worker the tests that share a module-scoped fixture costing an engine or a run, so that it is
+# made once.
+SHARED_FIXTURES = {"every_method", "default_run", "one_rank_gen16", "one_process", "engine"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items):
+    for item in items:
+        shared = SHARED_FIXTURES & set(item.fixturenames)
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.path.stem}.{min(shared)}"))

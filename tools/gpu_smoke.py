@@ -319,9 +319,9 @@ def bench_gpu_smoke(args):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py", "tests/test_baselines.py",
-         "tests/test_stare.py::test_selection_never_syncs_host_and_device",
-         "tests/test_modeling.py"],
+        [sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra",  # one process, no xdist
+         "tests/test_gpu.py", "tests/test_baselines.py", "tests/test_modeling.py",
+         "tests/test_stare.py::test_selection_never_syncs_host_and_device"],
         cwd=repo, env=env, capture_output=True, text=True)
     result["gpu_tests"] = {"returncode": tests.returncode,
                            "summary": (tests.stdout.strip().splitlines() or [""])[-1]}
