@@ -519,6 +519,23 @@ def _coerce(value, hint, key):
 # --------------------------------------------------------------------------------------------------
 
 
+# keys whose values must be > 0 (gate.target_entropy: the gate compares it with an entropy, which
+# is >= 0, so at 0 or below it never opens) and >= 0
+POSITIVE = (
+    "rollout.n", "rollout.max_tokens", "data.max_prompt_tokens", "train.train_batch_size",
+    "train.mini_batch_size", "train.micro_token_budget", "train.total_steps",
+    "algorithm.gen_batch_size", "rollout.temperature", "rollout.tensor_parallel_size",
+    "train.keep_last", "rollout.max_num_seqs", "optim.lr", "eval.temperature", "eval.max_tokens",
+    "rollout.max_turns", "rollout.max_tool_response_tokens", "hardware.nodes",
+    "hardware.gpus_per_node", "hardware.gpu_gib", "rollout.max_sync_probe_error",
+    "rollout.max_logprob_mismatch", "optim.loss_scale_init", "optim.loss_scale_window",
+    "train.nccl_timeout_minutes", "train.log_every", "gate.target_entropy")
+NON_NEGATIVE = (
+    "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
+    "train.save_every", "eval.every", "rollout.sync_check_every", "algorithm.max_num_gen_batches",
+    "gate.alpha", "optim.max_nonfinite_steps")
+
+
 def check(cfg, world_size=None):
     """Ranges, choices and combinations; with world_size, also what the number of ranks must divide."""
     for key, allowed in CHOICES.items():
@@ -527,106 +544,62 @@ def check(cfg, world_size=None):
             close = difflib.get_close_matches(str(value), allowed, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"config key {key!r}: {value!r} is not one of {allowed}{hint}")
-    positive = [
-        "rollout.n",
-        "rollout.max_tokens",
-        "data.max_prompt_tokens",
-        "train.train_batch_size",
-        "train.mini_batch_size",
-        "train.micro_token_budget",
-        "train.total_steps",
-        "algorithm.gen_batch_size",
-        "rollout.temperature",
-        "rollout.tensor_parallel_size",
-        "train.keep_last",
-        "rollout.max_num_seqs",
-        "optim.lr",
-        "eval.temperature",
-        "eval.max_tokens",
-        "rollout.max_turns",
-        "rollout.max_tool_response_tokens",
-        "hardware.nodes",
-        "hardware.gpus_per_node",
-        "hardware.gpu_gib",
-        "rollout.max_sync_probe_error",
-        "rollout.max_logprob_mismatch",
-        "optim.loss_scale_init",
-        "optim.loss_scale_window",
-        "train.nccl_timeout_minutes",
-        "train.log_every",
-        # the gate compares it with an entropy, which is >= 0: at 0 or below it never opens
-        "gate.target_entropy"]
-    non_negative = [
-        "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
-        "train.save_every", "eval.every", "rollout.sync_check_every",
-        "algorithm.max_num_gen_batches", "gate.alpha", "optim.max_nonfinite_steps"]
-    for key in positive:
+    for key in POSITIVE:
         if not _get(cfg, key) > 0:
             raise ConfigError(f"config key {key!r}: must be > 0, got {_get(cfg, key)!r}")
-    for key in non_negative:
+    for key in NON_NEGATIVE:
         if not _get(cfg, key) >= 0:
             raise ConfigError(f"config key {key!r}: must be >= 0, got {_get(cfg, key)!r}")
+    for key, ok, message in _rules(cfg, world_size):
+        if not ok:
+            raise ConfigError(f"config key {key!r}: {message}, got {_get(cfg, key)!r}")
+
+
+def _rules(cfg, world_size):
+    """(key, whether it holds, what the value must be) for every rule beyond the ranges."""
+    r, a, t, hw = cfg.rollout, cfg.algorithm, cfg.train, cfg.hardware
     rules = [
-        ("rollout.top_p", 0 < cfg.rollout.top_p <= 1, "must be in (0, 1]"),
+        ("rollout.top_p", 0 < r.top_p <= 1, "must be in (0, 1]"),
         ("eval.top_p", 0 < cfg.eval.top_p <= 1, "must be in (0, 1]"),
         ("eval.n", cfg.eval.n is None or cfg.eval.n >= 1, "must be >= 1 or null"),
-        ("rollout.top_k", cfg.rollout.top_k >= -1, "must be >= -1 (0 or -1 = off)"),
-        ("rollout.n", cfg.rollout.n >= 2, "must be >= 2: a group of one response has no baseline"),
-        (
-            "rollout.tensor_parallel_size",
-            cfg.rollout.tensor_parallel_size == 1 or not cfg.rollout.tools,
-            "must be 1 with rollout.tools (the ranks of one engine would each run the tool calls)"),
-        (
-            "rollout.tensor_parallel_size",
-            cfg.hardware.gpus_per_node % cfg.rollout.tensor_parallel_size == 0,
-            f"must divide hardware.gpus_per_node ({cfg.hardware.gpus_per_node}): an engine stays on one node",
-        ),
-        (
-            "train.mini_batch_size", cfg.train.train_batch_size % cfg.train.mini_batch_size == 0,
-            f"must divide train.train_batch_size ({cfg.train.train_batch_size})"),
-        (
-            "algorithm.gen_batch_size", cfg.algorithm.gen_batch_size >= cfg.train.train_batch_size,
-            f"must be >= train.train_batch_size ({cfg.train.train_batch_size})"),
-        (
-            "optim.betas", len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
-            "must be two numbers in [0, 1)"),
+        ("rollout.top_k", r.top_k >= -1, "must be >= -1 (0 or -1 = off)"),
+        ("rollout.n", r.n >= 2, "must be >= 2: a group of one response has no baseline"),
+        ("rollout.tensor_parallel_size", r.tensor_parallel_size == 1 or not r.tools,
+         "must be 1 with rollout.tools (the ranks of one engine would each run the tool calls)"),
+        ("rollout.tensor_parallel_size", hw.gpus_per_node % r.tensor_parallel_size == 0,
+         f"must divide hardware.gpus_per_node ({hw.gpus_per_node}): an engine stays on one node"),
+        ("train.mini_batch_size", t.train_batch_size % t.mini_batch_size == 0,
+         f"must divide train.train_batch_size ({t.train_batch_size})"),
+        ("algorithm.gen_batch_size", a.gen_batch_size >= t.train_batch_size,
+         f"must be >= train.train_batch_size ({t.train_batch_size})"),
+        ("optim.betas", len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
+         "must be two numbers in [0, 1)"),
         ("optim.min_lr_ratio", cfg.optim.min_lr_ratio <= 1, "must be <= 1"),
-        ("rollout.gpu_memory_utilization", 0 < cfg.rollout.gpu_memory_utilization <= 1,
-         "must be in (0, 1]"),
-        ("rollout.kv_cache_gib", cfg.rollout.kv_cache_gib is None or cfg.rollout.kv_cache_gib > 0,
-         "must be > 0 or null"),
-        ("hardware.host_gib", cfg.hardware.host_gib is None or cfg.hardware.host_gib > 0,
-         "must be > 0 or null"),
-        ("algorithm.is_cap", cfg.algorithm.is_cap >= 1, "must be >= 1"),
+        ("rollout.gpu_memory_utilization", 0 < r.gpu_memory_utilization <= 1, "must be in (0, 1]"),
+        ("rollout.kv_cache_gib", r.kv_cache_gib is None or r.kv_cache_gib > 0, "must be > 0 or null"),
+        ("hardware.host_gib", hw.host_gib is None or hw.host_gib > 0, "must be > 0 or null"),
+        ("algorithm.is_cap", a.is_cap >= 1, "must be >= 1"),
         ("gate.w", cfg.gate.w > 0, "must be > 0"),
         ("gate.m", cfg.gate.m > 0, "must be > 0"),
         ("gate.w_max", cfg.gate.w_max >= 1, "must be >= 1"),
         ("gate.m_min", 0 <= cfg.gate.m_min <= 1, "must be in [0, 1]"),
         ("data.train_files", bool(cfg.data.train_files), "needs at least one file"),
-        (
-            "train.wandb", not cfg.train.wandb or importlib.util.find_spec("wandb") is not None,
-            "needs the wandb package (pip install wandb)"),
-        (
-            "train.tensorboard",
-            not cfg.train.tensorboard or importlib.util.find_spec("tensorboard") is not None,
-            "needs the tensorboard package (pip install tensorboard)"),
-        (
-            "reward.max_response_len",
-            cfg.reward.overlong_buffer_len == 0
-            or cfg.reward.max_response_len == cfg.rollout.max_tokens,
-            f"must equal rollout.max_tokens ({cfg.rollout.max_tokens}) when overlong shaping is on",
-        )]
+        ("train.wandb", not t.wandb or importlib.util.find_spec("wandb") is not None,
+         "needs the wandb package (pip install wandb)"),
+        ("train.tensorboard", not t.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+         "needs the tensorboard package (pip install tensorboard)"),
+        ("reward.max_response_len",
+         cfg.reward.overlong_buffer_len == 0 or cfg.reward.max_response_len == r.max_tokens,
+         f"must equal rollout.max_tokens ({r.max_tokens}) when overlong shaping is on")]
     if world_size is not None:
         rules += [
-            ("train.mini_batch_size", cfg.train.mini_batch_size % world_size == 0,
+            ("train.mini_batch_size", t.mini_batch_size % world_size == 0,
              f"must be divisible by the number of ranks ({world_size})"),
-            ("algorithm.gen_batch_size", cfg.algorithm.gen_batch_size % world_size == 0,
+            ("algorithm.gen_batch_size", a.gen_batch_size % world_size == 0,
              f"must be divisible by the number of ranks ({world_size})"),
-            ("rollout.tensor_parallel_size", world_size % cfg.rollout.tensor_parallel_size == 0,
+            ("rollout.tensor_parallel_size", world_size % r.tensor_parallel_size == 0,
              f"must divide the number of ranks ({world_size}): consecutive ranks share an engine")]
-    for key, ok, message in rules:
-        if not ok:
-            raise ConfigError(f"config key {key!r}: {message}, got {_get(cfg, key)!r}")
+    return rules
 
 
 def _get(cfg, key):

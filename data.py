@@ -29,11 +29,13 @@ the question is lost), "skip" drops the example (counted in stats["num_skipped"]
 
 import dataclasses
 import decimal
+import functools
 import hashlib
 import json
 import math
 import numbers
 import os
+import random
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -336,3 +338,34 @@ def derive_seed(seed, *parts):
     * n + j, which stays far below 2**63.)"""
     digest = hashlib.blake2b(repr((seed,) + parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % 2**48
+
+
+
+# --------------------------------------------------------------------------------------------------
+# The training prompts of a run and their order
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Task:
+    """The training prompts, tokenised once, and the seeded order in which the run reads them."""
+
+    prompt_ids: list[list[int]]
+    examples: list  # Example per prompt: ground truth and data source
+    seed: int
+    shuffle: bool
+    # data/...: prompts, truncated and skipped shares
+    metrics: dict = dataclasses.field(default_factory=dict)
+
+    def prompt_at(self, position):
+        """The prompt index at a position of the stream: epoch after epoch, each shuffled from (seed, epoch)."""
+        epoch, offset = divmod(position, len(self.prompt_ids))
+        return epoch_order(len(self.prompt_ids), self.seed, self.shuffle, epoch)[offset]
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(num_prompts, seed, shuffle, epoch):
+    order = list(range(num_prompts))
+    if shuffle:
+        random.Random(derive_seed(seed, "epoch", epoch)).shuffle(order)
+    return order

@@ -47,8 +47,11 @@ import struct
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import runs
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -367,3 +370,62 @@ def pack_rows(prompts, responses, device):
 def response_logits(model, packed):
     """Logits at the response positions only, [N, V]: the LM head never runs over the prompt."""
     return model(**packed.model_inputs, use_cache=False).logits[0]  # [1, N, V] -> [N, V]
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Micro-batches and float16 loss scaling of the update
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LossScaler:
+    """Dynamic loss scaling for float16 compute (model.param_dtype: float16). The gradients of a
+    token-mean loss over ~1M tokens are ~1e-6 per token, under float16's normal range: the loss is
+    multiplied by `scale` before backward, the (float32, sharded) gradients are divided by it before
+    clipping, a step whose gradients are not finite is skipped and halves the scale, and `window`
+    finite steps in a row double it. A non-finite loss (the forward overflowed) is skipped without
+    touching the scale, which cannot fix it (grpo.policy_update)."""
+
+    scale: float = 65536.0
+    window: int = 1000
+    good_steps: int = 0
+
+    def unscale(self, model):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        torch._foreach_mul_(
+            [g.to_local() if hasattr(g, "to_local") else g for g in grads], 1.0 / self.scale)
+
+    def update(self, finite):
+        self.good_steps = self.good_steps + 1 if finite else 0
+        if not finite:
+            self.scale = max(self.scale / 2, 1.0)
+        elif self.good_steps >= self.window:
+            self.scale, self.good_steps = self.scale * 2, 0
+
+    def after_step(self, finite_loss, finite_grad):
+        """The scale after a mini-batch's step -> whether a skip was the scale's to fix: a gradient
+        overflow under a scale > 1. A non-finite loss (the forward overflowed) is not, whatever the
+        scale: it keeps the scale."""
+        overflow = finite_loss and self.scale > 1
+        if finite_loss:
+            self.update(finite_grad)
+        return overflow
+
+
+def equal_count_micro_batches(responses, token_budget, device):
+    """micro_batches, padded with empty batches to the largest count over ranks: FSDP2's
+    forward and backward are collectives, so every rank must run the same number of them (a mismatch
+    hangs)."""
+    batches = micro_batches(
+        [len(r.prompt) + len(r.tokens) for r in responses], token_budget)
+    count = runs.all_reduce({"count": len(batches)}, device, op=dist.ReduceOp.MAX)["count"]
+    return batches + [[]] * (int(count) - len(batches))
+
+
+def pad_rows(values):
+    """Per-row 1-D tensors -> [len(values), max length (at least 1)], right-padded with zeros (False)."""
+    out = values[0].new_zeros((len(values), max(1, max(len(v) for v in values))))
+    for i, row in enumerate(values):
+        out[i, :len(row)] = row
+    return out

@@ -42,7 +42,7 @@ Terms:
                   + (prompt + 512) A + 2 * 512 V b_c)
   export          the largest parameter gathered in b_c, V d b_c
   context         CUDA_CONTEXT_GIB per process (0 on CPU)
-  host per rank   HOST_PROCESS_GIB; the step's groups, gathered on every rank (train.sample_groups):
+  host per rank   HOST_PROCESS_GIB; the step's groups, gathered on every rank (grpo.sample_groups):
                   B n R PYTHON_TOKEN_BYTES (B = train.train_batch_size, R = rollout.max_tokens)
                   + the gather's buffer, world x one rank's round of them pickled,
                   W min(B, gen_batch_size / engines) n R PICKLED_TOKEN_BYTES; with
@@ -169,6 +169,53 @@ def max_model_len(cfg, evaluating=None):
         cfg.rollout.max_tokens, cfg.eval.max_tokens if evaluating else 0)
 
 
+def engine_plan(cfg, arch, gpu_gib, world):
+    """The engine on one GPU (GiB): weights, its profiling forward's activations, CUDA graphs, then
+    the KV cache from what is left; what a sleeping engine keeps; the sequences the cache holds."""
+    tp, on_gpu = cfg.rollout.tensor_parallel_size, cfg.rollout.kv_cache_gib is None
+    e_dtype = engine_dtype(cfg, arch)
+    engine_bytes, context = DTYPE_BYTES[e_dtype], max_model_len(cfg)
+    weights = arch.parameters * engine_bytes / tp / GIB
+    batch_tokens = max(ENGINE_BATCH_TOKENS, context)
+    activations = (
+        batch_tokens * (arch.q_dim + 2 * arch.kv_dim + 2 * arch.intermediate + 2 * arch.hidden)
+        * engine_bytes / tp + 2 * cfg.rollout.max_num_seqs * arch.vocab * 4) / GIB
+    graphs = 0.0 if (cfg.rollout.enforce_eager or not on_gpu) else CUDA_GRAPH_GIB
+    # vLLM takes gpu_memory_utilization of the device and gives the KV cache what its own use leaves
+    if on_gpu:
+        total = cfg.rollout.gpu_memory_utilization * gpu_gib
+        kv_cache = total - weights - activations - graphs - ENGINE_NON_TORCH_GIB
+    else:  # CPU: the KV cache is sized in GiB
+        kv_cache = cfg.rollout.kv_cache_gib
+        total = weights + activations + kv_cache
+    kv_per_token = 2 * arch.layers * math.ceil(arch.kv_heads / tp) * arch.head_dim * engine_bytes
+    sequence_gib = context * kv_per_token / GIB
+    engines = world // tp
+    return dict(
+        dtype=e_dtype, bytes=engine_bytes, context=context, weights=weights,
+        activations=activations, graphs=graphs, total=total, kv_cache=kv_cache,
+        asleep=graphs + 0.25 if cfg.rollout.enable_sleep_mode else total,
+        sequence_gib=sequence_gib,
+        sequences=max(0, math.floor(kv_cache / sequence_gib)) if kv_cache > 0 else 0,
+        engines=engines,
+        requests=math.ceil(cfg.algorithm.gen_batch_size / engines) * cfg.rollout.n)
+
+
+def host_plan(cfg, arch, world, engine):
+    """Host memory of one rank (GiB): the process, the step's groups (and, while gathering, world x
+    one rank's round pickled), and with a level-1 sleep the engine's weights in pinned memory."""
+    response_tokens = cfg.train.train_batch_size * cfg.rollout.n * cfg.rollout.max_tokens
+    per_engine = cfg.algorithm.gen_batch_size // engine["engines"]
+    round_tokens = (min(cfg.train.train_batch_size, per_engine) * cfg.rollout.n
+                    * cfg.rollout.max_tokens)
+    return {
+        "process": HOST_PROCESS_GIB,
+        "groups": (response_tokens * PYTHON_TOKEN_BYTES
+                   + world * round_tokens * PICKLED_TOKEN_BYTES) / GIB,
+        "sleep_copy": engine["weights"] if cfg.rollout.enable_sleep_mode
+        and cfg.rollout.sleep_level == 1 else 0.0}
+
+
 def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
     """The plan of `cfg` on `world_size` ranks (default: the hardware section's) of gpu_gib each
     (default: the hardware section's), of which free_gib are free (default: all) -> dict of GiB (see
@@ -176,40 +223,9 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
     hw = cfg.hardware
     world = world_size or hw.nodes * hw.gpus_per_node
     gpu_gib = hw.gpu_gib if gpu_gib is None else gpu_gib
-    tp = cfg.rollout.tensor_parallel_size
-    on_gpu = cfg.rollout.kv_cache_gib is None
     n, compute_bytes = arch.parameters, DTYPE_BYTES[cfg.model.param_dtype]
-    reduce_bytes, e_dtype = DTYPE_BYTES[cfg.model.reduce_dtype], engine_dtype(cfg, arch)
-    engine_bytes = DTYPE_BYTES[e_dtype]
-    context = max_model_len(cfg)
-
-    # the engine: weights, its profiling forward's activations, CUDA graphs, then the KV cache from
-    # what is left
-    engine_weights = n * engine_bytes / tp / GIB
-    batch_tokens = max(ENGINE_BATCH_TOKENS, context)
-    engine_activations = (
-        batch_tokens
-        * (arch.q_dim + 2 * arch.kv_dim + 2 * arch.intermediate + 2 * arch.hidden)
-        * engine_bytes
-        / tp
-        + 2 * cfg.rollout.max_num_seqs * arch.vocab * 4
-    ) / GIB
-    graphs = 0.0 if (cfg.rollout.enforce_eager or not on_gpu) else CUDA_GRAPH_GIB
-    # vLLM takes gpu_memory_utilization of the device and gives the KV cache what its own use leaves
-    if on_gpu:
-        engine_total = cfg.rollout.gpu_memory_utilization * gpu_gib
-        kv_cache = (
-            engine_total - engine_weights - engine_activations - graphs - ENGINE_NON_TORCH_GIB)
-    else:  # CPU: the KV cache is sized in GiB
-        kv_cache = cfg.rollout.kv_cache_gib
-        engine_total = engine_weights + engine_activations + kv_cache
-    engine_asleep = graphs + 0.25 if cfg.rollout.enable_sleep_mode else engine_total
-    # one GPU
-    kv_per_token = 2 * arch.layers * math.ceil(arch.kv_heads / tp) * arch.head_dim * engine_bytes
-    sequence_gib = context * kv_per_token / GIB
-    sequences = max(0, math.floor(kv_cache / sequence_gib)) if kv_cache > 0 else 0
-    engines = world // tp
-    requests = math.ceil(cfg.algorithm.gen_batch_size / engines) * cfg.rollout.n
+    engine = engine_plan(cfg, arch, gpu_gib, world)
+    sleeping = cfg.rollout.enable_sleep_mode
 
     # the trainer: float32 shards of parameters and AdamW's two moments, then the update of one
     # micro-batch
@@ -217,83 +233,48 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
     gathered = arch.gathered_bytes(compute_bytes) / GIB
     row = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
     tokens = max(cfg.train.micro_token_budget, row)  # a row longer than the budget goes alone
-    update = update_gib(
-        arch, world, compute_bytes, reduce_bytes, cfg.model.gradient_checkpointing, tokens, tokens)
-    probe_tokens = cfg.data.max_prompt_tokens + 512  # train.PROBE_TOKENS
+    update = update_gib(arch, world, compute_bytes, DTYPE_BYTES[cfg.model.reduce_dtype],
+                        cfg.model.gradient_checkpointing, tokens, tokens)
+    probe_tokens = cfg.data.max_prompt_tokens + 512  # rollout.PROBE_TOKENS
     probe = (gathered + probe_tokens * arch.layer_activation_bytes(compute_bytes) / GIB
              + 2 * 512 * arch.vocab * compute_bytes / GIB)
-    # the largest parameter, gathered in the engine's dtype
-    sync = arch.vocab * arch.hidden * engine_bytes / GIB
-
-    context_gib = CUDA_CONTEXT_GIB if on_gpu else 0.0
+    sync = arch.vocab * arch.hidden * engine["bytes"] / GIB  # the largest parameter, engine dtype
+    context_gib = CUDA_CONTEXT_GIB if cfg.rollout.kv_cache_gib is None else 0.0
     phases = {
-        "startup": {"engine": engine_total, "trainer": master, "context": context_gib},
-        "rollout": {"engine": engine_total, "trainer": master + adam, "context": context_gib},
-        "update": {
-            "engine": engine_asleep,
-            "trainer": update["state"],
-            "batch": update["batch"],
-            "context": context_gib,
-        },
-        # with sleep mode the engine's weights are back, its KV cache not yet (train.sync_engine)
+        "startup": {"engine": engine["total"], "trainer": master, "context": context_gib},
+        "rollout": {"engine": engine["total"], "trainer": master + adam, "context": context_gib},
+        "update": {"engine": engine["asleep"], "trainer": update["state"],
+                   "batch": update["batch"], "context": context_gib},
+        # with sleep mode the engine's weights are back, its KV cache not yet (rollout.sync_engine)
         "sync_probe": {
-            "engine": engine_weights + engine_asleep
-            if cfg.rollout.enable_sleep_mode
-            else engine_total,
-            "trainer": master + adam,
-            "batch": max(sync, probe),
-            "context": context_gib,
-        },
+            "engine": engine["weights"] + engine["asleep"] if sleeping else engine["total"],
+            "trainer": master + adam, "batch": max(sync, probe), "context": context_gib},
         # the engine sleeps first (train.train); the largest parameter gathered in b_c
-        "export": {"engine": engine_asleep, "trainer": master + adam,
-                   "batch": arch.vocab * arch.hidden * compute_bytes / GIB, "context": context_gib},
-    }
+        "export": {"engine": engine["asleep"], "trainer": master + adam,
+                   "batch": arch.vocab * arch.hidden * compute_bytes / GIB, "context": context_gib}}
     ranks_per_node = min(world, hw.gpus_per_node)
-    # every rank holds the step's groups (and, while gathering, world x one rank's round pickled);
-    # with a level-1 sleep vLLM keeps the engine's weights in pinned host memory
-    response_tokens = cfg.train.train_batch_size * cfg.rollout.n * cfg.rollout.max_tokens
-    round_tokens = (min(cfg.train.train_batch_size, cfg.algorithm.gen_batch_size // engines)
-                    * cfg.rollout.n * cfg.rollout.max_tokens)
-    host_rank = {
-        "process": HOST_PROCESS_GIB,
-        "groups": (response_tokens * PYTHON_TOKEN_BYTES
-                   + world * round_tokens * PICKLED_TOKEN_BYTES) / GIB,
-        "sleep_copy": engine_weights if cfg.rollout.enable_sleep_mode
-        and cfg.rollout.sleep_level == 1 else 0.0,
-    }
+    host_rank = host_plan(cfg, arch, world, engine)
     # rank 0 gathers the model in the compute dtype for the export
     host = ranks_per_node * sum(host_rank.values()) + compute_bytes * n / GIB
     result = {
-        "config": None,
-        "model": arch.name,
-        "parameters_b": round(n / 1e9, 3),
-        "world_size": world,
-        "nodes": -(-world // hw.gpus_per_node),
-        "gpus_per_node": ranks_per_node,
-        "gpu_gib": gpu_gib,
-        "free_gib": gpu_gib if free_gib is None else free_gib,
-        "host_gib": hw.host_gib,
+        "config": None, "model": arch.name, "parameters_b": round(n / 1e9, 3),
+        "world_size": world, "nodes": -(-world // hw.gpus_per_node),
+        "gpus_per_node": ranks_per_node, "gpu_gib": gpu_gib,
+        "free_gib": gpu_gib if free_gib is None else free_gib, "host_gib": hw.host_gib,
         "phases": {name: round(sum(parts.values()), 2) for name, parts in phases.items()},
-        "breakdown": {
-            name: {k: round(v, 2) for k, v in parts.items()} for name, parts in phases.items()
-        },
-        "engine": {
-            "dtype": e_dtype,
-            "weights_gib": round(engine_weights, 2),
-            "activations_gib": round(engine_activations, 2),
-            "cuda_graphs_gib": graphs,
-            "tensor_parallel_size": tp,
-            "engines": engines,
-        },
-        "kv_cache_gib": round(kv_cache, 2),
-        "max_model_len": context,
-        "kv_sequence_gib": round(sequence_gib, 3),
-        "kv_full_length_sequences": sequences,
-        "requests_per_round": requests,
-        "micro_batch_tokens": tokens,
+        "breakdown": {name: {k: round(v, 2) for k, v in parts.items()}
+                      for name, parts in phases.items()},
+        "engine": {"dtype": engine["dtype"], "weights_gib": round(engine["weights"], 2),
+                   "activations_gib": round(engine["activations"], 2),
+                   "cuda_graphs_gib": engine["graphs"],
+                   "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+                   "engines": engine["engines"]},
+        "kv_cache_gib": round(engine["kv_cache"], 2), "max_model_len": engine["context"],
+        "kv_sequence_gib": round(engine["sequence_gib"], 3),
+        "kv_full_length_sequences": engine["sequences"],
+        "requests_per_round": engine["requests"], "micro_batch_tokens": tokens,
         "host_gib_per_node": round(host, 1),
-        "host_gib_per_rank": {k: round(v, 2) for k, v in host_rank.items()},
-    }
+        "host_gib_per_rank": {k: round(v, 2) for k, v in host_rank.items()}}
     result["problems"] = problems(result, cfg, arch)
     result["fits"] = not result["problems"]
     return result

@@ -24,8 +24,10 @@ import functools
 import os
 
 import torch
+import torch.distributed as dist
 
-import config
+import modeling
+import runs
 
 # The engine core must run in this process (the weight sync hands it tensors and generators
 # directly). vLLM sets this itself for external_launcher; a plain single-process run needs it too.
@@ -364,3 +366,50 @@ def weight_sync_error(engine, model, token_ids, prompt_len):
     engine holds the trainer's weights, orders of magnitude more after a missed or partial sync."""
     engine_side = engine_logprobs(engine, token_ids, prompt_len)
     return (engine_side - trainer_logprobs(model, token_ids, prompt_len)).abs().max().item()
+
+
+
+# --------------------------------------------------------------------------------------------------
+# The weight sync of a training step: the trainer's weights into the engine, and the probe
+# --------------------------------------------------------------------------------------------------
+
+
+# response tokens of the weight-sync probe: enough to see a missed sync, cheap at any length
+PROBE_TOKENS = 512
+
+
+def sync_engine(engine, model, rollout_cfg, responses, step, probe, first=False):
+    """The new weights into the local engine; at step 1 (or when `first`) and every sync_check_every
+    steps, the engine's log-probs of a probe sequence against the trainer's -> (the probe, the
+    largest difference over all ranks, or None). With sleep mode the trainer's side of the probe
+    runs before the engine's KV cache is back, so the two never hold memory at once."""
+    if rollout_cfg.enable_sleep_mode:
+        wake_weights(engine)  # weights first, then the KV cache (vLLM's sleep mode)
+    sync_weights(engine, full_parameters(model, engine_dtype(engine)))
+    checking = rollout_cfg.sync_check_every and (
+        first or step == 1 or step % rollout_cfg.sync_check_every == 0)
+    if checking and probe is None:
+        # same on all ranks
+        probe = next((p for p in runs.all_gather(probe_sequence(responses)) if p is not None), None)
+    if checking and probe is not None:
+        model.eval()
+        trainer_side = trainer_logprobs(model, probe[0], probe[1])
+        modeling.reshard_root(model)  # or the root unit stays gathered through the rollout
+    if rollout_cfg.enable_sleep_mode:
+        wake_kv_cache(engine)
+    if not checking or probe is None:
+        return probe, None
+    error = (engine_logprobs(engine, probe[0], probe[1]) - trainer_side).abs().max()
+    device = next(model.parameters()).device
+    return probe, runs.all_reduce({"error": error}, device, op=dist.ReduceOp.MAX)["error"]
+
+
+def probe_sequence(responses):
+    """(token ids, prompt length) of the weight-sync probe: the first response with a token, cut to
+    PROBE_TOKENS (a truncated response fills the context, and the probe asks for one more token: it
+    loses its last); or None."""
+    for r in responses:
+        tokens = r.tokens[:min(PROBE_TOKENS, len(r.tokens) - r.truncated)]
+        if tokens:
+            return r.prompt + tokens, len(r.prompt)
+    return None

@@ -8,13 +8,18 @@ log, the stop signals, and what a resume keeps of the metrics and checks of the 
 """
 
 import contextlib
+import datetime
 import errno
 import json
 import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 import config
 
@@ -239,3 +244,81 @@ class StopSignals:
     def signal_number(self):
         """The first signal received; SIGTERM when another rank's signal stopped this one."""
         return self.received[0] if self.received else signal.SIGTERM
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Distributed plumbing (a single process is a group of one) and step timing
+# --------------------------------------------------------------------------------------------------
+
+
+def setup_distributed(timeout_minutes=60):
+    """A process group in every case (a single process gets a group of one), so one code path serves
+    both. Collectives wait timeout_minutes for the slowest rank (a long rollout tail, math-verify,
+    the first compile)."""
+    if "RANK" not in os.environ:  # plain `python train.py`: a local group of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+    device = (
+        torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu"))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce(values, device, op=dist.ReduceOp.SUM):
+    """A dict of numbers (floats or 0-dim tensors) reduced over ranks in one collective -> dict of floats."""
+    keys = sorted(values)
+    stacked = torch.stack(
+        [torch.as_tensor(values[k], dtype=torch.float64, device=device) for k in keys])
+    if dist.is_initialized():
+        dist.all_reduce(stacked, op=op)
+    return dict(zip(keys, stacked.tolist()))
+
+
+def agree(problem):
+    """Raise RunError on every rank when any rank found a problem (a collective: every rank calls it)."""
+    problems = [p for p in all_gather(problem) if p is not None]
+    if problems:
+        raise RunError(problems[0])
+
+
+def all_gather(obj):
+    """Every rank's obj, in rank order (pickled, through host memory: rollout.host_group)."""
+    import rollout  # lazily: rollout imports this module
+
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj, group=rollout.host_group(dist.group.WORLD))
+    return gathered
+
+
+def add_sums(sums, values):
+    """sums[k] += values[k] for every key (a new key starts at values[k])."""
+    for key, value in values.items():
+        sums[key] = sums[key] + value if key in sums else value
+
+
+class Timer:
+    """`with timer("time/x"):` adds the block's wall time to timer.times["time/x"]."""
+
+    def __init__(self):
+        self.times = {}
+
+    @contextlib.contextmanager
+    def __call__(self, key):
+        start = time.time()
+        yield
+        add_sums(self.times, {key: time.time() - start})

@@ -261,28 +261,14 @@ def _run(code, config, mode):
         os.mkdir("work", 0o700, dir_fd=outer_fd)
     home = workdir or "/tmp"
     bin_dir = os.path.dirname(view["python"] if mode == "namespaces" else python)
-    env = {
-        "PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin",
-        "HOME": home,
-        "TMPDIR": home,
-        "LANG": "C.UTF-8",
-        "OMP_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-    }
-    spec = {
-        "mode": mode,
-        "python": python,
-        "workdir": workdir,
-        "landlock_abi": _landlock_abi() if mode == "process" else 0,
-        "network": config.network,
-        "trainer_pid": os.getpid(),
-        "cpu_s": int(config.cpu_s),
-        "memory_mb": int(config.memory_mb),
-        "max_processes": int(config.max_processes),
-        "max_file_mb": int(config.max_file_mb),
-        "view": view,
-    }
+    env = {"PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home,
+           "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+           "MKL_NUM_THREADS": "1"}
+    spec = {"mode": mode, "python": python, "workdir": workdir,
+            "landlock_abi": _landlock_abi() if mode == "process" else 0,
+            "network": config.network, "trainer_pid": os.getpid(), "cpu_s": int(config.cpu_s),
+            "memory_mb": int(config.memory_mb), "max_processes": int(config.max_processes),
+            "max_file_mb": int(config.max_file_mb), "view": view}
     proc = None
     try:
         # the launcher reads the code from stdin, then closes it

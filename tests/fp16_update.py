@@ -1,4 +1,4 @@
-"""Worker of test_train.py's float16 test, one gloo process: train.policy_update on the tiny model
+"""Worker of test_train.py's float16 test, one gloo process: grpo.policy_update on the tiny model
 under FSDP2 with float32, float16 and float16 + loss-scaled compute, on a batch whose gradients are
 as small as a paper-scale token mean's (~1e-7 per parameter entry); then checkpoints.export_hf of a
 float16 model.
@@ -19,9 +19,9 @@ import torch.distributed as dist  # noqa: E402
 import baselines  # noqa: E402
 import checkpoints  # noqa: E402
 import config  # noqa: E402
+import grpo  # noqa: E402
 import modeling  # noqa: E402
 import stare  # noqa: E402
-import train  # noqa: E402
 
 DEVICE = torch.device("cpu")
 ADVANTAGE_SCALE = 1e-5  # a token mean over ~10^7 tokens instead of this batch's few hundred
@@ -37,14 +37,14 @@ def responses(cfg):
             length = int(torch.randint(8, 24, (1,), generator=generator))
             reward = float(torch.randint(0, 2, (1,), generator=generator))
             rows.append(
-                train.Response(
+                grpo.Response(
                     prompt=prompt,
                     tokens=torch.randint(3, 300, (length,), generator=generator).tolist(),
                     rollout_logprobs=[0.0] * length, reward=reward, accuracy=reward,
                     truncated=False, reflection=(0, 0),
                     policy_mask=torch.ones(length, dtype=torch.bool)))
-    groups = [train.Group(rows[i].prompt, rows[i:i + 4]) for i in range(0, 12, 4)]
-    out = train.group_responses(groups, cfg, 0, 1)
+    groups = [grpo.Group(rows[i].prompt, rows[i:i + 4]) for i in range(0, 12, 4)]
+    out = grpo.group_responses(groups, cfg, 0, 1)
     for r in out:
         r.advantage *= ADVANTAGE_SCALE
     return out
@@ -75,12 +75,12 @@ def update(model_dir, param_dtype, scaler, nan_loss=False):
     # the float32 shards, before any forward
     before = [full(p).detach().clone() for p in model.parameters()]
     rows = responses(cfg)
-    train.old_policy_pass(model, rows, cfg, DEVICE)
+    grpo.old_policy_pass(model, rows, cfg, DEVICE)
     gate = stare.EntropyGate(cfg.gate.target_entropy)
-    train.update_gate(gate, rows, DEVICE)
+    grpo.update_gate(gate, rows, DEVICE)
     baselines.policy_loss = nan_policy_loss if nan_loss else REAL_POLICY_LOSS
     try:
-        metrics = train.policy_update(
+        metrics = grpo.policy_update(
             model, torch.optim.SGD(model.parameters(), lr=1.0), rows, cfg, gate, 1, DEVICE, scaler)
     finally:
         baselines.policy_loss = REAL_POLICY_LOSS
@@ -119,11 +119,11 @@ def main(model_dir, out_path):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     reference, _ = update(model_dir, "float32", None)
     plain, _ = update(model_dir, "float16", None)
-    scaler = train.LossScaler(scale=2.0**16, window=1000)
+    scaler = modeling.LossScaler(scale=2.0**16, window=1000)
     scaled, scaled_metrics = update(model_dir, "float16", scaler)
-    overflowing = train.LossScaler(scale=2.0**60, window=1000)
+    overflowing = modeling.LossScaler(scale=2.0**60, window=1000)
     overflow_change, overflow_metrics = update(model_dir, "float16", overflowing)
-    nan_scaler = train.LossScaler(scale=2.0**16, window=1000)
+    nan_scaler = modeling.LossScaler(scale=2.0**16, window=1000)
     _, nan_metrics = update(model_dir, "float16", nan_scaler, nan_loss=True)
     nonzero = reference != 0
 

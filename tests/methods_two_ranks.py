@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 import baselines
 import checkpoints
 import config
+import grpo
 import rollout
 import runs
 import stare
@@ -31,7 +32,7 @@ import train
 
 def main(result_path, config_path, overrides):
     cfg = config.load(config_path, overrides)
-    rank, world, device = train.setup_distributed()
+    rank, world, device = runs.setup_distributed()
     lock = runs.RunLock(cfg.train.out_dir)
     run, _ = train.start_run(cfg, rank, world, device, lock)
     results = {}
@@ -45,7 +46,7 @@ def main(result_path, config_path, overrides):
             state = train.TrainerState()
             results[method] = []
             for step in (1, 2):
-                metrics = train.train_step(method_run, state, step)
+                metrics = grpo.train_step(method_run, state, step)
                 problem = train.sync_guard(metrics, method_cfg, step)
                 assert problem is None, f"{method}, step {step}: {problem}"
                 gathered = [name for name, parameter in run.model.named_parameters()

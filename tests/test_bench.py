@@ -111,7 +111,7 @@ from tools import bench, gpu_smoke
 shape = dict(bench.QWEN25["tiny"], head_dim=64, num_attention_heads=2, num_key_value_heads=1, vocab_size=320,
              max_position_embeddings=512)
 directory = gpu_smoke.smoke_model(sys.argv[1], shape)
-rank, world, device = train.setup_distributed()
+rank, world, device = runs.setup_distributed()
 engine = gpu_smoke.engine_cycles(directory, device, cycles=2, sleep=False, kv_cache_gib=0.1, prompts=4,
                              max_tokens=16)
 trainer = gpu_smoke.trainer_cycles(directory, device, prompts=4, max_tokens=16)
@@ -136,7 +136,7 @@ def test_gpu_smoke_engine_cycles_run_on_cpu(tmp_path):
         # bf16 rounding, not a missed sync
         assert 0 < cycle["probe_error"] < 0.05 and cycle["probe_tokens"] > 0
         assert cycle["logprob_mismatch_mean"] < 0.05 and cycle["skipped"] == 0
-        # the probe's forward gathers the root unit only; after train.sync_engine all is sharded
+        # the probe's forward gathers the root unit only; after rollout.sync_engine all is sharded
         assert cycle["resharded"] and cycle["probe_gathered"]
         assert not any(".layers." in name for name in cycle["probe_gathered"])
     # without vLLM (gpu-smoke on a machine that lacks it): the same trainer side on random responses

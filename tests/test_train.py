@@ -189,10 +189,10 @@ def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, t
 
 
 def test_round_prompts_give_each_engine_its_share_once():
-    import train
+    import grpo
 
     for world, tp in ((1, 1), (4, 1), (4, 2), (8, 4), (8, 8)):
-        shares = [train.round_prompts(32, 64, rank, world, tp) for rank in range(world)]
+        shares = [grpo.round_prompts(32, 64, rank, world, tp) for rank in range(world)]
         for rank in range(world):
             assert shares[rank] == shares[rank - rank % tp]  # the ranks of one engine ask the same
         assert sorted(i for share in shares[::tp] for i in share) == list(range(32, 96))
@@ -389,7 +389,6 @@ def test_metrics_log_writes_jsonl_and_mirrors_to_wandb(tmp_path, monkeypatch):
     import types
 
     import config
-    import train
     from tqdm import tqdm
 
     calls = []
@@ -595,17 +594,18 @@ def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
     import types
 
     import config
+    import grpo
+    import modeling
     import stare
-    import train
 
     generator = torch.Generator().manual_seed(0)
     tool_masks = [
         [False, False, True, True, True, False, False], [False, True, True, False], [False] * 5]
     out = types.SimpleNamespace(
         token_ids=[list(range(10, 10 + len(m))) for m in tool_masks], tool_mask=tool_masks)
-    policy_masks = [train.policy_token_mask(out, i) for i in range(len(tool_masks))]
-    mask = train.pad_rows(policy_masks)
-    tool = train.pad_rows([torch.tensor(m) for m in tool_masks])
+    policy_masks = [grpo.policy_token_mask(out, i) for i in range(len(tool_masks))]
+    mask = modeling.pad_rows(policy_masks)
+    tool = modeling.pad_rows([torch.tensor(m) for m in tool_masks])
     assert not (mask & tool).any() and mask.sum() == sum(m.count(False) for m in tool_masks)
     tensors = {"mask": mask}
 
@@ -635,26 +635,27 @@ def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
 
 
 def test_the_sync_probe_is_the_prompt_and_at_most_512_response_tokens():
-    import train
+    import grpo
+    import rollout
 
     def response(length, truncated=False):
-        return train.Response(
+        return grpo.Response(
             prompt=[1, 2, 3], tokens=list(range(10, 10 + length)), rollout_logprobs=[0.0] * length,
             reward=0.0, accuracy=0.0, truncated=truncated, reflection=(0, 0),
             policy_mask=torch.ones(length, dtype=torch.bool))
 
-    assert train.PROBE_TOKENS == 512
-    assert train.probe_sequence([response(0), response(17_000)]) == (
+    assert rollout.PROBE_TOKENS == 512
+    assert rollout.probe_sequence([response(0), response(17_000)]) == (
         [1, 2, 3] + list(range(10, 522)), 3)
     # a truncated response filled the context: the probe asks for one more token, so it drops the
     # last
-    assert train.probe_sequence([response(5, truncated=True)]) == ([1, 2, 3, 10, 11, 12, 13], 3)
-    assert train.probe_sequence([response(1, truncated=True), response(0)]) is None
+    assert rollout.probe_sequence([response(5, truncated=True)]) == ([1, 2, 3, 10, 11, 12, 13], 3)
+    assert rollout.probe_sequence([response(1, truncated=True), response(0)]) is None
 
 
 def random_responses(generator, groups=3, n=4, vocab=300):
     """Groups of n responses with random prompts, tokens and 0/1 rewards (each group varied), as sample_groups makes."""
-    import train
+    import grpo
 
     out = []
     for _ in range(groups):
@@ -667,11 +668,11 @@ def random_responses(generator, groups=3, n=4, vocab=300):
             reward = (
                 float(k % 2) if k < 2 else float(torch.randint(0, 2, (1,), generator=generator)))
             responses.append(
-                train.Response(
+                grpo.Response(
                     prompt=prompt, tokens=tokens, rollout_logprobs=[0.0] * length, reward=reward,
                     accuracy=reward, truncated=False, reflection=(0, 0),
                     policy_mask=torch.ones(length, dtype=torch.bool)))
-        out.append(train.Group(prompt, responses))
+        out.append(grpo.Group(prompt, responses))
     return out
 
 
@@ -681,8 +682,8 @@ def test_stages_give_the_log_probs_and_the_update_of_an_independent_computation(
     # alone, and policy_update's GRPO step against the closed-form gradient at ratio 1, -sum A_i
     # grad log pi / N_tokens
     import config
+    import grpo
     import stare
-    import train
 
     cfg = config.load(
         "configs/tiny.yaml",
@@ -691,9 +692,9 @@ def test_stages_give_the_log_probs_and_the_update_of_an_independent_computation(
             "train.train_batch_size=3", "train.mini_batch_size=3", "rollout.n=4"])
     model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
-    responses = train.group_responses(
+    responses = grpo.group_responses(
         random_responses(torch.Generator().manual_seed(budget)), cfg, 0, 1)
-    train.old_policy_pass(model, responses, cfg, torch.device("cpu"))
+    grpo.old_policy_pass(model, responses, cfg, torch.device("cpu"))
 
     reference_loss = 0.0
     for r in responses:
@@ -708,14 +709,14 @@ def test_stages_give_the_log_probs_and_the_update_of_an_independent_computation(
     (reference_loss / sum(len(r.tokens) for r in responses)).backward()
 
     gate = stare.EntropyGate(cfg.gate.target_entropy)
-    num_tokens, gate_metrics = train.update_gate(gate, responses, torch.device("cpu"))
+    num_tokens, gate_metrics = grpo.update_gate(gate, responses, torch.device("cpu"))
     assert num_tokens == sum(len(r.tokens) for r in responses)
     assert gate_metrics["train/entropy"] == pytest.approx(
         float(torch.cat([r.entropy for r in responses]).mean()), rel=1e-6)
     before = [p.detach().clone() for p in model.parameters()]
     # the parameter change is minus the gradient
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    metrics = train.policy_update(model, optimizer, responses, cfg, gate, 1, torch.device("cpu"))
+    metrics = grpo.policy_update(model, optimizer, responses, cfg, gate, 1, torch.device("cpu"))
     assert metrics["train/skipped_updates"] == 0 and (metrics["train/micro_batches"] > 1) == (
         budget == 8)
     for old, new, ref in zip(before, model.parameters(), reference.parameters()):
@@ -836,15 +837,15 @@ def test_float16_loss_scaling_keeps_the_gradients_that_float16_loses(tiny_dir, t
 
 
 def test_the_loss_scale_grows_after_a_window_of_finite_steps_and_halves_on_overflow():
-    import train
+    import modeling
 
-    scaler = train.LossScaler(scale=8.0, window=2)
+    scaler = modeling.LossScaler(scale=8.0, window=2)
     history = []
     for finite in (True, True, True, False, False, True):
         scaler.update(finite)
         history.append((scaler.scale, scaler.good_steps))
     assert history == [(8.0, 1), (16.0, 0), (16.0, 1), (8.0, 0), (4.0, 0), (4.0, 1)]
-    floor = train.LossScaler(scale=1.0, window=2)
+    floor = modeling.LossScaler(scale=1.0, window=2)
     floor.update(False)
     assert floor.scale == 1.0
 
@@ -879,8 +880,8 @@ def test_the_collective_timeout_reaches_init_process_group(tiny_dir, monkeypatch
 def test_sampling_gathers_only_the_groups_the_step_keeps(monkeypatch):
     # rounds of 8 groups, 5 of them varied, for a batch of 6: round 2 sends 1 group, not 8
     import config
+    import grpo
     import rewards
-    import train
 
     cfg = config.load("configs/tiny.yaml", ["train.train_batch_size=6", "train.mini_batch_size=6",
                                             "algorithm.gen_batch_size=8", "rollout.n=2"])
@@ -891,22 +892,22 @@ def test_sampling_gathers_only_the_groups_the_step_keeps(monkeypatch):
         for g in global_indices:  # accuracies (1, 0) x 5, then (1, 1) same tokens, (1, 1), (0, 0)
             accuracies = [(1.0, 0.0)] * 5 + [(1.0, 1.0)] * 2 + [(0.0, 0.0)]
             tokens = [[g], [g]] if g % 8 == 5 else [[g], [g, 1]]
-            groups.append(train.Group([g], [
-                train.Response([g], t, [0.0] * len(t), a, a, False, (0, 0), torch.ones(len(t)))
+            groups.append(grpo.Group([g], [
+                grpo.Response([g], t, [0.0] * len(t), a, a, False, (0, 0), torch.ones(len(t)))
                 for t, a in zip(tokens, accuracies[g % 8])]))
         made.extend(groups)
         return groups, {"time/rollout": 0.0, "time/reward": 0.0, "sampled": 16,
-                        "sampled_correct": 10.0, **{k: 0.0 for k in train.REWARD_FRACTIONS}}
+                        "sampled_correct": 10.0, **{k: 0.0 for k in grpo.REWARD_FRACTIONS}}
 
-    sent, real_all_gather = [], train.all_gather
-    monkeypatch.setattr(train, "generate_round", generate_round)
-    monkeypatch.setattr(train, "all_gather", lambda obj: sent.append(obj) or real_all_gather(obj))
-    kept, position, metrics = train.sample_groups(None, None, None, cfg, 0, 0, 1, None)
+    sent, real_all_gather = [], runs.all_gather
+    monkeypatch.setattr(grpo, "generate_round", generate_round)
+    monkeypatch.setattr(runs, "all_gather", lambda obj: sent.append(obj) or real_all_gather(obj))
+    kept, position, metrics = grpo.sample_groups(None, None, None, cfg, 0, 0, 1, None)
     varied = [g for g in made if g.varied]
     assert position == 16 and metrics["rollout/gen_rounds"] == 2
     assert kept == varied[:6] and all(a is b for a, b in zip(kept, varied))
     sent_groups = [x for obj in sent if isinstance(obj, list) for x in obj]
-    assert len(sent_groups) == 6 and all(isinstance(x, train.Group) for x in sent_groups)
+    assert len(sent_groups) == 6 and all(isinstance(x, grpo.Group) for x in sent_groups)
     assert metrics["rollout/varied_group_frac"] == 10 / 16
     assert metrics["rollout/distinct_correct_frac"] == rewards.distinct_correct_fraction(
         [[(r.tokens, r.accuracy) for r in g.responses] for g in made])
@@ -914,7 +915,6 @@ def test_sampling_gathers_only_the_groups_the_step_keeps(monkeypatch):
 
 def test_objects_go_between_ranks_through_one_gloo_group_made_once(monkeypatch):
     import rollout
-    import train
 
     calls = []
 
@@ -922,14 +922,14 @@ def test_objects_go_between_ranks_through_one_gloo_group_made_once(monkeypatch):
         calls.append(group)
         out[:] = [obj, obj]
 
-    monkeypatch.setattr(train.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(train.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(train.dist, "get_backend", lambda group=None: "nccl")
-    monkeypatch.setattr(train.dist, "new_group", lambda **kw: calls.append(kw) or "gloo group")
-    monkeypatch.setattr(train.dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(runs.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(runs.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(runs.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(runs.dist, "new_group", lambda **kw: calls.append(kw) or "gloo group")
+    monkeypatch.setattr(runs.dist, "all_gather_object", all_gather_object)
     rollout.host_group.cache_clear()
     try:
-        assert train.all_gather("a") == ["a", "a"] and train.all_gather(1) == [1, 1]
+        assert runs.all_gather("a") == ["a", "a"] and runs.all_gather(1) == [1, 1]
     finally:
         rollout.host_group.cache_clear()
     assert calls == [{"backend": "gloo"}, "gloo group", "gloo group"]

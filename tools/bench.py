@@ -263,8 +263,8 @@ def realistic_lengths(num_rows, seed, max_response=3000):
 
 
 def synthetic_responses(lengths, vocab_size, seed, group_size=8):
-    """train.Response rows with random tokens and binary rewards, advantages normalised per group."""
-    import train
+    """grpo.Response rows with random tokens and binary rewards, advantages normalised per group."""
+    import grpo
 
     generator = torch.Generator().manual_seed(seed)
     rewards = torch.randint(0, 2, (len(lengths),), generator=generator).float()
@@ -273,7 +273,7 @@ def synthetic_responses(lengths, vocab_size, seed, group_size=8):
             stare.group_advantages(rewards[i : i + group_size], len(rewards[i : i + group_size]))
             for i in range(0, len(lengths), group_size)])
     return [
-        train.Response(
+        grpo.Response(
             prompt=torch.randint(0, vocab_size, (p,), generator=generator).tolist(),
             tokens=torch.randint(0, vocab_size, (r,), generator=generator).tolist(),
             rollout_logprobs=[-1.0] * r, reward=float(rewards[i]), accuracy=float(rewards[i]),
@@ -287,10 +287,11 @@ def bench_update(args):
     select_tokens, policy_update) on a random-init Qwen2.5 shape, FSDP2 with world size 1; methods
     interleaved, median times."""
     import config
+    import grpo
     import modeling
-    import train
+    import runs
 
-    rank, world, device = train.setup_distributed()
+    rank, world, device = runs.setup_distributed()
     on_cuda = device.type == "cuda"
     methods = list(dict.fromkeys([args.method, "grpo"]))
 
@@ -330,11 +331,11 @@ def bench_update(args):
     def one_step(method, step):
         cfg = cfg_for(method)
         gate = stare.EntropyGate(**vars(cfg.gate))
-        no_grad = timed(lambda: train.old_policy_pass(model, responses, cfg, device))
-        train.update_gate(gate, responses, device)
-        select = timed(lambda: train.select_tokens(responses, cfg, gate, step, device))
+        no_grad = timed(lambda: grpo.old_policy_pass(model, responses, cfg, device))
+        grpo.update_gate(gate, responses, device)
+        select = timed(lambda: grpo.select_tokens(responses, cfg, gate, step, device))
         update = timed(
-            lambda: train.policy_update(model, optimizer, responses, cfg, gate, step, device))
+            lambda: grpo.policy_update(model, optimizer, responses, cfg, gate, step, device))
         return {"no_grad": no_grad, "select": select, "update": update}
 
     for method in methods:  # warm-up: kernel compilation, the allocator, cuDNN/cuBLAS heuristics

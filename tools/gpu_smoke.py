@@ -70,29 +70,29 @@ def smoke_config(model_dir, device, prompts, max_tokens):
 
 
 def smoke_groups(prompt_ids, out, generator):
-    """train.Group's of 4 from sampled output (rollout.generate's fields), random 0/1 rewards."""
-    import train
+    """grpo.Group's of 4 from sampled output (rollout.generate's fields), random 0/1 rewards."""
+    import grpo
 
     rewards = torch.randint(0, 2, (len(out.token_ids),), generator=generator).float()
     responses = [
-        train.Response(prompt=prompt_ids[out.prompt_index[i]], tokens=out.token_ids[i] or [3],
+        grpo.Response(prompt=prompt_ids[out.prompt_index[i]], tokens=out.token_ids[i] or [3],
                        rollout_logprobs=out.logprobs[i] or [0.0], reward=float(rewards[i]),
                        accuracy=float(rewards[i]), truncated=out.finish_reasons[i] == "length",
                        reflection=(0, 0),
                        policy_mask=torch.ones(max(1, len(out.token_ids[i])), dtype=torch.bool))
         for i in range(len(out.token_ids))]
-    return [train.Group(responses[j].prompt, responses[j:j + 4])
+    return [grpo.Group(responses[j].prompt, responses[j:j + 4])
             for j in range(0, len(responses), 4)]
 
 
 def gather_memory(groups, device):
-    """Device memory of gathering the groups through train.all_gather (a gloo group: host memory)
+    """Device memory of gathering the groups through runs.all_gather (a gloo group: host memory)
     and through the default group (NCCL on a GPU: world x the pickled object on the device)."""
-    import train
+    import runs
 
     free, world = free_gib(device), torch.distributed.get_world_size()
     return dict(
-        gather_gib=peak_gib(device, lambda: train.all_gather(groups)),
+        gather_gib=peak_gib(device, lambda: runs.all_gather(groups)),
         gather_default_group_gib=peak_gib(
             device, lambda: torch.distributed.all_gather_object([None] * world, groups)),
         free_gib_gather=[free, free_gib(device)])
@@ -117,14 +117,14 @@ def probe_memory(model, probe, device):
 
 def update_on(model, optimizer, gate, groups, cfg, cycle, device):
     """train.py's no-grad pass, gate and update on the groups -> (responses, record)."""
-    import train
+    import grpo
 
-    responses = train.group_responses(groups, cfg, 0, 1)
-    train.old_policy_pass(model, responses, cfg, device)
+    responses = grpo.group_responses(groups, cfg, 0, 1)
+    grpo.old_policy_pass(model, responses, cfg, device)
     mismatch = torch.cat(
         [(torch.tensor(r.rollout_logprobs) - r.old_logprobs).abs() for r in responses])
-    train.update_gate(gate, responses, device)
-    metrics = train.policy_update(model, optimizer, responses, cfg, gate, cycle, device)
+    grpo.update_gate(gate, responses, device)
+    metrics = grpo.policy_update(model, optimizer, responses, cfg, gate, cycle, device)
     return responses, dict(
         logprob_mismatch_mean=float(mismatch.mean()), grad_norm=metrics["train/grad_norm"],
         skipped=metrics["train/skipped_updates"], free_gib_update=free_gib(device))
@@ -193,7 +193,6 @@ def engine_cycles(model_dir, device, cycles=3, runner="v1", sleep_level=2, sleep
     import config
     import modeling
     import rollout
-    import train
 
     report = {"cycles": [], "failures": []}
     graph_gib = []
@@ -245,12 +244,12 @@ def engine_cycles(model_dir, device, cycles=3, runner="v1", sleep_level=2, sleep
             record["free_gib_asleep"] = free_gib(device)
             responses, update = update_on(model, optimizer, gate, groups, cfg, cycle, device)
             record.update(update)
-            probe, error = train.sync_engine(engine, model, sync_cfg, responses, cycle, None,
+            probe, error = rollout.sync_engine(engine, model, sync_cfg.rollout, responses, cycle, None,
                                              first=True)
             record.update(probe_error=error, probe_tokens=len(probe[0]) - probe[1] if probe else 0,
                           free_gib_synced=free_gib(device),
                           resharded=all(hasattr(p, "to_local") for p in model.parameters()))
-            if probe:  # the probe's forward again, then reshard_root, as train.sync_engine does
+            if probe:  # the probe's forward again, then reshard_root, as rollout.sync_engine does
                 record.update({k: v for k, v in probe_memory(model, probe, device).items()
                                if k != "resharded"})
             if error is None or not error <= max_probe_error:
@@ -286,7 +285,7 @@ def bench_gpu_smoke(args):
             file=sys.stderr)
         sys.exit(2)
     import plan
-    import train
+    import runs
 
     repo = REPO
     installed = plan.installed_versions()
@@ -298,7 +297,7 @@ def bench_gpu_smoke(args):
         "installed": installed,
         "preflight": errors + warnings,
     }
-    rank, world, device = train.setup_distributed()
+    rank, world, device = runs.setup_distributed()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = smoke_model(tmp + "/model")
         try:

@@ -51,10 +51,10 @@ import torch
 import config
 import data
 import evaluate
+import grpo
 import modeling
 import rewards
 import stare
-import train
 from tools import plots
 
 TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -197,7 +197,7 @@ def sample(model, prompts, n, max_tokens, eos_id, pad_id, generator, temperature
 
 
 def sample_groups(model, tokenizer, prompts, truths, sources, cfg, generator):
-    """n responses to each prompt ([G, Lp]) from the in-process sampler, scored -> train.Group list."""
+    """n responses to each prompt ([G, Lp]) from the in-process sampler, scored -> grpo.Group list."""
     n = cfg.rollout.n
     tokens, mask, logprobs = sample(
         model, prompts, n, cfg.rollout.max_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id,
@@ -209,7 +209,7 @@ def sample_groups(model, tokenizer, prompts, truths, sources, cfg, generator):
         texts, [t for t in truths for _ in range(n)], [s for s in sources for _ in range(n)],
         lengths, cfg.reward)
     rows = [
-        train.Response(
+        grpo.Response(
             prompt=prompts[r // n].tolist(),
             tokens=responses[r],
             rollout_logprobs=logprobs[r, : lengths[r]].tolist(),
@@ -220,7 +220,7 @@ def sample_groups(model, tokenizer, prompts, truths, sources, cfg, generator):
             reflection=rewards.reflection_counts(texts[r]),
             policy_mask=torch.ones(lengths[r], dtype=torch.bool))
         for r in range(len(responses))]
-    return [train.Group(rows[g * n].prompt, rows[g * n:(g + 1) * n]) for g in range(len(prompts))]
+    return [grpo.Group(rows[g * n].prompt, rows[g * n:(g + 1) * n]) for g in range(len(prompts))]
 
 
 @torch.no_grad()
@@ -380,14 +380,14 @@ def train_run(spec, tiny_dir, out_dir):
             }
             if kept:  # else no update, as train.py would resample (tools/repro.py does not)
                 # train.py's stages, in its order
-                responses = train.group_responses(kept, cfg, rank=0, world=1)
-                train.old_policy_pass(model, responses, cfg, cpu)
-                num_tokens, gate_metrics = train.update_gate(gate, responses, cpu)
+                responses = grpo.group_responses(kept, cfg, rank=0, world=1)
+                grpo.old_policy_pass(model, responses, cfg, cpu)
+                num_tokens, gate_metrics = grpo.update_gate(gate, responses, cpu)
                 metrics.update(gate_metrics)
-                metrics.update(train.select_tokens(responses, cfg, gate, step, cpu))
+                metrics.update(grpo.select_tokens(responses, cfg, gate, step, cpu))
                 metrics.update(
-                    train.policy_update(model, optimizer, responses, cfg, gate, step, cpu))
-                metrics.update(train.batch_metrics(responses, num_tokens, cpu))
+                    grpo.policy_update(model, optimizer, responses, cfg, gate, step, cpu))
+                metrics.update(grpo.batch_metrics(responses, num_tokens, cpu))
                 metrics.update(critical_w_metrics(responses, spec.predict_ps))
             metrics["stare/gate_on"] = float(gate.gate_on)
             metrics["time/step"] = time.time() - start
@@ -401,7 +401,7 @@ def train_run(spec, tiny_dir, out_dir):
 def critical_w_metrics(responses, predict_ps):
     """The first-order prediction's pieces for this batch (module docstring), for each swept P."""
     advantages = torch.tensor([r.advantage for r in responses])
-    sensitivity, logprobs, mask = (train.pad_rows([getattr(r, key) for r in responses])
+    sensitivity, logprobs, mask = (modeling.pad_rows([getattr(r, key) for r in responses])
                                    for key in ("sensitivity", "old_logprobs", "policy_mask"))
     metrics = {}
     for top_ratio in predict_ps:
