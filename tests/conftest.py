@@ -6,8 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 import tiny
+
+# several pytest-xdist workers share the cores: one thread per process (and per train.py it
+# starts), or OpenMP threads spin waiting for a core the other worker holds
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
@@ -26,8 +33,7 @@ def countdown_dir(tiny_dir):
 
 
 # pytest-xdist (pytest.ini: --dist loadgroup) spreads the tests over workers, but keeps on one
-# worker the tests that share a module-scoped fixture costing an engine or a run, so that it is
-# made once.
+# worker the tests that share a fixture costing an engine or a run, so that it is made once.
 SHARED_FIXTURES = {"every_method", "default_run", "one_rank_gen16", "one_process", "engine"}
 
 

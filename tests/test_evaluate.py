@@ -382,7 +382,7 @@ def independent_metrics(samples, n, sum_task):
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker
 def one_process(tiny_dir, tmp_path_factory):
     return run_evaluate(tiny_dir, tmp_path_factory.mktemp("eval_one"))
 

@@ -63,7 +63,7 @@ def check_finished(completed, out_dir, steps=2):
     return metrics
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker: other modules may run between its tests
 def default_run(tiny_dir, tmp_path_factory):
     """One run of the tiny default, 2 steps, a checkpoint after each: the starting point several
     tests share (each copies the directory before it changes anything) -> (its directory, its
@@ -85,7 +85,7 @@ def copy_run(run_dir, to, steps=None):
     return to
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker: other modules may run between its tests
 def one_rank_gen16(tiny_dir, tmp_path_factory):
     """The tiny default on one rank with generation rounds of 16 prompts (dynamic sampling needs
     several rounds a step), the reference of the two-rank tests -> (directory, metrics)."""
@@ -93,7 +93,7 @@ def one_rank_gen16(tiny_dir, tmp_path_factory):
     return out, check_finished(run_train(tiny_dir, out, "algorithm.gen_batch_size=16"), out)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker: other modules may run between its tests
 def every_method(tiny_dir, tmp_path_factory):
     """tests/methods_two_ranks.py on two torchrun ranks: each method's two steps' metrics, and the
     run's directory (its HF export)."""
