@@ -133,6 +133,12 @@ def test_every_method_trains_end_to_end(method, every_method):
         assert metrics[0]["train/touched_frac"] > 0 and metrics[0]["stare/pos_selected_frac"] > 0
     if method == "grpo":
         assert all(record["train/touched_frac"] == 0 for record in metrics)
+    if method == "entropic":  # the controller acts from step 1 (below the target: alpha < 0)
+        assert all(m["entropic/coef"] < 0 and m["train/touched_frac"] > 0 for m in metrics)
+        assert metrics[1]["entropic/integral"] == pytest.approx(
+            metrics[0]["entropic/error"] + metrics[1]["entropic/error"], abs=3e-6)
+    else:
+        assert not any(key.startswith("entropic/") for key in metrics[0])
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32)
     assert torch.isfinite(exported(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
 
