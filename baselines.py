@@ -3,9 +3,9 @@
     loss, metrics = baselines.policy_loss(method, batch, cfg)     # method in METHODS, cfg a config.LossConfig
 
 runs any of: grpo, stare, stapo, lp_reg, clip_cov, kl_cov, high_entropy, entropy_bonus, steer,
-w_reinforce, on the same tensors. GRPO, DAPO (clip-higher, dual clip, token-mean) and Dr.GRPO
-(advantages without std, `seq-mean-token-sum-norm`) are settings of `config.LossConfig` and
-`stare.group_advantages`, not separate methods. "Eq. N" refers to docs/method.md.
+w_reinforce, entropic, on the same tensors. GRPO, DAPO (clip-higher, dual clip, token-mean) and
+Dr.GRPO (advantages without std, `seq-mean-token-sum-norm`) are settings of `config.LossConfig`
+and `stare.group_advantages`, not separate methods. "Eq. N" refers to docs/method.md.
 
 `batch` is a dict of [B, T] tensors (advantages may be [B]):
     logprobs        log pi_theta of the sampled tokens, current policy, with grad
@@ -13,6 +13,7 @@ w_reinforce, on the same tensors. GRPO, DAPO (clip-higher, dual clip, token-mean
     advantages      [B] or [B, T]
     mask            1 = a response token that counts
     entropy         next-token entropy (stapo, high_entropy: detached is fine; entropy_bonus: with grad)
+    old_entropy     H under pi_old, for STEER's weights (optional: `entropy` when absent)
     proxy_logprobs  Lp-Reg's min-p proxy log-prob of the sampled token (`minp_proxy_logprobs`, old policy)
     sensitivity     STEER's steer_estimate="sensitivity": stare.entropy_sensitivity, pi_old
 
@@ -24,7 +25,8 @@ slice (`selection=`), so the update does not depend on the micro-batch size. The
 denominator is `loss_mask(...)`'s count, summed over the step.
 
 Pure functions of tensors: no I/O, no torch.distributed, no global state. Randomness (Clip-Cov)
-comes from a torch.Generator passed in.
+comes from a torch.Generator passed in. EntroPIC's coefficient comes from an EntropyPIController
+the trainer updates once per step beside STARE's gate (its state lives in that object).
 """
 
 import difflib
@@ -35,13 +37,14 @@ import torch
 import stare
 
 METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy",
-           "entropy_bonus", "steer", "w_reinforce")
+           "entropy_bonus", "steer", "w_reinforce", "entropic")
 # What the trainer gives each method: the per-token inputs of pi_old it needs beyond logprobs,
 # old_logprobs, advantages, mask and entropy; and whether `token_selection` decides anything for it
 # (then the trainer selects once over the whole step, all ranks, and hands each micro-batch its
 # slice).
 EXTRA_INPUTS = {"lp_reg": ("proxy_logprobs",), "steer": ("sensitivity",)}
-SELECTING = ("stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "steer")
+SELECTING = ("stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "steer",
+             "entropic")
 
 
 # ==================================================================================================
@@ -266,10 +269,75 @@ def steer_weights(omega, mask, weight_min=0.8, weight_max=1.2, linear=False):
     return torch.where(valid, weights, 1.0), omega_max.clamp(min=0.0)
 
 
+def entropic_high_prob_mask(logprobs, mask, prob_threshold=0.95):
+    """EntroPIC's controlled tokens (Yang et al. 2025, arXiv 2511.15248; Eq. 25): the valid tokens
+    whose sampled token has pi > prob_threshold (strict), of either advantage sign. logprobs, mask
+    [B, T] -> bool [B, T]. The reference tests the current log-prob inside the loss; here that is
+    micro scope, and step scope tests pi_old's. prob_threshold 1 selects nothing."""
+    # threshold 0: every valid token
+    log_threshold = math.log(prob_threshold) if prob_threshold > 0 else -math.inf
+    return mask.bool() & (logprobs.detach().float() > log_threshold)
+
+
+class EntropyPIController:
+    """EntroPIC's proportional-integral controller of the coefficient alpha (Eq. 26).
+
+    Once per optimizer step, before the update, `update(batch_entropy)` with the same signal as
+    STARE's gate (stare.EntropyGate): the step's token-mean entropy under pi_old, all ranks. The
+    error is H - target (positive: too much entropy), alpha = clip(kp e + ki I, coef_min, coef_max)
+    with I the sum of the earlier steps' errors (the reference adds this step's error after using
+    it), so alpha > 0 sharpens (Eq. 25) and alpha < 0 flattens. The integral is not bounded (no
+    anti-windup), as in the reference; only alpha is clipped. A non-finite entropy leaves the state
+    unchanged and `update` returns False. Starts at alpha = 0 (the GRPO loss).
+    """
+
+    def __init__(self, target_entropy=0.3, kp=1.0, ki=0.01, coef_min=-1.0, coef_max=1.0):
+        if not (math.isfinite(target_entropy) and kp >= 0 and ki >= 0 and coef_min <= coef_max):
+            raise ValueError(f"need a finite target, kp, ki >= 0 and coef_min <= coef_max; got "
+                             f"{target_entropy=}, {kp=}, {ki=}, {coef_min=}, {coef_max=}")
+        self.target_entropy, self.kp, self.ki = float(target_entropy), float(kp), float(ki)
+        self.coef_min, self.coef_max = float(coef_min), float(coef_max)
+        self.integral = 0.0  # sum of the errors of the steps so far
+        self.error = 0.0  # this step's H - target
+        self.coef = 0.0  # alpha for this step's update
+        self.current_entropy = float("nan")  # last accepted batch entropy
+
+    def update(self, batch_entropy):
+        """Feed the batch-mean entropy (float or 0-dim tensor); Eq. 26. Returns False (state
+        unchanged) if it is not finite."""
+        entropy = float(batch_entropy)  # one host read per optimizer step
+        if not math.isfinite(entropy):
+            return False
+        self.current_entropy, self.error = entropy, entropy - self.target_entropy
+        unclipped = self.kp * self.error + self.ki * self.integral
+        self.coef = min(max(unclipped, self.coef_min), self.coef_max)
+        self.integral += self.error
+        return True
+
+    _STATE_KEYS = ("target_entropy", "kp", "ki", "coef_min", "coef_max", "integral", "error",
+                   "coef", "current_entropy")
+
+    def state_dict(self):
+        return {key: getattr(self, key) for key in self._STATE_KEYS}
+
+    def load_state_dict(self, state):
+        missing, unknown = set(self._STATE_KEYS) - set(state), set(state) - set(self._STATE_KEYS)
+        if missing or unknown:
+            raise KeyError(f"EntropyPIController state: missing keys {sorted(missing)}, unknown "
+                           f"keys {sorted(unknown)}")
+        for key in self._STATE_KEYS:
+            setattr(self, key, state[key])
+
+    def __repr__(self):
+        items = self.state_dict().items()
+        return "EntropyPIController(" + ", ".join(f"{k}={v!r}" for k, v in items) + ")"
+
+
 def token_selection(method, batch, cfg, gate=None, generator=None):
     """What `method` changes, per token, decided on `batch` -> (selection dict of [B, T] tensors,
     metrics dict). The sets of Eqs. 7-8 (stare), 12-18 (the baselines) and STEER's weights (Eqs. 22,
-    23); W-REINFORCE's weight (Eq. 24) needs no batch-level decision.
+    23), EntroPIC's high-probability tokens (Eq. 25); W-REINFORCE's weight (Eq. 24) needs no
+    batch-level decision.
 
     Call it on a micro-batch (the references' behaviour) or once on the whole optimizer step, then
     slice the tensors per micro-batch for `policy_loss(..., selection=...)`. Uses batch["logprobs"]
@@ -323,13 +391,19 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
                                           cfg.high_entropy_convention)}, {}
     if method == "steer":  # the weights' scale is the batch's largest |Omega|: batch-level
         sensitivity = batch["sensitivity"] if cfg.steer_estimate == "sensitivity" else None
-        omega = steer_entropy_change(logprobs, batch["old_logprobs"], advantages, batch["entropy"],
-                                     mask, sensitivity)
+        # H under pi_old, as the reference, also in micro scope (where `entropy` is pi_theta's)
+        entropy = batch.get("old_entropy", batch["entropy"])
+        omega = steer_entropy_change(logprobs, batch["old_logprobs"], advantages, entropy, mask,
+                                     sensitivity)
         weights, omega_max = steer_weights(omega, mask, cfg.steer_weight_min,
                                            cfg.steer_weight_max, cfg.steer_linear)
         num_valid = mask.bool().sum().clamp(min=1)
         return {"weights": weights}, {"steer/omega_max": omega_max,
                                       "steer/weight_mean": (weights * mask).sum() / num_valid}
+    if method == "entropic":
+        high_prob = entropic_high_prob_mask(logprobs, mask, cfg.entropic_prob_threshold)
+        return {"high_prob": high_prob}, {
+            "entropic/high_prob_frac": high_prob.sum() / mask.bool().sum().clamp(min=1)}
     return {}, {}  # grpo, entropy_bonus, w_reinforce: nothing to select
 
 
@@ -351,22 +425,33 @@ def loss_mask(method, mask, selection, cfg):
     return valid
 
 
+def control_mask(method, mask, selection):
+    """The tokens of EntroPIC's control term (Eq. 25), which it aggregates over its own count as the
+    reference does: the trainer sums this mask over the step too. None for the other methods.
+    mask [B, T] -> bool [B, T] or None."""
+    return mask.bool() & selection["high_prob"] if method == "entropic" else None
+
+
 def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, num_tokens=None,
-                num_sequences=None, token_weights=None):
+                num_sequences=None, token_weights=None, controller=None, num_control_tokens=None,
+                num_control_sequences=None):
     """The policy loss of `method` on `batch` -> (scalar loss to minimise, metrics of 0-dim
     tensors): the method's token loss (Eq. 2 changed by Eqs. 9, 12-19, 23, 24), times token_weights
-    (Eq. 11), aggregated by Eq. 3.
+    (Eq. 11), aggregated by Eq. 3; EntroPIC adds its control term (Eq. 25).
 
     selection: from `token_selection` (sliced to this batch); None = select within this batch.
     num_tokens / num_sequences: the optimizer step's counts of `loss_mask` tokens / non-empty sequences (see
     stare.aggregate_loss), so that micro-batch losses add up to the full-batch loss.
     token_weights: [B, T] constants multiplying every token's loss before aggregation (e.g. truncated importance
     weights pi_old / pi_rollout, Eq. 11), or None.
+    controller: EntroPIC's EntropyPIController, whose `coef` scales Eq. 25's term (None: 0, GRPO's
+    loss); num_control_tokens / num_control_sequences: the step's counts of `control_mask`.
 
     Every method returns "touched_frac", the fraction of valid tokens whose loss term differs from
     GRPO's (STARE, STEER: reweighted; STAPO: silenced; Lp-Reg: regularised; Clip-Cov: detached;
     KL-Cov: penalised; 80/20: gradient removed; entropy bonus: all, when its coefficient is not 0;
-    W-REINFORCE: the positive-advantage ones, when lambda is not 1), and clipped_surrogate's stats.
+    W-REINFORCE: the positive-advantage ones, when lambda is not 1; EntroPIC: the high-probability
+    ones, when alpha is not 0), and clipped_surrogate's stats.
     When the selection is made here, its own metrics (stare/..., stapo/...) are included; with
     `selection=` they come from the token_selection call that made it.
     """
@@ -380,8 +465,9 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
     surrogate, surrogate_stats = stare.clipped_surrogate(
         logprobs, old_logprobs, batch["advantages"], cfg.clip_low, cfg.clip_high, cfg.dual_clip,
         mask=mask)
+    ratio = torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))  # [B, T]
     # -A r without clipping: Lp-Reg's regularised tokens and KL-Cov's base loss
-    unclipped = -token_adv * torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))
+    unclipped = -token_adv * ratio
 
     # ----------------------------------------------- ALGO LOGIC: one branch per method -------------------------------
     # Eq. 12: STAPO's change is in the mask, spurious tokens leave loss and denominator
@@ -416,6 +502,10 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
         positive = token_adv > 0
         token_loss = torch.where(positive, cfg.w_reinforce_lambda * surrogate, surrogate)
         touched = positive & (cfg.w_reinforce_lambda != 1)
+    elif method == "entropic":  # Eq. 25: GRPO's loss, plus the control term below
+        token_loss = surrogate
+        coef = controller.coef if controller is not None else 0.0
+        touched = selection["high_prob"] & (coef != 0)
     else:  # entropy_bonus, Eq. 19: -beta H per token, H with grad
         token_loss = surrogate - cfg.entropy_coef * batch["entropy"]
         touched = torch.full_like(valid, cfg.entropy_coef != 0)
@@ -426,6 +516,13 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
     loss = stare.aggregate_loss(
         token_loss, loss_mask(method, mask, selection, cfg), cfg.agg_mode, num_tokens,
         num_sequences, cfg.loss_scale_factor)
+    if method == "entropic":
+        # Eq. 25: alpha x the mean of -r |A| over the high-probability tokens, aggregated over their
+        # own count; the ratio unclipped, no importance weight (both as the reference)
+        control = stare.aggregate_loss(
+            -token_adv.abs() * ratio, control_mask(method, mask, selection),
+            cfg.agg_mode, num_control_tokens, num_control_sequences, cfg.loss_scale_factor)
+        loss = loss + coef * control
     num_valid = valid.sum().clamp(min=1)
     metrics.update(surrogate_stats)
     metrics["touched_frac"] = (touched & valid).sum() / num_valid

@@ -128,6 +128,19 @@ class GateConfig:
 
 
 @dataclasses.dataclass
+class EntropicConfig:
+    """EntroPIC's PI controller of its coefficient alpha (Eq. 26): the arguments of
+    baselines.EntropyPIController. Defaults: the reference's script (yk7333/EntroPIC)."""
+
+    # the entropy it holds; null = gate.target_entropy (both controllers hold the same target)
+    target_entropy: float | None = None
+    kp: float = 1.0  # proportional gain on H - target
+    ki: float = 0.01  # integral gain on the sum of the earlier steps' errors
+    coef_min: float = -1.0  # alpha is clipped to [coef_min, coef_max]; the integral is not
+    coef_max: float = 1.0
+
+
+@dataclasses.dataclass
 class LossConfig:
     """Hyperparameters of the policy loss. Each method's own knobs default to its paper's reference
     scripts (Eqs. 12-19, 22-24). The clipped surrogate is shared by every method (a controlled
@@ -182,6 +195,8 @@ class LossConfig:
     steer_linear: bool = False  # False: exp(-k |Omega|) (run_exp.sh, the paper's); True: linear
     steer_estimate: str = "steer"  # steer: |A r (1 - pi)(log pi + H)|; sensitivity: |A r S| (Eq. 5)
     w_reinforce_lambda: float = 0.1  # lambda: weight of positive-advantage tokens (paper: 0.1)
+    # --- EntroPIC (Eq. 25); its controller is the `entropic` section ---
+    entropic_prob_threshold: float = 0.95  # its term acts on tokens with pi above this (reference)
 
     def __post_init__(self):
         checks = {
@@ -203,6 +218,7 @@ class LossConfig:
             "steer_weight_min": 0 < self.steer_weight_min <= min(1.0, self.steer_weight_max),
             "steer_estimate": self.steer_estimate in ("steer", "sensitivity"),
             "w_reinforce_lambda": self.w_reinforce_lambda >= 0,
+            "entropic_prob_threshold": 0 <= self.entropic_prob_threshold <= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -349,6 +365,7 @@ class Config:
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     gate: GateConfig = dataclasses.field(default_factory=GateConfig)
+    entropic: EntropicConfig = dataclasses.field(default_factory=EntropicConfig)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -533,7 +550,7 @@ POSITIVE = (
 NON_NEGATIVE = (
     "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
     "train.save_every", "eval.every", "rollout.sync_check_every", "algorithm.max_num_gen_batches",
-    "gate.alpha", "optim.max_nonfinite_steps")
+    "gate.alpha", "optim.max_nonfinite_steps", "entropic.kp", "entropic.ki")
 
 
 def check(cfg, world_size=None):
@@ -583,6 +600,11 @@ def _rules(cfg, world_size):
         ("gate.m", cfg.gate.m > 0, "must be > 0"),
         ("gate.w_max", cfg.gate.w_max >= 1, "must be >= 1"),
         ("gate.m_min", 0 <= cfg.gate.m_min <= 1, "must be in [0, 1]"),
+        ("entropic.target_entropy",
+         cfg.entropic.target_entropy is None or cfg.entropic.target_entropy > 0,
+         "must be > 0 or null (gate.target_entropy)"),
+        ("entropic.coef_max", cfg.entropic.coef_min <= cfg.entropic.coef_max,
+         f"must be >= entropic.coef_min ({cfg.entropic.coef_min})"),
         ("data.train_files", bool(cfg.data.train_files), "needs at least one file"),
         ("train.wandb", not t.wandb or importlib.util.find_spec("wandb") is not None,
          "needs the wandb package (pip install wandb)"),

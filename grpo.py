@@ -9,9 +9,11 @@ checkpoints); equation numbers refer to docs/method.md.
   group_responses  group-normalised advantages, this rank's share of the groups (Eq. 1)
   old_policy_pass  one no-grad forward: old log-probs, entropies, sensitivities S, Lp-Reg's proxy
                    (Eqs. 4-5, 13)
-  update_gate      the batch's token-mean entropy over all ranks drives STARE's gate (Eq. 10)
-  select_tokens    every method's token selection (Eqs. 7, 12-18), once over the whole step
-  policy_update    the chosen method's loss over token-budget micro-batches (Eqs. 2-3, 8-9, 11-19)
+  update_gate      the batch's token-mean entropy over all ranks drives STARE's gate (Eq. 10) and
+                   EntroPIC's controller (Eq. 26)
+  select_tokens    every method's token selection (Eqs. 7, 12-18, 23, 25), once over the whole step
+  policy_update    the chosen method's loss over token-budget micro-batches (Eqs. 2-3, 8-9, 11-19,
+                   23-25)
   rollout.sync_engine  the new weights into the engine (and a log-prob probe)
   batch_metrics    the batch's statistics and the predicted entropy change by quadrant (Eq. 6)
 
@@ -250,8 +252,9 @@ def old_policy_pass(model, responses, cfg, device):
                 responses[i].proxy_logprobs = row_proxy
 
 
-def update_gate(gate, responses, device):
-    """The batch's token-mean entropy under pi_old, over all ranks, drives the gate once per step (Eq. 10)."""
+def update_gate(gate, responses, device, controller=None):
+    """The batch's token-mean entropy under pi_old, over all ranks, drives the gate once per step
+    (Eq. 10), and EntroPIC's controller (Eq. 26) when one is given: the same signal for both."""
     sums = runs.all_reduce(
         {
             "tokens": sum(float(r.policy_mask.sum()) for r in responses),
@@ -261,7 +264,7 @@ def update_gate(gate, responses, device):
         device)
     tokens = max(sums["tokens"], 1)
     accepted = gate.update(sums["entropy"] / tokens)
-    return sums["tokens"], {
+    metrics = {
         "train/entropy": sums["entropy"] / tokens,
         "train/surprisal": sums["surprisal"] / tokens,
         "stare/gate_update_accepted": float(accepted),
@@ -269,6 +272,12 @@ def update_gate(gate, responses, device):
         "stare/w": gate.w,
         "stare/m": gate.m,
     }
+    if controller is not None:  # the state after this step's error: coef is what the update uses
+        accepted = controller.update(sums["entropy"] / tokens)
+        metrics.update({"entropic/update_accepted": float(accepted),
+                        "entropic/error": controller.error, "entropic/coef": controller.coef,
+                        "entropic/integral": controller.integral})
+    return sums["tokens"], metrics
 
 
 def select_tokens(responses, cfg, gate, step, device):
@@ -311,7 +320,8 @@ def loss_batch(rows, lay_out, method, device):
     return batch
 
 
-def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=None):
+def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=None,
+                  controller=None):
     """One optimizer step per mini-batch: the method's loss over token-budget micro-batches,
     gradient clipping, AdamW; a non-finite loss or gradient norm on any rank skips the step. With a
     LossScaler (float16 compute) the loss is scaled before backward and the gradients unscaled
@@ -329,7 +339,7 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=N
         for indices in modeling.equal_count_micro_batches(rows, cfg.train.micro_token_budget, device):
             share = len(indices) / len(rows)  # of the mini-batch's rows; 0: a padding batch
             loss, stats = micro_batch_loss(model, [rows[i] for i in indices] or rows[:1], share,
-                                           denominators, cfg, gate, step)
+                                           denominators, cfg, gate, step, controller)
             (loss * loss_scale).backward()  # loss_scale: float16's dynamic scaling (LossScaler)
             runs.add_sums(mini_sums, stats)
             micro_batch_count += 1
@@ -363,20 +373,27 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=N
 
 def loss_denominators(rows, cfg, device):
     """Step scope: the mini-batch's count of loss tokens and non-empty sequences over all ranks (the
-    global token mean, Eq. 3). Micro scope (the reference): None, each micro-batch uses its own
-    mean."""
+    global token mean, Eq. 3), and those of EntroPIC's control term (Eq. 25). Micro scope (the
+    reference): None, each micro-batch uses its own mean."""
     if cfg.algorithm.selection_scope != "step":
         return None
-    tokens = sequences = 0.0
+    method = cfg.algorithm.method
+    # the same keys on every rank and for every method (0 where there is no control term)
+    counts = dict.fromkeys(
+        ("num_tokens", "num_sequences", "num_control_tokens", "num_control_sequences"), 0.0)
     for row in rows:
         selection = {k: v[None] for k, v in (row.selection or {}).items()}
         # [1, T]
-        mask = baselines.loss_mask(cfg.algorithm.method, row.policy_mask[None], selection, cfg.loss)
-        tokens, sequences = tokens + float(mask.sum()), sequences + float(mask.any())
-    return runs.all_reduce({"num_tokens": tokens, "num_sequences": sequences}, device)
+        mask = baselines.loss_mask(method, row.policy_mask[None], selection, cfg.loss)
+        control = baselines.control_mask(method, row.policy_mask[None], selection)
+        control = torch.zeros_like(mask) if control is None else control
+        runs.add_sums(counts, {"num_tokens": float(mask.sum()), "num_sequences": float(mask.any()),
+                               "num_control_tokens": float(control.sum()),
+                               "num_control_sequences": float(control.any())})
+    return runs.all_reduce(counts, device)
 
 
-def micro_batch_loss(model, rows, share, denominators, cfg, gate, step):
+def micro_batch_loss(model, rows, share, denominators, cfg, gate, step, controller=None):
     """One micro-batch's part of its mini-batch's loss (forward only) -> (the loss to backward, its
     value and statistics as device sums). share: its rows' share of the mini-batch's rows; 0 for a
     padding batch, which only keeps this rank in step with the others' collectives."""
@@ -390,6 +407,7 @@ def micro_batch_loss(model, rows, share, denominators, cfg, gate, step):
         return packed.to_rows(torch.cat(list(values)).to(device))
 
     batch = loss_batch(rows, rows_of, cfg.algorithm.method, device)
+    batch["old_entropy"] = batch["entropy"]  # STEER's weights read pi_old's (micro scope too)
     # pi_theta's
     batch["logprobs"], batch["entropy"] = packed.to_rows(logprobs), packed.to_rows(entropy)
     batch["mask"] = batch["mask"] & (share > 0)
@@ -407,7 +425,7 @@ def micro_batch_loss(model, rows, share, denominators, cfg, gate, step):
         data.derive_seed(cfg.train.seed, "selection", step))
     loss, loss_metrics = baselines.policy_loss(
         cfg.algorithm.method, batch, cfg.loss, selection=selection, gate=gate, generator=generator,
-        token_weights=token_weights, **(denominators or {}))
+        token_weights=token_weights, controller=controller, **(denominators or {}))
     # step scope: the loss is already this batch's share of the global mean and FSDP averages
     # gradients over ranks, hence x world; micro scope: each micro-batch's mean weighted by its
     # share of the rows (0 for a padding batch)
@@ -479,13 +497,13 @@ def train_step(run, state, step, stage=lambda name: None, first=False):
     stage("old log-probs")
     with timer("time/old_logprobs"):
         old_policy_pass(run.model, responses, cfg, device)
-    num_tokens, gate_metrics = update_gate(run.gate, responses, device)
+    num_tokens, gate_metrics = update_gate(run.gate, responses, device, run.controller)
     selection_metrics = select_tokens(responses, cfg, run.gate, step, device)
     learning_rate = run.optimizer.param_groups[0]["lr"]  # the rate this step uses
     stage("update")
     with timer("time/update"):
         update_metrics = policy_update(run.model, run.optimizer, responses, cfg, run.gate, step,
-                                       device, state.scaler)
+                                       device, state.scaler, run.controller)
         run.scheduler.step()
     stage("weight sync")
     with timer("time/sync"):

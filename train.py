@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import baselines
 import checkpoints
 import config
 import data
@@ -174,6 +175,8 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     gate: stare.EntropyGate
     checkpoint: Path | None
+    # EntroPIC's controller (Eq. 26); None unless algorithm.method is entropic
+    controller: "baselines.EntropyPIController | None" = None
 
 
 @dataclasses.dataclass
@@ -217,7 +220,8 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
                   out_dir=Path(cfg.train.out_dir), tokenizer=tokenizer, task=task,
                   benchmarks=benchmarks, engine=engine, model=model, optimizer=optimizer,
                   scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_lambda(cfg)),
-                  gate=stare.EntropyGate(**vars(cfg.gate)), checkpoint=checkpoint)
+                  gate=stare.EntropyGate(**vars(cfg.gate)), checkpoint=checkpoint,
+                  controller=entropy_controller(cfg))
         if export_only:
             return run, None
         state = resume(run, checkpoint) if checkpoint is not None else TrainerState()
@@ -332,7 +336,8 @@ def load_task(cfg, tokenizer, rank):
 
 
 def resume(run, checkpoint):
-    """Model, optimizer, scheduler, gate and trainer state from a checkpoint; the engine gets the weights."""
+    """Model, optimizer, scheduler, gate, EntroPIC's controller and trainer state from a checkpoint;
+    the engine gets the weights."""
     saved = checkpoints.load_checkpoint(checkpoint, run.model, run.optimizer, run.rank)
     run.scheduler.load_state_dict(saved.pop("scheduler"))
     # the optimizer's saved settings give way to this run's config (a changed optim.lr takes effect,
@@ -348,6 +353,12 @@ def resume(run, checkpoint):
     carried = ("gate_on", "current_entropy") + (("w", "m") if run.gate.adaptive else ())
     run.gate.load_state_dict(
         {**run.gate.state_dict(), **{key: saved["gate"][key] for key in carried}})
+    # EntroPIC's controller: its integral and last error carry over (the reference's restart at 0);
+    # gains, bounds and target come from this run's config. A run that had none starts at 0.
+    if run.controller is not None and saved.get("entropic") is not None:
+        carried = ("integral", "error", "coef", "current_entropy")
+        run.controller.load_state_dict(
+            {**run.controller.state_dict(), **{key: saved["entropic"][key] for key in carried}})
     # the engine started from model.path
     rollout.sync_weights(
         run.engine, rollout.full_parameters(run.model, rollout.engine_dtype(run.engine)))
@@ -371,7 +382,18 @@ def trainer_state(run, state):
         **dataclasses.asdict(state),
         "scheduler": run.scheduler.state_dict(),
         "gate": run.gate.state_dict(),
+        "entropic": run.controller.state_dict() if run.controller is not None else None,
     }
+
+
+def entropy_controller(cfg):
+    """EntroPIC's PI controller (Eq. 26) when algorithm.method is entropic, else None; its target
+    defaults to the gate's, so both hold the same entropy."""
+    if cfg.algorithm.method != "entropic":
+        return None
+    target = cfg.entropic.target_entropy
+    target = cfg.gate.target_entropy if target is None else target
+    return baselines.EntropyPIController(**{**vars(cfg.entropic), "target_entropy": target})
 
 
 def evaluation(run):

@@ -1,6 +1,7 @@
 """Run by tests/test_train.py under `torchrun --nproc_per_node 2`: every method of
 baselines.METHODS through train.py's own start-up and steps, on one engine and one sharded model,
-two steps each from a fresh gate and trainer state, with the weight sync probed at every step.
+two steps each from a fresh gate (and controller) and trainer state, with the weight sync probed
+at every step.
 Writes each method's step metrics, with the parameters left unsharded after each step, as JSON,
 and an HF export of the final weights.
 
@@ -42,7 +43,8 @@ def main(result_path, config_path, overrides):
                 cfg, algorithm=dataclasses.replace(cfg.algorithm, method=method))
             config.check(method_cfg, world_size=world)
             method_run = dataclasses.replace(run, cfg=method_cfg,
-                                             gate=stare.EntropyGate(**vars(cfg.gate)))
+                                             gate=stare.EntropyGate(**vars(cfg.gate)),
+                                             controller=train.entropy_controller(method_cfg))
             state = train.TrainerState()
             results[method] = []
             for step in (1, 2):

@@ -404,6 +404,23 @@ def test_steer_matches_the_reference_loss_and_gradient(linear, w_min, w_max):
     assert 0 < metrics["touched_frac"] <= 1
 
 
+def test_steer_weights_read_the_old_entropy_in_micro_scope():
+    # the trainer's micro-batches carry pi_theta's entropy in "entropy" and pi_old's in
+    # "old_entropy": the weights use pi_old's, as the reference does (its old-log-prob pass)
+    batch = make_batch(seed=34, batch_size=8, width=10)
+    theta_entropy = batch["entropy"] * 1.7 + 0.1
+    micro = {**batch, "entropy": theta_entropy, "old_entropy": batch["entropy"]}
+    cfg = config.LossConfig()
+    loss, _ = baselines.policy_loss("steer", micro, cfg)
+    token_adv = batch["advantages"][:, None].expand(8, 10) * batch["mask"]
+    expected = steer_reference_loss(batch["logprobs"], batch["old_logprobs"], token_adv,
+                                    batch["mask"], batch["entropy"], 0.8, 1.2, False)
+    torch.testing.assert_close(loss, expected, atol=1e-7, rtol=1e-5)
+    on_theta = steer_reference_loss(batch["logprobs"], batch["old_logprobs"], token_adv,
+                                    batch["mask"], theta_entropy, 0.8, 1.2, False)
+    assert abs(loss.item() - on_theta.item()) > 1e-4
+
+
 def test_steer_estimate_is_the_sampled_logit_term_of_eq5():
     # Eq. 22, on-policy: |Omega| pi_k = |dH| / eta when a step moves only the sampled token's own
     # logit, by its share eta A (1 - pi_k) of the policy-gradient step eta A (e_k - pi); and the
@@ -551,7 +568,11 @@ NEUTRAL = {
     "kl_cov": {"kl_cov_ratio": 0.0},
     "high_entropy": {"high_entropy_ratio": 1.0},
     "entropy_bonus": {"entropy_coef": 0.0},
+    "entropic": {"entropic_prob_threshold": 1.0},
 }
+# EntroPIC's coefficient alpha, for the tests that run every method (the others ignore it)
+CONTROLLER = baselines.EntropyPIController()
+CONTROLLER.coef = 0.5
 
 
 @pytest.mark.parametrize("method", sorted(NEUTRAL))
@@ -563,7 +584,7 @@ def test_neutral_setting_reproduces_grpo_exactly(method):
     grpo_loss, _ = baselines.policy_loss("grpo", batch, cfg)
     (grpo_grad,) = torch.autograd.grad(grpo_loss, batch["logprobs"])
     loss, metrics = baselines.policy_loss(
-        method, batch, cfg, generator=torch.Generator().manual_seed(0))
+        method, batch, cfg, generator=torch.Generator().manual_seed(0), controller=CONTROLLER)
     (grad,) = torch.autograd.grad(loss, batch["logprobs"])
     assert torch.equal(loss, grpo_loss) and torch.equal(grad, grpo_grad)
     assert metrics["touched_frac"] == 0
@@ -591,6 +612,7 @@ ACTIVE = {
     "entropy_bonus": {"entropy_coef": 0.01},
     "steer": {},
     "w_reinforce": {},
+    "entropic": {"entropic_prob_threshold": 0.3},
 }
 
 
@@ -609,7 +631,10 @@ def test_step_selection_makes_micro_batches_add_up(method, agg_mode):
         (m != m.flatten()[0]).any() for m in selection.values())
     denominator = baselines.loss_mask(method, batch["mask"], selection, cfg)
     num_tokens, num_sequences = denominator.sum(), (denominator.sum(-1) > 0).sum()
-    full, _ = baselines.policy_loss(method, batch, cfg, selection=selection)
+    control = baselines.control_mask(method, batch["mask"], selection)  # EntroPIC's own counts
+    counts = {} if control is None else {"num_control_tokens": control.sum(),
+                                         "num_control_sequences": (control.sum(-1) > 0).sum()}
+    full, _ = baselines.policy_loss(method, batch, cfg, selection=selection, controller=CONTROLLER)
     (full_grad,) = torch.autograd.grad(full, batch["logprobs"])
 
     accumulated = 0.0
@@ -618,7 +643,7 @@ def test_step_selection_makes_micro_batches_add_up(method, agg_mode):
         micro_selection = {key: value[rows] for key, value in selection.items()}
         loss, _ = baselines.policy_loss(
             method, micro, cfg, selection=micro_selection, num_tokens=num_tokens,
-            num_sequences=num_sequences)
+            num_sequences=num_sequences, controller=CONTROLLER, **counts)
         accumulated = accumulated + loss
     (accumulated_grad,) = torch.autograd.grad(accumulated, batch["logprobs"])
     torch.testing.assert_close(accumulated, full, atol=1e-6, rtol=1e-5)
@@ -632,7 +657,8 @@ def test_every_method_reports_the_same_touched_key_and_one_switch_selects_it():
         cfg = config.LossConfig(**ACTIVE[method])
         selection, _ = baselines.token_selection(
             method, batch, cfg, generator=torch.Generator().manual_seed(0))
-        loss, metrics = baselines.policy_loss(method, batch, cfg, selection=selection)
+        loss, metrics = baselines.policy_loss(method, batch, cfg, selection=selection,
+                                              controller=CONTROLLER)
         assert torch.isfinite(loss) and loss.dim() == 0
         keys = keys or set(metrics)
         assert set(metrics) == keys and "touched_frac" in keys
@@ -648,19 +674,21 @@ def test_token_advantages_bf16_and_empty_batches(method):
     generator = torch.Generator().manual_seed(0)
     selection, _ = baselines.token_selection(method, batch, cfg, generator=generator)
     # [B, T] advantages (the broadcast of [B]) give the same loss
-    loss, _ = baselines.policy_loss(method, batch, cfg, selection=selection)
+    loss, _ = baselines.policy_loss(method, batch, cfg, selection=selection, controller=CONTROLLER)
     token_batch = dict(batch, advantages=batch["advantages"][:, None].expand(6, 9))
-    assert torch.equal(
-        baselines.policy_loss(method, token_batch, cfg, selection=selection)[0], loss)
+    assert torch.equal(baselines.policy_loss(method, token_batch, cfg, selection=selection,
+                                             controller=CONTROLLER)[0], loss)
     # bf16 log-probs run and stay close to float32
     bf16_batch = {k: (v.detach().bfloat16() if v.is_floating_point() and k != "advantages" else v)
                   for k, v in batch.items()}
-    bf16_loss, _ = baselines.policy_loss(method, bf16_batch, cfg, selection=selection)
+    bf16_loss, _ = baselines.policy_loss(method, bf16_batch, cfg, selection=selection,
+                                         controller=CONTROLLER)
     assert bf16_loss.dtype == torch.float32 and bf16_loss.item() == pytest.approx(
         loss.item(), abs=0.05)
     # a batch with no rows gives 0, not an error
     empty = {k: v[:0] for k, v in batch.items()}
-    assert baselines.policy_loss(method, empty, cfg, generator=generator)[0].item() == 0.0
+    assert baselines.policy_loss(method, empty, cfg, generator=generator,
+                                 controller=CONTROLLER)[0].item() == 0.0
 
 
 def test_selections_make_no_host_sync():
@@ -678,7 +706,8 @@ def test_selections_make_no_host_sync():
         # torch.rand has no meta generator; its selection is select_top_k, checked here
         if method == "clip_cov":
             continue
-        loss, metrics = baselines.policy_loss(method, batch, config.LossConfig(**ACTIVE[method]))
+        loss, metrics = baselines.policy_loss(method, batch, config.LossConfig(**ACTIVE[method]),
+                                              controller=CONTROLLER)
         assert loss.device.type == "meta"
 
 

@@ -133,6 +133,12 @@ def test_every_method_trains_end_to_end(method, every_method):
         assert metrics[0]["train/touched_frac"] > 0 and metrics[0]["stare/pos_selected_frac"] > 0
     if method == "grpo":
         assert all(record["train/touched_frac"] == 0 for record in metrics)
+    if method == "entropic":  # the controller acts from step 1 (below the target: alpha < 0)
+        assert all(m["entropic/coef"] < 0 and m["train/touched_frac"] > 0 for m in metrics)
+        assert metrics[1]["entropic/integral"] == pytest.approx(
+            metrics[0]["entropic/error"] + metrics[1]["entropic/error"], abs=3e-6)
+    else:
+        assert not any(key.startswith("entropic/") for key in metrics[0])
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32)
     assert torch.isfinite(exported(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
 
@@ -772,6 +778,28 @@ def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path, defa
     assert metrics[1]["rollout/sync_probe_error"] < 1e-4
     assert "this run's values apply: optim.lr" in completed.stderr
     assert "lr: 0.0001" in (out / "config.yaml").read_text()
+
+
+def test_a_resumed_entropic_run_continues_its_controller_exactly(tiny_dir, tmp_path):
+    # 3 steps with a checkpoint after each, against the same run resumed from step 1's checkpoint:
+    # the integral, alpha and every other metric of steps 2 and 3 bitwise
+    import itertools
+
+    settings = ["algorithm.method=entropic", "train.total_steps=3", "train.save_every=1",
+                "train.keep_last=3", "entropic.ki=0.5"]
+    full = check_finished(run_train(tiny_dir, tmp_path / "full", *settings), tmp_path / "full", 3)
+    out = copy_run(tmp_path / "full", tmp_path / "resumed", steps=1)
+    resumed = check_finished(run_train(tiny_dir, out, *settings), out, 3)
+    for record in resumed:  # the resumed run probes the sync at its first step
+        record.pop("rollout/sync_probe_error", None)
+    for record in full:
+        record.pop("rollout/sync_probe_error", None)
+    assert comparable(resumed) == comparable(full)
+    integrals = [m["entropic/integral"] for m in full if m["step"] > 0]
+    errors = [m["entropic/error"] for m in full if m["step"] > 0]
+    # metrics.jsonl rounds to 6 digits
+    assert integrals == pytest.approx(list(itertools.accumulate(errors)), abs=3e-6)
+    assert len(set(integrals)) == 3 and all(m["entropic/coef"] != 0 for m in full if m["step"])
 
 
 # --------------------------------------------------------------------------------------------------
