@@ -1,5 +1,5 @@
 """tools/bench.py, tools/trl_compare.py and tools/gpu_smoke.py: trl-compare keeps TRL optional and
-sets its GRPOTrainer up to do the work of train.py's step; gpu-smoke's engine cycles run on CPU as
+sets its GRPOTrainer up to do the work of grpo.py's step; gpu-smoke's engine cycles run on CPU as
 they will on a GPU (sleep mode aside), and the command says it needs CUDA."""
 
 import argparse
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools import bench, gpu_smoke, trl_compare
 import data
+from tools import bench, gpu_smoke, trl_compare
 
 
 def test_bench_does_not_import_trl():
@@ -106,14 +106,14 @@ def test_update_runs_train_stages_on_cpu():
 
 SMOKE_CPU = """
 import json, sys
-import train
+import runs
 from tools import bench, gpu_smoke
 shape = dict(bench.QWEN25["tiny"], head_dim=64, num_attention_heads=2, num_key_value_heads=1, vocab_size=320,
              max_position_embeddings=512)
 directory = gpu_smoke.smoke_model(sys.argv[1], shape)
 rank, world, device = runs.setup_distributed()
-engine = gpu_smoke.engine_cycles(directory, device, cycles=2, sleep=False, kv_cache_gib=0.1, prompts=4,
-                             max_tokens=16)
+engine = gpu_smoke.engine_cycles(directory, device, cycles=2, sleep=False, kv_cache_gib=0.1,
+                                 prompts=4, max_tokens=16)
 trainer = gpu_smoke.trainer_cycles(directory, device, prompts=4, max_tokens=16)
 print(json.dumps({"engine": engine, "trainer": trainer}))
 """
