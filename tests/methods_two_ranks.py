@@ -1,5 +1,5 @@
 """Run by tests/test_train.py under `torchrun --nproc_per_node 2`: every method of
-baselines.METHODS through train.py's own start-up and steps, on one engine and one sharded model,
+baselines.METHODS (and the VARIANTS below) through train.py's own start-up and steps, on one engine and one sharded model,
 two steps each from a fresh gate (and controller) and trainer state, with the weight sync probed
 at every step.
 Writes each method's step metrics, with the parameters left unsharded after each step, as JSON,
@@ -31,16 +31,24 @@ import stare
 import train
 
 
+# settings beyond the methods' defaults, run the same way on the same engine and model
+VARIANTS = {
+    # the reference's per-micro-batch selection, two optimizer steps per training step, a small
+    # token budget
+    "stare_micro_scope": ["algorithm.method=stare", "algorithm.selection_scope=micro",
+                          "train.mini_batch_size=8", "train.micro_token_budget=600"]}
+
+
 def main(result_path, config_path, overrides):
     cfg = config.load(config_path, overrides)
     rank, world, device = runs.setup_distributed()
     lock = runs.RunLock(cfg.train.out_dir)
     run, _ = train.start_run(cfg, rank, world, device, lock)
+    settings = {method: [f"algorithm.method={method}"] for method in baselines.METHODS}
     results = {}
     try:
-        for method in baselines.METHODS:
-            method_cfg = dataclasses.replace(
-                cfg, algorithm=dataclasses.replace(cfg.algorithm, method=method))
+        for method, changes in {**settings, **VARIANTS}.items():
+            method_cfg = config.apply_overrides(cfg, changes)
             config.check(method_cfg, world_size=world)
             method_run = dataclasses.replace(run, cfg=method_cfg,
                                              gate=stare.EntropyGate(**vars(cfg.gate)),

@@ -224,13 +224,11 @@ def test_config_errors_exit_before_writing(tmp_path):
     assert not (tmp_path / "never").exists()
 
 
-def test_micro_scope_and_two_mini_batches_on_two_ranks(tiny_dir, tmp_path):
+def test_micro_scope_and_two_mini_batches_on_two_ranks(every_method):
     # the reference's per-micro-batch selection, two optimizer steps per training step, a small
-    # token budget
-    completed = run_train(
-        tiny_dir, tmp_path / "run", "algorithm.selection_scope=micro", "train.mini_batch_size=8",
-        "train.micro_token_budget=600", "rollout.sync_check_every=1", nproc=2)
-    metrics = check_finished(completed, tmp_path / "run")
+    # token budget (methods_two_ranks.VARIANTS), in the every_method process pair
+    metrics = every_method[0]["stare_micro_scope"]
+    assert [m["step"] for m in metrics] == [1, 2]
     for record in metrics:
         assert record["rollout/sync_probe_error"] < 1e-4  # both optimizer steps reached the engine
         assert record["train/micro_batches"] >= 4 and record["train/skipped_updates"] == 0
