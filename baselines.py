@@ -432,6 +432,52 @@ def control_mask(method, mask, selection):
     return mask.bool() & selection["high_prob"] if method == "entropic" else None
 
 
+def method_token_loss(method, batch, cfg, selection, surrogate, unclipped, token_adv, coef):
+    """Each method's per-token loss [B, T] and the tokens it treats unlike GRPO [B, T] bool, from
+    the clipped surrogate (Eq. 2), the unclipped -A r, the token advantages and its selection: one
+    branch per method. coef: EntroPIC's controller output (its term is added after aggregation)."""
+    logprobs, old_logprobs, valid = batch["logprobs"], batch["old_logprobs"], batch["mask"].bool()
+    # Eq. 12: STAPO's change is in the mask, spurious tokens leave loss and denominator
+    if method in ("grpo", "stapo"):
+        token_loss = surrogate
+        touched = selection["spurious"] if method == "stapo" else torch.zeros_like(valid)
+    elif method == "stare":  # Eq. 9
+        token_loss = surrogate * selection["weights"]
+        touched = selection["weights"] != 1
+    elif method == "lp_reg":  # Eq. 14: -A r + beta k3(log pi_proxy - log pi) where selected
+        # verl's low_var_kl: the log-ratio clamped to +-20, the k3 value to [-10, 10] (k3 >= 0, so
+        # only the top bound acts: past pi_proxy / pi = 13.6 the regulariser is flat and its
+        # gradient 0)
+        delta = torch.clamp(batch["proxy_logprobs"] - logprobs, -20.0, 20.0)
+        # d/d log pi = 1 - pi_proxy / pi < 0 if pi < pi_proxy
+        k3 = torch.clamp(torch.exp(delta) - delta - 1, max=10.0)
+        touched = selection["regularized"]
+        token_loss = torch.where(touched, unclipped + cfg.lp_reg_coef * k3, surrogate)
+    elif method == "clip_cov":  # Eq. 16: the selected tokens' loss is zeroed, still counted
+        touched = selection["detached"]
+        token_loss = surrogate * ~touched
+    elif method == "kl_cov":  # Eq. 17: unclipped -A r, + beta |log pi - log pi_old| on the top-Cov
+        touched = selection["penalized"]
+        token_loss = unclipped + cfg.kl_cov_coef * (logprobs - old_logprobs).abs() * touched
+    elif method == "high_entropy":  # Eq. 18: gradient only through the high-entropy tokens
+        touched = ~selection["kept"]
+        token_loss = surrogate * selection["kept"]
+    elif method == "steer":  # Eq. 23: the weights multiply the clipped token loss, as STARE's do
+        token_loss = surrogate * selection["weights"]
+        touched = selection["weights"] != 1
+    elif method == "w_reinforce":  # Eq. 24: lambda x the loss of A > 0 tokens (= lambda x their A)
+        positive = token_adv > 0
+        token_loss = torch.where(positive, cfg.w_reinforce_lambda * surrogate, surrogate)
+        touched = positive & (cfg.w_reinforce_lambda != 1)
+    elif method == "entropic":  # Eq. 25: GRPO's loss, plus the control term below
+        token_loss = surrogate
+        touched = selection["high_prob"] & (coef != 0)
+    else:  # entropy_bonus, Eq. 19: -beta H per token, H with grad
+        token_loss = surrogate - cfg.entropy_coef * batch["entropy"]
+        touched = torch.full_like(valid, cfg.entropy_coef != 0)
+    return token_loss, touched
+
+
 def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, num_tokens=None,
                 num_sequences=None, token_weights=None, controller=None, num_control_tokens=None,
                 num_control_sequences=None):
@@ -469,47 +515,10 @@ def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, n
     # -A r without clipping: Lp-Reg's regularised tokens and KL-Cov's base loss
     unclipped = -token_adv * ratio
 
-    # ----------------------------------------------- ALGO LOGIC: one branch per method -------------------------------
-    # Eq. 12: STAPO's change is in the mask, spurious tokens leave loss and denominator
-    if method in ("grpo", "stapo"):
-        token_loss = surrogate
-        touched = selection["spurious"] if method == "stapo" else torch.zeros_like(valid)
-    elif method == "stare":  # Eq. 9
-        token_loss = surrogate * selection["weights"]
-        touched = selection["weights"] != 1
-    elif method == "lp_reg":  # Eq. 14: -A r + beta k3(log pi_proxy - log pi) where selected
-        # verl's low_var_kl: the log-ratio clamped to +-20, the k3 value to [-10, 10] (k3 >= 0, so
-        # only the top bound acts: past pi_proxy / pi = 13.6 the regulariser is flat and its
-        # gradient 0)
-        delta = torch.clamp(batch["proxy_logprobs"] - logprobs, -20.0, 20.0)
-        # d/d log pi = 1 - pi_proxy / pi < 0 if pi < pi_proxy
-        k3 = torch.clamp(torch.exp(delta) - delta - 1, max=10.0)
-        touched = selection["regularized"]
-        token_loss = torch.where(touched, unclipped + cfg.lp_reg_coef * k3, surrogate)
-    elif method == "clip_cov":  # Eq. 16: the selected tokens' loss is zeroed, still counted
-        touched = selection["detached"]
-        token_loss = surrogate * ~touched
-    elif method == "kl_cov":  # Eq. 17: unclipped -A r, + beta |log pi - log pi_old| on the top-Cov
-        touched = selection["penalized"]
-        token_loss = unclipped + cfg.kl_cov_coef * (logprobs - old_logprobs).abs() * touched
-    elif method == "high_entropy":  # Eq. 18: gradient only through the high-entropy tokens
-        touched = ~selection["kept"]
-        token_loss = surrogate * selection["kept"]
-    elif method == "steer":  # Eq. 23: the weights multiply the clipped token loss, as STARE's do
-        token_loss = surrogate * selection["weights"]
-        touched = selection["weights"] != 1
-    elif method == "w_reinforce":  # Eq. 24: lambda x the loss of A > 0 tokens (= lambda x their A)
-        positive = token_adv > 0
-        token_loss = torch.where(positive, cfg.w_reinforce_lambda * surrogate, surrogate)
-        touched = positive & (cfg.w_reinforce_lambda != 1)
-    elif method == "entropic":  # Eq. 25: GRPO's loss, plus the control term below
-        token_loss = surrogate
-        coef = controller.coef if controller is not None else 0.0
-        touched = selection["high_prob"] & (coef != 0)
-    else:  # entropy_bonus, Eq. 19: -beta H per token, H with grad
-        token_loss = surrogate - cfg.entropy_coef * batch["entropy"]
-        touched = torch.full_like(valid, cfg.entropy_coef != 0)
-    # ----------------------------------------------------------------------------------------------
+    # ----------------------------------------------- ALGO LOGIC: one branch per method ----------------
+    coef = controller.coef if controller is not None else 0.0  # EntroPIC's alpha (Eq. 26)
+    token_loss, touched = method_token_loss(method, batch, cfg, selection, surrogate, unclipped,
+                                            token_adv, coef)
 
     if token_weights is not None:
         token_loss = token_loss * token_weights.detach()
