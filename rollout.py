@@ -20,7 +20,6 @@ tool_use.py, on this engine.
 """
 
 import dataclasses
-import functools
 import os
 
 import torch
@@ -237,18 +236,6 @@ def full_parameters(model, dtype=None):
                 tensor = tensor.to("cuda")
             tensor = tensor.full_tensor()
         yield name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), tensor
-
-
-@functools.cache
-def host_group(world_group):
-    """A gloo group of the same ranks as `world_group` (the default process group), made once:
-    Python objects exchanged while the engine holds the GPU (the sampled groups of a step) then go
-    through host memory. On an NCCL group all_gather_object stages world x the largest pickled
-    object on the GPU (torch/distributed/distributed_c10d.py). None: the group is gloo already.
-    A collective the first time: every rank calls it at the same point."""
-    if torch.distributed.get_backend(world_group) == "gloo":
-        return None
-    return torch.distributed.new_group(backend="gloo")
 
 
 def engine_dtype(engine):

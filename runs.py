@@ -9,6 +9,7 @@ log, the stop signals, and what a resume keeps of the metrics and checks of the 
 
 import contextlib
 import datetime
+import functools
 import errno
 import json
 import os
@@ -295,14 +296,24 @@ def agree(problem):
 
 
 def all_gather(obj):
-    """Every rank's obj, in rank order (pickled, through host memory: rollout.host_group)."""
-    import rollout  # lazily: rollout imports this module
-
+    """Every rank's obj, in rank order (pickled, through host memory: host_group)."""
     if not dist.is_initialized():
         return [obj]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj, group=rollout.host_group(dist.group.WORLD))
+    dist.all_gather_object(gathered, obj, group=host_group(dist.group.WORLD))
     return gathered
+
+
+@functools.cache
+def host_group(world_group):
+    """A gloo group of the same ranks as `world_group` (the default process group), made once:
+    Python objects exchanged while the engine holds the GPU (the sampled groups of a step) then go
+    through host memory. On an NCCL group all_gather_object stages world x the largest pickled
+    object on the GPU (torch/distributed/distributed_c10d.py). None: the group is gloo already.
+    A collective the first time: every rank calls it at the same point."""
+    if dist.get_backend(world_group) == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def add_sums(sums, values):

@@ -940,8 +940,6 @@ def test_sampling_gathers_only_the_groups_the_step_keeps(monkeypatch):
 
 
 def test_objects_go_between_ranks_through_one_gloo_group_made_once(monkeypatch):
-    import rollout
-
     calls = []
 
     def all_gather_object(out, obj, group=None):
@@ -953,9 +951,9 @@ def test_objects_go_between_ranks_through_one_gloo_group_made_once(monkeypatch):
     monkeypatch.setattr(runs.dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(runs.dist, "new_group", lambda **kw: calls.append(kw) or "gloo group")
     monkeypatch.setattr(runs.dist, "all_gather_object", all_gather_object)
-    rollout.host_group.cache_clear()
+    runs.host_group.cache_clear()
     try:
         assert runs.all_gather("a") == ["a", "a"] and runs.all_gather(1) == [1, 1]
     finally:
-        rollout.host_group.cache_clear()
+        runs.host_group.cache_clear()
     assert calls == [{"backend": "gloo"}, "gloo group", "gloo group"]
