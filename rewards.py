@@ -44,9 +44,9 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 # its warning saying so would only alarm the reader of every training log
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
-# data_source of tiny.py's "write N as a sum of two positive integers" task
+# data_source of tools/tiny.py's "write N as a sum of two positive integers" task
 SUM_TASK_SOURCE = "tiny_sum"
-# data_source of tiny.py's "reach T from three digits with + - *" task
+# data_source of tools/tiny.py's "reach T from three digits with + - *" task
 COUNTDOWN_TASK_SOURCE = "tiny_countdown"
 ANSWER_FORMATS = ("boxed", "any")
 

@@ -1,6 +1,6 @@
 """train.py: the hand-written GRPO/STARE loop on torchrun + FSDP2, with one vLLM engine per rank.
 
-    python tiny.py --out runs/tiny && python train.py --config configs/tiny.yaml        # CPU, one process
+    python -m tools.tiny --out runs/tiny && python train.py --config configs/tiny.yaml  # CPU, one process
     torchrun --nproc_per_node 2 train.py --config configs/tiny.yaml                      # CPU, two ranks (gloo)
     torchrun --nproc_per_node 8 train.py --config configs/qwen7b_long.yaml               # GPU node
     python train.py --config configs/tiny.yaml --export                                 # latest checkpoint as HF

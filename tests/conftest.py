@@ -1,6 +1,6 @@
 """Shared fixtures. The tiny default (tokenizer, model, tasks) and its variants are obtained once
 per test session from the committed reference weights (tiny.ASSETS: seconds), or reused from
-$STARE_TINY_DIR when that is set (tiny.py keeps a complete directory)."""
+$STARE_TINY_DIR when that is set (tools/tiny.py keeps a complete directory)."""
 
 import os
 from pathlib import Path
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import tiny
+from tools import tiny
 
 # several pytest-xdist workers share the cores: one thread per process (and per train.py it
 # starts), or OpenMP threads spin waiting for a core the other worker holds

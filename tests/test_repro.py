@@ -11,9 +11,8 @@ import statistics
 import pytest
 import torch
 
-from tools import repro
+from tools import repro, tiny
 import stare
-import tiny
 
 
 @pytest.fixture(scope="module")

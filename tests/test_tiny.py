@@ -1,4 +1,4 @@
-"""The offline tiny default: what tiny.py builds must load everywhere the same way, and be worth training on."""
+"""The offline tiny default: what tools/tiny.py builds must load everywhere the same way, and be worth training on."""
 
 import json
 import random
@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import data
 import config
 import rewards
-import tiny
+from tools import tiny
 import tool_use
 
 
@@ -167,7 +167,7 @@ def test_data_only_writes_the_tasks_without_a_model(tiny_dir, tmp_path):
 
     repo = Path(__file__).resolve().parents[1]
     completed = subprocess.run(
-        [sys.executable, "tiny.py", "--out", str(tmp_path / "d"), "--data-only"], cwd=repo,
+        [sys.executable, "-m", "tools.tiny", "--out", str(tmp_path / "d"), "--data-only"], cwd=repo,
         capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert not (tmp_path / "d" / "model").exists()
@@ -185,7 +185,7 @@ def test_data_only_writes_the_tasks_without_a_model(tiny_dir, tmp_path):
         (["--out", str(tmp_path / "a_file" / "x")], "is not a writable directory"),
         (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1")):
         bad = subprocess.run(
-            [sys.executable, "tiny.py", *argv], cwd=repo, capture_output=True, text=True,
+            [sys.executable, "-m", "tools.tiny", *argv], cwd=repo, capture_output=True, text=True,
             timeout=120)
         assert bad.returncode == 2 and message in bad.stderr
 
@@ -197,7 +197,7 @@ from pathlib import Path
 import torch
 
 torch.set_num_threads(int(sys.argv[2]))  # the caller's own setting, which the build must not depend on
-import tiny
+from tools import tiny
 
 seen = {"threads": torch.get_num_threads(), "kernels": torch.backends.cpu.get_cpu_capability()}
 builds = [tiny.build_tiny, tiny.build_tiny_countdown, tiny.build_tiny_tool][:int(sys.argv[3])]
@@ -208,8 +208,8 @@ print(json.dumps(seen))
 """
 # The bytes of 20-step builds under tiny.BUILD_ENV. A change to the build code changes them: then the
 # committed reference weights (tiny.ASSETS) no longer follow from the code, and must be trained again
-# (`python tiny.py --out runs/ref --tool --countdown --from-scratch --save-assets`, with the new
-# hashes in tiny.REFERENCE_SHA256) before these are updated.
+# (`python -m tools.tiny --out runs/ref --tool --countdown --from-scratch --save-assets`, with the
+# new hashes in tiny.REFERENCE_SHA256) before these are updated.
 SHORT_BUILD_SHA256 = {
     "model": "a9736071eee5672d2ac43a6cfdc230d4f5e07406adcbb7c235d8c0fd3a83e566",
     "countdown_model": "d46196baf20bf290d6e26af637193dbbb6d25fe8af49ec4dbc16824f3372de03",
@@ -230,10 +230,10 @@ def test_build_is_the_same_bytes_under_other_thread_counts_and_kernels(tmp_path,
     from pathlib import Path
 
     if not tiny.can_pin():
-        pytest.skip("no AVX2+FMA x86 CPU: tiny.py builds unpinned here (docs/results.md)")
+        pytest.skip("no AVX2+FMA x86 CPU: tools/tiny.py builds unpinned here (docs/results.md)")
     repo = Path(__file__).resolve().parents[1]
     # the first builds in its own process (started under BUILD_ENV), the second in the pinned child
-    # tiny.py starts for it
+    # tools/tiny.py starts for it
     callers = {
         "1 thread": ({**tiny.BUILD_ENV}, 3),
         "2 threads, generic kernels": ({"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "default"},
@@ -269,7 +269,7 @@ def test_default_builds_are_the_committed_reference_weights(tiny_dir, tmp_path, 
     them, and a damaged copy is refused, not used."""
     import shutil
 
-    from tiny import file_sha256
+    from tools.tiny import file_sha256
 
     tiny.build_tiny_tool(tiny_dir)
     tiny.build_tiny_countdown(tiny_dir)

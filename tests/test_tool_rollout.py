@@ -1,6 +1,6 @@
-"""tool_use.generate_with_tools on the real vLLM engine, the real sandbox and tiny.py's tool-use
-model (the tiny model after a short warm-up on code-interpreter conversations). No fake engine, no
-fake sandbox."""
+"""tool_use.generate_with_tools on the real vLLM engine, the real sandbox and tools/tiny.py's
+tool-use model (the tiny model after a short warm-up on code-interpreter conversations). No fake
+engine, no fake sandbox."""
 
 import json
 
@@ -12,7 +12,7 @@ import config
 import data
 import rollout
 import sandbox
-import tiny
+from tools import tiny
 import tool_use
 
 MAX_TURNS = 3

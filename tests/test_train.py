@@ -545,7 +545,7 @@ def test_a_run_refuses_to_mix_with_another_trajectory(tiny_dir, tmp_path):
 
 
 def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tiny_dir, tmp_path):
-    import tiny
+    from tools import tiny
 
     tiny.build_tiny_tool(tiny_dir)  # reused when complete
     out = tmp_path / "run"

@@ -611,7 +611,7 @@ def stage_times(steps):
 
 
 def bench_train_step(args):
-    import tiny
+    from tools import tiny
 
     tiny.build_tiny(args.tiny)  # reused when complete
     records, _ = run_train_py(args.tiny, args.steps, [f"algorithm.method={args.method}"])

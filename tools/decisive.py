@@ -1,7 +1,7 @@
 """tools/decisive.py: the decisive comparison on the countdown task, run and analysed as planned in
 docs/results.md ("A decisive comparison"), before any run.
 
-    python tiny.py --out runs/tiny --countdown
+    python -m tools.tiny --out runs/tiny --countdown
     python -m tools.decisive --tiny runs/tiny --out runs/decisive
 
 SETTINGS over --seeds (paired: a seed fixes the prompt order and the held-out samples' seeds for
@@ -273,7 +273,7 @@ def parse_args(argv):
 
 
 def main(argv):
-    import tiny
+    from tools import tiny
 
     args = parse_args(argv)
     tiny.build_tiny(args.tiny)

@@ -21,8 +21,9 @@ SMOKE_SHAPE = dict(QWEN25["0.5b"], max_position_embeddings=4096)
 def smoke_model(directory, shape=SMOKE_SHAPE):
     """A random Qwen2 in bfloat16 with the tiny default's tokenizer (ids < 259 < its vocabulary):
     nothing is downloaded. -> its directory."""
-    import tiny
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tools import tiny
 
     tokenizer = tiny.build_tokenizer()
     eos, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])

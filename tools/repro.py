@@ -1,12 +1,12 @@
 """tools/repro.py: the paper's entropy effect in miniature: GRPO vs STARE (and STAPO, Lp-Reg, an
 entropy bonus) on the tiny default, on CPU, and whether held entropy pays back on held-out prompts.
 
-    python tiny.py --out runs/tiny && python -m tools.repro --tiny runs/tiny --out runs/repro     # compare + sweep
+    python -m tools.tiny --out runs/tiny && python -m tools.repro --tiny runs/tiny --out runs/repro  # compare + sweep
     python -m tools.repro --tiny runs/tiny --out runs/repro --part compare --methods grpo stare_o1 stapo
     python -m tools.repro --tiny runs/tiny --out runs/repro --part sweep --ws 1.1 2 3 --ps 0.05 --seeds 0 1 2
     python -m tools.repro --tiny runs/tiny --out runs/repro --part payoff          # the countdown task, 5 seeds
 
-Two tasks (tiny.py), both with many right answers per prompt, so that an entropy collapse shows as the model settling
+Two tasks (tools/tiny.py), both with many right answers per prompt, so that an entropy collapse shows as the model settling
 on few of them (rollout/distinct_correct_frac falls):
   sum        "write N as a+b": the compare and sweep parts' default
   countdown  "make T from three digits with + - *": a search task whose held-out prompts use digit triples never
@@ -101,7 +101,7 @@ class RunSpec:
 
 
 # task -> (model directory, training split, held-out split, second held-out split or None) under
-# the tiny directory (tiny.py builds them)
+# the tiny directory (tools/tiny.py builds them)
 TASKS = {"sum": ("model", "sum_train", "sum_test", None),
          "countdown": ("countdown_model", "countdown_train", "countdown_test", "countdown_fresh")}
 
@@ -126,7 +126,7 @@ def load_task(tiny_dir, tokenizer, max_prompt_tokens, split="sum_train"):
 
 
 def model_sha256(tiny_dir, task):
-    """sha256 of the task's starting model.safetensors: what every result names (as tiny.py
+    """sha256 of the task's starting model.safetensors: what every result names (as tools/tiny.py
     prints it)."""
     import hashlib
 
@@ -135,16 +135,16 @@ def model_sha256(tiny_dir, task):
 
 
 def check_model(tiny_dir, task):
-    """{task: sha256} of the task's starting model, with a loud warning when it is not tiny.py's
-    reference build: the committed results would then not be reproduced."""
-    import tiny
+    """{task: sha256} of the task's starting model, with a loud warning when it is not
+    tools/tiny.py's reference build: the committed results would then not be reproduced."""
+    from tools import tiny
 
     found = model_sha256(tiny_dir, task)
     expected = tiny.REFERENCE_SHA256.get(TASKS[task][0])
     if expected and found != expected:
         print(f"WARNING: {Path(tiny_dir) / TASKS[task][0]}/model.safetensors has sha256 {found},"
-              f" not tiny.py's reference {expected}: these runs cannot reproduce the committed "
-              "results (docs/results.md, \"Which model a result came from\")",
+              f" not tools/tiny.py's reference {expected}: these runs cannot reproduce the "
+              "committed results (docs/results.md, \"Which model a result came from\")",
               file=sys.stderr)
     return {task: found}
 
@@ -800,7 +800,7 @@ def parse_args(argv):
 def main(argv):
     import os
 
-    import tiny
+    from tools import tiny
 
     args = parse_args(argv)
     tiny.build_tiny(args.tiny)  # each reused when complete

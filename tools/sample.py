@@ -5,7 +5,8 @@ verifier, print samples and metrics (JSON).
     python -m tools.sample --model runs/tiny/model --data runs/tiny/data/sum_test.jsonl \\
         --prompt-suffix ""
     python -m tools.sample --model runs/tiny/tool_model --data runs/tiny/data/mul_test.jsonl \\
-        --prompt-suffix "" --max-turns 3 --max-tokens 400 --max-prompt-tokens 64   # tiny.py --tool
+        --prompt-suffix "" --max-turns 3 --max-tokens 400 \\
+        --max-prompt-tokens 64   # tools/tiny.py --tool
 """
 
 import argparse

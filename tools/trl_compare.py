@@ -302,7 +302,7 @@ def bench_trl_compare(args):
         sys.exit(
             "trl-compare: --steps must be >= 2 (the first step of each side is start-up and not averaged)"
         )
-    import tiny
+    from tools import tiny
 
     if args.threads:
         pin_threads(args.threads)

@@ -1,11 +1,11 @@
-"""tiny.py: the offline tiny default: a tokenizer, a tiny Qwen2 model and two verifiable tasks, made
-from nothing.
+"""tools/tiny.py: the offline tiny default: a tokenizer, a tiny Qwen2 model and two verifiable
+tasks, made from nothing.
 
-    python tiny.py --out runs/tiny          # reuses the directory when it is complete
-    python tiny.py --out runs/tiny --tool   # + the tool-use variant (the default first if missing)
-    python tiny.py --out runs/tiny --countdown   # + the countdown variant (likewise)
-    python tiny.py --out runs/tiny --data-only   # the tasks' data files only: no model is built or trained
-    python tiny.py --out runs/ref --tool --countdown --from-scratch   # train all three here (~20 min)
+    python -m tools.tiny --out runs/tiny          # reuses the directory when it is complete
+    python -m tools.tiny --out runs/tiny --tool   # + the tool-use variant (the default first if missing)
+    python -m tools.tiny --out runs/tiny --countdown   # + the countdown variant (likewise)
+    python -m tools.tiny --out runs/tiny --data-only   # the tasks' data files only: no model is built or trained
+    python -m tools.tiny --out runs/ref --tool --countdown --from-scratch   # train all three here (~20 min)
 
 Nothing here downloads anything. It writes:
 
@@ -53,7 +53,7 @@ of training gets there).
 Reproducible bytes: every build runs under BUILD_ENV (one thread, ATen's AVX2 kernels, MKL's COMPATIBLE branch;
 in a child process when the caller was not started under it), so that the same code builds the same
 model.safetensors on any x86 CPU with AVX2. tiny.json, countdown.json and tool.json record its sha256
-(model_sha256), tiny.py prints it, and a default build that is not REFERENCE_SHA256 says so; why, and what is not
+(model_sha256), tools/tiny.py prints it, and a default build that is not REFERENCE_SHA256 says so; why, and what is not
 guaranteed: docs/results.md, "Which model a result came from". The three models trained with the default
 settings are committed (assets/tiny/: 2 MB each, with their builds' summaries), so that a default build copies
 them and checks their sha256 in seconds instead of training for minutes; --from-scratch trains them here.
@@ -509,7 +509,8 @@ def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False, from_s
 # once, at start-up: hence a child process (run_pinned).
 BUILD_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
              "MKL_NUM_THREADS": "1"}
-# sha256 of model.safetensors as `python tiny.py --out runs/tiny --tool --countdown --from-scratch`
+# sha256 of model.safetensors as
+# `python -m tools.tiny --out runs/tiny --tool --countdown --from-scratch`
 # builds it (seed 0, default warm-up steps) under BUILD_ENV with torch 2.13.0+cpu and transformers
 # 5.19.0: the bytes in ASSETS; a default build that differs says so loudly
 REFERENCE_SHA256 = {
@@ -523,7 +524,7 @@ REFERENCE_SHA256 = {
 # checks their sha256 instead of training for minutes; `--from-scratch` trains them again here, and
 # `--save-assets` replaces them after a change to the build (tests/test_tiny.py pins a short
 # build's bytes, so such a change cannot go unnoticed)
-ASSETS = Path(__file__).resolve().parent / "assets" / "tiny"
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "tiny"
 
 
 def obtain_reference(out_dir, name, summary_path):
@@ -540,9 +541,9 @@ def obtain_reference(out_dir, name, summary_path):
     shutil.copyfile(ASSETS / f"{name}.safetensors", target)
     found = file_sha256(target)
     if found != REFERENCE_SHA256[name]:
-        raise SystemExit(f"tiny.py: {ASSETS / name}.safetensors has sha256 {found}, not the "
+        raise SystemExit(f"tools/tiny.py: {ASSETS / name}.safetensors has sha256 {found}, not the "
                          f"reference {REFERENCE_SHA256[name]} (a damaged checkout?); "
-                         "`python tiny.py --from-scratch` trains it again")
+                         "`python -m tools.tiny --from-scratch` trains it again")
     summary = json.loads((ASSETS / "builds.json").read_text())[name]
     summary = {"model_dir": str(out_dir / name), "data_dir": str(out_dir / "data"), **summary,
                "model_sha256": found, "weights": f"committed ({ASSETS.name}/{name}.safetensors)"}
@@ -561,9 +562,9 @@ def save_assets(summaries):
     for summary in summaries:
         name = Path(summary["model_dir"]).name
         if summary.get("weights") or summary["model_sha256"] != REFERENCE_SHA256[name]:
-            raise SystemExit(f"tiny.py --save-assets: {summary['model_dir']} is not a from-scratch "
-                             f"build with REFERENCE_SHA256 (update REFERENCE_SHA256 first if the "
-                             "build changed on purpose)")
+            raise SystemExit(f"tools/tiny.py --save-assets: {summary['model_dir']} is not a "
+                             "from-scratch build with REFERENCE_SHA256 (update REFERENCE_SHA256 "
+                             "first if the build changed on purpose)")
         shutil.copyfile(Path(summary["model_dir"]) / "model.safetensors",
                         ASSETS / f"{name}.safetensors")
         builds[name] = {key: value for key, value in summary.items()
@@ -600,9 +601,10 @@ def pinned():
 def run_pinned(name, **kwargs):
     """tiny.<name>(**kwargs), run in a child process under BUILD_ENV -> its result (a JSON-able
     dict). Progress goes to stderr as usual; the child's last stdout line is the result."""
-    code = f"import json, sys, tiny; print(json.dumps(tiny.{name}(**json.loads(sys.argv[1]))))"
-    here = str(Path(__file__).resolve().parent)
-    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    code = ("import json, sys; from tools import tiny; "
+            f"print(json.dumps(tiny.{name}(**json.loads(sys.argv[1]))))")
+    root = str(Path(__file__).resolve().parents[1])  # the repository root: tools.tiny, data, ...
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, **BUILD_ENV, "PYTHONPATH": path, "STARE_TINY_PINNED_CHILD": "1"}
     completed = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], env=env,
                                stdout=subprocess.PIPE, text=True, check=True)
@@ -615,12 +617,12 @@ def build_here():
     if pinned():
         return True
     if os.environ.get("STARE_TINY_PINNED_CHILD"):  # still not pinned in the child: never fork again
-        raise RuntimeError("tiny.py: BUILD_ENV did not take effect (ATen runs "
+        raise RuntimeError("tools/tiny.py: BUILD_ENV did not take effect (ATen runs "
                            f"{torch.backends.cpu.get_cpu_capability()} kernels)")
     if can_pin():
         return False
-    print("tiny.py: WARNING: this CPU has no AVX2+FMA, so the build cannot run under BUILD_ENV; "
-          "the model will differ from REFERENCE_SHA256 and from every committed result",
+    print("tools/tiny.py: WARNING: this CPU has no AVX2+FMA, so the build cannot run under "
+          "BUILD_ENV; the model will differ from REFERENCE_SHA256 and from every committed result",
           file=sys.stderr)
     return True
 
@@ -649,7 +651,7 @@ def check_reference(summary, name, default_settings):
                             "torch": torch.__version__}
     expected = REFERENCE_SHA256.get(name)
     if default_settings and expected and summary["model_sha256"] != expected:
-        print(f"tiny.py: WARNING: {summary['model_dir']}/model.safetensors has sha256 "
+        print(f"tools/tiny.py: WARNING: {summary['model_dir']}/model.safetensors has sha256 "
               f"{summary['model_sha256']}, not the reference {expected}: results made with it "
               "will not match the committed ones (docs/results.md, \"Which model a result came "
               "from\")", file=sys.stderr)
@@ -861,7 +863,7 @@ def main():
         save_assets(built)
     # what a result made with these models should name (repro.py records them too)
     for summary in built:
-        sha = summary.get("model_sha256", "(not recorded: built before tiny.py recorded it)")
+        sha = summary.get("model_sha256", "(not recorded: built before tools/tiny.py recorded it)")
         print(f"{summary['model_dir']}/model.safetensors sha256 {sha}")
 
 
