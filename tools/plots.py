@@ -503,6 +503,49 @@ def plot_frontier(runs, summary, ks, path):
     plt.close(fig)
 
 
+def plot_target(runs, summary, path):
+    """tools/target_compare.py's figure, seed mean +- SE per setting: training entropy (the target
+    dashed), the fraction of seeds with STARE's gate on and EntroPIC's coefficient per step, and
+    pass@1 and pass@16 on split A along training (16 samples per prompt)."""
+    fig, axes = plt.subplots(1, 5, figsize=(25, 4.2))
+
+    def band(ax, xs, columns, label, **style):
+        means, ses = zip(*[mean_and_se(col) for col in columns])
+        line, = ax.plot(xs, means, lw=1.3, label=label, **style)
+        ax.fill_between(xs, [m - e for m, e in zip(means, ses)],
+                        [m + e for m, e in zip(means, ses)], color=line.get_color(), alpha=0.15,
+                        lw=0)
+        return line.get_color()
+
+    for name, seeds in runs.items():
+        steps = range(1, min(len(records) for records, _ in seeds) + 1)
+        curves = [smoothed([r.get("train/entropy") for r in records]) for records, _ in seeds]
+        color = band(axes[0], steps, [[c[i - 1] for c in curves] for i in steps], name)
+        if name == "stare":
+            band(axes[1], steps, [[records[i - 1]["stare/gate_on"] for records, _ in seeds]
+                                  for i in steps], name, color=color)
+        if name == "entropic":
+            band(axes[2], steps, [[records[i - 1].get("entropic/coef", math.nan)
+                                   for records, _ in seeds] for i in steps], name, color=color)
+        evaluated = sorted(set.intersection(*(set(heldout) for _, heldout in seeds)))
+        for ax, key in ((axes[3], "heldout/pass@1"), (axes[4], "heldout/pass@16")):
+            band(ax, evaluated, [[heldout[s][key] for _, heldout in seeds] for s in evaluated],
+                 name, color=color, marker="o", ms=2.5)
+    axes[0].axhline(summary["target_entropy"], color="gray", ls="--", lw=1, label="target")
+    axes[0].set(title="token entropy (training batches)", xlabel="step", yscale="log")
+    axes[1].set(title="STARE: fraction of seeds with the gate on", xlabel="step")
+    axes[2].set(title="EntroPIC: controller coefficient α", xlabel="step")
+    axes[3].set(title="pass@1 on split A (16 samples)", xlabel="step")
+    axes[4].set(title="pass@16 on split A (16 samples: solved)", xlabel="step")
+    for ax in axes[3:]:
+        for step in summary["endpoint_steps"]:
+            ax.axvline(step, color="gray", ls=":", lw=0.8)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv):
     parser = argparse.ArgumentParser(
         description="Plot metrics.jsonl of one or more runs (see the docstring).")

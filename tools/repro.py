@@ -55,6 +55,7 @@ import grpo
 import modeling
 import rewards
 import stare
+import train
 from tools import plots
 
 TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -93,6 +94,9 @@ class RunSpec:
     # the second held-out split (TASKS' fourth entry) at step 0, every fresh_every steps and after
     # the last, under "fresh/" (0: never)
     fresh_every: int = 0
+    # at these steps both held-out splits with endpoint_n samples per prompt, under "endpoint"
+    endpoint_steps: tuple = ()
+    endpoint_n: int = 64
 
 
 # --------------------------------------------------------------------------------------------------
@@ -286,7 +290,9 @@ def critical_w(advantages, sensitivity, logprobs, mask, top_ratio):
 
 def run_config(spec):
     """configs/tiny.yaml with the run's loss settings, gate target, seed and steps: the settings train.py would use."""
-    keys = {"stare_w": "gate.w", "stare_m": "gate.m"}  # STARE's weights live in the gate section
+    # STARE's weights live in the gate section, EntroPIC's gains in its own
+    keys = {"stare_w": "gate.w", "stare_m": "gate.m", "entropic_kp": "entropic.kp",
+            "entropic_ki": "entropic.ki"}
     overrides = [
         f"{keys.get(key, 'loss.' + key)}={value}"
         for key, value in spec.loss.items()
@@ -316,12 +322,13 @@ def train_run(spec, tiny_dir, out_dir):
     if spec.fresh_every and fresh_split is None:
         raise ValueError(f"task {spec.task!r} has no second held-out split (fresh_every)")
     fresh_task = (load_task(tiny_dir, tokenizer, cfg.data.max_prompt_tokens, fresh_split)
-                  if spec.fresh_every else None)
+                  if spec.fresh_every or spec.endpoint_steps else None)
     torch.manual_seed(spec.seed)
     model = load_model(tiny_dir, spec.task, cfg.model.attn_implementation)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     gate = stare.EntropyGate(**vars(cfg.gate))
+    controller = train.entropy_controller(cfg)  # EntroPIC's, else None
     sampler = torch.Generator().manual_seed(data.derive_seed(spec.seed, "repro", "responses"))
     # the prompt order: the same for every method of a seed
     order = torch.Generator().manual_seed(data.derive_seed(spec.seed, "repro", "prompts"))
@@ -339,13 +346,19 @@ def train_run(spec, tiny_dir, out_dir):
         def due(every):
             return every and (step % every == 0 or step == spec.steps)
 
-        if due(spec.eval_every):
+        if due(spec.eval_every) or step in spec.endpoint_steps:
             generator = torch.Generator().manual_seed(
                 data.derive_seed(spec.seed, "repro", "heldout", step))
             record = {
                 "step": step,
                 **heldout_metrics(model, tokenizer, *heldout_task, cfg, spec.eval_n, generator),
             }
+            if step in spec.endpoint_steps:
+                record["endpoint"] = {
+                    split: heldout_metrics(
+                        model, tokenizer, *task, cfg, spec.endpoint_n, torch.Generator().manual_seed(
+                            data.derive_seed(spec.seed, "repro", "endpoint", split, step)))
+                    for split, task in (("A", heldout_task), ("B", fresh_task))}
             if due(spec.fresh_every):
                 generator = torch.Generator().manual_seed(
                     data.derive_seed(spec.seed, "repro", "fresh", step))
@@ -382,11 +395,11 @@ def train_run(spec, tiny_dir, out_dir):
                 # train.py's stages, in its order
                 responses = grpo.group_responses(kept, cfg, rank=0, world=1)
                 grpo.old_policy_pass(model, responses, cfg, cpu)
-                num_tokens, gate_metrics = grpo.update_gate(gate, responses, cpu)
+                num_tokens, gate_metrics = grpo.update_gate(gate, responses, cpu, controller)
                 metrics.update(gate_metrics)
                 metrics.update(grpo.select_tokens(responses, cfg, gate, step, cpu))
-                metrics.update(
-                    grpo.policy_update(model, optimizer, responses, cfg, gate, step, cpu))
+                metrics.update(grpo.policy_update(model, optimizer, responses, cfg, gate, step, cpu,
+                                                  controller=controller))
                 metrics.update(grpo.batch_metrics(responses, num_tokens, cpu))
                 metrics.update(critical_w_metrics(responses, spec.predict_ps))
             metrics["stare/gate_on"] = float(gate.gate_on)

@@ -95,6 +95,20 @@ def sign_flip_p(differences):
     return extreme / 2 ** n
 
 
+def sign_flip_p_greater(differences):
+    """The exact one-sided p-value of "the paired differences are symmetric about zero" against
+    "they lean positive": the fraction of the 2^n sign patterns whose sum is at least the observed
+    one (a non-inferiority test when a margin has been added to each difference)."""
+    n = len(differences)
+    if not 1 <= n <= 20:
+        raise ValueError(f"the exact test enumerates 2^n patterns: n = {n} is out of range")
+    magnitudes = [abs(d) for d in differences]
+    observed = sum(differences) - 1e-12 * sum(magnitudes)  # ties count as extreme
+    extreme = sum(sum(s * m for s, m in zip(signs, magnitudes)) >= observed
+                  for signs in itertools.product((1, -1), repeat=n))
+    return extreme / 2 ** n
+
+
 def holm(p_values):
     """Holm's adjusted p-values, in the input's order: the i-th smallest p times (m - i + 1),
     made monotone and capped at 1. Reject where the adjusted p is <= alpha."""
