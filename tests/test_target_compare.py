@@ -118,23 +118,24 @@ def test_non_inferiority_fails_when_the_loss_exceeds_the_margin():
 
 
 def test_entropic_run_with_endpoint_evaluations(countdown_dir, tmp_path):
-    """Two steps of EntroPIC through tools/repro.py: the controller's state is logged at every
-    step, and the endpoint steps hold both splits with endpoint_n samples and per-prompt counts."""
+    """Two steps of EntroPIC through tools/repro.py: the controller's error is logged at every
+    step, and an endpoint step holds both splits with endpoint_n samples and per-prompt counts."""
     spec = repro.RunSpec("entropic", dict(method="entropic"), seed=3, steps=2,
                          prompts_per_step=4, target_entropy=0.15, predict_ps=(),
-                         task="countdown", eval_every=1, eval_n=2, endpoint_steps=(1, 2),
+                         task="countdown", eval_every=2, eval_n=1, endpoint_steps=(1,),
                          endpoint_n=4)
     records = repro.train_run(spec, countdown_dir, tmp_path)
     for r in records:
         if "train/entropy" in r:  # a step with an update
             assert r["entropic/error"] == pytest.approx(r["train/entropy"] - 0.15, abs=1e-5)
     heldout = repro.read_heldout(tmp_path)
-    assert sorted(heldout) == [0, 1, 2] and "endpoint" not in heldout[0]
-    for step in (1, 2):
-        for split in ("A", "B"):
-            counts = heldout[step]["endpoint"][split]["heldout/correct"]
-            assert len(counts) == 64 and all(0 <= c <= 4 for c in counts)
+    # evaluated at 0 and the last step (eval_every), and at the endpoint step 1
+    assert sorted(heldout) == [0, 1, 2]
+    assert [s for s in heldout if "endpoint" in heldout[s]] == [1]
+    for split in ("A", "B"):
+        counts = heldout[1]["endpoint"][split]["heldout/correct"]
+        assert len(counts) == 64 and all(0 <= c <= 4 for c in counts)
     value = statistics.fmean(evaluate.pass_at_k(4, c, 1) for split in "AB"
-                             for c in heldout[2]["endpoint"][split]["heldout/correct"])
+                             for c in heldout[1]["endpoint"][split]["heldout/correct"])
     assert value == pytest.approx(statistics.fmean(
-        heldout[2]["endpoint"][split]["heldout/pass@1"] for split in "AB"))
+        heldout[1]["endpoint"][split]["heldout/pass@1"] for split in "AB"))
