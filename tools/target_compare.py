@@ -224,12 +224,15 @@ def analyze(runs, steps, clusters, resamples=4000):
 
 def run_pilot(args, workers):
     out = Path(args.out) / "pilot"
-    jobs = [(spec_for("grpo", SETTINGS["grpo"], seed, lr, 0.2, args.steps, pilot=True), args.tiny,
-             out / f"grpo_lr{lr:g}_seed{seed}") for lr in PILOT_LRS for seed in PILOT_SEEDS]
-    results = repro.run_all(jobs, workers)
-    by_lr = {lr: [(results[str(d)], repro.read_heldout(d)) for spec, _, d in jobs
-                  if spec.lr == lr] for lr in PILOT_LRS}
-    rows = {lr: pilot_row(runs, args.steps) for lr, runs in by_lr.items()}
+    by_lr, rows = {}, {}
+    for lr in sorted(PILOT_LRS):  # the rule takes the smallest that qualifies: larger ones wait
+        jobs = [(spec_for("grpo", SETTINGS["grpo"], seed, lr, 0.2, args.steps, pilot=True),
+                 args.tiny, out / f"grpo_lr{lr:g}_seed{seed}") for seed in PILOT_SEEDS]
+        results = repro.run_all(jobs, workers)
+        by_lr[lr] = [(results[str(d)], repro.read_heldout(d)) for _, _, d in jobs]
+        rows[lr] = pilot_row(by_lr[lr], args.steps)
+        if rows[lr]["qualifies"]:
+            break
     lr = choose_lr(rows)
     pilot = {"steps": args.steps, "seeds": list(PILOT_SEEDS), "rows": {str(k): v
                                                                       for k, v in rows.items()}}
