@@ -139,3 +139,16 @@ def test_entropic_run_with_endpoint_evaluations(countdown_dir, tmp_path):
                              for c in heldout[1]["endpoint"][split]["heldout/correct"])
     assert value == pytest.approx(statistics.fmean(
         heldout[1]["endpoint"][split]["heldout/pass@1"] for split in "AB"))
+    # the export: the run's spec, its per-step controller state and its counts, read back
+    import gzip
+    import json
+
+    tc.write_runs(tmp_path / "runs.jsonl.gz", [tmp_path])
+    (line,) = gzip.open(tmp_path / "runs.jsonl.gz", "rt").read().splitlines()
+    exported = json.loads(line)
+    assert exported["spec"]["loss"] == {"method": "entropic"}
+    assert [r["step"] for r in exported["steps"]] == [1, 2]
+    assert [r.get("entropic/error") for r in exported["steps"]] == [
+        r.get("entropic/error") for r in records]
+    assert exported["evaluations"][1]["endpoint"]["B"]["heldout/correct"] == (
+        heldout[1]["endpoint"]["B"]["heldout/correct"])

@@ -227,7 +227,8 @@ def run_pilot(args, workers):
     by_lr, rows = {}, {}
     for lr in sorted(PILOT_LRS):  # the rule takes the smallest that qualifies: larger ones wait
         jobs = [(spec_for("grpo", SETTINGS["grpo"], seed, lr, 0.2, args.steps, pilot=True),
-                 args.tiny, out / f"grpo_lr{lr:g}_seed{seed}") for seed in PILOT_SEEDS]
+                 args.tiny, out / f"grpo_lr{lr:g}_T{args.steps}_seed{seed}")
+                for seed in PILOT_SEEDS]
         results = repro.run_all(jobs, workers)
         by_lr[lr] = [(results[str(d)], repro.read_heldout(d)) for _, _, d in jobs]
         rows[lr] = pilot_row(by_lr[lr], args.steps)
@@ -239,7 +240,7 @@ def run_pilot(args, workers):
     if lr is None:
         print("no learning rate qualifies: change the budget (--steps), not the rule",
               file=sys.stderr)
-        (Path(args.out) / "pilot.json").write_text(json.dumps(pilot, indent=1))
+        write_pilot(args, pilot)
         return 1
     target = TARGET_FRACTION * rows[lr]["entropy_start"]
     pilot.update(lr=lr, target_entropy=target, plateau_step=plateau_step(by_lr[lr], args.steps))
@@ -256,7 +257,7 @@ def run_pilot(args, workers):
     for attempt in range(2):  # HOLD_RULE: the check, and at most one change of the gains
         loss = {**SETTINGS["entropic"], **gains}
         spec = spec_for("entropic", loss, PILOT_SEEDS[0], lr, target, args.steps, pilot=True)
-        check = out / f"entropic_check{attempt}"
+        check = out / f"entropic_T{args.steps}_check{attempt}"
         records = repro.run_all([(spec, args.tiny, check)], workers)[str(check)]
         held = mean_entropy(records, args.steps - args.steps // 3 + 1, args.steps)
         pilot[f"entropic_check{attempt}"] = {"gains": gains, "entropy_last_third": held,
@@ -265,9 +266,15 @@ def run_pilot(args, workers):
             break
         gains = {"entropic_kp": 10.0, "entropic_ki": 0.1}
     pilot["entropic_gains"] = gains
-    (Path(args.out) / "pilot.json").write_text(json.dumps(pilot, indent=1))
+    write_pilot(args, pilot)
     print(json.dumps(pilot, indent=1))
     return 0
+
+
+def write_pilot(args, pilot):
+    """pilot.json (what main reads) and pilot_T<steps>.json (kept when the budget changes)."""
+    for name in ("pilot.json", f"pilot_T{args.steps}.json"):
+        (Path(args.out) / name).write_text(json.dumps(pilot, indent=1))
 
 
 def main_jobs(args, pilot):
@@ -278,20 +285,31 @@ def main_jobs(args, pilot):
             for seed in args.seeds for name in SETTINGS]
 
 
-def export(path, jobs, runs, summary):
-    """runs.jsonl.gz (one line per run: its spec, per-step record, every evaluation with its
-    per-prompt correct counts) and summary.json under path."""
-    path.mkdir(parents=True, exist_ok=True)
+def write_runs(path, run_dirs):
+    """One line per run directory: its spec (repro.json), per-step record and every evaluation
+    with its per-prompt correct counts, gzip-compressed."""
     keep = ("step", "train/entropy", "stare/gate_on", "stare/gate_update_accepted",
             "entropic/coef", "entropic/integral", "entropic/error", "rollout/acc_before_filter",
-            "train/kept_groups", "rollout/distinct_correct_frac", "train/touched_frac")
-    with gzip.open(path / "runs.jsonl.gz", "wt") as f:
-        for spec, tiny_dir, out_dir in jobs:
-            records = runs[str(out_dir)]
+            "train/kept_groups", "rollout/distinct_correct_frac", "train/touched_frac",
+            "rollout/response_length_mean")
+    with gzip.open(path, "wt") as f:
+        for run_dir in run_dirs:
             f.write(json.dumps({
-                "setting": spec.name, "spec": repro.spec_record(spec, tiny_dir),
-                "steps": [{k: r[k] for k in keep if k in r} for r in records],
-                "evaluations": repro.read_records(Path(out_dir) / "heldout.jsonl")}) + "\n")
+                "run": run_dir.name, "spec": json.loads((run_dir / "repro.json").read_text()),
+                "steps": [{k: r[k] for k in keep if k in r}
+                          for r in repro.read_records(run_dir / "metrics.jsonl")],
+                "evaluations": repro.read_records(run_dir / "heldout.jsonl")}) + "\n")
+
+
+def export(path, out, jobs, summary):
+    """Under path: runs.jsonl.gz (the main runs), pilot_runs.jsonl.gz (every pilot run), the pilot's
+    decisions (pilot*.json) and summary.json: every number of the analysis recomputes from them."""
+    path.mkdir(parents=True, exist_ok=True)
+    write_runs(path / "runs.jsonl.gz", [Path(out_dir) for _, _, out_dir in jobs])
+    write_runs(path / "pilot_runs.jsonl.gz", sorted(
+        d for d in (out / "pilot").iterdir() if (d / "repro.json").exists()))
+    for pilot in out.glob("pilot*.json"):
+        (path / pilot.name).write_text(pilot.read_text())
     (path / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
@@ -330,7 +348,7 @@ def run_main(args, workers, analyze_only):
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     plots.plot_target(runs, summary, out / "target.png")
     if args.export:
-        export(Path(args.export), jobs, results, summary)
+        export(Path(args.export), out, jobs, summary)
     for label, r in summary["primary"].items():
         print(f"{label} {r['setting']} - {r['against']} {r['measure']}: {r['mean']:+.4f} "
               f"t95 [{r['t95'][0]:+.3f}, {r['t95'][1]:+.3f}] clustered [{r['clustered95'][0]:+.3f},"
