@@ -162,9 +162,9 @@ def engine_dtype(cfg, arch):
     return "bfloat16" if arch.dtype == "float32" else arch.dtype
 
 
-def max_model_len(cfg, evaluating=None):
+def max_model_len(cfg):
     """The engine's context: the longest prompt plus the longest response it samples (training or evaluation)."""
-    evaluating = bool(cfg.eval.every and cfg.eval.files) if evaluating is None else evaluating
+    evaluating = cfg.eval.every and cfg.eval.files
     return cfg.data.max_prompt_tokens + max(
         cfg.rollout.max_tokens, cfg.eval.max_tokens if evaluating else 0)
 
@@ -201,7 +201,7 @@ def engine_plan(cfg, arch, gpu_gib, world):
         requests=math.ceil(cfg.algorithm.gen_batch_size / engines) * cfg.rollout.n)
 
 
-def host_plan(cfg, arch, world, engine):
+def host_plan(cfg, world, engine):
     """Host memory of one rank (GiB): the process, the step's groups (and, while gathering, world x
     one rank's round pickled), and with a level-1 sleep the engine's weights in pinned memory."""
     response_tokens = cfg.train.train_batch_size * cfg.rollout.n * cfg.rollout.max_tokens
@@ -253,7 +253,7 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
         "export": {"engine": engine["asleep"], "trainer": master + adam,
                    "batch": arch.vocab * arch.hidden * compute_bytes / GIB, "context": context_gib}}
     ranks_per_node = min(world, hw.gpus_per_node)
-    host_rank = host_plan(cfg, arch, world, engine)
+    host_rank = host_plan(cfg, world, engine)
     # rank 0 gathers the model in the compute dtype for the export
     host = ranks_per_node * sum(host_rank.values()) + compute_bytes * n / GIB
     result = {
@@ -355,11 +355,8 @@ def suggestions(cfg, arch):
                    if cfg.hardware.gpus_per_node % (tp * k) == 0 and not cfg.rollout.tools]
     candidates += [[f"hardware.nodes={cfg.hardware.nodes * k}"] for k in (2, 4)]
     for candidate in candidates:
-        options = (
-            [candidate + [u] for u in utilizations]
-            if cfg.rollout.kv_cache_gib is None
-            else [candidate])
-        for overrides in options:  # the most KV cache that fits with this change
+        sized = [candidate + [u] for u in utilizations]  # the most KV cache that fits with it
+        for overrides in sized if cfg.rollout.kv_cache_gib is None else [candidate]:
             if overrides and fits(overrides):
                 return overrides
     return []
@@ -397,14 +394,9 @@ def report(plan, cfg_path, suggestion=()):
         lines += [f"does not fit: {problem}" for problem in plan["problems"]]
         lines.append("a change that fits: " + " ".join(suggestion) if suggestion else
                      "no change of one knob fits: try shorter responses or a larger GPU")
-    summary = {
-        key: plan[key]
-        for key in (
-            "fits", "gpu_gib", "world_size", "phases", "kv_cache_gib", "kv_full_length_sequences",
+    keys = ("fits", "gpu_gib", "world_size", "phases", "kv_cache_gib", "kv_full_length_sequences",
             "requests_per_round", "host_gib_per_node", "max_model_len", "parameters_b", "problems")
-    }
-    summary["suggestion"] = list(suggestion)
-    lines.append(json.dumps(summary))
+    lines.append(json.dumps({**{key: plan[key] for key in keys}, "suggestion": list(suggestion)}))
     return lines
 
 

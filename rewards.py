@@ -178,10 +178,8 @@ def _plain_number(text: str) -> Fraction | None:
     if match["decimal"] is not None:
         value = Fraction(match["decimal"])
     else:
-        p, q = (
-            (match["frac_p"], match["frac_q"])
-            if match["frac_p"]
-            else (match["slash_p"], match["slash_q"]))
+        p, q = ((match["frac_p"], match["frac_q"]) if match["frac_p"]
+                else (match["slash_p"], match["slash_q"]))
         if int(q) == 0:
             return None
         value = Fraction(int(p), int(q))
@@ -212,9 +210,8 @@ def _plain_numbers_verdict(ground_truth: str, answer: str) -> bool | None:
 def _parse_gold(ground_truth: str) -> list:
     # The box makes plain "42", "\frac{1}{2}" and "x^2+1" a LaTeX match; math-verify keeps the
     # string form too.
-    return parse(
-        "\\boxed{" + ground_truth + "}", extraction_config=_BOXED_PARSE_CONFIG, parsing_timeout=None
-    )
+    return parse("\\boxed{" + ground_truth + "}", extraction_config=_BOXED_PARSE_CONFIG,
+                 parsing_timeout=None)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -364,8 +361,7 @@ def format_ok(response: str) -> bool:
     tested separately.
     """
     if "<think>" in response and "<answer>" in response:
-        return (
-            re.search(r"<think>.*?</think>\n<answer>.*?</answer>", response, re.DOTALL) is not None)
+        return re.search(r"<think>.*?</think>\n<answer>.*?</answer>", response, re.DOTALL) is not None
     return "</think>" in response or "boxed" in response
 
 
