@@ -43,8 +43,7 @@ METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entro
 # (then the trainer selects once over the whole step, all ranks, and hands each micro-batch its
 # slice).
 EXTRA_INPUTS = {"lp_reg": ("proxy_logprobs",), "steer": ("sensitivity",)}
-SELECTING = ("stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "steer",
-             "entropic")
+SELECTING = ("stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "steer", "entropic")
 
 
 # ==================================================================================================

@@ -529,9 +529,8 @@ def main(argv):
         if samples is not None:
             path = Path(args.samples)
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "w", encoding="utf-8") as f:
-                for sample in samples:
-                    f.write(json.dumps(sample, ensure_ascii=False) + "\n")
+            path.write_text("".join(json.dumps(sample, ensure_ascii=False) + "\n"
+                                    for sample in samples), encoding="utf-8")
             print(f"wrote {path} ({len(samples)} responses)")
     # with external_launcher this also tears down the process group (rollout.py)
     rollout.shutdown_engine(engine)

@@ -88,8 +88,7 @@ class Group:
 
     @property
     def distinct_correct(self):  # the share of distinct right responses; None if none is right
-        return rewards.distinct_correct_fraction([[(r.tokens, r.accuracy)
-                                                    for r in self.responses]])
+        return rewards.distinct_correct_fraction([[(r.tokens, r.accuracy) for r in self.responses]])
 
 
 # ==================================================================================================
@@ -272,8 +271,7 @@ def select_tokens(responses, cfg, gate, step, device):
     # [B, T] each, B = the step's responses
     batch = loss_batch(everyone, modeling.pad_rows, method, device=None)
     batch["logprobs"] = batch["old_logprobs"]  # the selection ranks tokens under pi_old
-    generator = torch.Generator().manual_seed(
-        data.derive_seed(cfg.train.seed, "selection", step))
+    generator = torch.Generator().manual_seed(data.derive_seed(cfg.train.seed, "selection", step))
     selection, metrics = baselines.token_selection(
         method, batch, cfg.loss, gate=gate, generator=generator)
     offset = (dist.get_rank() if dist.is_initialized() else 0) * len(responses)

@@ -409,8 +409,7 @@ def equal_count_micro_batches(responses, token_budget, device):
     """micro_batches, padded with empty batches to the largest count over ranks: FSDP2's
     forward and backward are collectives, so every rank must run the same number of them (a mismatch
     hangs)."""
-    batches = micro_batches(
-        [len(r.prompt) + len(r.tokens) for r in responses], token_budget)
+    batches = micro_batches([len(r.prompt) + len(r.tokens) for r in responses], token_budget)
     count = runs.all_reduce({"count": len(batches)}, device, op=dist.ReduceOp.MAX)["count"]
     return batches + [[]] * (int(count) - len(batches))
 

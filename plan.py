@@ -217,9 +217,8 @@ def host_plan(cfg, world, engine):
 
 
 def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
-    """The plan of `cfg` on `world_size` ranks (default: the hardware section's) of gpu_gib each
-    (default: the hardware section's), of which free_gib are free (default: all) -> dict of GiB (see
-    the module docstring, which describes every key)."""
+    """The plan of `cfg` on world_size ranks of gpu_gib each (None: the hardware section's), of which
+    free_gib are free (None: all) -> dict of GiB, described key by key in the module docstring."""
     hw = cfg.hardware
     world = world_size or hw.nodes * hw.gpus_per_node
     gpu_gib = hw.gpu_gib if gpu_gib is None else gpu_gib
@@ -257,7 +256,7 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
     # rank 0 gathers the model in the compute dtype for the export
     host = ranks_per_node * sum(host_rank.values()) + compute_bytes * n / GIB
     result = {
-        "config": None, "model": arch.name, "parameters_b": round(n / 1e9, 3),
+        "model": arch.name, "parameters_b": round(n / 1e9, 3),
         "world_size": world, "nodes": -(-world // hw.gpus_per_node),
         "gpus_per_node": ranks_per_node, "gpu_gib": gpu_gib,
         "free_gib": gpu_gib if free_gib is None else free_gib, "host_gib": hw.host_gib,
@@ -272,8 +271,7 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
         "kv_cache_gib": round(engine["kv_cache"], 2), "max_model_len": engine["context"],
         "kv_sequence_gib": round(engine["sequence_gib"], 3),
         "kv_full_length_sequences": engine["sequences"],
-        "requests_per_round": engine["requests"], "micro_batch_tokens": tokens,
-        "host_gib_per_node": round(host, 1),
+        "requests_per_round": engine["requests"], "host_gib_per_node": round(host, 1),
         "host_gib_per_rank": {k: round(v, 2) for k, v in host_rank.items()}}
     result["problems"] = problems(result, cfg, arch)
     result["fits"] = not result["problems"]
@@ -289,10 +287,8 @@ def update_gib(arch, world, compute_bytes, reduce_bytes, checkpointing, tokens, 
     layer recomputed, or every layer's activations without, and the logits at the response positions
     with their gradient (never a float32 copy of them: stare.token_logprobs_and_entropy)."""
     per_layer = arch.layer_activation_bytes(compute_bytes)
-    if checkpointing:
-        body = tokens * (arch.layers * arch.hidden * compute_bytes + per_layer)
-    else:
-        body = tokens * arch.layers * per_layer
+    body = tokens * (arch.layers * arch.hidden * compute_bytes + per_layer if checkpointing
+                     else arch.layers * per_layer)
     head = 2 * response_tokens * arch.vocab * compute_bytes
     gathered = arch.gathered_bytes(compute_bytes)
     grad_buffers = (compute_bytes + reduce_bytes) * arch.layer_parameters
@@ -412,7 +408,6 @@ def main(cfg_path, overrides):
         print(f"config error: {error}")
         return 2
     plan = compute(cfg, arch)
-    plan["config"] = cfg_path
     print("\n".join(report(plan, cfg_path, () if plan["fits"] else suggestions(cfg, arch))))
     return 0 if plan["fits"] else 2
 

@@ -388,15 +388,12 @@ def overlong_penalty(
 def compute_rewards(
     responses: list[str], ground_truths: list[str], data_sources: list[str],
     response_lengths: list[int], cfg) -> tuple[list[float], list[float], dict[str, float]]:
-    """Score a batch. Returns (rewards, accuracies, metrics). An accuracy is 0.0 or 1.0, and
-    reward = accuracy + overlong penalty (if on) + cfg.format_weight * format_ok.
-
-    Routing: data_source "tiny_sum" -> verify_sum, "tiny_countdown" -> verify_countdown; any other ->
-    verify_math(cfg.answer_format, cfg.timeout_s).
-    response_lengths are the responses' token counts (used only by the overlong penalty).
-    metrics: batch means under "rollout/" (reward_mean, acc, {no_answer,parse_error,timeout,format_ok}_frac,
-    overlong_penalty_mean), plus verify_seconds, the wall time of the whole call. All are 0.0 for an empty batch.
-    Raises ValueError if the lists differ in length. Never raises on response content.
+    """Score a batch -> (rewards, accuracies, rollout/ metrics: batch means, 0.0 for an empty batch,
+    and verify_seconds, the wall time of the call). An accuracy is 0.0 or 1.0, and reward =
+    accuracy + overlong penalty (if on) + cfg.format_weight * format_ok. data_source "tiny_sum" is
+    checked by verify_sum, "tiny_countdown" by verify_countdown, any other by verify_math;
+    response_lengths (token counts) serve the overlong penalty only. Raises ValueError if the lists
+    differ in length; never on response content.
     """
     sizes = {len(responses), len(ground_truths), len(data_sources), len(response_lengths)}
     if len(sizes) != 1:

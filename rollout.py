@@ -83,8 +83,7 @@ def engine_kwargs(cfg, model_path, seed, max_model_len, block_size, on_gpu, dist
     """The keyword arguments of vLLM's `LLM` (its EngineArgs) for a GPU or a CPU engine (see
     build_engine): a plain dict, so that the GPU arguments can be checked on a machine without
     one."""
-    kv_cache_gib = cfg.kv_cache_gib
-    kv_cache_gib = CPU_KV_CACHE_GIB if kv_cache_gib is None and not on_gpu else kv_cache_gib
+    kv_cache_gib = CPU_KV_CACHE_GIB if cfg.kv_cache_gib is None and not on_gpu else cfg.kv_cache_gib
     enforce_eager = not on_gpu if cfg.enforce_eager is None else cfg.enforce_eager
     kwargs = dict(
         model=str(model_path),
@@ -175,15 +174,11 @@ def generate(engine, prompt_token_ids, n, temperature=1.0, top_p=1.0, top_k=0, m
         for i in range(len(prompt_token_ids))]
     outputs = engine.generate([{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], params,
                               use_tqdm=use_tqdm)
-    rollouts = Rollouts([], [], [], [], [])
-    for prompt_index, request in enumerate(outputs):
-        for completion in request.outputs:
-            rollouts.prompt_index.append(prompt_index)
-            rollouts.token_ids.append(list(completion.token_ids))
-            rollouts.logprobs.append(sampled_logprobs(completion))
-            rollouts.finish_reasons.append(completion.finish_reason)
-            rollouts.texts.append(completion.text)
-    return rollouts
+    rows = [(i, completion) for i, request in enumerate(outputs) for completion in request.outputs]
+    return Rollouts(
+        prompt_index=[i for i, _ in rows], token_ids=[list(c.token_ids) for _, c in rows],
+        logprobs=[sampled_logprobs(c) for _, c in rows],
+        finish_reasons=[c.finish_reason for _, c in rows], texts=[c.text for _, c in rows])
 
 
 def check_seeds(seeds, prompt_token_ids):

@@ -17,6 +17,7 @@ every socket away. Not a virtual machine. What each mode guarantees and what it 
 limit and every Result.error value: docs/sandbox.md.
 """
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -285,10 +286,8 @@ def _run(code, config, mode):
             # Before reaping the launcher, so that its pid (the group's id) cannot have been reused:
             # normally a no-op, else it kills the launcher and what is left in its group (see "The
             # process tree").
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             # Exited but not reaped: its pid, and so the run's user (_run_user), is no other run's
             # while /dev/shm is cleaned.
             os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
@@ -556,10 +555,8 @@ def _launch(spec):
             raise RuntimeError("the trainer is gone")
         # orphans of the run, setsid() or not, become our children
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-        if spec["mode"] == "namespaces":
-            child = _start_in_namespaces(code, runner, spec)
-        else:
-            child = _start_as_process(code, spec)
+        child = (_start_in_namespaces(code, runner, spec) if spec["mode"] == "namespaces"
+                 else _start_as_process(code, spec))
         signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
         _, status = os.waitpid(child, 0)
         # the child is reaped: its pid is not ours to kill any more
@@ -890,11 +887,9 @@ def _reap_forever():
         os.dup2(null, fd)
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
     while True:
-        try:
+        with contextlib.suppress(ChildProcessError):
             while os.waitpid(-1, os.WNOHANG)[0]:
                 pass
-        except ChildProcessError:
-            pass
         signal.sigtimedwait([signal.SIGCHLD], 1.0)
 
 

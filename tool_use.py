@@ -120,24 +120,23 @@ def generate_with_tools(engine, tokenizer, prompt_token_ids, seeds, cfg, sandbox
     for a call.
     """
     rollout.check_seeds(seeds, prompt_token_ids)
-    n, max_turns, max_tokens = cfg.n, cfg.max_turns, cfg.max_tokens
-    if max_turns < 1 or max_tokens < 1:
-        raise ValueError(f"max_turns and max_tokens must be >= 1, got {max_turns} and {max_tokens}")
+    if cfg.max_turns < 1 or cfg.max_tokens < 1:
+        raise ValueError(f"max_turns and max_tokens must be >= 1, got {cfg.max_turns} and "
+                         f"{cfg.max_tokens}")
     # tokenised once per call
     wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in QWEN_TOOL_TURN]
-    conversations = [
-        _Conversation(i, j, list(ids)) for i, ids in enumerate(prompt_token_ids) for j in range(n)]
-    for turn in range(max_turns):
+    conversations = [_Conversation(i, j, list(ids))
+                     for i, ids in enumerate(prompt_token_ids) for j in range(cfg.n)]
+    for turn in range(cfg.max_turns):
         active = [c for c in conversations if c.finish_reason is None]
         if not active:
             break
         seeds_now = None if seeds is None else [
-            turn_seed(seeds[c.prompt_index], n, c.sample, turn) for c in active]
-        completions = _sample_turn(engine, active, seeds_now, cfg)
-        calls = [_model_turn(c, completion, turn, max_turns, max_tokens, tokenizer)
-                 for c, completion in zip(active, completions)]
-        _tool_turns([call for call in calls if call is not None], tokenizer, wrapper,
-                    cfg.max_tool_response_tokens, max_tokens, sandbox_cfg)
+            turn_seed(seeds[c.prompt_index], cfg.n, c.sample, turn) for c in active]
+        calls = [_model_turn(c, completion, turn, cfg, tokenizer)
+                 for c, completion in zip(active, _sample_turn(engine, active, seeds_now, cfg))]
+        _tool_turns([call for call in calls if call is not None], tokenizer, wrapper, cfg,
+                    sandbox_cfg)
     return _tool_rollouts(conversations, tokenizer)
 
 
@@ -159,7 +158,7 @@ def _sample_turn(engine, active, seeds, cfg):
     return [request.outputs[0] for request in outputs]
 
 
-def _model_turn(conversation, completion, turn, max_turns, max_tokens, tokenizer):
+def _model_turn(conversation, completion, turn, cfg, tokenizer):
     """Append a sampled turn and decide what follows it. -> (conversation, code or None, error or
     None) when a tool turn is due, else None (the conversation is finished)."""
     logprobs = rollout.sampled_logprobs(completion)
@@ -169,10 +168,10 @@ def _model_turn(conversation, completion, turn, max_turns, max_tokens, tokenizer
     if completion.finish_reason != "stop" or completion.stop_reason != TOOL_CALL_CLOSE:
         # an answer ("stop"), or out of budget ("length")
         conversation.finish_reason = completion.finish_reason
-    elif turn + 1 == max_turns:
+    elif turn + 1 == cfg.max_turns:
         # no turn left to read the result: the call is not run
         conversation.finish_reason = "max_turns"
-    elif len(conversation.token_ids) == max_tokens:
+    elif len(conversation.token_ids) == cfg.max_tokens:
         conversation.finish_reason = "length"  # no room left for the result: the call is not run
     else:
         text = completion.text
@@ -183,7 +182,7 @@ def _model_turn(conversation, completion, turn, max_turns, max_tokens, tokenizer
     return None
 
 
-def _tool_turns(calls, tokenizer, wrapper, max_tool_response_tokens, max_tokens, sandbox_cfg):
+def _tool_turns(calls, tokenizer, wrapper, cfg, sandbox_cfg):
     """Run the valid calls of a turn in one bounded parallel batch, and append every call's tool
     turn (the output, or the error message of an invalid call), cut to the budget."""
     import sandbox
@@ -194,11 +193,10 @@ def _tool_turns(calls, tokenizer, wrapper, max_tool_response_tokens, max_tokens,
         result = next(results) if code is not None else None
         _count_call(conversation, result)
         content = error if result is None else sandbox.format_result(result)
-        ids = tool_turn_ids(tokenizer, content, wrapper, max_tool_response_tokens)
-        room = max_tokens - len(conversation.token_ids)
+        ids = tool_turn_ids(tokenizer, content, wrapper, cfg.max_tool_response_tokens)
+        room = cfg.max_tokens - len(conversation.token_ids)
         _append(conversation, ids[:room], [0.0] * min(len(ids), room), tool=True)
-        if len(ids) >= room:
-            # the result filled the budget: no room for an answer
+        if len(ids) >= room:  # the result filled the budget: no room for an answer
             conversation.finish_reason = "length"
 
 
