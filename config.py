@@ -666,11 +666,7 @@ def check_model_path(path, key="model.path"):
     if (path / "hf" / "config.json").exists():
         raise ConfigError(
             f"{key}: {where} is a training run's directory; its model is {path / 'hf'}")
-    try:
-        quantization = (
-            json.loads((path / "config.json").read_text()).get("quantization_config") or {})
-    except (OSError, ValueError):
-        quantization = {}
+    quantization = _config_json(path).get("quantization_config") or {}
     if isinstance(quantization, dict) and quantization.get("quant_method") == "gguf":
         raise ConfigError(
             f"{key}: {where}/config.json still names the GGUF quantization it was converted from, "
@@ -700,15 +696,19 @@ def check_context(model_path, max_model_len, keys):
     """That prompts and responses fit the model's context (config.json's max_position_embeddings):
     vLLM refuses a longer max_model_len only once its engine is half built. keys: what sets
     max_model_len, for the message."""
-    try:
-        positions = json.loads((Path(model_path) / "config.json").read_text()).get(
-            "max_position_embeddings")
-    except (OSError, ValueError):
-        return  # check_model_path reports an unreadable config.json
+    positions = _config_json(model_path).get("max_position_embeddings")
     if positions is not None and max_model_len > positions:
         raise ConfigError(
             f"{keys} = {max_model_len} tokens exceeds the model's context "
             f"(max_position_embeddings = {positions} in {Path(model_path) / 'config.json'})")
+
+
+def _config_json(model_path):
+    """A model directory's config.json; {} when it cannot be read (check_model_path says why)."""
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def check_files(paths, key):

@@ -107,13 +107,10 @@ class _Timeout(BaseException):
     blocks in math-verify and sympy let it through to verify_math."""
 
 
-def _alarm_usable() -> bool:
-    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-
-
 def _call_with_deadline(seconds: float, fn, *args):
     """fn(*args), interrupted by _Timeout after `seconds`, if this is the main thread. Elsewhere, fn runs unbounded."""
-    if seconds is None or seconds <= 0 or not _alarm_usable():
+    if (seconds is None or seconds <= 0 or not hasattr(signal, "setitimer")
+            or threading.current_thread() is not threading.main_thread()):
         return fn(*args)
     started = time.monotonic()
     expired, stopped = [], []

@@ -224,11 +224,6 @@ def quadrant_masks(advantages, surprisal, mask, threshold):
 # ==================================================================================================
 
 
-def _validate_ratio(top_ratio):
-    if not 0.0 <= top_ratio <= 1.0:  # also rejects NaN
-        raise ValueError(f"top_ratio must be in [0, 1], got {top_ratio}")
-
-
 def select_top_surprisal(surprisal, candidates, top_ratio):
     """Among the candidate tokens, exactly k = ceil(top_ratio * n) with the highest surprisal.   (Eq. 7)
 
@@ -241,7 +236,8 @@ def select_top_surprisal(surprisal, candidates, top_ratio):
     n and k stay on the device and the selection is `select_top_k`'s radix select, so there is no
     host-device sync.
     """
-    _validate_ratio(top_ratio)
+    if not 0.0 <= top_ratio <= 1.0:  # also rejects NaN
+        raise ValueError(f"top_ratio must be in [0, 1], got {top_ratio}")
     if top_ratio == 0:
         return torch.zeros(candidates.shape, dtype=torch.bool, device=candidates.device)
     n = candidates.sum(dtype=torch.int32)  # 0-dim, on the device
