@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import config
-from runs import RunError
+from runs import RunError, agree, all_gather
 
 CHECKPOINT_NAME = re.compile(r"step_(\d+)")
 CHECKSUMS = "checksums.sha256"
@@ -99,13 +99,13 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
 
     # every shard is on disk, or every rank learns which one is not; then each rank hashes what it
     # wrote, and rank 0 records every hash
-    _, failure = _on_every_rank(write, rank, world)
+    _, failure = _on_every_rank(write, rank)
     if failure is None:
-        hashes, failure = _on_every_rank(lambda: hash_files(partial, rank, world), rank, world)
+        hashes, failure = _on_every_rank(lambda: hash_files(partial, rank, world), rank)
     if failure is None:
         every_hash = {name: digest for share in hashes for name, digest in share.items()}
         _, failure = _on_every_rank(
-            lambda: write_checksums(partial, every_hash) if rank == 0 else None, rank, world)
+            lambda: write_checksums(partial, every_hash) if rank == 0 else None, rank)
     if failure is not None:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -131,7 +131,7 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
     return final
 
 
-def _on_every_rank(work, rank, world):
+def _on_every_rank(work, rank):
     """work() on this rank -> (every rank's result, the first failure of any rank as a line, or
     None). A collective: every rank learns of a failure instead of waiting for the rank that had it.
     A full disk shows as any of the errors caught (torch's zip writer: "unexpected pos"; DCP wraps
@@ -143,8 +143,7 @@ def _on_every_rank(work, rank, world):
         result = work()
     except (OSError, RuntimeError, CheckpointException) as error:
         failure = f"rank {rank}: {_cause(error)}"
-    gathered = [None] * world
-    dist.all_gather_object(gathered, (failure, result))
+    gathered = all_gather((failure, result))
     return [r for _, r in gathered], next((f for f, _ in gathered if f is not None), None)
 
 
@@ -395,12 +394,7 @@ def usable_step(checkpoint, rank=0):
         verified = verify_checksums(checkpoint, rank, world)
     except RunError as error:
         problem = str(error)
-    if world > 1:
-        problems = [None] * world
-        dist.all_gather_object(problems, problem)
-        problem = next((p for p in problems if p is not None), None)
-    if problem is not None:
-        raise RunError(problem)
+    agree(problem)  # every rank raises, or none
     check_files(checkpoint)
     step = read_trainer_state(checkpoint)["step"]
     if not verified and rank == 0:

@@ -283,11 +283,12 @@ def evaluate(engine, tokenizer, benchmarks, cfg, return_samples=False, use_tqdm=
     benchmarks: {name: [data.Example]} (e.g. from load_benchmarks). cfg: a config.Config, of which
     this reads eval (n, temperature, top_p, max_tokens), data (max_prompt_tokens, overflow), reward,
     train.seed and rollout.tensor_parallel_size; cfg.eval.n None: `default_n` of each benchmark.
-    The engine's max_model_len must be >= max_prompt_tokens + max_tokens. Under an initialised torch.distributed group every rank must
-    call this with the same arguments: each engine (the tensor_parallel_size consecutive ranks that
-    share one) samples prompts e, e + engines, ... of each benchmark, the per-prompt records are
-    all-gathered, and every rank returns the same full result. return_samples: also gather the
-    responses, as result["samples"] (a list of dicts in benchmark, prompt, sample order).
+    The engine's max_model_len must be >= max_prompt_tokens + max_tokens. Under an initialised
+    torch.distributed group every rank must call this with the same arguments: each engine (the
+    tensor_parallel_size consecutive ranks that share one) samples prompts e, e + engines, ... of
+    each benchmark, the per-prompt records are all-gathered, and every rank returns the same full
+    result. return_samples: also gather the responses, as result["samples"] (a list of dicts in
+    benchmark, prompt, sample order).
     """
     if not benchmarks:
         raise ValueError("no benchmarks to evaluate")

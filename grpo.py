@@ -141,8 +141,8 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
         metrics["rollout/distinct_correct_frac"] = sum(diversity) / len(diversity)
     if cfg.rollout.tools:  # over every response sampled in the step, all ranks
         metrics.update(tool_use.tool_metrics(totals))
-        # 1: "namespaces", 0: the weaker "process" (decided at start, cached)
-        metrics["rollout/sandbox_namespaces"] = float(sandbox.isolation(cfg.sandbox) == "namespaces")
+        isolation = sandbox.isolation(cfg.sandbox)  # decided at start, cached
+        metrics["rollout/sandbox_namespaces"] = float(isolation == "namespaces")  # 0: "process"
     return kept, data_position, metrics
 
 
@@ -213,9 +213,9 @@ def old_policy_pass(model, responses, cfg, device):
         # an empty batch: a collective-only forward
         rows = [responses[i] for i in indices] or responses[:1]
         packed = modeling.pack_rows([r.prompt for r in rows], [r.tokens for r in rows], device)
-        logits = modeling.response_logits(model, packed)  # [N, V]
-        logprobs, entropy = stare.token_logprobs_and_entropy(logits, packed.response_ids, temperature)
-        sensitivity = stare.entropy_sensitivity(logits, packed.response_ids, temperature)  # [N]
+        logits, ids = modeling.response_logits(model, packed), packed.response_ids  # [N, V], [N]
+        logprobs, entropy = stare.token_logprobs_and_entropy(logits, ids, temperature)  # [N]
+        sensitivity = stare.entropy_sensitivity(logits, ids, temperature)  # [N]
         lengths = [len(r.tokens) for r in rows]
         per_row = zip(*(values.cpu().split(lengths) for values in (logprobs, entropy, sensitivity)))
         for i, (row_logprobs, row_entropy, row_sensitivity) in zip(indices, per_row):
@@ -223,8 +223,8 @@ def old_policy_pass(model, responses, cfg, device):
             responses[i].sensitivity = row_sensitivity
         # Lp-Reg's (Eq. 13)
         if "proxy_logprobs" in baselines.EXTRA_INPUTS.get(cfg.algorithm.method, ()):
-            proxy = baselines.minp_proxy_logprobs(logits, packed.response_ids, temperature,
-                                                   cfg.loss.lp_reg_kappa, cfg.loss.lp_reg_soft)
+            proxy = baselines.minp_proxy_logprobs(logits, ids, temperature, cfg.loss.lp_reg_kappa,
+                                                   cfg.loss.lp_reg_soft)
             for i, row_proxy in zip(indices, proxy.cpu().split(lengths)):
                 responses[i].proxy_logprobs = row_proxy
 

@@ -300,12 +300,10 @@ def update_gib(arch, world, compute_bytes, reduce_bytes, checkpointing, tokens, 
 
 def problems(plan, cfg, arch):
     """What stops the run from fitting its hardware, one line each (empty: it fits)."""
-    found, usable = [], plan["free_gib"] - plan["gpu_gib"] * HEADROOM
-    for name, gib in plan["phases"].items():
-        if gib > usable:
-            found.append(
-                f"{name} needs {gib:.1f} GiB per GPU, more than {usable:.1f} of {plan['free_gib']:g} "
-                f"(keeping {HEADROOM:.0%} of the GPU free)")
+    usable = plan["free_gib"] - plan["gpu_gib"] * HEADROOM
+    found = [f"{name} needs {gib:.1f} GiB per GPU, more than {usable:.1f} of {plan['free_gib']:g} "
+             f"(keeping {HEADROOM:.0%} of the GPU free)"
+             for name, gib in plan["phases"].items() if gib > usable]
     if plan["kv_full_length_sequences"] < 1:
         found.append(
             f"the KV cache ({plan['kv_cache_gib']:.1f} GiB) holds no sequence of max_model_len "

@@ -45,7 +45,6 @@ class RunLock:
         except OSError as error:
             raise RunError(f"error: train.out_dir {self.path.parent} cannot be created "
                            f"({error.strerror})") from None
-        me = f"{os.getpid()} {socket.gethostname()}"
         for _ in range(2):
             try:
                 descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -67,7 +66,7 @@ class RunLock:
             self.held = True
             try:
                 with os.fdopen(descriptor, "w") as f:
-                    f.write(me + "\n")
+                    f.write(f"{os.getpid()} {socket.gethostname()}\n")
             except OSError as error:
                 self.release()
                 raise RunError(
