@@ -43,8 +43,7 @@ METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entro
 # (then the trainer selects once over the whole step, all ranks, and hands each micro-batch its
 # slice).
 EXTRA_INPUTS = {"lp_reg": ("proxy_logprobs",), "steer": ("sensitivity",)}
-SELECTING = ("stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "steer",
-             "entropic")
+SELECTING = ("stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "steer", "entropic")
 
 
 # ==================================================================================================
@@ -96,11 +95,8 @@ def stapo_spurious_mask(logprobs, entropy, advantages, mask, prob_threshold=0.01
     advantages = stare.broadcastable_advantages(advantages, logprobs)
     # tau_p = 0: STAPO off
     log_threshold = math.log(prob_threshold) if prob_threshold > 0 else -math.inf
-    spurious = (
-        valid
-        & (advantages > 0)
-        & (logprobs.detach().float() < log_threshold)
-        & (entropy < threshold))
+    spurious = valid & (advantages > 0) & (logprobs.detach().float() < log_threshold) & (
+        entropy < threshold)
     return spurious, threshold
 
 
@@ -135,8 +131,8 @@ def minp_proxy_logprobs(logits, tokens, temperature=1.0, kappa=0.02, soft=False,
         filtered_value = (
             x.amin(-1, keepdim=True) if soft else torch.full_like(row_max, -1e4 / temperature))
         kept = torch.where(x - row_max >= log_kappa_tempered, x, filtered_value)  # [n, V]
-        proxy[start:end] = kept.gather(-1, tokens_1d[start:end, None]).squeeze(
-            -1) - torch.logsumexp(kept, -1)
+        proxy[start:end] = (kept.gather(-1, tokens_1d[start:end, None]).squeeze(-1)
+                            - torch.logsumexp(kept, -1))
     return proxy.view(tokens.shape)
 
 
@@ -356,34 +352,26 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
         weights, stats = stare.stare_weights(
             logprobs, advantages, mask, cfg.stare_variant, cfg.stare_top_ratio, gate.w, gate.m,
             gate.gate_on)
-        return {"weights": weights}, {
-            **{f"stare/{key}": value for key, value in stats.items()},
-            "stare/positive_tokens": positive,
-            "stare/negative_tokens": negative,
-        }
+        return {"weights": weights}, {**{f"stare/{key}": value for key, value in stats.items()},
+                                      "stare/positive_tokens": positive,
+                                      "stare/negative_tokens": negative}
     if method == "stapo":
         spurious, threshold = stapo_spurious_mask(
             logprobs, batch["entropy"], advantages, mask, cfg.stapo_prob_threshold,
             cfg.stapo_entropy_quantile)
-        return {"spurious": spurious}, {
-            "stapo/entropy_threshold": threshold,
-            "stapo/candidates": positive,
-        }
+        return {"spurious": spurious}, {"stapo/entropy_threshold": threshold,
+                                        "stapo/candidates": positive}
     if method == "lp_reg":
         k = _count_k(cfg.lp_reg_neg_ratio, negative, "floor1")  # Eq. 14; nothing unless k > 1
         regularized = lp_reg_mask(
             logprobs, batch["proxy_logprobs"], advantages, mask, cfg.lp_reg_neg_ratio)
-        return {"regularized": regularized}, {
-            "lp_reg/candidates": negative,
-            "lp_reg/k": torch.where(k > 1, k, 0),
-            "lp_reg/selected": regularized.sum(),
-        }
+        return {"regularized": regularized}, {"lp_reg/candidates": negative,
+                                              "lp_reg/k": torch.where(k > 1, k, 0),
+                                              "lp_reg/selected": regularized.sum()}
     if method == "clip_cov":
-        return {
-            "detached": clip_cov_mask(
-                logprobs, batch["old_logprobs"], advantages, mask, cfg.clip_cov_ratio,
-                cfg.clip_cov_lb, cfg.clip_cov_ub, cfg.clip_low, cfg.clip_high, generator)
-        }, {}
+        return {"detached": clip_cov_mask(
+            logprobs, batch["old_logprobs"], advantages, mask, cfg.clip_cov_ratio, cfg.clip_cov_lb,
+            cfg.clip_cov_ub, cfg.clip_low, cfg.clip_high, generator)}, {}
     if method == "kl_cov":
         return {"penalized": kl_cov_mask(logprobs, advantages, mask, cfg.kl_cov_ratio)}, {}
     if method == "high_entropy":

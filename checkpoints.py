@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import config
-from runs import RunError
+from runs import RunError, agree, all_gather
 
 CHECKPOINT_NAME = re.compile(r"step_(\d+)")
 CHECKSUMS = "checksums.sha256"
@@ -52,11 +52,8 @@ def rng_states():
     """Every RNG of this process. No step draws from them today (sampling, data order and Clip-Cov's
     ties are seeded from (seed, step, index)); they are kept so that a change that does (dropout,
     say) still resumes exactly."""
-    states = {
-        "python": random.getstate(),
-        "numpy": numpy.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
+    states = {"python": random.getstate(), "numpy": numpy.random.get_state(),
+              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
     return states
@@ -76,7 +73,6 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
     import shutil
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     root = Path(out_dir) / "checkpoints"
     final, partial = root / f"step_{step:08d}", root / f".step_{step:08d}.tmp"
@@ -90,11 +86,7 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
     # zero-lr step, and the next real update would then use the wrong bias correction: save the
     # model alone
     has_optimizer_state = bool(optimizer.state)
-    if has_optimizer_state:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        shards = {"model": model_state, "optimizer": optimizer_state}
-    else:
-        shards = {"model": get_model_state_dict(model)}
+    shards = _state(model, optimizer if has_optimizer_state else None)
 
     def write():
         dcp.save(shards, checkpoint_id=partial / "sharded")
@@ -107,13 +99,13 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
 
     # every shard is on disk, or every rank learns which one is not; then each rank hashes what it
     # wrote, and rank 0 records every hash
-    _, failure = _on_every_rank(write, rank, world)
+    _, failure = _on_every_rank(write, rank)
     if failure is None:
-        hashes, failure = _on_every_rank(lambda: hash_files(partial, rank, world), rank, world)
+        hashes, failure = _on_every_rank(lambda: hash_files(partial, rank, world), rank)
     if failure is None:
         every_hash = {name: digest for share in hashes for name, digest in share.items()}
         _, failure = _on_every_rank(
-            lambda: write_checksums(partial, every_hash) if rank == 0 else None, rank, world)
+            lambda: write_checksums(partial, every_hash) if rank == 0 else None, rank)
     if failure is not None:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -124,8 +116,8 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
         raise RunError(
             f"error: saving the checkpoint of step {step} to {root} failed ({failure}; "
             f"{free:.0f} MiB free there{full}); its partial files were removed, and "
-            f"{previous[-1] if previous else 'no earlier checkpoint'} and metrics.jsonl are as they were"
-        )
+            f"{previous[-1] if previous else 'no earlier checkpoint'} and metrics.jsonl are as they "
+            f"were")
     if rank == 0:
         # a checkpoint of the same step from an earlier attempt
         shutil.rmtree(final, ignore_errors=True)
@@ -139,7 +131,7 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
     return final
 
 
-def _on_every_rank(work, rank, world):
+def _on_every_rank(work, rank):
     """work() on this rank -> (every rank's result, the first failure of any rank as a line, or
     None). A collective: every rank learns of a failure instead of waiting for the rank that had it.
     A full disk shows as any of the errors caught (torch's zip writer: "unexpected pos"; DCP wraps
@@ -150,14 +142,26 @@ def _on_every_rank(work, rank, world):
     try:
         result = work()
     except (OSError, RuntimeError, CheckpointException) as error:
-        # DCP's: {rank: the writer's error}
-        cause = next(iter(getattr(error, "failures", {}).values()), error)
-        cause = cause[0] if isinstance(cause, tuple) else cause
-        first_line = (str(cause).strip().splitlines() or [""])[0][:300]
-        failure = f"rank {rank}: {type(cause).__name__}: {first_line}"
-    gathered = [None] * world
-    dist.all_gather_object(gathered, (failure, result))
+        failure = f"rank {rank}: {_cause(error)}"
+    gathered = all_gather((failure, result))
     return [r for _, r in gathered], next((f for f, _ in gathered if f is not None), None)
+
+
+def _cause(error):
+    """"Type: its first line" of an error, DCP's CheckpointException unwrapped to the writer's or
+    reader's error ({rank: error} in its `failures`)."""
+    cause = next(iter(getattr(error, "failures", {}).values()), error)
+    cause = cause[0] if isinstance(cause, tuple) else cause
+    return f"{type(cause).__name__}: " + (str(cause).strip().splitlines() or [""])[0][:300]
+
+
+def _state(model, optimizer):
+    """The state DCP saves and loads: {"model": ...}, and "optimizer" unless optimizer is None."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    return dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
 
 
 def file_sha256(path):
@@ -253,19 +257,11 @@ def load_checkpoint(path, model, optimizer, rank):
     cannot be read."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict)
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     path = Path(path)
     trainer_state = read_trainer_state(path)
-    if optimizer is not None and trainer_state["has_optimizer_state"]:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        shards = {"model": model_state, "optimizer": optimizer_state}
-    else:
-        shards = {"model": get_model_state_dict(model)}
+    shards = _state(model, optimizer if trainer_state["has_optimizer_state"] else None)
     check_shapes(path, shards["model"])
     try:
         dcp.load(shards, checkpoint_id=path / "sharded")
@@ -285,11 +281,8 @@ def load_checkpoint(path, model, optimizer, rank):
         set_rng_states(torch.load(rng_file, weights_only=False))
     except (Exception, CheckpointException) as error:
         # what the checks before cannot see; DCP's CheckpointException derives from BaseException
-        cause = next(iter(getattr(error, "failures", {}).values()), error)  # DCP's: {rank: error}
-        cause = cause[0] if isinstance(cause, tuple) else cause
-        first_line = (str(cause).strip().splitlines() or [""])[0][:300]
-        raise RunError(f"error: {path} cannot be loaded ({type(cause).__name__}: {first_line}); "
-                       f"name an earlier one with train.resume=PATH") from None
+        raise RunError(f"error: {path} cannot be loaded ({_cause(error)}); name an earlier one "
+                       f"with train.resume=PATH") from None
     return trainer_state
 
 
@@ -327,9 +320,8 @@ def read_index(checkpoint):
     try:
         return dcp.FileSystemReader(str(sharded)).read_metadata()
     except Exception as error:  # missing or corrupt .metadata: pickling, EOF or OS errors
-        raise RunError(
-            f"error: {sharded}/.metadata cannot be read ({type(error).__name__}: {error})"
-        ) from None
+        raise RunError(f"error: {sharded}/.metadata cannot be read ({type(error).__name__}: "
+                       f"{error})") from None
 
 
 def check_files(checkpoint):
@@ -402,12 +394,7 @@ def usable_step(checkpoint, rank=0):
         verified = verify_checksums(checkpoint, rank, world)
     except RunError as error:
         problem = str(error)
-    if world > 1:
-        problems = [None] * world
-        dist.all_gather_object(problems, problem)
-        problem = next((p for p in problems if p is not None), None)
-    if problem is not None:
-        raise RunError(problem)
+    agree(problem)  # every rank raises, or none
     check_files(checkpoint)
     step = read_trainer_state(checkpoint)["step"]
     if not verified and rank == 0:

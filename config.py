@@ -222,9 +222,8 @@ class LossConfig:
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
-            raise ValueError(
-                "invalid loss config: "
-                + ", ".join(f"{name}={getattr(self, name)!r}" for name in bad))
+            raise ValueError("invalid loss config: "
+                             + ", ".join(f"{name}={getattr(self, name)!r}" for name in bad))
 
 
 @dataclasses.dataclass
@@ -243,9 +242,8 @@ class RewardConfig:
 
     def __post_init__(self):
         if self.answer_format not in rewards.ANSWER_FORMATS:
-            raise ValueError(
-                f"answer_format must be one of {rewards.ANSWER_FORMATS}, got {self.answer_format!r}"
-            )
+            raise ValueError(f"answer_format must be one of {rewards.ANSWER_FORMATS}, got "
+                             f"{self.answer_format!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.overlong_buffer_len < 0:
@@ -485,10 +483,8 @@ def _build(cls, raw, prefix):
                 f"config key {prefix + str(key)!r} is now {RENAMED[prefix + str(key)]!r}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = (
-                f" (did you mean {prefix + close[0]!r}?)"
-                if close
-                else f" (valid: {', '.join(fields)})")
+            hint = (f" (did you mean {prefix + close[0]!r}?)" if close
+                    else f" (valid: {', '.join(fields)})")
             raise ConfigError(f"config key {prefix + str(key)!r}: unknown key{hint}")
     values = {}
     for name, value in raw.items():
@@ -646,10 +642,8 @@ def to_yaml(cfg):
 def describe_path(path):
     """A path as an error message should show it: relative paths with the directory they are read from."""
     path = Path(path)
-    return (
-        str(path)
-        if path.is_absolute()
-        else f"{path} (relative to the working directory {Path.cwd()})")
+    return str(path) if path.is_absolute() else (
+        f"{path} (relative to the working directory {Path.cwd()})")
 
 
 def _named(key):
@@ -672,21 +666,15 @@ def check_model_path(path, key="model.path"):
     if (path / "hf" / "config.json").exists():
         raise ConfigError(
             f"{key}: {where} is a training run's directory; its model is {path / 'hf'}")
-    try:
-        quantization = (
-            json.loads((path / "config.json").read_text()).get("quantization_config") or {})
-    except (OSError, ValueError):
-        quantization = {}
+    quantization = _config_json(path).get("quantization_config") or {}
     if isinstance(quantization, dict) and quantization.get("quant_method") == "gguf":
         raise ConfigError(
             f"{key}: {where}/config.json still names the GGUF quantization it was converted from, "
             f"which vLLM refuses; convert it with `python -m tools.convert_gguf` (docs/usage.md, "
             f'"A small real model, offline")')
-    missing = [
-        what
-        for what, names in (
-            ("config.json", ("config.json",)),
-            ("a tokenizer (tokenizer.json)", ("tokenizer.json", "tokenizer_config.json")))
+    missing = [what for what, names in (
+        ("config.json", ("config.json",)),
+        ("a tokenizer (tokenizer.json)", ("tokenizer.json", "tokenizer_config.json")))
         if not any((path / name).exists() for name in names)]
     if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
         missing.append("weights (*.safetensors)")
@@ -708,15 +696,19 @@ def check_context(model_path, max_model_len, keys):
     """That prompts and responses fit the model's context (config.json's max_position_embeddings):
     vLLM refuses a longer max_model_len only once its engine is half built. keys: what sets
     max_model_len, for the message."""
-    try:
-        positions = json.loads((Path(model_path) / "config.json").read_text()).get(
-            "max_position_embeddings")
-    except (OSError, ValueError):
-        return  # check_model_path reports an unreadable config.json
+    positions = _config_json(model_path).get("max_position_embeddings")
     if positions is not None and max_model_len > positions:
         raise ConfigError(
             f"{keys} = {max_model_len} tokens exceeds the model's context "
             f"(max_position_embeddings = {positions} in {Path(model_path) / 'config.json'})")
+
+
+def _config_json(model_path):
+    """A model directory's config.json; {} when it cannot be read (check_model_path says why)."""
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def check_files(paths, key):
@@ -740,9 +732,8 @@ def check_paths(cfg, config_path=None):
     check_files(cfg.data.train_files, "data.train_files")
     if cfg.eval.every:
         check_files(cfg.eval.files, "eval.files")
-    if (
-        cfg.train.resume not in ("auto", "never")
-        and not (Path(cfg.train.resume) / "trainer.pt").is_file()):
+    if cfg.train.resume not in ("auto", "never") and not (
+            Path(cfg.train.resume) / "trainer.pt").is_file():
         raise ConfigError(
             f"config key 'train.resume': {describe_path(cfg.train.resume)} is not a complete "
             f"checkpoint (no trainer.pt)")

@@ -64,12 +64,7 @@ class Example:
 def load_examples(path, default_data_source: str | None = None,
                   prompt_suffix: str | None = STARE_SUFFIX) -> list[Example]:
     """Read a .jsonl or .parquet prompt set into Examples, in file order; every bad row is a
-    ValueError.
-
-    default_data_source: used for rows without their own data_source (else the file's stem).
-    prompt_suffix: appended after a newline to plain-format problems; None or "" appends nothing. verl-format rows
-    never get it (their prompts already carry the instruction).
-    """
+    ValueError. The module docstring describes the rows, prompt_suffix and default_data_source."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
@@ -145,10 +140,8 @@ def _verl_messages(prompt, origin):
     """verl's "prompt": a non-empty list of {role, content} dicts (a numpy array of dicts when read via pandas)."""
     if hasattr(prompt, "tolist") and not isinstance(prompt, (str, bytes)):
         prompt = prompt.tolist()  # numpy object array -> list, without importing numpy
-    if (
-        not isinstance(prompt, (list, tuple))
-        or not prompt
-        or not all(isinstance(m, Mapping) for m in prompt)):
+    if not isinstance(prompt, (list, tuple)) or not prompt or not all(
+            isinstance(m, Mapping) for m in prompt):
         raise ValueError(
             f"{origin}: field 'prompt' must be a non-empty list of {{role, content}} messages")
     messages = []
@@ -156,9 +149,8 @@ def _verl_messages(prompt, origin):
         for key in ("role", "content"):
             value = message.get(key)
             if not isinstance(value, str):
-                raise ValueError(
-                    f"{origin}: field 'prompt' message {index} needs a string '{key}', got {value!r}"
-                )
+                raise ValueError(f"{origin}: field 'prompt' message {index} needs a string "
+                                 f"'{key}', got {value!r}")
             if not value.strip():
                 raise ValueError(f"{origin}: field 'prompt' message {index} has empty '{key}'")
         messages.append(dict(message))
@@ -181,9 +173,7 @@ def _ground_truth(value, field, origin):
     positionally (0.1 -> "0.1", 2.5e-07 -> "0.00000025"). NaN, inf, booleans and lists are
     errors."""
     if isinstance(value, str):
-        if not value.strip():
-            raise ValueError(f"{origin}: field '{field}' is empty")
-        return value
+        return _non_empty_string(value, field, origin)
     # bool is an int subclass; True as an answer is a bug in the data, not the number 1.
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return str(int(value))
@@ -271,17 +261,15 @@ def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str 
     """Chat-template each example's messages (with the generation prompt) into token ids and enforce
     the length cap.
 
-    Returns (prompt_ids, kept_examples, stats): prompt_ids[i] belongs to kept_examples[i], in input order.
-    overflow: "left_truncate" (keep the last max_prompt_tokens ids) | "skip" | "error" (see the module docstring).
-    stats: num_prompts (input count), num_truncated, num_skipped, and max_tokens / mean_tokens over the kept prompts
-    after truncation (0 and 0.0 when none is kept).
+    Returns (prompt_ids, kept_examples, stats): prompt_ids[i] belongs to kept_examples[i], in input
+    order; overflow as in the module docstring. stats: num_prompts (input count), num_truncated,
+    num_skipped, and max_tokens / mean_tokens over the kept prompts after truncation (0 and 0.0
+    when none is kept).
     """
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
-    if (
-        isinstance(max_prompt_tokens, bool)
-        or not isinstance(max_prompt_tokens, int)
-        or max_prompt_tokens < 1):
+    if (isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int)
+            or max_prompt_tokens < 1):
         raise ValueError(f"max_prompt_tokens must be a positive int, got {max_prompt_tokens!r}")
     prompt_ids, kept, num_prompts, num_truncated, num_skipped = [], [], 0, 0, 0
     for example in examples:
@@ -289,9 +277,8 @@ def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str 
         ids = chat_template_ids(tokenizer, example.messages, tools)
         if len(ids) > max_prompt_tokens:
             if overflow == "error":
-                raise ValueError(
-                    f"{example.origin}: prompt is {len(ids)} tokens, over max_prompt_tokens={max_prompt_tokens}"
-                )
+                raise ValueError(f"{example.origin}: prompt is {len(ids)} tokens, over "
+                                 f"max_prompt_tokens={max_prompt_tokens}")
             if overflow == "skip":
                 num_skipped += 1
                 continue
@@ -338,7 +325,6 @@ def derive_seed(seed, *parts):
     * n + j, which stays far below 2**63.)"""
     digest = hashlib.blake2b(repr((seed,) + parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % 2**48
-
 
 
 # --------------------------------------------------------------------------------------------------

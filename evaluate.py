@@ -238,23 +238,19 @@ def _aggregate(records, n, ks, prompt_stats, bootstrap_seed):
     accuracy = [r["correct"] / n for r in records]
     metrics = {"n": n, "prompts": num, "avg@n": sum(accuracy) / num,
                "avg@n_se": bootstrap_se(accuracy, seed=bootstrap_seed)}
-    for j, k in enumerate(ks):
-        metrics[f"pass@{k}"] = sum(r["pass"][j] for r in records) / num
-    for j, k in enumerate(ks):
-        metrics[f"maj@{k}"] = sum(r["maj"][j] for r in records) / num
+    for kind in ("pass", "maj"):
+        metrics.update({f"{kind}@{k}": sum(r[kind][j] for r in records) / num
+                        for j, k in enumerate(ks)})
     words = sum(r["words"] for r in records)
-    metrics.update(
-        {
-            "response_length_mean": sum(r["length_sum"] for r in records) / samples,
-            "response_length_max": max(r["length_max"] for r in records),
-            "truncated_frac": sum(r["truncated"] for r in records) / samples,
-            "no_answer_frac": sum(r["no_answer"] for r in records) / samples,
-            "reflection_per_1k_words": 1000.0 * sum(r["reflections"] for r in records) / words
-            if words
-            else 0.0,
-            "prompts_truncated": prompt_stats["num_truncated"],
-            "prompts_skipped": prompt_stats["num_skipped"],
-        })
+    metrics.update({
+        "response_length_mean": sum(r["length_sum"] for r in records) / samples,
+        "response_length_max": max(r["length_max"] for r in records),
+        "truncated_frac": sum(r["truncated"] for r in records) / samples,
+        "no_answer_frac": sum(r["no_answer"] for r in records) / samples,
+        "reflection_per_1k_words":
+            1000.0 * sum(r["reflections"] for r in records) / words if words else 0.0,
+        "prompts_truncated": prompt_stats["num_truncated"],
+        "prompts_skipped": prompt_stats["num_skipped"]})
     return metrics
 
 
@@ -272,18 +268,10 @@ def _overall(per_benchmark):
         "avg@n": mean("avg@n"),
         "avg@n_se": math.sqrt(sum(v["avg@n_se"] ** 2 for v in values)) / count,
     }
-    common = [
-        key
-        for key in values[0]
-        if key.startswith(("pass@", "maj@")) and all(key in v for v in values)]
-    overall.update({key: mean(key) for key in common})
-    overall.update(
-        {
-            key: mean(key)
-            for key in (
-                "response_length_mean", "truncated_frac", "no_answer_frac",
-                "reflection_per_1k_words")
-        })
+    common = [key for key in values[0]
+              if key.startswith(("pass@", "maj@")) and all(key in v for v in values)]
+    means = ("response_length_mean", "truncated_frac", "no_answer_frac", "reflection_per_1k_words")
+    overall.update({key: mean(key) for key in common + list(means)})
     overall["response_length_max"] = max(v["response_length_max"] for v in values)
     return overall
 
@@ -294,13 +282,13 @@ def evaluate(engine, tokenizer, benchmarks, cfg, return_samples=False, use_tqdm=
 
     benchmarks: {name: [data.Example]} (e.g. from load_benchmarks). cfg: a config.Config, of which
     this reads eval (n, temperature, top_p, max_tokens), data (max_prompt_tokens, overflow), reward,
-    train.seed and rollout.tensor_parallel_size. cfg.eval.n: an int for all, a {name: n} dict
-    (missing names take default_n), or None (default_n for all). The engine's max_model_len must be
-    >= max_prompt_tokens + max_tokens. Under an initialised torch.distributed group every rank must
-    call this with the same arguments: each engine (the tensor_parallel_size consecutive ranks that
-    share one) samples prompts e, e + engines, ... of each benchmark, the per-prompt records are
-    all-gathered, and every rank returns the same full result. return_samples: also gather the
-    responses, as result["samples"] (a list of dicts in benchmark, prompt, sample order).
+    train.seed and rollout.tensor_parallel_size; cfg.eval.n None: `default_n` of each benchmark.
+    The engine's max_model_len must be >= max_prompt_tokens + max_tokens. Under an initialised
+    torch.distributed group every rank must call this with the same arguments: each engine (the
+    tensor_parallel_size consecutive ranks that share one) samples prompts e, e + engines, ... of
+    each benchmark, the per-prompt records are all-gathered, and every rank returns the same full
+    result. return_samples: also gather the responses, as result["samples"] (a list of dicts in
+    benchmark, prompt, sample order).
     """
     if not benchmarks:
         raise ValueError("no benchmarks to evaluate")
@@ -315,12 +303,7 @@ def evaluate(engine, tokenizer, benchmarks, cfg, return_samples=False, use_tqdm=
         if not kept:
             raise ValueError(
                 f"benchmark {name!r}: no prompt left after tokenization (overflow={overflow!r})")
-        if isinstance(n, int):
-            ns[name] = n
-        elif isinstance(n, dict) and name in n:
-            ns[name] = n[name]
-        else:
-            ns[name] = default_n(name, len(kept))
+        ns[name] = default_n(name, len(kept)) if n is None else n
         if ns[name] < 1:
             raise ValueError(f"benchmark {name!r}: n must be >= 1, got {ns[name]}")
         kss[name] = ks_for(ns[name])
@@ -332,8 +315,7 @@ def evaluate(engine, tokenizer, benchmarks, cfg, return_samples=False, use_tqdm=
     if distributed:
         gathered = [None] * world
         dist.all_gather_object(gathered, records)
-        # one per engine
-        records = [r for rank_records in gathered[::tp] for r in rank_records]
+        records = [r for rank_records in gathered[::tp] for r in rank_records]  # one per engine
     order = {name: position for position, name in enumerate(benchmarks)}
     records.sort(key=lambda r: (order[r["benchmark"]], r["index"]))
     per_benchmark = {
@@ -538,11 +520,8 @@ def main(argv):
         samples = result.pop("samples", None)
         result["sampling"].update(
             prompt_suffix=args.prompt_suffix or None, dtype=args.dtype, limit=args.limit or None)
-        result = {
-            "model": str(args.model),
-            "data": {Path(p).stem: str(p) for p in args.data},
-            **result,
-        }
+        result = {"model": str(args.model), "data": {Path(p).stem: str(p) for p in args.data},
+                  **result}
         print(format_table(result))
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -551,9 +530,8 @@ def main(argv):
         if samples is not None:
             path = Path(args.samples)
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "w", encoding="utf-8") as f:
-                for sample in samples:
-                    f.write(json.dumps(sample, ensure_ascii=False) + "\n")
+            path.write_text("".join(json.dumps(sample, ensure_ascii=False) + "\n"
+                                    for sample in samples), encoding="utf-8")
             print(f"wrote {path} ({len(samples)} responses)")
     # with external_launcher this also tears down the process group (rollout.py)
     rollout.shutdown_engine(engine)

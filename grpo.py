@@ -88,8 +88,7 @@ class Group:
 
     @property
     def distinct_correct(self):  # the share of distinct right responses; None if none is right
-        return rewards.distinct_correct_fraction([[(r.tokens, r.accuracy)
-                                                    for r in self.responses]])
+        return rewards.distinct_correct_fraction([[(r.tokens, r.accuracy) for r in self.responses]])
 
 
 # ==================================================================================================
@@ -129,7 +128,7 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
         rounds += 1
     timings = {key: local_sums.pop(key) for key in ("time/rollout", "time/reward")}
     totals = runs.all_reduce(local_sums, device)
-    responses, calls = max(totals["sampled"], 1), max(totals.get("tool_calls", 0), 1)
+    responses = max(totals["responses"], 1)
     metrics = {
         "rollout/gen_rounds": rounds,
         "rollout/acc_before_filter": totals["sampled_correct"] / responses,
@@ -141,15 +140,9 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
     if diversity:  # rewards.distinct_correct_fraction over the step's groups
         metrics["rollout/distinct_correct_frac"] = sum(diversity) / len(diversity)
     if cfg.rollout.tools:  # over every response sampled in the step, all ranks
-        metrics.update({"rollout/tool_calls_mean": totals["tool_calls"] / responses,
-                        "rollout/tool_error_frac": totals["tool_errors"] / calls,
-                        "rollout/tool_timeout_frac": totals["tool_timeouts"] / calls,
-                        "rollout/tool_invalid_frac": totals["tool_invalid"] / calls,
-                        "rollout/tool_token_frac": totals["tool_tokens"] / max(totals["tokens"], 1),
-                        "rollout/max_turns_frac": totals["max_turns"] / responses,
-                        # 1: "namespaces", 0: the weaker "process" (decided at start, cached)
-                        "rollout/sandbox_namespaces": float(
-                            sandbox.isolation(cfg.sandbox) == "namespaces")})
+        metrics.update(tool_use.tool_metrics(totals))
+        isolation = sandbox.isolation(cfg.sandbox)  # decided at start, cached
+        metrics["rollout/sandbox_namespaces"] = float(isolation == "namespaces")  # 0: "process"
     return kept, data_position, metrics
 
 
@@ -166,18 +159,16 @@ def generate_round(engine, tokenizer, task, cfg, global_indices):
     """One generation round of this rank: n responses to each prompt of `global_indices` (positions
     in the seeded prompt stream), scored -> (groups, sums over the round's responses)."""
     n, prompts = cfg.rollout.n, [task.prompt_at(g) for g in global_indices]
-    sampling = dict(
-        n=n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-        max_tokens=cfg.rollout.max_tokens,
-        seeds=[data.derive_seed(cfg.train.seed, "prompt", g) for g in global_indices])
+    prompt_ids = [task.prompt_ids[p] for p in prompts]
+    seeds = [data.derive_seed(cfg.train.seed, "prompt", g) for g in global_indices]
     start = time.time()
     if cfg.rollout.tools:  # multi-turn: the code interpreter's output comes back as tool turns
-        out = tool_use.generate_with_tools(
-            engine, tokenizer, [task.prompt_ids[p] for p in prompts],
-            max_turns=cfg.rollout.max_turns, sandbox_config=cfg.sandbox,
-            max_tool_response_tokens=cfg.rollout.max_tool_response_tokens, **sampling)
+        out = tool_use.generate_with_tools(engine, tokenizer, prompt_ids, seeds, cfg.rollout,
+                                           cfg.sandbox)
     else:
-        out = rollout.generate(engine, [task.prompt_ids[p] for p in prompts], **sampling)
+        out = rollout.generate(
+            engine, prompt_ids, n=n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_tokens, seeds=seeds)
     sums = {"time/rollout": time.time() - start}
     start = time.time()
     examples = [task.examples[prompts[i]] for i in out.prompt_index]
@@ -187,22 +178,17 @@ def generate_round(engine, tokenizer, task, cfg, global_indices):
     sums["time/reward"] = time.time() - start
     responses = [
         Response(
-            prompt=task.prompt_ids[prompts[out.prompt_index[r]]], tokens=out.token_ids[r],
+            prompt=prompt_ids[out.prompt_index[r]], tokens=out.token_ids[r],
             rollout_logprobs=out.logprobs[r], reward=scores[r], accuracy=accuracies[r],
             truncated=out.finish_reasons[r] == "length",
             reflection=rewards.reflection_counts(out.texts[r]),
             policy_mask=policy_token_mask(out, r))
         for r in range(len(out.texts))]
-    sums.update({"sampled": len(responses), "sampled_correct": sum(accuracies),
-                 **{key: reward_metrics[key] * len(responses) for key in REWARD_FRACTIONS}})
-    if cfg.rollout.tools:
-        sums.update({"tool_calls": sum(out.num_calls), "tool_errors": sum(out.num_errors),
-                     "tool_timeouts": sum(out.num_timeouts), "tool_invalid": sum(out.num_invalid),
-                     "tool_tokens": sum(map(sum, out.tool_mask)), "tokens": sum(out.lengths),
-                     "max_turns": out.finish_reasons.count("max_turns")})
-    return [
-        Group(responses[j * n].prompt, responses[j * n : (j + 1) * n]) for j in range(len(prompts))
-    ], sums
+    sums.update({"responses": len(responses), "sampled_correct": sum(accuracies),
+                 **{key: reward_metrics[key] * len(responses) for key in REWARD_FRACTIONS},
+                 **(tool_use.tool_sums(out) if cfg.rollout.tools else {})})
+    return [Group(responses[j * n].prompt, responses[j * n:(j + 1) * n])
+            for j in range(len(prompts))], sums
 
 
 def group_responses(groups, cfg, rank, world):
@@ -210,10 +196,8 @@ def group_responses(groups, cfg, rank, world):
     per_rank = len(groups) // world
     mine = []
     for group in groups[rank * per_rank:(rank + 1) * per_rank]:
-        rewards_ = torch.tensor([r.reward for r in group.responses])
-        advantages = stare.group_advantages(
-            rewards_, len(group.responses), cfg.algorithm.normalize_std
-        )  # [n]
+        rewards_ = torch.tensor([r.reward for r in group.responses])  # [n]
+        advantages = stare.group_advantages(rewards_, len(rewards_), cfg.algorithm.normalize_std)
         mine += [
             dataclasses.replace(r, advantage=float(a)) for r, a in zip(group.responses, advantages)]
     return mine
@@ -229,11 +213,9 @@ def old_policy_pass(model, responses, cfg, device):
         # an empty batch: a collective-only forward
         rows = [responses[i] for i in indices] or responses[:1]
         packed = modeling.pack_rows([r.prompt for r in rows], [r.tokens for r in rows], device)
-        logits = modeling.response_logits(model, packed)  # [N, V]
-        logprobs, entropy = stare.token_logprobs_and_entropy(
-            logits, packed.response_ids, temperature
-        )  # [N]
-        sensitivity = stare.entropy_sensitivity(logits, packed.response_ids, temperature)  # [N]
+        logits, ids = modeling.response_logits(model, packed), packed.response_ids  # [N, V], [N]
+        logprobs, entropy = stare.token_logprobs_and_entropy(logits, ids, temperature)  # [N]
+        sensitivity = stare.entropy_sensitivity(logits, ids, temperature)  # [N]
         lengths = [len(r.tokens) for r in rows]
         per_row = zip(*(values.cpu().split(lengths) for values in (logprobs, entropy, sensitivity)))
         for i, (row_logprobs, row_entropy, row_sensitivity) in zip(indices, per_row):
@@ -241,13 +223,8 @@ def old_policy_pass(model, responses, cfg, device):
             responses[i].sensitivity = row_sensitivity
         # Lp-Reg's (Eq. 13)
         if "proxy_logprobs" in baselines.EXTRA_INPUTS.get(cfg.algorithm.method, ()):
-            proxy = baselines.minp_proxy_logprobs(
-                logits,
-                packed.response_ids,
-                temperature,
-                cfg.loss.lp_reg_kappa,
-                cfg.loss.lp_reg_soft,
-            )  # [N]
+            proxy = baselines.minp_proxy_logprobs(logits, ids, temperature, cfg.loss.lp_reg_kappa,
+                                                   cfg.loss.lp_reg_soft)
             for i, row_proxy in zip(indices, proxy.cpu().split(lengths)):
                 responses[i].proxy_logprobs = row_proxy
 
@@ -294,8 +271,7 @@ def select_tokens(responses, cfg, gate, step, device):
     # [B, T] each, B = the step's responses
     batch = loss_batch(everyone, modeling.pad_rows, method, device=None)
     batch["logprobs"] = batch["old_logprobs"]  # the selection ranks tokens under pi_old
-    generator = torch.Generator().manual_seed(
-        data.derive_seed(cfg.train.seed, "selection", step))
+    generator = torch.Generator().manual_seed(data.derive_seed(cfg.train.seed, "selection", step))
     selection, metrics = baselines.token_selection(
         method, batch, cfg.loss, gate=gate, generator=generator)
     offset = (dist.get_rank() if dist.is_initialized() else 0) * len(responses)
@@ -351,11 +327,11 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=N
         finite = runs.all_reduce({"loss": torch.isfinite(mini_sums["loss"]),  # the one host read
                              "grad": torch.isfinite(grad_norms[-1])}, device, op=dist.ReduceOp.MIN)
         finite_loss, finite_grad = finite["loss"] > 0, finite["grad"] > 0
+        overflow = scaler is not None and scaler.after_step(finite_loss, finite_grad)
         if finite_loss and finite_grad:
             optimizer.step()
-        overflow = scaler is not None and scaler.after_step(finite_loss, finite_grad)
-        skipped += not (finite_loss and finite_grad)
-        nonfinite += not (finite_loss and finite_grad) and not overflow
+        else:  # skipped; counted as non-finite unless the loss scale explains it
+            skipped, nonfinite = skipped + 1, nonfinite + (not overflow)
         optimizer.zero_grad(set_to_none=True)
     totals = runs.all_reduce(sums, device)
     grad_norms = torch.stack(grad_norms).double()  # the same on every rank
@@ -377,20 +353,16 @@ def loss_denominators(rows, cfg, device):
     reference): None, each micro-batch uses its own mean."""
     if cfg.algorithm.selection_scope != "step":
         return None
-    method = cfg.algorithm.method
+    method, valid = cfg.algorithm.method, modeling.pad_rows([r.policy_mask for r in rows])
+    selection = {k: modeling.pad_rows([r.selection[k] for r in rows])
+                 for k in rows[0].selection or {}}  # [B, T] each, as valid
+    tokens = baselines.loss_mask(method, valid, selection, cfg.loss)
+    control = baselines.control_mask(method, valid, selection)
     # the same keys on every rank and for every method (0 where there is no control term)
-    counts = dict.fromkeys(
-        ("num_tokens", "num_sequences", "num_control_tokens", "num_control_sequences"), 0.0)
-    for row in rows:
-        selection = {k: v[None] for k, v in (row.selection or {}).items()}
-        # [1, T]
-        mask = baselines.loss_mask(method, row.policy_mask[None], selection, cfg.loss)
-        control = baselines.control_mask(method, row.policy_mask[None], selection)
-        control = torch.zeros_like(mask) if control is None else control
-        runs.add_sums(counts, {"num_tokens": float(mask.sum()), "num_sequences": float(mask.any()),
-                               "num_control_tokens": float(control.sum()),
-                               "num_control_sequences": float(control.any())})
-    return runs.all_reduce(counts, device)
+    control = torch.zeros_like(tokens) if control is None else control
+    return runs.all_reduce({"num_tokens": tokens.sum(), "num_sequences": tokens.any(-1).sum(),
+                            "num_control_tokens": control.sum(),
+                            "num_control_sequences": control.any(-1).sum()}, device)
 
 
 def micro_batch_loss(model, rows, share, denominators, cfg, gate, step, controller=None):
@@ -418,9 +390,8 @@ def micro_batch_loss(model, rows, share, denominators, cfg, gate, step, controll
         token_weights = torch.exp(batch["old_logprobs"] - rollout_logprobs).clamp(
             max=cfg.algorithm.is_cap)
     # micro scope (or grpo / entropy_bonus): policy_loss selects within this micro-batch
-    selection = None
-    if rows[0].selection is not None:
-        selection = {k: rows_of(r.selection[k] for r in rows) for k in rows[0].selection}
+    selection = None if rows[0].selection is None else {
+        k: rows_of(r.selection[k] for r in rows) for k in rows[0].selection}
     generator = torch.Generator(device=device).manual_seed(
         data.derive_seed(cfg.train.seed, "selection", step))
     loss, loss_metrics = baselines.policy_loss(
@@ -464,8 +435,8 @@ def batch_metrics(responses, num_tokens, device):
         op=dist.ReduceOp.MAX)
     dynamics = stare.entropy_dynamics(
         torch.tensor([r.advantage for r in responses]),
-        modeling.pad_rows([r.sensitivity for r in responses]), modeling.pad_rows([r.policy_mask for r in responses]),
-        num_tokens=num_tokens)
+        modeling.pad_rows([r.sensitivity for r in responses]),
+        modeling.pad_rows([r.policy_mask for r in responses]), num_tokens=num_tokens)
     count = sums["responses"]
     return {
         "rollout/acc": sums["correct"] / count,
@@ -507,8 +478,8 @@ def train_step(run, state, step, stage=lambda name: None, first=False):
         run.scheduler.step()
     stage("weight sync")
     with timer("time/sync"):
-        state.probe, sync_error = rollout.sync_engine(run.engine, run.model, cfg.rollout, responses, step,
-                                              state.probe, first)
+        state.probe, sync_error = rollout.sync_engine(run.engine, run.model, cfg.rollout,
+                                                      responses, step, state.probe, first)
     elapsed = time.time() - start
     return {**rollout_metrics, **batch_metrics(responses, num_tokens, device), **gate_metrics,
             **selection_metrics, **update_metrics, "train/lr": learning_rate, **timer.times,

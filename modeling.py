@@ -86,20 +86,16 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             window_size=(-1, 0), **({"enable_gqa": True} if gqa and VARLEN_GQA else {}))
         return out[None], None  # [1, L, H, D], causal within each row
     bounds = cu_seq_lens_q.tolist()
-    rows = [
-        torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling,
-            enable_gqa=gqa)
-        for s, e in zip(bounds[:-1], bounds[1:])
-    ]  # each [1, H, len, D]
+    rows = [torch.nn.functional.scaled_dot_product_attention(  # each [1, H, len, D]
+        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling,
+        enable_gqa=gqa) for s, e in zip(bounds[:-1], bounds[1:])]
     return torch.cat(rows, dim=2).transpose(1, 2), None
 
 
 def use_flash_varlen(query):
     """PyTorch's FlashAttention varlen kernel: CUDA, half precision, a PyTorch that has it."""
-    return (
-        query.is_cuda and varlen_attn is not None and query.dtype in (torch.bfloat16, torch.float16)
-    )
+    return query.is_cuda and varlen_attn is not None and query.dtype in (torch.bfloat16,
+                                                                          torch.float16)
 
 
 AttentionInterface.register(ATTENTION, _varlen_attention)
@@ -256,9 +252,8 @@ def checkpoint_index(path):
             if name == "__metadata__":
                 continue
             if entry["dtype"] not in SAFETENSORS_DTYPES:
-                raise ValueError(
-                    f"{file}: tensor {name} has dtype {entry['dtype']}, which this loader does not read"
-                )
+                raise ValueError(f"{file}: tensor {name} has dtype {entry['dtype']}, which this "
+                                 f"loader does not read")
             tensors[name] = StoredTensor(
                 file, SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]),
                 8 + header_size + entry["data_offsets"][0])
@@ -347,10 +342,8 @@ def pack_rows(prompts, responses, device):
     position_ids = torch.cat([torch.arange(n) for n in lengths])  # [L]
     keep = torch.cat([torch.arange(start + len(p) - 1, start + len(p) - 1 + len(r))
                       for start, p, r in zip(cu_seq_lens[:-1].tolist(), prompts, responses)])  # [N]
-    response_width = max(1, max(len(r) for r in responses))
-    mask = (
-        torch.arange(response_width)[None, :] < torch.tensor([len(r) for r in responses])[:, None]
-    )  # [b, R]
+    widths = [len(r) for r in responses]
+    mask = torch.arange(max(1, *widths))[None, :] < torch.tensor(widths)[:, None]  # [b, R]
     cu_seq_lens = cu_seq_lens.to(device=device, dtype=torch.int32)
     return Packed(
         model_inputs={
@@ -370,7 +363,6 @@ def pack_rows(prompts, responses, device):
 def response_logits(model, packed):
     """Logits at the response positions only, [N, V]: the LM head never runs over the prompt."""
     return model(**packed.model_inputs, use_cache=False).logits[0]  # [1, N, V] -> [N, V]
-
 
 
 # --------------------------------------------------------------------------------------------------
@@ -417,8 +409,7 @@ def equal_count_micro_batches(responses, token_budget, device):
     """micro_batches, padded with empty batches to the largest count over ranks: FSDP2's
     forward and backward are collectives, so every rank must run the same number of them (a mismatch
     hangs)."""
-    batches = micro_batches(
-        [len(r.prompt) + len(r.tokens) for r in responses], token_budget)
+    batches = micro_batches([len(r.prompt) + len(r.tokens) for r in responses], token_budget)
     count = runs.all_reduce({"count": len(batches)}, device, op=dist.ReduceOp.MAX)["count"]
     return batches + [[]] * (int(count) - len(batches))
 

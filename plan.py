@@ -162,9 +162,9 @@ def engine_dtype(cfg, arch):
     return "bfloat16" if arch.dtype == "float32" else arch.dtype
 
 
-def max_model_len(cfg, evaluating=None):
+def max_model_len(cfg):
     """The engine's context: the longest prompt plus the longest response it samples (training or evaluation)."""
-    evaluating = bool(cfg.eval.every and cfg.eval.files) if evaluating is None else evaluating
+    evaluating = cfg.eval.every and cfg.eval.files
     return cfg.data.max_prompt_tokens + max(
         cfg.rollout.max_tokens, cfg.eval.max_tokens if evaluating else 0)
 
@@ -201,7 +201,7 @@ def engine_plan(cfg, arch, gpu_gib, world):
         requests=math.ceil(cfg.algorithm.gen_batch_size / engines) * cfg.rollout.n)
 
 
-def host_plan(cfg, arch, world, engine):
+def host_plan(cfg, world, engine):
     """Host memory of one rank (GiB): the process, the step's groups (and, while gathering, world x
     one rank's round pickled), and with a level-1 sleep the engine's weights in pinned memory."""
     response_tokens = cfg.train.train_batch_size * cfg.rollout.n * cfg.rollout.max_tokens
@@ -217,9 +217,8 @@ def host_plan(cfg, arch, world, engine):
 
 
 def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
-    """The plan of `cfg` on `world_size` ranks (default: the hardware section's) of gpu_gib each
-    (default: the hardware section's), of which free_gib are free (default: all) -> dict of GiB (see
-    the module docstring, which describes every key)."""
+    """The plan of `cfg` on world_size ranks of gpu_gib each (None: the hardware section's), of which
+    free_gib are free (None: all) -> dict of GiB, described key by key in the module docstring."""
     hw = cfg.hardware
     world = world_size or hw.nodes * hw.gpus_per_node
     gpu_gib = hw.gpu_gib if gpu_gib is None else gpu_gib
@@ -253,11 +252,11 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
         "export": {"engine": engine["asleep"], "trainer": master + adam,
                    "batch": arch.vocab * arch.hidden * compute_bytes / GIB, "context": context_gib}}
     ranks_per_node = min(world, hw.gpus_per_node)
-    host_rank = host_plan(cfg, arch, world, engine)
+    host_rank = host_plan(cfg, world, engine)
     # rank 0 gathers the model in the compute dtype for the export
     host = ranks_per_node * sum(host_rank.values()) + compute_bytes * n / GIB
     result = {
-        "config": None, "model": arch.name, "parameters_b": round(n / 1e9, 3),
+        "model": arch.name, "parameters_b": round(n / 1e9, 3),
         "world_size": world, "nodes": -(-world // hw.gpus_per_node),
         "gpus_per_node": ranks_per_node, "gpu_gib": gpu_gib,
         "free_gib": gpu_gib if free_gib is None else free_gib, "host_gib": hw.host_gib,
@@ -272,8 +271,7 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
         "kv_cache_gib": round(engine["kv_cache"], 2), "max_model_len": engine["context"],
         "kv_sequence_gib": round(engine["sequence_gib"], 3),
         "kv_full_length_sequences": engine["sequences"],
-        "requests_per_round": engine["requests"], "micro_batch_tokens": tokens,
-        "host_gib_per_node": round(host, 1),
+        "requests_per_round": engine["requests"], "host_gib_per_node": round(host, 1),
         "host_gib_per_rank": {k: round(v, 2) for k, v in host_rank.items()}}
     result["problems"] = problems(result, cfg, arch)
     result["fits"] = not result["problems"]
@@ -289,10 +287,8 @@ def update_gib(arch, world, compute_bytes, reduce_bytes, checkpointing, tokens, 
     layer recomputed, or every layer's activations without, and the logits at the response positions
     with their gradient (never a float32 copy of them: stare.token_logprobs_and_entropy)."""
     per_layer = arch.layer_activation_bytes(compute_bytes)
-    if checkpointing:
-        body = tokens * (arch.layers * arch.hidden * compute_bytes + per_layer)
-    else:
-        body = tokens * arch.layers * per_layer
+    body = tokens * (arch.layers * arch.hidden * compute_bytes + per_layer if checkpointing
+                     else arch.layers * per_layer)
     head = 2 * response_tokens * arch.vocab * compute_bytes
     gathered = arch.gathered_bytes(compute_bytes)
     grad_buffers = (compute_bytes + reduce_bytes) * arch.layer_parameters
@@ -304,12 +300,10 @@ def update_gib(arch, world, compute_bytes, reduce_bytes, checkpointing, tokens, 
 
 def problems(plan, cfg, arch):
     """What stops the run from fitting its hardware, one line each (empty: it fits)."""
-    found, usable = [], plan["free_gib"] - plan["gpu_gib"] * HEADROOM
-    for name, gib in plan["phases"].items():
-        if gib > usable:
-            found.append(
-                f"{name} needs {gib:.1f} GiB per GPU, more than {usable:.1f} of {plan['free_gib']:g} "
-                f"(keeping {HEADROOM:.0%} of the GPU free)")
+    usable = plan["free_gib"] - plan["gpu_gib"] * HEADROOM
+    found = [f"{name} needs {gib:.1f} GiB per GPU, more than {usable:.1f} of {plan['free_gib']:g} "
+             f"(keeping {HEADROOM:.0%} of the GPU free)"
+             for name, gib in plan["phases"].items() if gib > usable]
     if plan["kv_full_length_sequences"] < 1:
         found.append(
             f"the KV cache ({plan['kv_cache_gib']:.1f} GiB) holds no sequence of max_model_len "
@@ -355,11 +349,8 @@ def suggestions(cfg, arch):
                    if cfg.hardware.gpus_per_node % (tp * k) == 0 and not cfg.rollout.tools]
     candidates += [[f"hardware.nodes={cfg.hardware.nodes * k}"] for k in (2, 4)]
     for candidate in candidates:
-        options = (
-            [candidate + [u] for u in utilizations]
-            if cfg.rollout.kv_cache_gib is None
-            else [candidate])
-        for overrides in options:  # the most KV cache that fits with this change
+        sized = [candidate + [u] for u in utilizations]  # the most KV cache that fits with it
+        for overrides in sized if cfg.rollout.kv_cache_gib is None else [candidate]:
             if overrides and fits(overrides):
                 return overrides
     return []
@@ -397,14 +388,9 @@ def report(plan, cfg_path, suggestion=()):
         lines += [f"does not fit: {problem}" for problem in plan["problems"]]
         lines.append("a change that fits: " + " ".join(suggestion) if suggestion else
                      "no change of one knob fits: try shorter responses or a larger GPU")
-    summary = {
-        key: plan[key]
-        for key in (
-            "fits", "gpu_gib", "world_size", "phases", "kv_cache_gib", "kv_full_length_sequences",
+    keys = ("fits", "gpu_gib", "world_size", "phases", "kv_cache_gib", "kv_full_length_sequences",
             "requests_per_round", "host_gib_per_node", "max_model_len", "parameters_b", "problems")
-    }
-    summary["suggestion"] = list(suggestion)
-    lines.append(json.dumps(summary))
+    lines.append(json.dumps({**{key: plan[key] for key in keys}, "suggestion": list(suggestion)}))
     return lines
 
 
@@ -420,7 +406,6 @@ def main(cfg_path, overrides):
         print(f"config error: {error}")
         return 2
     plan = compute(cfg, arch)
-    plan["config"] = cfg_path
     print("\n".join(report(plan, cfg_path, () if plan["fits"] else suggestions(cfg, arch))))
     return 0 if plan["fits"] else 2
 

@@ -107,13 +107,10 @@ class _Timeout(BaseException):
     blocks in math-verify and sympy let it through to verify_math."""
 
 
-def _alarm_usable() -> bool:
-    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-
-
 def _call_with_deadline(seconds: float, fn, *args):
     """fn(*args), interrupted by _Timeout after `seconds`, if this is the main thread. Elsewhere, fn runs unbounded."""
-    if seconds is None or seconds <= 0 or not _alarm_usable():
+    if (seconds is None or seconds <= 0 or not hasattr(signal, "setitimer")
+            or threading.current_thread() is not threading.main_thread()):
         return fn(*args)
     started = time.monotonic()
     expired, stopped = [], []
@@ -178,10 +175,8 @@ def _plain_number(text: str) -> Fraction | None:
     if match["decimal"] is not None:
         value = Fraction(match["decimal"])
     else:
-        p, q = (
-            (match["frac_p"], match["frac_q"])
-            if match["frac_p"]
-            else (match["slash_p"], match["slash_q"]))
+        p, q = ((match["frac_p"], match["frac_q"]) if match["frac_p"]
+                else (match["slash_p"], match["slash_q"]))
         if int(q) == 0:
             return None
         value = Fraction(int(p), int(q))
@@ -212,9 +207,8 @@ def _plain_numbers_verdict(ground_truth: str, answer: str) -> bool | None:
 def _parse_gold(ground_truth: str) -> list:
     # The box makes plain "42", "\frac{1}{2}" and "x^2+1" a LaTeX match; math-verify keeps the
     # string form too.
-    return parse(
-        "\\boxed{" + ground_truth + "}", extraction_config=_BOXED_PARSE_CONFIG, parsing_timeout=None
-    )
+    return parse("\\boxed{" + ground_truth + "}", extraction_config=_BOXED_PARSE_CONFIG,
+                 parsing_timeout=None)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -364,8 +358,7 @@ def format_ok(response: str) -> bool:
     tested separately.
     """
     if "<think>" in response and "<answer>" in response:
-        return (
-            re.search(r"<think>.*?</think>\n<answer>.*?</answer>", response, re.DOTALL) is not None)
+        return re.search(r"<think>.*?</think>\n<answer>.*?</answer>", response, re.DOTALL) is not None
     return "</think>" in response or "boxed" in response
 
 
@@ -392,15 +385,12 @@ def overlong_penalty(
 def compute_rewards(
     responses: list[str], ground_truths: list[str], data_sources: list[str],
     response_lengths: list[int], cfg) -> tuple[list[float], list[float], dict[str, float]]:
-    """Score a batch. Returns (rewards, accuracies, metrics). An accuracy is 0.0 or 1.0, and
-    reward = accuracy + overlong penalty (if on) + cfg.format_weight * format_ok.
-
-    Routing: data_source "tiny_sum" -> verify_sum, "tiny_countdown" -> verify_countdown; any other ->
-    verify_math(cfg.answer_format, cfg.timeout_s).
-    response_lengths are the responses' token counts (used only by the overlong penalty).
-    metrics: batch means under "rollout/" (reward_mean, acc, {no_answer,parse_error,timeout,format_ok}_frac,
-    overlong_penalty_mean), plus verify_seconds, the wall time of the whole call. All are 0.0 for an empty batch.
-    Raises ValueError if the lists differ in length. Never raises on response content.
+    """Score a batch -> (rewards, accuracies, rollout/ metrics: batch means, 0.0 for an empty batch,
+    and verify_seconds, the wall time of the call). An accuracy is 0.0 or 1.0, and reward =
+    accuracy + overlong penalty (if on) + cfg.format_weight * format_ok. data_source "tiny_sum" is
+    checked by verify_sum, "tiny_countdown" by verify_countdown, any other by verify_math;
+    response_lengths (token counts) serve the overlong penalty only. Raises ValueError if the lists
+    differ in length; never on response content.
     """
     sizes = {len(responses), len(ground_truths), len(data_sources), len(response_lengths)}
     if len(sizes) != 1:

@@ -49,9 +49,8 @@ def build_engine(cfg, model_path, seed, max_model_len, block_size=None):
     point, after the process group and before the optimizer state (the engine sizes its KV cache
     from the memory still free).
 
-    cfg: config.RolloutConfig (dtype, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size,
-    max_num_seqs, enable_sleep_mode, enforce_eager, model_runner). model_path: a local HF checkpoint
-    directory (nothing is downloaded). max_model_len: prompt + response tokens.
+    cfg: config.RolloutConfig, whose comments say what each field sets. model_path: a local HF
+    checkpoint directory (nothing is downloaded). max_model_len: prompt + response tokens.
     seed: base seed + rank // tp; with one seed for all engines every engine would sample the same
     responses (vLLM #15980, verl #974). Building the engine reseeds this process's Python, NumPy and
     torch RNGs with that seed (vllm/utils/torch_utils.py set_random_seed, called by the workers):
@@ -63,16 +62,13 @@ def build_engine(cfg, model_path, seed, max_model_len, block_size=None):
     one engine that holds 1/tp of the weights and KV cache on each of its ranks (vLLM builds the
     groups from the world of external_launcher). Its ranks must make identical requests in the same
     order, with the same seed: they run one computation and each gets the whole result.
-    dtype: "auto" is vLLM's choice, which runs a float32 checkpoint in bfloat16 on GPU and x86 CPU;
-    pass "float32" for bit-level agreement with a float32 trainer.
-    kv_cache_gib: the KV cache size in GiB; on CPU (where gpu_memory_utilization would mean a
-    fraction of the machine's RAM) None means CPU_KV_CACHE_GIB. On GPU leave it None and size
-    gpu_memory_utilization so the training state still fits. enforce_eager: None = on CPU only
-    (start-up in seconds; no CUDA graphs there).
-    model_runner: "v1" or "v2". vLLM 0.32 runs its experimental Model Runner V2 on GPU by default;
-    "v1" asks for the V1 runner, the sibling of the CPU runner that the tests exercise (seeded
-    sampling, processed log-probs, prompt log-probs and the layerwise reload all run that code).
-    `engine_runner(engine)` says which one runs.
+    dtype "auto" runs a float32 checkpoint in bfloat16 on GPU and x86 CPU: "float32" agrees bit for
+    bit with a float32 trainer. kv_cache_gib None means CPU_KV_CACHE_GIB on CPU, where
+    gpu_memory_utilization would be a fraction of the machine's RAM. enforce_eager None: on CPU
+    only (start-up in seconds; no CUDA graphs there). model_runner "v1" asks for the sibling of
+    the CPU runner that the tests exercise (seeded sampling, processed log-probs, prompt log-probs
+    and the layerwise reload all run that code) where vLLM 0.32 runs its experimental V2 on GPU by
+    default; `engine_runner(engine)` says which one runs.
     """
     from vllm import LLM
 
@@ -87,8 +83,7 @@ def engine_kwargs(cfg, model_path, seed, max_model_len, block_size, on_gpu, dist
     """The keyword arguments of vLLM's `LLM` (its EngineArgs) for a GPU or a CPU engine (see
     build_engine): a plain dict, so that the GPU arguments can be checked on a machine without
     one."""
-    kv_cache_gib = cfg.kv_cache_gib
-    kv_cache_gib = CPU_KV_CACHE_GIB if kv_cache_gib is None and not on_gpu else kv_cache_gib
+    kv_cache_gib = CPU_KV_CACHE_GIB if cfg.kv_cache_gib is None and not on_gpu else cfg.kv_cache_gib
     enforce_eager = not on_gpu if cfg.enforce_eager is None else cfg.enforce_eager
     kwargs = dict(
         model=str(model_path),
@@ -158,7 +153,7 @@ class Rollouts:
 
 
 def generate(engine, prompt_token_ids, n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=256,
-             stop=None, seeds=None, use_tqdm=False):
+             seeds=None, use_tqdm=False):
     """n responses per prompt, with the sampler's per-token log-probs. prompt_token_ids: list of id lists.
     seeds: one per prompt, in [0, 2**56): a prompt's n samples then depend only on its seed and the weights, not on
     the rank (and, on CPU, not on the rest of the batch; GPU kernels may vary with batch composition), which makes
@@ -175,19 +170,15 @@ def generate(engine, prompt_token_ids, n, temperature=1.0, top_p=1.0, top_k=0, m
     params = [
         SamplingParams(
             n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-            stop=stop, logprobs=0, flat_logprobs=True, seed=None if seeds is None else seeds[i] * n)
+            logprobs=0, flat_logprobs=True, seed=None if seeds is None else seeds[i] * n)
         for i in range(len(prompt_token_ids))]
     outputs = engine.generate([{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], params,
                               use_tqdm=use_tqdm)
-    rollouts = Rollouts([], [], [], [], [])
-    for prompt_index, request in enumerate(outputs):
-        for completion in request.outputs:
-            rollouts.prompt_index.append(prompt_index)
-            rollouts.token_ids.append(list(completion.token_ids))
-            rollouts.logprobs.append(sampled_logprobs(completion))
-            rollouts.finish_reasons.append(completion.finish_reason)
-            rollouts.texts.append(completion.text)
-    return rollouts
+    rows = [(i, completion) for i, request in enumerate(outputs) for completion in request.outputs]
+    return Rollouts(
+        prompt_index=[i for i, _ in rows], token_ids=[list(c.token_ids) for _, c in rows],
+        logprobs=[sampled_logprobs(c) for _, c in rows],
+        finish_reasons=[c.finish_reason for _, c in rows], texts=[c.text for _, c in rows])
 
 
 def check_seeds(seeds, prompt_token_ids):
@@ -316,9 +307,8 @@ def engine_logprobs(engine, token_ids, prompt_len):
     from vllm import SamplingParams
 
     if not 1 <= prompt_len < len(token_ids):
-        raise ValueError(
-            f"prompt_len must be in [1, {len(token_ids)}), got {prompt_len} (position 0 has no log-prob)"
-        )
+        raise ValueError(f"prompt_len must be in [1, {len(token_ids)}), got {prompt_len} (position 0 "
+                         f"has no log-prob)")
     # seeded, so the one sampled token does not draw from the trainer's global RNG; prompt log-probs
     # never read the prefix cache (vllm/sampling_params.py), so the probe always recomputes the
     # whole sequence with current weights
@@ -327,9 +317,8 @@ def engine_logprobs(engine, token_ids, prompt_len):
     (request,) = engine.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)
     # position 0 has no log-prob; position t holds log p(token_t | tokens_<t)
     flat = request.prompt_logprobs
-    values = [
-        float(flat.logprobs[flat.start_indices[t]]) for t in range(prompt_len, len(token_ids))]
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor([float(flat.logprobs[flat.start_indices[t]])
+                         for t in range(prompt_len, len(token_ids))], dtype=torch.float32)
 
 
 @torch.no_grad()
@@ -353,7 +342,6 @@ def weight_sync_error(engine, model, token_ids, prompt_len):
     engine holds the trainer's weights, orders of magnitude more after a missed or partial sync."""
     engine_side = engine_logprobs(engine, token_ids, prompt_len)
     return (engine_side - trainer_logprobs(model, token_ids, prompt_len)).abs().max().item()
-
 
 
 # --------------------------------------------------------------------------------------------------

@@ -45,7 +45,6 @@ class RunLock:
         except OSError as error:
             raise RunError(f"error: train.out_dir {self.path.parent} cannot be created "
                            f"({error.strerror})") from None
-        me = f"{os.getpid()} {socket.gethostname()}"
         for _ in range(2):
             try:
                 descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -58,17 +57,16 @@ class RunLock:
                     self.path.unlink(missing_ok=True)  # stale: its run was killed
                     continue
                 raise RunError(
-                    f"error: train.out_dir {self.path.parent} is in use by the run with pid {pid} on host "
-                    f"{host} ({self.path}); wait for it to end or use another train.out_dir (delete the "
-                    f"lock only if that run is gone)"
-                ) from None
+                    f"error: train.out_dir {self.path.parent} is in use by the run with pid {pid} "
+                    f"on host {host} ({self.path}); wait for it to end or use another "
+                    f"train.out_dir (delete the lock only if that run is gone)") from None
             except OSError as error:
                 raise RunError(
                     f"error: cannot create the lock {self.path} ({error.strerror})") from None
             self.held = True
             try:
                 with os.fdopen(descriptor, "w") as f:
-                    f.write(me + "\n")
+                    f.write(f"{os.getpid()} {socket.gethostname()}\n")
             except OSError as error:
                 self.release()
                 raise RunError(
@@ -173,10 +171,8 @@ class MetricsLog:
     def write(self, step, metrics, progress):
         if self.rank != 0:
             return
-        record = {
-            "step": step,
-            **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()},
-        }
+        record = {"step": step,
+                  **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}}
         self._append((json.dumps(record) + "\n").encode(), step)
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
@@ -207,8 +203,7 @@ class MetricsLog:
                 os.ftruncate(self.descriptor, size)
             raise RunError(
                 f"error: step {step}: writing {self.path} failed ({error.strerror}); its partial "
-                f"line was removed, the checkpoints are as they were"
-            ) from None
+                f"line was removed, the checkpoints are as they were") from None
 
     def close(self):
         if self.descriptor is not None:
@@ -247,7 +242,6 @@ class StopSignals:
         return self.received[0] if self.received else signal.SIGTERM
 
 
-
 # --------------------------------------------------------------------------------------------------
 # Distributed plumbing (a single process is a group of one) and step timing
 # --------------------------------------------------------------------------------------------------
@@ -261,9 +255,8 @@ def setup_distributed(timeout_minutes=60):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-        )
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -17,8 +17,10 @@ every socket away. Not a virtual machine. What each mode guarantees and what it 
 limit and every Result.error value: docs/sandbox.md.
 """
 
+import contextlib
 import ctypes
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -207,19 +209,15 @@ _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "n
         "protocols", "services", "mime.types", "alternatives", "ssl/certs", "ssl/openssl.cnf",
         "ca-certificates")
 _ETC_NETWORK = ("resolv.conf", "hosts", "host.conf", "gai.conf")
-_VIEWS: dict[tuple[str, bool], dict] = {}
-_VIEWS_LOCK = threading.Lock()
 
 
+@functools.cache
 def _view(python, network):
     """What the sandbox shows of the host's files: {"python": the interpreter's path there,
     "binds": [[host path, path inside], ...] (read-only), "links": {path inside: symlink target}}.
     "namespaces" mode builds its root from it, "process" mode its Landlock rules. Asks the
     interpreter once for its prefixes and sys.path (site's .pth files included, as the runner sees
     them)."""
-    with _VIEWS_LOCK:
-        if (python, network) in _VIEWS:
-            return _VIEWS[python, network]
     # The interpreter by its real directory: a venv reached through a symlink (a checkout's .venv)
     # then needs no path of that checkout. Not its real file: a venv's python is a symlink itself.
     inside = os.path.join(os.path.realpath(os.path.dirname(python)), os.path.basename(python))
@@ -240,10 +238,7 @@ def _view(python, network):
     for name in _ETC + (_ETC_NETWORK if network else ()):
         if os.path.exists(f"/etc/{name}"):
             binds.append([os.path.realpath(f"/etc/{name}"), f"/etc/{name}"])
-    view = {"python": inside, "binds": binds, "links": links}
-    with _VIEWS_LOCK:
-        _VIEWS[python, network] = view
-    return view
+    return {"python": inside, "binds": binds, "links": links}
 
 
 def _run(code, config, mode):
@@ -291,10 +286,8 @@ def _run(code, config, mode):
             # Before reaping the launcher, so that its pid (the group's id) cannot have been reused:
             # normally a no-op, else it kills the launcher and what is left in its group (see "The
             # process tree").
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             # Exited but not reaped: its pid, and so the run's user (_run_user), is no other run's
             # while /dev/shm is cleaned.
             os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
@@ -536,16 +529,13 @@ def _libc(name, *args):
 
 
 def _prctl(option, value):
-    _libc(
-        "prctl", option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0),
-        ctypes.c_ulong(0))
+    _libc("prctl", option, ctypes.c_ulong(value), *[ctypes.c_ulong(0)] * 3)
 
 
 def _mount(source, target, fstype, flags, data=None):
     encode = lambda s: None if s is None else s.encode()  # noqa: E731
-    _libc(
-        "mount", encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)
-    )
+    _libc("mount", encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags),
+          encode(data))
 
 
 def _launch(spec):
@@ -565,10 +555,8 @@ def _launch(spec):
             raise RuntimeError("the trainer is gone")
         # orphans of the run, setsid() or not, become our children
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-        if spec["mode"] == "namespaces":
-            child = _start_in_namespaces(code, runner, spec)
-        else:
-            child = _start_as_process(code, spec)
+        child = (_start_in_namespaces(code, runner, spec) if spec["mode"] == "namespaces"
+                 else _start_as_process(code, spec))
         signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
         _, status = os.waitpid(child, 0)
         # the child is reaped: its pid is not ours to kill any more
@@ -866,11 +854,8 @@ def _remount_all_readonly():
         options = fields[5].split(",")
         if "ro" in options or mount_point in ("/tmp", "/proc") or mount_point.startswith("/dev/"):
             continue
-        flags = (
-            _MS_REMOUNT
-            | _MS_BIND
-            | _MS_RDONLY
-            | sum(_MOUNT_OPTION_FLAGS.get(o, 0) for o in options))
+        flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | sum(_MOUNT_OPTION_FLAGS.get(o, 0)
+                                                          for o in options)
         if "noatime" not in options and "relatime" not in options:
             flags |= _MS_STRICTATIME
         try:
@@ -902,11 +887,9 @@ def _reap_forever():
         os.dup2(null, fd)
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
     while True:
-        try:
+        with contextlib.suppress(ChildProcessError):
             while os.waitpid(-1, os.WNOHANG)[0]:
                 pass
-        except ChildProcessError:
-            pass
         signal.sigtimedwait([signal.SIGCHLD], 1.0)
 
 

@@ -224,11 +224,6 @@ def quadrant_masks(advantages, surprisal, mask, threshold):
 # ==================================================================================================
 
 
-def _validate_ratio(top_ratio):
-    if not 0.0 <= top_ratio <= 1.0:  # also rejects NaN
-        raise ValueError(f"top_ratio must be in [0, 1], got {top_ratio}")
-
-
 def select_top_surprisal(surprisal, candidates, top_ratio):
     """Among the candidate tokens, exactly k = ceil(top_ratio * n) with the highest surprisal.   (Eq. 7)
 
@@ -241,7 +236,8 @@ def select_top_surprisal(surprisal, candidates, top_ratio):
     n and k stay on the device and the selection is `select_top_k`'s radix select, so there is no
     host-device sync.
     """
-    _validate_ratio(top_ratio)
+    if not 0.0 <= top_ratio <= 1.0:  # also rejects NaN
+        raise ValueError(f"top_ratio must be in [0, 1], got {top_ratio}")
     if top_ratio == 0:
         return torch.zeros(candidates.shape, dtype=torch.bool, device=candidates.device)
     n = candidates.sum(dtype=torch.int32)  # 0-dim, on the device
@@ -357,9 +353,8 @@ class EntropyGate:
     def load_state_dict(self, state):
         missing, unknown = set(self._STATE_KEYS) - set(state), set(state) - set(self._STATE_KEYS)
         if missing or unknown:
-            raise KeyError(
-                f"EntropyGate state: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}"
-            )
+            raise KeyError(f"EntropyGate state: missing keys {sorted(missing)}, unknown keys "
+                           f"{sorted(unknown)}")
         for key in self._STATE_KEYS:
             setattr(self, key, state[key])
 
@@ -442,9 +437,8 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=0.2, clip_hig
             "clip_frac": frac(loss_clipped > loss_unclipped),
             "clip_low_frac": frac((token_adv < 0) & (ratio < 1.0 - clip_low)),
             "clip_high_frac": frac((token_adv > 0) & (ratio > 1.0 + clip_high)),
-            "dual_clip_frac": frac(dual_bounded)
-            if dual_clip is not None
-            else torch.zeros((), device=d.device),
+            "dual_clip_frac":
+                frac(dual_bounded) if dual_clip is not None else torch.zeros((), device=d.device),
             "approx_kl": (-d * valid).sum() / num_valid,
             "approx_kl_k3": ((torch.expm1(d) - d) * valid).sum() / num_valid,
         }
@@ -580,9 +574,8 @@ def broadcastable_advantages(advantages, like):
         advantages = advantages.unsqueeze(-1)  # [B, 1]
     if advantages.dim() != like.dim() or any(
         a not in (1, t) for a, t in zip(advantages.shape, like.shape)):
-        raise ValueError(
-            f"advantages {tuple(advantages.shape)} must be [B] or [B, T] for tokens {tuple(like.shape)}"
-        )
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] or [B, T] for tokens "
+                         f"{tuple(like.shape)}")
     return advantages
 
 

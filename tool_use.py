@@ -1,8 +1,8 @@
 """tool_use.py: multi-turn tool use on the rollout engine. The model writes Python in Hermes-style
 tool calls, sandbox.py runs it, the output comes back as a tool turn, and the model goes on.
 
-    batch = tool_use.generate_with_tools(engine, tokenizer, prompt_token_ids, n=8, seeds=[...],
-                                         max_tokens=3072, max_turns=4, sandbox_config=cfg.sandbox)
+    batch = tool_use.generate_with_tools(engine, tokenizer, prompt_token_ids, seeds, cfg.rollout,
+                                         cfg.sandbox)
     # batch.tool_mask[i][t]: token t of response i is tool output (context, not an action): keep
     # it out of the loss
     python -m tools.sample --model runs/tiny/tool_model --data runs/tiny/data/mul_test.jsonl \\
@@ -17,7 +17,6 @@ calls of one function, code_interpreter, in Qwen2.5's chat format, run by sandbo
 
 import dataclasses
 
-import config
 import data
 import rollout
 
@@ -30,7 +29,7 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 #     ...</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n
 # followed by the generation prompt <|im_start|>assistant\n. The model stops on </tool_call>, so the
 # <|im_end|>\n that closes its message is part of the tool turn here. (prefix, suffix) around the
-# content; pass another pair for a model family with another template. The tiny tokenizer has
+# content; a model family with another template needs another pair. The tiny tokenizer has
 # <|im_start|> and <|im_end|> as single ids and spells the rest out character by character, so the
 # same pair serves it.
 QWEN_TOOL_TURN = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n",
@@ -93,30 +92,27 @@ class _Conversation:
     num_invalid: int = 0
 
 
-def generate_with_tools(engine, tokenizer, prompt_token_ids, n, temperature=1.0, top_p=1.0, top_k=0,
-                        max_tokens=256, seeds=None, max_turns=4, sandbox_config=None,
-                        max_tool_response_tokens=512, tool_turn=QWEN_TOOL_TURN, use_tqdm=False):
-    """n multi-turn responses per prompt: the model may call the code interpreter, sees the output,
-    and goes on.
+def generate_with_tools(engine, tokenizer, prompt_token_ids, seeds, cfg, sandbox_cfg):
+    """cfg.n multi-turn responses per prompt: the model may call the code interpreter, sees the
+    output, and goes on. cfg: config.RolloutConfig (sampling as in `generate`, max_turns,
+    max_tool_response_tokens); sandbox_cfg: config.SandboxConfig; tokenizer: the engine's (for the
+    tool turns and full_texts).
 
     Every turn is one engine.generate call over all unfinished conversations, stopping at
     </tool_call>. A turn that ends in a call gets a tool turn: the call is parsed
     (`parse_tool_call`), all valid calls of the turn run in one sandbox.run_batch (bounded by
-    sandbox_config.max_workers), an invalid one gets an error message instead, and each result is
+    sandbox_cfg.max_workers), an invalid one gets an error message instead, and each result is
     tokenised once (`tool_turn_ids`) and appended. A conversation ends when the model answers
     without a call ("stop"), when its turn number max_turns ends in a call ("max_turns"), or when
     the response reaches max_tokens, model and tool tokens counted together ("length"; each model
     turn may use what is left, and a tool turn that does not fit is cut to the budget). A call is
     executed only if its result can be shown.
 
-    prompt_token_ids, n, temperature, top_p, top_k: as in `generate`. tokenizer: the engine's (for
-    the tool turns and full_texts). seeds: one per prompt, in [0, 2**56); sample j of a prompt with
-    seed s uses `turn_seed(s, n, j, turn)` at each turn, so a response depends on its own seed only,
-    not on the batch or on when the other conversations finish (on CPU; GPU kernels may vary with
-    batch composition). max_tool_response_tokens: tokens of one tool output shown to the model (the
-    head and the tail, see `tool_turn_ids`). tool_turn: (prefix, suffix) around the output, see
-    QWEN_TOOL_TURN. -> ToolRollouts, prompt-major like `generate`. The call tags must reach vLLM's
-    detokenized text: plain text, or added tokens not marked special (as <tool_call> is in Qwen2.5).
+    seeds: one per prompt, in [0, 2**56); sample j of a prompt with seed s uses `turn_seed(s, n, j,
+    turn)` at each turn, so a response depends on its own seed only, not on the batch or on when
+    the other conversations finish (on CPU; GPU kernels may vary with batch composition).
+    -> ToolRollouts, prompt-major like `generate`. The call tags must reach vLLM's detokenized
+    text: plain text, or added tokens not marked special (as <tool_call> is in Qwen2.5).
 
     A prompt may end inside the assistant's message (a prefill): if it leaves a <tool_call> open,
     the first turn's call is read from the prefill and the sampled text together; a prefill of
@@ -124,32 +120,27 @@ def generate_with_tools(engine, tokenizer, prompt_token_ids, n, temperature=1.0,
     for a call.
     """
     rollout.check_seeds(seeds, prompt_token_ids)
-    if max_turns < 1 or max_tokens < 1:
-        raise ValueError(f"max_turns and max_tokens must be >= 1, got {max_turns} and {max_tokens}")
-    sandbox_config = sandbox_config or config.SandboxConfig()
+    if cfg.max_turns < 1 or cfg.max_tokens < 1:
+        raise ValueError(f"max_turns and max_tokens must be >= 1, got {cfg.max_turns} and "
+                         f"{cfg.max_tokens}")
     # tokenised once per call
-    wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in tool_turn]
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
-    conversations = [
-        _Conversation(i, j, list(ids)) for i, ids in enumerate(prompt_token_ids) for j in range(n)]
-    for turn in range(max_turns):
+    wrapper = [tokenizer.encode(part, add_special_tokens=False) for part in QWEN_TOOL_TURN]
+    conversations = [_Conversation(i, j, list(ids))
+                     for i, ids in enumerate(prompt_token_ids) for j in range(cfg.n)]
+    for turn in range(cfg.max_turns):
         active = [c for c in conversations if c.finish_reason is None]
         if not active:
             break
-        seeds_now = (
-            None
-            if seeds is None
-            else [turn_seed(seeds[c.prompt_index], n, c.sample, turn) for c in active])
-        completions = _sample_turn(engine, active, seeds_now, max_tokens, sampling, use_tqdm)
-        calls = [_model_turn(c, completion, turn, max_turns, max_tokens, tokenizer)
-                 for c, completion in zip(active, completions)]
-        _tool_turns(
-            [call for call in calls if call is not None], tokenizer, wrapper,
-            max_tool_response_tokens, max_tokens, sandbox_config)
+        seeds_now = None if seeds is None else [
+            turn_seed(seeds[c.prompt_index], cfg.n, c.sample, turn) for c in active]
+        calls = [_model_turn(c, completion, turn, cfg, tokenizer)
+                 for c, completion in zip(active, _sample_turn(engine, active, seeds_now, cfg))]
+        _tool_turns([call for call in calls if call is not None], tokenizer, wrapper, cfg,
+                    sandbox_cfg)
     return _tool_rollouts(conversations, tokenizer)
 
 
-def _sample_turn(engine, active, seeds, max_tokens, sampling, use_tqdm):
+def _sample_turn(engine, active, seeds, cfg):
     """One engine.generate call over the unfinished conversations: each is its own request (n=1) on
     its own context, prompt + response so far (the prefix cache spares recomputing what an earlier
     turn processed), with what is left of the budget. -> one CompletionOutput per conversation."""
@@ -157,17 +148,17 @@ def _sample_turn(engine, active, seeds, max_tokens, sampling, use_tqdm):
 
     params = [
         SamplingParams(
-            n=1, **sampling, max_tokens=max_tokens - len(c.token_ids), stop=[TOOL_CALL_CLOSE],
+            n=1, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            max_tokens=cfg.max_tokens - len(c.token_ids), stop=[TOOL_CALL_CLOSE],
             include_stop_str_in_output=True, logprobs=0, flat_logprobs=True,
             seed=None if seeds is None else seeds[k])
         for k, c in enumerate(active)]
     outputs = engine.generate(
-        [{"prompt_token_ids": c.prompt_ids + c.token_ids} for c in active], params,
-        use_tqdm=use_tqdm)
+        [{"prompt_token_ids": c.prompt_ids + c.token_ids} for c in active], params, use_tqdm=False)
     return [request.outputs[0] for request in outputs]
 
 
-def _model_turn(conversation, completion, turn, max_turns, max_tokens, tokenizer):
+def _model_turn(conversation, completion, turn, cfg, tokenizer):
     """Append a sampled turn and decide what follows it. -> (conversation, code or None, error or
     None) when a tool turn is due, else None (the conversation is finished)."""
     logprobs = rollout.sampled_logprobs(completion)
@@ -177,10 +168,10 @@ def _model_turn(conversation, completion, turn, max_turns, max_tokens, tokenizer
     if completion.finish_reason != "stop" or completion.stop_reason != TOOL_CALL_CLOSE:
         # an answer ("stop"), or out of budget ("length")
         conversation.finish_reason = completion.finish_reason
-    elif turn + 1 == max_turns:
+    elif turn + 1 == cfg.max_turns:
         # no turn left to read the result: the call is not run
         conversation.finish_reason = "max_turns"
-    elif len(conversation.token_ids) == max_tokens:
+    elif len(conversation.token_ids) == cfg.max_tokens:
         conversation.finish_reason = "length"  # no room left for the result: the call is not run
     else:
         text = completion.text
@@ -191,22 +182,21 @@ def _model_turn(conversation, completion, turn, max_turns, max_tokens, tokenizer
     return None
 
 
-def _tool_turns(calls, tokenizer, wrapper, max_tool_response_tokens, max_tokens, sandbox_config):
+def _tool_turns(calls, tokenizer, wrapper, cfg, sandbox_cfg):
     """Run the valid calls of a turn in one bounded parallel batch, and append every call's tool
     turn (the output, or the error message of an invalid call), cut to the budget."""
     import sandbox
 
     codes = [code for _, code, _ in calls if code is not None]
-    results = iter(sandbox.run_batch(codes, sandbox_config) if codes else [])
+    results = iter(sandbox.run_batch(codes, sandbox_cfg) if codes else [])
     for conversation, code, error in calls:
         result = next(results) if code is not None else None
         _count_call(conversation, result)
         content = error if result is None else sandbox.format_result(result)
-        ids = tool_turn_ids(tokenizer, content, wrapper, max_tool_response_tokens)
-        room = max_tokens - len(conversation.token_ids)
+        ids = tool_turn_ids(tokenizer, content, wrapper, cfg.max_tool_response_tokens)
+        room = cfg.max_tokens - len(conversation.token_ids)
         _append(conversation, ids[:room], [0.0] * min(len(ids), room), tool=True)
-        if len(ids) >= room:
-            # the result filled the budget: no room for an answer
+        if len(ids) >= room:  # the result filled the budget: no room for an answer
             conversation.finish_reason = "length"
 
 
@@ -319,16 +309,23 @@ def _tool_rollouts(conversations, tokenizer):
         num_invalid=[c.num_invalid for c in cs])
 
 
-def tool_metrics(out):
-    """Batch means of the tool statistics of a ToolRollouts, as rollout/ metrics."""
-    count = max(len(out.token_ids), 1)
-    tokens = max(sum(out.lengths), 1)
-    return {
-        "rollout/tool_calls_mean": sum(out.num_calls) / count,
-        "rollout/tool_turns_mean": sum(out.num_turns) / count,
-        "rollout/tool_error_frac": sum(out.num_errors) / max(sum(out.num_calls), 1),  # per call
-        "rollout/tool_timeout_frac": sum(out.num_timeouts) / max(sum(out.num_calls), 1),
-        "rollout/tool_invalid_frac": sum(out.num_invalid) / max(sum(out.num_calls), 1),
-        "rollout/tool_token_frac": sum(map(sum, out.tool_mask)) / tokens,
-        "rollout/max_turns_frac": out.finish_reasons.count("max_turns") / count,
-    }
+def tool_sums(out):
+    """The tool statistics of a ToolRollouts as sums, which add up over batches (the rounds and
+    ranks of a training step) before `tool_metrics` turns them into means."""
+    return {"responses": len(out.token_ids), "tokens": sum(out.lengths),
+            "tool_calls": sum(out.num_calls), "tool_errors": sum(out.num_errors),
+            "tool_timeouts": sum(out.num_timeouts), "tool_invalid": sum(out.num_invalid),
+            "tool_tokens": sum(map(sum, out.tool_mask)),
+            "max_turns": out.finish_reasons.count("max_turns")}
+
+
+def tool_metrics(sums):
+    """rollout/ metrics of `tool_sums` (added up over any batches): calls per response, errors,
+    timeouts and invalid calls per call, the tool tokens' share of the tokens."""
+    responses, calls = max(sums["responses"], 1), max(sums["tool_calls"], 1)
+    return {"rollout/tool_calls_mean": sums["tool_calls"] / responses,
+            "rollout/tool_error_frac": sums["tool_errors"] / calls,
+            "rollout/tool_timeout_frac": sums["tool_timeouts"] / calls,
+            "rollout/tool_invalid_frac": sums["tool_invalid"] / calls,
+            "rollout/tool_token_frac": sums["tool_tokens"] / max(sums["tokens"], 1),
+            "rollout/max_turns_frac": sums["max_turns"] / responses}

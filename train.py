@@ -74,9 +74,8 @@ def main(argv):
     planning = "--plan" in argv  # print the memory plan of the config on its hardware, then stop
     argv = [a for a in argv if a not in ("--export", "--plan")]
     if len(argv) < 2 or argv[0] != "--config":
-        print(
-            "usage: train.py --config CONFIG.yaml [--export | --plan] [section.key=value ...]",
-            file=sys.stderr)
+        print("usage: train.py --config CONFIG.yaml [--export | --plan] [section.key=value ...]",
+              file=sys.stderr)
         return 2
     if planning:
         return plan.main(argv[1], argv[2:])
@@ -144,9 +143,8 @@ def train(run, state):
             # at the last step: finish normally (export included)
             if stopping and step < cfg.train.total_steps:
                 if run.rank == 0:
-                    progress.write(
-                        f"stopped by a signal after step {step}; `resume: auto` continues from {path}"
-                    )
+                    progress.write(f"stopped by a signal after step {step}; `resume: auto` "
+                                   f"continues from {path}")
                 return 128 + stop.signal_number
         if cfg.rollout.enable_sleep_mode:  # the export's gathers take the engine's memory
             rollout.release_memory(run.engine, cfg.rollout.sleep_level)
@@ -269,13 +267,12 @@ def start_sampling(cfg, tokenizer, rank, lock):
             problem = f"error: {error}"
         runs.agree(problem)
     task, benchmarks = load_task(cfg, tokenizer, rank)
-    max_tokens = max(cfg.rollout.max_tokens, cfg.eval.max_tokens if benchmarks else 0)
     say(rank, "building the vLLM engine (on a GPU the first start compiles and captures CUDA "
         "graphs)")
     # one seed per engine, or every engine samples alike (vLLM #15980); the ranks of one engine
     # share it
     engine = rollout.build_engine(
-        cfg.rollout, cfg.model.path, max_model_len=cfg.data.max_prompt_tokens + max_tokens,
+        cfg.rollout, cfg.model.path, max_model_len=plan.max_model_len(cfg),
         seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size)
     runner = rollout.engine_runner(engine)
     task.metrics["rollout/model_runner_v2"] = float(runner == "v2")  # recorded with every step
@@ -364,16 +361,13 @@ def resume(run, checkpoint):
         run.engine, rollout.full_parameters(run.model, rollout.engine_dtype(run.engine)))
     changed = runs.config_differences((checkpoint / "config.yaml").read_text(), run.cfg)
     if run.rank == 0:
-        print(
-            f"resumed from {checkpoint} at step {saved['step']}"
-            + (
-                f"; config keys changed since, this run's values apply: {', '.join(changed)}"
-                if changed
-                else ""),
-            file=sys.stderr)
+        print(f"resumed from {checkpoint} at step {saved['step']}" + (
+            f"; config keys changed since, this run's values apply: {', '.join(changed)}"
+            if changed else ""), file=sys.stderr)
     state = TrainerState(
         **{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved})
-    state.scaler = modeling.LossScaler(**state.scaler) if isinstance(state.scaler, dict) else state.scaler
+    if isinstance(state.scaler, dict):
+        state.scaler = modeling.LossScaler(**state.scaler)
     return state
 
 

@@ -22,6 +22,11 @@ SANDBOX = config.SandboxConfig(timeout_s=5, max_workers=4)
 CALL_HEAD = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": '
 
 
+def rollout_cfg(n=4, max_tokens=MAX_TOKENS, max_turns=MAX_TURNS):
+    """The rollout section of a tool-use call here (temperature 1, no top-p or top-k)."""
+    return config.RolloutConfig(n=n, max_tokens=max_tokens, max_turns=max_turns, tools=True)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_dir):
     tiny.build_tiny_tool(tiny_dir)  # reused when complete, like the tiny default
@@ -74,8 +79,7 @@ def recorded(engine, tokenizer, prompts):
         patch.setattr(engine, "generate", recording_generate)
         patch.setattr(sandbox, "run_batch", recording_run_batch)
         out = tool_use.generate_with_tools(
-            engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3],
-            max_turns=MAX_TURNS, sandbox_config=SANDBOX)
+            engine, tokenizer, prompts, [0, 1, 2, 3], rollout_cfg(), SANDBOX)
     return out, engine_calls, sandbox_calls
 
 
@@ -208,15 +212,13 @@ def test_model_token_logprobs_match_an_independent_forward(recorded, tokenizer, 
 def test_same_seeds_same_responses_whatever_the_batch(recorded, engine, tokenizer, prompts):
     out = recorded[0]
     again = tool_use.generate_with_tools(
-        engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3],
-        max_turns=MAX_TURNS, sandbox_config=SANDBOX)
+        engine, tokenizer, prompts, [0, 1, 2, 3], rollout_cfg(), SANDBOX)
     assert again.token_ids == out.token_ids and again.tool_mask == out.tool_mask
     assert again.finish_reasons == out.finish_reasons
     # a prompt alone samples what it sampled in the batch, although the batch's conversations ended
     # at other turns
     alone = tool_use.generate_with_tools(
-        engine, tokenizer, prompts[2:3], n=4, max_tokens=MAX_TOKENS, seeds=[2], max_turns=MAX_TURNS,
-        sandbox_config=SANDBOX)
+        engine, tokenizer, prompts[2:3], [2], rollout_cfg(), SANDBOX)
     assert alone.token_ids == out.token_ids[8:12]
     # the first turn is what rollout.generate samples with the same seed (seed * n + j, vLLM's child
     # seeds)
@@ -240,8 +242,7 @@ def test_max_turns_ends_conversations_whose_last_turn_calls(recorded, engine, to
         sandbox, "run_batch",
         lambda codes, config=None: ran.extend(codes) or real_run_batch(codes, config))
     short = tool_use.generate_with_tools(
-        engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3],
-        max_turns=MAX_TURNS - 1, sandbox_config=SANDBOX)
+        engine, tokenizer, prompts, [0, 1, 2, 3], rollout_cfg(max_turns=MAX_TURNS - 1), SANDBOX)
     # (which conversations call twice depends on the warmed-up model, hence on the CPU it was built
     # on)
     assert ("max_turns" in short.finish_reasons) == any(
@@ -264,8 +265,7 @@ def test_max_turns_ends_conversations_whose_last_turn_calls(recorded, engine, to
     # a single turn: no code runs at all
     monkeypatch.setattr(sandbox, "run_batch", lambda codes, config=None: pytest.fail("code ran"))
     one = tool_use.generate_with_tools(
-        engine, tokenizer, prompts, n=4, max_tokens=MAX_TOKENS, seeds=[0, 1, 2, 3], max_turns=1,
-        sandbox_config=SANDBOX)
+        engine, tokenizer, prompts, [0, 1, 2, 3], rollout_cfg(max_turns=1), SANDBOX)
     assert not any(map(any, one.tool_mask)) and sum(one.num_calls) == 0
     assert [r == "max_turns" for r in one.finish_reasons] == [t > 1 for t in out.num_turns]
     assert "max_turns" in one.finish_reasons  # most first turns call: the single-turn run ends them
@@ -299,8 +299,8 @@ def test_prefilled_calls_valid_and_invalid(
         sandbox, "run_batch",
         lambda codes, config=None: ran.extend(codes) or real_run_batch(codes, config))
     out = tool_use.generate_with_tools(
-        engine, tokenizer, prefilled(prompts[:2], examples, tokenizer, quote), n=2,
-        max_tokens=MAX_TOKENS, seeds=[5, 6], max_turns=2, sandbox_config=SANDBOX)
+        engine, tokenizer, prefilled(prompts[:2], examples, tokenizer, quote), [5, 6],
+        rollout_cfg(n=2, max_turns=2), SANDBOX)
     close = tokenizer.encode("</tool_call>", add_special_tokens=False)
     prefix = tokenizer.encode(tool_use.QWEN_TOOL_TURN[0], add_special_tokens=False)
     for i in range(4):
@@ -326,15 +326,15 @@ def test_token_budget_counts_tool_tokens(engine, tokenizer, prompts, examples):
     # a budget that ends inside the tool turn: the result is cut to it and the conversation ends by
     # length
     out = tool_use.generate_with_tools(
-        engine, tokenizer, prefilled(prompts[:2], examples, tokenizer, '"'), n=2, max_tokens=30,
-        seeds=[5, 6], max_turns=3, sandbox_config=SANDBOX)
+        engine, tokenizer, prefilled(prompts[:2], examples, tokenizer, '"'), [5, 6],
+        rollout_cfg(n=2, max_tokens=30, max_turns=3), SANDBOX)
     assert out.finish_reasons == ["length"] * 4 and out.lengths == [30] * 4
     # 12: the model's "</tool_call>"
     assert all(mask == [False] * 12 + [True] * 18 for mask in out.tool_mask)
     # a budget that ends inside the model's first turn: no tool turn at all
     out = tool_use.generate_with_tools(
-        engine, tokenizer, prompts, n=2, max_tokens=12, seeds=[0, 1, 2, 3], max_turns=3,
-        sandbox_config=SANDBOX)
+        engine, tokenizer, prompts, [0, 1, 2, 3], rollout_cfg(n=2, max_tokens=12, max_turns=3),
+        SANDBOX)
     assert max(out.lengths) <= 12 and not any(map(any, out.tool_mask)) and sum(out.num_calls) == 0
     assert all(
         r == "stop" or (r == "length" and n == 12) for r, n in zip(out.finish_reasons, out.lengths))
@@ -411,7 +411,7 @@ def test_tool_mask_and_metrics(recorded):
         for row, tools in zip(out.logprobs, out.tool_mask)
         for lp, tool in zip(row, tools)
         if tool)
-    metrics = tool_use.tool_metrics(out)
+    metrics = tool_use.tool_metrics(tool_use.tool_sums(out))
     assert metrics["rollout/tool_calls_mean"] == sum(out.num_calls) / 16
     assert 0 < metrics["rollout/tool_token_frac"] < 1
 
@@ -424,6 +424,6 @@ def test_many_long_contexts_in_one_step(engine, tokenizer, prompts):
     long = [tokenizer.encode(f"{i:03d}4567\n" * 52, add_special_tokens=False) + list(prompts[i % 4])
             for i in range(24)]
     out = tool_use.generate_with_tools(
-        engine, tokenizer, long, n=1, max_tokens=8, seeds=list(range(24)), max_turns=2,
-        sandbox_config=SANDBOX)
+        engine, tokenizer, long, list(range(24)), rollout_cfg(n=1, max_tokens=8, max_turns=2),
+        SANDBOX)
     assert len(out.token_ids) == 24 and all(0 < n <= 8 for n in out.lengths)

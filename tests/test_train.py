@@ -922,7 +922,7 @@ def test_sampling_gathers_only_the_groups_the_step_keeps(monkeypatch):
                 grpo.Response([g], t, [0.0] * len(t), a, a, False, (0, 0), torch.ones(len(t)))
                 for t, a in zip(tokens, accuracies[g % 8])]))
         made.extend(groups)
-        return groups, {"time/rollout": 0.0, "time/reward": 0.0, "sampled": 16,
+        return groups, {"time/rollout": 0.0, "time/reward": 0.0, "responses": 16,
                         "sampled_correct": 10.0, **{k: 0.0 for k in grpo.REWARD_FRACTIONS}}
 
     sent, real_all_gather = [], runs.all_gather

@@ -53,16 +53,17 @@ def main(argv=None):
     prompt_ids, kept, prompt_stats = data.tokenize_prompts(
         examples, tokenizer, args.max_prompt_tokens)
     # enforce_eager None: on CPU only (rollout.build_engine)
-    engine_cfg = config.RolloutConfig(dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
-                                      enforce_eager=None)
-    engine = rollout.build_engine(engine_cfg, args.model, seed=args.seed,
+    rollout_cfg = config.RolloutConfig(
+        n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
+        max_turns=args.max_turns, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+        enforce_eager=None)
+    engine = rollout.build_engine(rollout_cfg, args.model, seed=args.seed,
                                   max_model_len=args.max_prompt_tokens + args.max_tokens)
     start = time.time()
     seeds = [data.derive_seed(args.seed, "prompt", i) for i in range(len(prompt_ids))]
     if args.max_turns > 0:
-        out = tool_use.generate_with_tools(
-            engine, tokenizer, prompt_ids, n=args.n, temperature=args.temperature,
-            max_tokens=args.max_tokens, seeds=seeds, max_turns=args.max_turns)
+        out = tool_use.generate_with_tools(engine, tokenizer, prompt_ids, seeds, rollout_cfg,
+                                           config.SandboxConfig())
         print("\n\n".join(f"--- {reason}, {calls} call(s):\n{text}" for text, reason, calls in
                           zip(out.full_texts[:4], out.finish_reasons, out.num_calls)))
     else:
@@ -87,7 +88,8 @@ def main(argv=None):
         "prompts/skipped": prompt_stats["num_skipped"],
     })
     if args.max_turns > 0:
-        metrics.update(tool_use.tool_metrics(out))
+        metrics.update(tool_use.tool_metrics(tool_use.tool_sums(out)))
+        metrics["rollout/tool_turns_mean"] = sum(out.num_turns) / max(len(out.texts), 1)
     print(json.dumps({key: round(value, 4) if isinstance(value, float) else value
                       for key, value in metrics.items()}))
 
