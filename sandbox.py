@@ -498,7 +498,7 @@ _MOUNT_OPTION_FLAGS = {
 (
     _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECCOMP, _PR_SET_CHILD_SUBREAPER,
     _PR_SET_NO_NEW_PRIVS) = 1, 24, 22, 36, 38
-# The seccomp filter of every run (docs/sandbox.md, "Sockets" and "Kernel surface"). Per machine:
+# The seccomp filter of every run (docs/sandbox.md, "The seccomp filter"). Per machine:
 # the AUDIT_ARCH value the kernel reports for its native 64-bit calls; the numbers of socket,
 # socketpair, clone, clone3 and keyctl; and those of the calls that always fail with EPERM: the
 # keyrings (add_key, request_key, keyctl), new namespaces (unshare, setns), file watches
