@@ -601,7 +601,6 @@ def _rules(cfg, world_size):
          "must be > 0 or null (gate.target_entropy)"),
         ("entropic.coef_max", cfg.entropic.coef_min <= cfg.entropic.coef_max,
          f"must be >= entropic.coef_min ({cfg.entropic.coef_min})"),
-        ("data.train_files", bool(cfg.data.train_files), "needs at least one file"),
         ("train.wandb", not t.wandb or importlib.util.find_spec("wandb") is not None,
          "needs the wandb package (pip install wandb)"),
         ("train.tensorboard", not t.tensorboard or importlib.util.find_spec("tensorboard") is not None,
@@ -724,6 +723,8 @@ def check_files(paths, key):
 def check_paths(cfg, config_path=None):
     """The model, data and resume paths a run reads, and that train.out_dir and what a run writes
     there can be written without overwriting any of them (or the config file, config_path)."""
+    if not cfg.data.train_files:  # a training run's (evaluate.py loads a config without them)
+        raise ConfigError("config key 'data.train_files': needs at least one file")
     check_model_path(cfg.model.path)
     longest = max(
         cfg.rollout.max_tokens, cfg.eval.max_tokens if cfg.eval.every and cfg.eval.files else 0)

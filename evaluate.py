@@ -7,6 +7,7 @@ verifier.
     torchrun --nproc_per_node 8 evaluate.py --model runs/x/hf --data data/*.jsonl --out eval.json   # 8 engines
     python evaluate.py --model runs/tiny/model --data runs/tiny/data/sum_test.jsonl --prompt-suffix "" \\
         --max-tokens 16 --max-prompt-tokens 64 --dtype float32 --out /tmp/tiny_eval.json                # CPU demo
+    python evaluate.py --config configs/tiny.yaml eval.n=4 --model runs/tiny-stare/hf --out e.json
 
 Benchmark files are what data.load_examples reads (`python -m tools.benchmarks` converts the public
 downloads); each file is one benchmark, named by its stem ("data/aime24.jsonl" -> "aime24").
@@ -16,11 +17,14 @@ world_size-th prompt of each benchmark and rank 0 prints and writes. In a traini
 calls `evaluate(engine, tokenizer, benchmarks, cfg)` on its own engine and logs
 `flatten_metrics(result)` ("eval/aime24/avg@n", "eval/overall/pass@1", ...).
 
-Defaults are the paper's validation settings (docs/method.md, "The reference release"): temperature
-1.0, top-p 0.7, top-k off, 3072 response tokens, 1024 prompt tokens (left-truncated), STARE's prompt
-suffix, n from the benchmark's name (`default_n`). Reported per benchmark and overall: avg@n (the
-paper's avg@32) with a bootstrap SE, unbiased pass@k and maj@k, lengths and fractions, defined in
-docs/usage.md ("Evaluation metrics") and in the functions below.
+Settings are config.py's keys, as for train.py: `--config` (else config.py's defaults), then the
+`section.key=value` overrides, then the flags, short aliases of keys (`--top-p` is eval.top_p;
+ALIASES). The defaults are the paper's validation settings (docs/method.md, "The reference
+release"): temperature 1.0, top-p 0.7, top-k off, 3072 response tokens, 1024 prompt tokens
+(left-truncated), STARE's prompt suffix, n from the benchmark's name (`default_n`); without
+--config, also 0.9 of the GPU and eager mode on CPU only (`load_config`). Reported per benchmark
+and overall: avg@n (the paper's avg@32) with a bootstrap SE, unbiased pass@k and maj@k, lengths and
+fractions, defined in docs/usage.md ("Evaluation metrics") and in the functions below.
 
 Simplified relative to the reference (verl's validation): verl logs mean@n, best@k/worst@k and maj@k
 from bootstrap resamples of the n responses; here pass@k is the closed-form unbiased estimator and
@@ -414,92 +418,74 @@ def format_table(result) -> str:
 # ==================================================================================================
 
 
+# The flags that are config keys, as short aliases: `--top-p 0.5` is the override `eval.top_p=0.5`,
+# applied after the positional ones; a flag not given overrides nothing.
+ALIASES = (
+    ("--model", "model.path", {}), ("--data", "eval.files", {"nargs": "+"}),
+    ("--n", "eval.n", {"type": int}), ("--temperature", "eval.temperature", {"type": float}),
+    ("--top-p", "eval.top_p", {"type": float}), ("--max-tokens", "eval.max_tokens", {"type": int}),
+    ("--max-prompt-tokens", "data.max_prompt_tokens", {"type": int}),
+    ("--overflow", "data.overflow", {}), ("--prompt-suffix", "data.prompt_suffix", {}),
+    ("--answer-format", "reward.answer_format", {}), ("--seed", "train.seed", {"type": int}),
+    ("--dtype", "rollout.dtype", {}), ("--kv-cache-gib", "rollout.kv_cache_gib", {"type": float}),
+    ("--gpu-memory-utilization", "rollout.gpu_memory_utilization", {"type": float}),
+    ("--max-num-seqs", "rollout.max_num_seqs", {"type": int}),
+    ("--enforce-eager", "rollout.enforce_eager",
+     {"action": "store_const", "const": True, "help": "rollout.enforce_eager=true"}))
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description="avg@n, pass@k, maj@k of a checkpoint on benchmark files "
-        '(definitions: docs/usage.md, "Evaluation metrics").')
-    parser.add_argument("--model", required=True, help="local HF checkpoint directory")
-    parser.add_argument(
-        "--data", required=True, nargs="+", help="benchmark files (.jsonl/.parquet); name = stem")
-    parser.add_argument(
-        "--n", type=int, default=None, help="samples per prompt; default: per benchmark name")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=0.7)
-    parser.add_argument("--max-tokens", type=int, default=3072, help="max response tokens")
-    parser.add_argument("--max-prompt-tokens", type=int, default=1024)
-    parser.add_argument("--overflow", default="left_truncate", choices=data.OVERFLOW_MODES,
-                        help="prompts over --max-prompt-tokens (see data.py)")
-    parser.add_argument(
-        "--prompt-suffix", default=data.STARE_SUFFIX, help='appended to plain rows; "" for none')
-    parser.add_argument("--answer-format", default="boxed", choices=rewards.ANSWER_FORMATS,
-                        help="config.RewardConfig.answer_format")
-    parser.add_argument(
-        "--limit", type=int, default=0, help="first N prompts of each benchmark (0 = all)")
-    parser.add_argument("--seed", type=int, default=0)
+        '(definitions: docs/usage.md, "Evaluation metrics"). Settings are config.py\'s keys.')
+    parser.add_argument("--config", help="a YAML config (default: config.py's defaults)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="as for train.py (not right after --data: its files)")
+    for flag, key, kwargs in ALIASES:
+        parser.add_argument(flag, dest=key, **kwargs)
     parser.add_argument("--out", required=True, help="results JSON")
     parser.add_argument("--samples", default=None, help="also write every response here (JSONL)")
     parser.add_argument(
-        "--dtype", default="auto", help="vLLM weights dtype (auto: bfloat16 for float32 weights)")
-    parser.add_argument(
-        "--kv-cache-gib", type=float, default=None,
-        help="KV cache size in GiB (CPU: default 1.0; GPU: use --gpu-memory-utilization)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument(
-        "--enforce-eager", action="store_true", help="no CUDA graphs (always so on CPU)")
-    return parser.parse_args(argv)
+        "--limit", type=int, default=0, help="first N prompts of each benchmark (0 = all)")
+    return parser.parse_intermixed_args(argv)
 
 
-def check_arguments(args):
-    """The numbers' ranges, in one line naming the option (config.ConfigError)."""
-    rules = [
-        ("--n", args.n is None or args.n >= 1, "must be >= 1"),
-        ("--temperature", 0 < args.temperature < math.inf, "must be > 0 and finite"),
-        ("--top-p", 0 < args.top_p <= 1, "must be in (0, 1]"),
-        ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
-        ("--max-prompt-tokens", args.max_prompt_tokens >= 1, "must be >= 1"),
-        ("--limit", args.limit >= 0, "must be >= 0 (0 = all)"),
-        ("--kv-cache-gib", args.kv_cache_gib is None or 0 < args.kv_cache_gib < math.inf,
-         "must be > 0 and finite"),
-        ("--gpu-memory-utilization", 0 < args.gpu_memory_utilization <= 1, "must be in (0, 1]"),
-        ("--max-num-seqs", args.max_num_seqs >= 1, "must be >= 1")]
-    for option, ok, message in rules:
-        if not ok:
-            value = getattr(args, option.removeprefix("--").replace("-", "_"))
-            raise config.ConfigError(f"{option} {message}, got {value!r}")
-
-
-def sections(args):
-    """The flags as the config sections that evaluate() and rollout.build_engine read."""
-    return config.Config(
-        model=config.ModelConfig(path=args.model), train=config.TrainConfig(seed=args.seed),
-        data=config.DataConfig(prompt_suffix=args.prompt_suffix or None,
-                               max_prompt_tokens=args.max_prompt_tokens, overflow=args.overflow),
-        eval=config.EvalConfig(files=args.data, n=args.n, temperature=args.temperature,
-                               top_p=args.top_p, max_tokens=args.max_tokens),
-        reward=config.RewardConfig(answer_format=args.answer_format),
-        # enforce_eager None: on CPU only (rollout.build_engine)
-        rollout=config.RolloutConfig(
-            dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs,
-            enforce_eager=args.enforce_eager or None))
+def load_config(args):
+    """The checked config.Config of a command line: --config, the positional overrides, then the
+    flags given (config.ConfigError naming the key). Without --config, the flags' defaults from
+    before they were aliases come first where config.py's differ (its rollout section is a training
+    engine's, which leaves the GPU to the trainer; enforce_eager on CPU only)."""
+    base = [] if args.config else [
+        "rollout.gpu_memory_utilization=0.9",
+        f"rollout.enforce_eager={str(not torch.cuda.is_available()).lower()}"]
+    flags = [f"{key}={json.dumps(vars(args)[key], ensure_ascii=False)}"  # exact: quoted strings
+             for _, key, _ in ALIASES if vars(args)[key] is not None]
+    return config.load(args.config, base + args.overrides + flags)
 
 
 def main(argv):
     from transformers import AutoTokenizer
 
     args = parse_args(argv)
+    # errors name what the user typed: the flag, or the config key
+    model_key = "--model" if vars(args)["model.path"] else "model.path"
+    data_key = "--data" if vars(args)["eval.files"] else "eval.files"
     try:  # every value, path and file, before any engine start-up
-        check_arguments(args)
-        config.check_model_path(args.model, key="--model")
-        config.check_context(args.model, args.max_prompt_tokens + args.max_tokens,
-                             "--max-prompt-tokens + --max-tokens")
-        config.check_files(args.data, "--data")
+        cfg = load_config(args)
+        if args.limit < 0:
+            raise config.ConfigError(f"--limit must be >= 0 (0 = all), got {args.limit}")
+        if not cfg.eval.files:
+            raise config.ConfigError("config key 'eval.files' (--data): no benchmark file given")
+        config.check_model_path(cfg.model.path, key=model_key)
+        config.check_context(cfg.model.path, cfg.data.max_prompt_tokens + cfg.eval.max_tokens,
+                             "data.max_prompt_tokens + eval.max_tokens")
+        config.check_files(cfg.eval.files, data_key)
         config.check_outputs(
             [(option, path, "file") for option, path in (("--out", args.out),
                                                           ("--samples", args.samples)) if path],
-            [("--model", args.model)] + [(f"--data[{i}]", p) for i, p in enumerate(args.data)])
-        benchmarks = load_benchmarks(args.data, args.prompt_suffix, args.limit)
+            [(model_key, cfg.model.path)] + [("--config", p) for p in [args.config] if p]
+            + [(f"{data_key}[{i}]", p) for i, p in enumerate(cfg.eval.files)])
+        benchmarks = load_benchmarks(cfg.eval.files, cfg.data.prompt_suffix, args.limit)
     except (config.ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -510,18 +496,17 @@ def main(argv):
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if on_gpu else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    cfg = sections(args)
-    engine = rollout.build_engine(cfg.rollout, cfg.model.path, seed=args.seed + rank,
-                                  max_model_len=args.max_prompt_tokens + args.max_tokens)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    engine = rollout.build_engine(cfg.rollout, cfg.model.path, seed=cfg.train.seed + rank,
+                                  max_model_len=cfg.data.max_prompt_tokens + cfg.eval.max_tokens)
     result = evaluate(engine, tokenizer, benchmarks, cfg, return_samples=args.samples is not None,
                       use_tqdm=rank == 0)
     if rank == 0:
         samples = result.pop("samples", None)
-        result["sampling"].update(
-            prompt_suffix=args.prompt_suffix or None, dtype=args.dtype, limit=args.limit or None)
-        result = {"model": str(args.model), "data": {Path(p).stem: str(p) for p in args.data},
-                  **result}
+        result["sampling"].update(prompt_suffix=cfg.data.prompt_suffix or None,
+                                  dtype=cfg.rollout.dtype, limit=args.limit or None)
+        result = {"model": str(cfg.model.path),
+                  "data": {Path(p).stem: str(p) for p in cfg.eval.files}, **result}
         print(format_table(result))
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

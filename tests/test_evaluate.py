@@ -3,6 +3,7 @@ on hand-made files of each benchmark's layout, and the real CLI on the tiny mode
 process and two torchrun ranks."""
 
 import collections
+import functools
 import itertools
 import json
 import math
@@ -18,6 +19,7 @@ import pyarrow.parquet
 import pytest
 
 from tools import benchmarks
+import config
 import data
 import evaluate
 import rewards
@@ -458,6 +460,8 @@ def test_bad_paths_and_values_fail_before_any_engine_starts(
     good = ["--model", str(tiny_dir / "model"), "--data", str(tiny_dir / "data" / "sum_test.jsonl"),
             "--max-prompt-tokens", "64", "--max-tokens", "16"]
     (tmp_path / "file").write_text("")
+    own = tmp_path / "own.yaml"
+    own.write_text("eval:\n  n: 2\n")
     cases = [
         (
             [
@@ -483,21 +487,69 @@ def test_bad_paths_and_values_fail_before_any_engine_starts(
         (good + ["--out", str(tiny_dir / "model" / "config.json")],
          f"would overwrite --model ({tiny_dir / 'model'})"),
         (good + ["--out", str(tmp_path)], f"--out: {tmp_path} is a directory, not a file"),
-        (good + ["--out", str(tmp_path / "r.json"), "--n", "0"], "--n must be >= 1, got 0"),
-        (
-            good + ["--out", str(tmp_path / "r.json"), "--temperature", "-1"],
-            "--temperature must be > 0 and finite, got -1.0"),
+        # the values: config.check's rules, naming the key a flag stands for
+        (good + ["--out", str(tmp_path / "r.json"), "--n", "0"],
+         "config key 'eval.n': must be >= 1 or null, got 0"),
+        (good + ["--out", str(tmp_path / "r.json"), "--top-p", "2"],
+         "config key 'eval.top_p': must be in (0, 1], got 2.0"),
+        (good + ["--out", str(tmp_path / "r.json"), "--temperature", "-1"],
+         "config key 'eval.temperature': must be > 0, got -1.0"),
         # a sampling value vLLM would refuse only once its engine is built
         (good + ["--out", str(tmp_path / "r.json"), "--temperature", "inf"],
-         "--temperature must be > 0 and finite, got inf"),
+         "config key 'eval.temperature': must be a finite number, got inf"),
+        (good + ["--out", str(tmp_path / "r.json"), "--limit", "-1"],
+         "--limit must be >= 0 (0 = all), got -1"),
         (
             good + ["--out", str(tmp_path / "r.json"), "--max-tokens", "600"],
-            "--max-prompt-tokens + --max-tokens = 664 tokens exceeds the model's context "
-            "(max_position_embeddings = 512")]
+            "data.max_prompt_tokens + eval.max_tokens = 664 tokens exceeds the model's context "
+            "(max_position_embeddings = 512"),
+        # a path set as a config key is named by its key
+        ([f"model.path={tmp_path / 'nope'}"] + good[2:] + ["--out", str(tmp_path / "r.json")],
+         f"config key 'model.path': {tmp_path / 'nope'} does not exist"),
+        (["--model", good[1], "--out", str(tmp_path / "r.json")],
+         "config key 'eval.files' (--data): no benchmark file given"),
+        (["--config", str(own)] + good + ["--out", str(own)],
+         f"--out: {own} would overwrite --config ({own}), which it reads")]
     data_before = Path(good[3]).read_bytes()
     for argv, message in cases:
         assert evaluate.main(argv) == 2
         error = capsys.readouterr().err
         assert message in error and error.count("\n") == 1, error
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the checks leave nothing behind
+    # the checks leave nothing behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "own.yaml"]
     assert Path(good[3]).read_bytes() == data_before
+
+
+def test_config_then_overrides_then_flags(tmp_path):
+    path = tmp_path / "eval.yaml"
+    path.write_text("eval:\n  files: [a.jsonl]\n  n: 8\n  temperature: 0.6\n  top_p: 0.9\n")
+    cfg = evaluate.load_config(evaluate.parse_args(
+        ["--config", str(path), "eval.n=3", "eval.top_p=0.8", "--top-p", "0.5", "--out", "r.json"]))
+    # the file, then the positional overrides, then the flag, which wins over both
+    assert (cfg.eval.files, cfg.eval.temperature, cfg.eval.n, cfg.eval.top_p) == (
+        ["a.jsonl"], 0.6, 3, 0.5)
+    # a config's own rollout section: none of the standalone defaults of a plain command line
+    assert cfg.rollout == config.RolloutConfig()
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_a_command_line_without_config_evaluates_as_before(monkeypatch, on_gpu):
+    monkeypatch.setattr(evaluate.torch.cuda, "is_available", lambda: on_gpu)
+    cfg = evaluate.load_config(evaluate.parse_args(
+        ["--model", "m", "--data", "a.jsonl", "b.jsonl", "--out", "r.json"]))
+    # the flags' defaults before they were aliases of config keys; enforce_eager was None, which
+    # rollout.engine_kwargs reads as "on CPU only"
+    old = {
+        "model.path": "m", "eval.files": ["a.jsonl", "b.jsonl"], "eval.n": None,
+        "eval.temperature": 1.0, "eval.top_p": 0.7, "eval.max_tokens": 3072,
+        "data.max_prompt_tokens": 1024, "data.overflow": "left_truncate",
+        "data.prompt_suffix": data.STARE_SUFFIX, "reward.answer_format": "boxed", "train.seed": 0,
+        "rollout.dtype": "auto", "rollout.kv_cache_gib": None,
+        "rollout.gpu_memory_utilization": 0.9, "rollout.max_num_seqs": 256,
+        "rollout.enforce_eager": not on_gpu, "rollout.tensor_parallel_size": 1}
+    assert {key: functools.reduce(getattr, key.split("."), cfg) for key in old} == old
+    # a flag's string is taken as it is, not read as YAML
+    cfg = evaluate.load_config(evaluate.parse_args(
+        ["--model", "null", "--prompt-suffix", "# a: [b]", "--enforce-eager", "--out", "r.json"]))
+    assert (cfg.model.path, cfg.data.prompt_suffix, cfg.rollout.enforce_eager) == (
+        "null", "# a: [b]", True)
