@@ -1,7 +1,9 @@
 """Run by tests/test_train.py under `torchrun --nproc_per_node 2`: every method of
 baselines.METHODS (and the VARIANTS below) through train.py's own start-up and steps, on one engine and one sharded model,
-two steps each from a fresh gate (and controller) and trainer state, with the weight sync probed
-at every step.
+from a fresh gate (and controller) and trainer state, with the weight sync probed at every step:
+two steps for the methods that carry state from step to step (STARE's gate, EntroPIC's
+controller) and for GRPO and the variants, one for the others (their loss reads nothing of an
+earlier step).
 Writes each method's step metrics, with the parameters left unsharded after each step, as JSON,
 and an HF export of the final weights.
 
@@ -37,6 +39,7 @@ VARIANTS = {
     # token budget
     "stare_micro_scope": ["algorithm.method=stare", "algorithm.selection_scope=micro",
                           "train.mini_batch_size=8", "train.micro_token_budget=600"]}
+TWO_STEPS = {"grpo", "stare", "entropic", *VARIANTS}
 
 
 def main(result_path, config_path, overrides):
@@ -55,7 +58,7 @@ def main(result_path, config_path, overrides):
                                              controller=train.entropy_controller(method_cfg))
             state = train.TrainerState()
             results[method] = []
-            for step in (1, 2):
+            for step in (1, 2) if method in TWO_STEPS else (1,):
                 metrics = grpo.train_step(method_run, state, step)
                 problem = train.sync_guard(metrics, method_cfg, step)
                 assert problem is None, f"{method}, step {step}: {problem}"

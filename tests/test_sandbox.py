@@ -1038,7 +1038,7 @@ def test_the_run_dies_with_the_trainer(mode_config):
         assert runner_processes(), "the sandbox never started"
         trainer.kill()
         trainer.wait()
-        deadline = time.monotonic() + 2
+        deadline = time.monotonic() + 10  # dies, not dies fast: two loaded cores can take seconds
         while runner_processes() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert runner_processes() == []
