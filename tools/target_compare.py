@@ -320,6 +320,9 @@ def run_main(args, workers, analyze_only):
     pilot = json.loads(pilot_path.read_text())
     if "lr" not in pilot:
         raise SystemExit(f"{pilot_path}: no learning rate qualified; rerun the pilot with --steps")
+    if args.steps != pilot["steps"]:  # the budget is the pilot's decision
+        print(f"--steps {args.steps} -> {pilot['steps']}, the pilot's budget", file=sys.stderr)
+        args.steps = pilot["steps"]
     jobs = main_jobs(args, pilot)
     if analyze_only:
         done = [job for job in jobs if repro.is_complete(*job)]
@@ -364,7 +367,8 @@ def parse_args(argv):
     parser.add_argument("--tiny", default="runs/tiny", help="the tiny build (with --countdown)")
     parser.add_argument("--out", default="runs/target")
     parser.add_argument("--seeds", nargs="+", type=int, default=list(range(16)))
-    parser.add_argument("--steps", type=int, default=300, help="the budget T")
+    parser.add_argument("--steps", type=int, default=300,
+                        help="the pilot's budget T (main and analyze take pilot.json's)")
     parser.add_argument("--workers", type=int, default=None, help="default: CPU cores")
     parser.add_argument("--export", default=None, help="analyze: where runs.jsonl.gz goes")
     args = parser.parse_args(argv)
