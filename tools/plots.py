@@ -505,7 +505,7 @@ def plot_frontier(runs, summary, ks, path):
 
 def plot_target(runs, summary, path):
     """tools/target_compare.py's figure, seed mean +- SE per setting: training entropy (the target
-    dashed), the fraction of seeds with STARE's gate on and EntroPIC's coefficient per step, and
+    dashed), STARE's gate-on fraction (10-step windows) and EntroPIC's coefficient per step, and
     pass@1 and pass@16 on split A along training (16 samples per prompt)."""
     fig, axes = plt.subplots(1, 5, figsize=(25, 4.2))
 
@@ -521,9 +521,9 @@ def plot_target(runs, summary, path):
         steps = range(1, min(len(records) for records, _ in seeds) + 1)
         curves = [smoothed([r.get("train/entropy") for r in records]) for records, _ in seeds]
         color = band(axes[0], steps, [[c[i - 1] for c in curves] for i in steps], name)
-        if name == "stare":
-            band(axes[1], steps, [[records[i - 1]["stare/gate_on"] for records, _ in seeds]
-                                  for i in steps], name, color=color)
+        if name == "stare":  # per seed, the fraction of the last 10 steps with the gate on
+            gates = [smoothed([r["stare/gate_on"] for r in records]) for records, _ in seeds]
+            band(axes[1], steps, [[g[i - 1] for g in gates] for i in steps], name, color=color)
         if name == "entropic":
             band(axes[2], steps, [[records[i - 1].get("entropic/coef", math.nan)
                                    for records, _ in seeds] for i in steps], name, color=color)
@@ -533,7 +533,7 @@ def plot_target(runs, summary, path):
                  name, color=color, marker="o", ms=2.5)
     axes[0].axhline(summary["target_entropy"], color="gray", ls="--", lw=1, label="target")
     axes[0].set(title="token entropy (training batches)", xlabel="step", yscale="log")
-    axes[1].set(title="STARE: fraction of seeds with the gate on", xlabel="step")
+    axes[1].set(title="STARE: gate on (fraction of the last 10 steps)", xlabel="step")
     axes[2].set(title="EntroPIC: controller coefficient α", xlabel="step")
     axes[3].set(title="pass@1 on split A (16 samples)", xlabel="step")
     axes[4].set(title="pass@16 on split A (16 samples: solved)", xlabel="step")
