@@ -15,13 +15,13 @@ from tools import target_compare as tc
 
 def test_one_sided_sign_flip_p_by_hand_and_by_enumeration():
     # sums of +-1 +-2 +-3 at least the observed: 6 only; 6, 4, 2
-    assert stats.sign_flip_p_greater([1, 2, 3]) == 1 / 8
-    assert stats.sign_flip_p_greater([1, -2, 3]) == 3 / 8
-    assert stats.sign_flip_p_greater([-1, -2, -3]) == 1.0
+    assert stats.sign_flip_p([1, 2, 3], "greater") == 1 / 8
+    assert stats.sign_flip_p([1, -2, 3], "greater") == 3 / 8
+    assert stats.sign_flip_p([-1, -2, -3], "greater") == 1.0
     values = [0.3, -0.1, 0.25, 0.05, -0.2]
     sums = [sum(s * abs(v) for s, v in zip(signs, values))
             for signs in itertools.product((1, -1), repeat=5)]
-    assert stats.sign_flip_p_greater(values) == sum(x >= sum(values) - 1e-12 for x in sums) / 32
+    assert stats.sign_flip_p(values, "greater") == sum(x >= sum(values) - 1e-12 for x in sums) / 32
 
 
 def test_power_against_the_closed_form_of_four_seeds():

@@ -3,7 +3,7 @@
   t_quantile, t_interval   Student's t quantile (by bisection on its CDF, the regularised incomplete
                            beta function) and the t-based interval of a mean
   sign_flip_p              the exact paired test: every one of the 2^n sign patterns of the paired
-                           differences, two-sided, on their mean
+                           differences, on their mean (two-sided, or one-sided "greater")
   holm                     Holm's step-down adjustment for a family of p-values
   clustered_bootstrap      a percentile interval of a mean difference over a seeds x prompts grid,
                            resampling seeds and prompt clusters (digit triples) both
@@ -81,30 +81,20 @@ def t_interval(values, level=0.95):
     return mean, mean - half, mean + half
 
 
-def sign_flip_p(differences):
-    """The exact two-sided p-value of "the paired differences are symmetric about zero": the
-    fraction of the 2^n sign patterns whose mean is at least as far from zero as the observed
-    one. With n = 8 the smallest possible p is 2/256."""
+def sign_flip_p(differences, alternative="two-sided"):
+    """The exact p-value of "the paired differences are symmetric about zero": the fraction of the
+    2^n sign patterns whose mean is at least as far from zero as the observed one (two-sided), or
+    at least as large (alternative "greater": a non-inferiority test once a margin has been added to
+    each difference). With n = 8 the smallest two-sided p is 2/256."""
     n = len(differences)
     if not 1 <= n <= 20:
         raise ValueError(f"the exact test enumerates 2^n patterns: n = {n} is out of range")
+    if alternative not in ("two-sided", "greater"):
+        raise ValueError(f"alternative must be 'two-sided' or 'greater', got {alternative!r}")
     magnitudes = [abs(d) for d in differences]
-    observed = abs(sum(differences)) - 1e-12 * sum(magnitudes)  # ties count as extreme
-    extreme = sum(abs(sum(s * m for s, m in zip(signs, magnitudes))) >= observed
-                  for signs in itertools.product((1, -1), repeat=n))
-    return extreme / 2 ** n
-
-
-def sign_flip_p_greater(differences):
-    """The exact one-sided p-value of "the paired differences are symmetric about zero" against
-    "they lean positive": the fraction of the 2^n sign patterns whose sum is at least the observed
-    one (a non-inferiority test when a margin has been added to each difference)."""
-    n = len(differences)
-    if not 1 <= n <= 20:
-        raise ValueError(f"the exact test enumerates 2^n patterns: n = {n} is out of range")
-    magnitudes = [abs(d) for d in differences]
-    observed = sum(differences) - 1e-12 * sum(magnitudes)  # ties count as extreme
-    extreme = sum(sum(s * m for s, m in zip(signs, magnitudes)) >= observed
+    measure = abs if alternative == "two-sided" else (lambda total: total)
+    observed = measure(sum(differences)) - 1e-12 * sum(magnitudes)  # ties count as extreme
+    extreme = sum(measure(sum(s * m for s, m in zip(signs, magnitudes))) >= observed
                   for signs in itertools.product((1, -1), repeat=n))
     return extreme / 2 ** n
 

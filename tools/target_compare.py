@@ -161,17 +161,14 @@ def per_prompt_endpoint(heldout, steps, k, n=ENDPOINT_N):
 
 
 def test_pair(x, y, margin):
-    """Paired differences x - y -> mean, t interval, exact sign-flip p: two-sided when margin is
-    None, else one-sided for non-inferiority (H0: difference <= -margin)."""
-    differences = [a - b for a, b in zip(x, y)]
-    mean, low, high = stats.t_interval(differences)
-    if margin is None:
-        p = stats.sign_flip_p(differences)
-    else:
-        p = stats.sign_flip_p_greater([d + margin for d in differences])
-    return {"mean": mean, "t95": [low, high], "p": p, "margin": margin,
-            "above": sum(d > 0 for d in differences), "below": sum(d < 0 for d in differences),
-            "per_seed": differences}
+    """decisive.paired's differences x - y, mean, t interval and counts, with the exact sign-flip p
+    ("p"): two-sided when margin is None, else one-sided for non-inferiority (H0: difference <=
+    -margin)."""
+    result = decisive.paired(x, y)
+    p = result.pop("p_sign_flip")
+    if margin is not None:
+        p = stats.sign_flip_p([d + margin for d in result["per_seed"]], alternative="greater")
+    return {**result, "p": p, "margin": margin}
 
 
 def analyze(runs, steps, clusters, resamples=4000):
