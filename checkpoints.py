@@ -288,7 +288,9 @@ def load_checkpoint(path, model, optimizer, rank):
 
 def check_shapes(checkpoint, model_state):
     """RunError when the checkpoint's model tensors are not this model's (another size or
-    architecture): DCP's index holds every tensor's global shape, so this reads no data."""
+    architecture): DCP's index holds every tensor's global shape, so this reads no data.
+    model_state: name -> anything with a .shape (the built model's tensors, or before it exists
+    modeling.checkpoint_index of model.path)."""
     saved = read_index(checkpoint).state_dict_metadata
     for name, tensor in model_state.items():
         entry = saved.get(f"model.{name}")

@@ -50,6 +50,7 @@ import config
 import data
 import rewards
 import rollout
+import runs
 
 # The paper's n per benchmark (avg@32 on the small competition sets, avg@4 on the larger ones),
 # matched against the benchmark name lower-cased with everything but letters and digits removed
@@ -526,4 +527,4 @@ def main(argv):
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: the entry point must be guarded
-    sys.exit(main(sys.argv[1:]))
+    runs.exit_process(main(sys.argv[1:]))

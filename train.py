@@ -197,6 +197,8 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
 
     check_start(cfg, rank, world, device)
     checkpoint = checkpoints.resume_checkpoint(cfg, check_later=not export_only, rank=rank)
+    if checkpoint is not None:  # another model's checkpoint, refused before the engine starts
+        checkpoints.check_shapes(checkpoint, modeling.checkpoint_index(cfg.model.path))
     if cfg.loss.agg_mode == "seq-mean-token-sum-norm" and cfg.loss.loss_scale_factor is None:
         # Dr.GRPO's constant must not be the padded width of each micro-batch: use the response
         # budget (Eq. 3)
@@ -427,4 +429,4 @@ def learning_rate_lambda(cfg):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    runs.exit_process(main(sys.argv[1:]))

@@ -77,3 +77,4 @@ def main(result_path, config_path, overrides):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    runs.exit_process(0)

@@ -10,6 +10,7 @@ one micro-batch) whose loss becomes NaN, as an overflow in the forward pass woul
 import sys
 
 import baselines
+import runs
 import train
 
 nan_calls = {int(s) for s in sys.argv[1].split(",")}
@@ -25,4 +26,4 @@ def policy_loss_with_nan(*args, **kwargs):
 
 
 baselines.policy_loss = policy_loss_with_nan
-sys.exit(train.main(sys.argv[2:]))
+runs.exit_process(train.main(sys.argv[2:]))

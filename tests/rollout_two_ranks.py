@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import config
 import data
 import rollout
+import runs
 
 
 def main(model_dir, result_path):
@@ -85,3 +86,4 @@ def main(model_dir, result_path):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    runs.exit_process(0)

@@ -25,6 +25,7 @@ import transformers.models.qwen2.modeling_qwen2  # noqa: E402,F401
 
 import config  # noqa: E402
 import modeling  # noqa: E402
+import runs  # noqa: E402
 
 
 def status_kib(field):
@@ -82,3 +83,4 @@ def main(model_dir, out_dir):
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main(sys.argv[1], sys.argv[2])
+    runs.exit_process(0)
