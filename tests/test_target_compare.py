@@ -3,6 +3,7 @@ measure and the primary family, against hand computations and closed forms; one 
 tools/repro.py with EntroPIC's controller and the endpoint evaluations."""
 
 import itertools
+import json
 import math
 import statistics
 
@@ -96,6 +97,9 @@ def test_primary_family_on_synthetic_runs():
     runs = {"grpo": [run(0, 0.1) for _ in range(16)],
             "stare": [run(1 + seed, 0.2) for seed in range(16)],
             "entropic": [run(0, 0.15) for _ in range(16)]}
+    # GRPO's seed 3 stops updating after step 150 (every group all wrong): no entropy is measured
+    for record in runs["grpo"][3][0][150:]:
+        del record["train/entropy"]
     summary = tc.analyze(runs, 300, clusters=[0, 1, 2, 3, 4, 5, 6, 7], resamples=200)
     h1, h2, h3 = (summary["primary"][h] for h in ("H1", "H2", "H3"))
     assert h1["above"] == 16 and h1["p"] == 2 / 2 ** 16 and h1["rejected_at_0.05"]
@@ -108,6 +112,12 @@ def test_primary_family_on_synthetic_runs():
     assert h3["p_holm"] == pytest.approx(3 / 2 ** 16)
     assert h1["p_holm"] == h2["p_holm"] == pytest.approx(4 / 2 ** 16)
     assert summary["settings"]["stare"]["entropy_mean"]["mean"] == pytest.approx(0.2)
+    grpo_last = summary["settings"]["grpo"]["entropy_last_third"]
+    assert grpo_last["per_seed"][3] is None and grpo_last["n"] == 15
+    assert summary["settings"]["grpo"]["updated_frac_last_third"]["per_seed"][3] == 0.0
+    stare_last = summary["settings"]["stare"]["entropy_last_third"]["minus_grpo"]
+    assert stare_last["per_seed"] == pytest.approx([0.1] * 15)  # the 15 pairs with both measured
+    json.dumps(summary, allow_nan=False)  # summary.json: no NaN
     assert summary["settings"]["entropic"]["pass@16"]["minus_grpo"]["p"] == 1.0
 
 

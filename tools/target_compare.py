@@ -191,7 +191,7 @@ def analyze(runs, steps, clusters, resamples=4000):
     for result, p in zip(primary.values(), stats.holm([r["p"] for r in primary.values()])):
         result["p_holm"] = p
         result["rejected_at_0.05"] = p <= 0.05
-    settings = {}
+    settings, measured = {}, {}
     for name, seeds in runs.items():
         measures = {f"pass@{k}": value[name][k] for k in ks}
         measures["entropy_mean"] = [mean_entropy(r, 1, steps) for r, _ in seeds]
@@ -199,17 +199,26 @@ def analyze(runs, steps, clusters, resamples=4000):
                                           for r, _ in seeds]
         measures["gate_on_frac"] = [statistics.fmean(x["stare/gate_on"] for x in r)
                                     for r, _ in seeds]
+        # a run whose groups are all wrong (or all right) stops updating: its entropy is not
+        # measured after that, so this says how many steps of the last third updated
+        measures["updated_frac_last_third"] = [
+            statistics.fmean("train/entropy" in x for x in r[steps - steps // 3:steps])
+            for r, _ in seeds]
         for split in ("A", "B"):
             measures[f"pass@1_{split}"] = [
                 statistics.fmean(h[s]["endpoint"][split]["heldout/pass@1"]
                                  for s in endpoint_steps(steps)) for _, h in seeds]
+        measured[name] = measures
         described = {}
         for key, values in measures.items():
+            # NaN: not measured (an entropy over steps without an update); pairs need both seeds
             mean, se = plots.mean_and_se(values)
-            described[key] = {"mean": mean, "se": se, "per_seed": values}
-            if name != "grpo":
-                described[key]["minus_grpo"] = test_pair(
-                    values, [v for v in settings["grpo"][key]["per_seed"]], None)
+            described[key] = {"mean": mean, "se": se, "n": sum(map(math.isfinite, values)),
+                              "per_seed": [v if math.isfinite(v) else None for v in values]}
+            pairs = [(a, b) for a, b in zip(values, measured["grpo"][key])
+                     if math.isfinite(a) and math.isfinite(b)]
+            if name != "grpo" and len(pairs) > 1:
+                described[key]["minus_grpo"] = test_pair(*zip(*pairs), None)
         settings[name] = described
     return {"primary": primary, "settings": settings}
 
