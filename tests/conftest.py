@@ -31,14 +31,20 @@ def countdown_dir(tiny_dir):
     return tiny_dir
 
 
-
 # pytest-xdist (pytest.ini: --dist loadgroup) spreads the tests over workers, but keeps on one
 # worker the tests that share a fixture costing an engine or a run, so that it is made once.
 SHARED_FIXTURES = {"every_method", "default_run", "one_rank_gen16", "one_process", "engine"}
 
 
+# The modules of the longest tests (runs of train.py, tools' runs, 20-step builds) go first, so
+# that short tests fill the end and the workers finish together (xdist hands out the ungrouped
+# tests in collection order).
+LONG_FIRST = ("test_train.py", "test_repro.py", "test_tiny.py")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name not in LONG_FIRST)  # stable: order kept within
     for item in items:
         shared = SHARED_FIXTURES & set(item.fixturenames)
         if shared:
