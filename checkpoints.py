@@ -286,15 +286,18 @@ def load_checkpoint(path, model, optimizer, rank):
     return trainer_state
 
 
-def check_shapes(checkpoint, model_state):
+def check_shapes(checkpoint, model_state, shared_only=False):
     """RunError when the checkpoint's model tensors are not this model's (another size or
     architecture): DCP's index holds every tensor's global shape, so this reads no data.
-    model_state: name -> anything with a .shape (the built model's tensors, or before it exists
-    modeling.checkpoint_index of model.path)."""
+    model_state: name -> anything with a .shape: the built model's tensors, or, before it exists,
+    modeling.checkpoint_index of model.path with shared_only (its files may hold tensors the model
+    never loads: only the names both have are compared)."""
     saved = read_index(checkpoint).state_dict_metadata
     for name, tensor in model_state.items():
         entry = saved.get(f"model.{name}")
         shape = getattr(entry, "size", None)
+        if entry is None and shared_only:
+            continue
         if entry is None or list(shape) != list(tensor.shape):
             held = "no such tensor" if entry is None else f"shape {list(shape)}"
             raise RunError(

@@ -198,7 +198,8 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
     check_start(cfg, rank, world, device)
     checkpoint = checkpoints.resume_checkpoint(cfg, check_later=not export_only, rank=rank)
     if checkpoint is not None:  # another model's checkpoint, refused before the engine starts
-        checkpoints.check_shapes(checkpoint, modeling.checkpoint_index(cfg.model.path))
+        checkpoints.check_shapes(checkpoint, modeling.checkpoint_index(cfg.model.path),
+                                 shared_only=True)
     if cfg.loss.agg_mode == "seq-mean-token-sum-norm" and cfg.loss.loss_scale_factor is None:
         # Dr.GRPO's constant must not be the padded width of each micro-batch: use the response
         # budget (Eq. 3)

@@ -272,6 +272,25 @@ def test_a_checkpoint_of_another_shape_is_refused_in_one_line(tmp_path, process_
                        f"another train.out_dir)")
 
 
+def test_model_path_files_are_checked_on_the_names_both_hold(tmp_path, process_group):
+    # before the model exists, model.path's safetensors headers stand in for it: a tensor only the
+    # files hold (another format's copy, a buffer the model drops) is not a reason to refuse
+    import types
+
+    cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}"])
+    small = torch.nn.Linear(4, 3)
+    saved = checkpoints.save_checkpoint(
+        tmp_path, 1, small, torch.optim.AdamW(small.parameters()), {"step": 1}, cfg, 0, 1)
+    files = {"weight": types.SimpleNamespace(shape=(3, 4)),
+             "layers.0.attention.wq.weight": types.SimpleNamespace(shape=(8, 8))}
+    checkpoints.check_shapes(saved, files, shared_only=True)
+    with pytest.raises(runs.RunError, match="layers.0.attention.wq.weight has no such tensor"):
+        checkpoints.check_shapes(saved, files)
+    files["weight"] = types.SimpleNamespace(shape=(5, 4))
+    with pytest.raises(runs.RunError, match=r"its weight has shape \[3, 4\], the model.path"):
+        checkpoints.check_shapes(saved, files, shared_only=True)
+
+
 def test_a_load_that_dcp_refuses_is_one_line(tmp_path, process_group):
     # AMSGrad keeps a state tensor the saved AdamW has not: DCP raises a CheckpointException (a
     # BaseException), which used to end the run in raw tracebacks
