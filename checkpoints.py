@@ -288,10 +288,8 @@ def load_checkpoint(path, model, optimizer, rank):
 
 def check_shapes(checkpoint, model_state, shared_only=False):
     """RunError when the checkpoint's model tensors are not this model's (another size or
-    architecture): DCP's index holds every tensor's global shape, so this reads no data.
-    model_state: name -> anything with a .shape: the built model's tensors, or, before it exists,
-    modeling.checkpoint_index of model.path with shared_only (its files may hold tensors the model
-    never loads: only the names both have are compared)."""
+    architecture), from DCP's index of shapes (no data read). model_state: name -> .shape, or before
+    the model exists model.path's (shared_only: names the model never loads are not compared)."""
     saved = read_index(checkpoint).state_dict_metadata
     for name, tensor in model_state.items():
         entry = saved.get(f"model.{name}")

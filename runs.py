@@ -9,6 +9,7 @@ log, the stop signals, and what a resume keeps of the metrics and checks of the 
 
 import atexit
 import contextlib
+import ctypes
 import datetime
 import errno
 import functools
@@ -249,12 +250,11 @@ class StopSignals:
 
 
 def exit_process(code):
-    """sys.exit(code) for a script's entry point, without the interpreter's teardown: its garbage
-    collections walk every object torch, transformers and vLLM made (about 2 s a process on a CPU
-    core) for memory the operating system takes back anyway. atexit handlers still run."""
+    """sys.exit(code) minus the interpreter's teardown, whose collections take ~2 s after vLLM."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
+    ctypes.CDLL(None).fflush(None)  # and what C and C++ code printed into stdio's buffers
     os._exit(code)
 
 
@@ -310,11 +310,10 @@ def all_gather(obj):
 
 @functools.cache
 def host_group(world_group):
-    """A gloo group of the same ranks as `world_group` (the default process group), made once:
-    Python objects exchanged while the engine holds the GPU (the sampled groups of a step) then go
-    through host memory. On an NCCL group all_gather_object stages world x the largest pickled
-    object on the GPU (torch/distributed/distributed_c10d.py). None: the group is gloo already.
-    A collective the first time: every rank calls it at the same point."""
+    """A gloo group of the ranks of `world_group` (the default group), made once: objects exchanged
+    while the engine holds the GPU (a step's sampled groups) go through host memory, where on NCCL
+    all_gather_object stages world x the largest pickle on the GPU (distributed_c10d.py). None: the
+    group is gloo already. A collective the first time: every rank calls it at the same point."""
     if dist.get_backend(world_group) == "gloo":
         return None
     return dist.new_group(backend="gloo")

@@ -45,11 +45,10 @@ def nonfinite_guard(metrics, state, cfg, step):
     """One line when more steps in a row than optim.max_nonfinite_steps had a non-finite loss or
     gradient norm that no float16 loss scale explains (train/nonfinite_updates), else None."""
     skipped = metrics["train/nonfinite_updates"]
-    state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
-    if state.nonfinite_in_a_row > cfg.optim.max_nonfinite_steps:
-        return (f"error: step {step}: non-finite loss or gradient norm in "
-                f"{state.nonfinite_in_a_row} consecutive steps "
-                f"(optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
+    in_a_row = state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
+    if in_a_row > cfg.optim.max_nonfinite_steps:
+        return (f"error: step {step}: non-finite loss or gradient norm in {in_a_row} consecutive "
+                f"steps (optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps})")
     return None
 
 
