@@ -293,9 +293,9 @@ def check_shapes(checkpoint, model_state, shared_only=False):
     saved = read_index(checkpoint).state_dict_metadata
     for name, tensor in model_state.items():
         entry = saved.get(f"model.{name}")
-        shape = getattr(entry, "size", None)
         if entry is None and shared_only:
             continue
+        shape = getattr(entry, "size", None)
         if entry is None or list(shape) != list(tensor.shape):
             held = "no such tensor" if entry is None else f"shape {list(shape)}"
             raise RunError(

@@ -94,7 +94,7 @@ def test_primary_family_on_synthetic_runs():
         heldout = {s: endpoint_record([10 + extra] * 4, [20 + extra] * 4) for s in (250, 275, 300)}
         return records, heldout
 
-    runs = {"grpo": [run(0, 0.1) for _ in range(16)],
+    runs = {"grpo": [run(0, 0.1 + 0.001 * seed) for seed in range(16)],  # seeds told apart
             "stare": [run(1 + seed, 0.2) for seed in range(16)],
             "entropic": [run(0, 0.15) for _ in range(16)]}
     # GRPO's seed 3 stops updating after step 150 (every group all wrong): no entropy is measured
@@ -116,7 +116,9 @@ def test_primary_family_on_synthetic_runs():
     assert grpo_last["per_seed"][3] is None and grpo_last["n"] == 15
     assert summary["settings"]["grpo"]["updated_frac_last_third"]["per_seed"][3] == 0.0
     stare_last = summary["settings"]["stare"]["entropy_last_third"]["minus_grpo"]
-    assert stare_last["per_seed"] == pytest.approx([0.1] * 15)  # the 15 pairs with both measured
+    # the 15 pairs with both measured, each STARE seed against its own GRPO seed
+    assert stare_last["per_seed"] == pytest.approx([0.2 - 0.1 - 0.001 * s for s in range(16)
+                                                    if s != 3])
     json.dumps(summary, allow_nan=False)  # summary.json: no NaN
     assert summary["settings"]["entropic"]["pass@16"]["minus_grpo"]["p"] == 1.0
 

@@ -192,17 +192,17 @@ def analyze(runs, steps, clusters, resamples=4000):
         result["p_holm"] = p
         result["rejected_at_0.05"] = p <= 0.05
     settings, measured = {}, {}
+    late = steps - steps // 3 + 1  # the last third of the steps: late..steps, 1-based
     for name, seeds in runs.items():
         measures = {f"pass@{k}": value[name][k] for k in ks}
         measures["entropy_mean"] = [mean_entropy(r, 1, steps) for r, _ in seeds]
-        measures["entropy_last_third"] = [mean_entropy(r, steps - steps // 3 + 1, steps)
-                                          for r, _ in seeds]
+        measures["entropy_last_third"] = [mean_entropy(r, late, steps) for r, _ in seeds]
         measures["gate_on_frac"] = [statistics.fmean(x["stare/gate_on"] for x in r)
                                     for r, _ in seeds]
         # a run whose groups are all wrong (or all right) stops updating: its entropy is not
         # measured after that, so this says how many steps of the last third updated
         measures["updated_frac_last_third"] = [
-            statistics.fmean("train/entropy" in x for x in r[steps - steps // 3:steps])
+            statistics.fmean("train/entropy" in x for x in r[late - 1:steps])
             for r, _ in seeds]
         for split in ("A", "B"):
             measures[f"pass@1_{split}"] = [
