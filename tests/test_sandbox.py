@@ -106,13 +106,16 @@ def started_by_another_test(pid):
     return owner != 1 and owner not in ancestors(os.getpid())
 
 
-def runner_processes():
-    """Pids of sandboxed interpreters still alive (their command line: the runner, --run), but
-    for those another test started."""
+def is_runner(pid):
+    """Whether pid is a sandboxed interpreter still alive (its command line: the runner, --run)."""
     markers = [path.encode() + b"\0--run" for path in (sandbox._THIS_FILE, sandbox._RUNNER)]
+    return any(marker in read_proc(pid, "cmdline") for marker in markers)
+
+
+def runner_processes():
+    """Pids of sandboxed interpreters still alive, but for those another test started."""
     return [int(pid) for pid in filter(str.isdigit, os.listdir("/proc"))
-            if any(marker in read_proc(pid, "cmdline") for marker in markers)
-            and not started_by_another_test(int(pid))]
+            if is_runner(pid) and not started_by_another_test(int(pid))]
 
 
 # ---------------------------------------------------------------------------------------------------- normal use
@@ -1032,16 +1035,19 @@ def test_the_run_dies_with_the_trainer(mode_config):
         sandbox.run_code("import time; time.sleep(60)", config)
     """)], cwd=os.path.dirname(sandbox._THIS_FILE))
     try:
-        deadline = time.monotonic() + 10
-        while not runner_processes() and time.monotonic() < deadline:
+        # the trainer's own runners, by ancestry while it lives: a runner another worker's test
+        # starts meanwhile may not be told apart once reparented (its chain read mid-start)
+        deadline, ours = time.monotonic() + 10, []
+        while not ours and time.monotonic() < deadline:
+            ours = [pid for pid in runner_processes() if trainer.pid in ancestors(pid)]
             time.sleep(0.05)
-        assert runner_processes(), "the sandbox never started"
+        assert ours, "the sandbox never started"
         trainer.kill()
         trainer.wait()
         deadline = time.monotonic() + 10  # dies, not dies fast: two loaded cores can take seconds
-        while runner_processes() and time.monotonic() < deadline:
+        while any(map(is_runner, ours)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert runner_processes() == []
+        assert not any(map(is_runner, ours))
     finally:
         trainer.kill()
         shutil.rmtree(own_root)
