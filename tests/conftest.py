@@ -31,6 +31,13 @@ def countdown_dir(tiny_dir):
     return tiny_dir
 
 
+@pytest.fixture(scope="session")
+def tool_dir(tiny_dir):
+    """The tiny default with its tool-use variant, tool_model/ (reused when complete)."""
+    tiny.build_tiny_tool(tiny_dir)
+    return tiny_dir
+
+
 # pytest-xdist (pytest.ini: --dist loadgroup) spreads the tests over workers, but keeps on one
 # worker the tests that share a fixture costing an engine or a run, so that it is made once.
 SHARED_FIXTURES = {"every_method", "default_run", "one_rank_gen16", "one_process", "engine"}

