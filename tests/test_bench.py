@@ -104,30 +104,19 @@ def test_update_runs_train_stages_on_cpu():
     assert "stare_over_grpo_update" in result
 
 
-SMOKE_CPU = """
-import json, sys
-import runs
-from tools import bench, gpu_smoke
-shape = dict(bench.QWEN25["tiny"], head_dim=64, num_attention_heads=2, num_key_value_heads=1, vocab_size=320,
-             max_position_embeddings=512)
-directory = gpu_smoke.smoke_model(sys.argv[1], shape)
-rank, world, device = runs.setup_distributed()
-engine = gpu_smoke.engine_cycles(directory, device, cycles=2, sleep=False, kv_cache_gib=0.1,
-                                 prompts=4, max_tokens=16)
-trainer = gpu_smoke.trainer_cycles(directory, device, prompts=4, max_tokens=16)
-print(json.dumps({"engine": engine, "trainer": trainer}))
-"""
-
-
-def test_gpu_smoke_engine_cycles_run_on_cpu(tmp_path):
-    # generate -> update -> wake/sync -> probe, twice, with train.py's own functions; a bfloat16
-    # engine against a float32 trainer on CPU (the GPU adds sleep mode, CUDA graphs and the
-    # free-memory readings)
+def test_gpu_smoke_runs_its_cycles_to_its_json_on_cpu(tmp_path):
+    # the command itself, to its end: generate -> update -> wake/sync -> probe, twice, with
+    # train.py's own functions, a real engine (vLLM's CPU build, bfloat16) against a float32
+    # trainer; the engine's shutdown ends the process group, and the command still finishes (the
+    # GPU adds sleep mode, CUDA graphs, the free-memory readings, its tests and `update`)
     completed = subprocess.run(
-        [sys.executable, "-c", SMOKE_CPU, str(tmp_path / "model")], capture_output=True, text=True,
+        [sys.executable, "-m", "tools.bench", "gpu-smoke", "--cpu", "--out",
+         str(tmp_path / "smoke.json")], capture_output=True, text=True,
         timeout=600, cwd=Path(bench.__file__).resolve().parents[1])
     assert completed.returncode == 0, completed.stderr[-3000:]
     reports = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert json.loads((tmp_path / "smoke.json").read_text()) == reports
+    assert reports["ok"] and reports["device"] == "cpu"
     report = reports["engine"]
     assert report["ok"] and report["failures"] == [], report["failures"]
     assert report["runner"] == "v1" and report["engine_dtype"] == "torch.bfloat16"

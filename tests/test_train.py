@@ -4,6 +4,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -761,8 +762,12 @@ def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path, defa
     completed = run_train(tiny_dir, out, "optim.lr=1e-4")
     metrics = check_finished(completed, out)
     assert [m["train/lr"] for m in metrics] == [pytest.approx(3e-4), pytest.approx(1e-4)]
-    # tiny.yaml probes every 5th step: step 2 is probed as the resumed run's first
+    # tiny.yaml probes every 5th step: step 2 is probed as the resumed run's first, and the
+    # resume's own sync with the checkpoint's probe before it
     assert metrics[1]["rollout/sync_probe_error"] < 1e-4
+    probed = re.search(r"resumed from \S+ at step 1 \(weight sync probed: (\S+)\)",
+                       completed.stderr)
+    assert probed and float(probed[1]) < 1e-4
     assert "this run's values apply: optim.lr" in completed.stderr
     assert "lr: 0.0001" in (out / "config.yaml").read_text()
 

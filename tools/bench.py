@@ -734,6 +734,8 @@ def main():
     smoke.add_argument("--out", default="runs/gpu_smoke.json", help="where the JSON report goes")
     smoke.add_argument("--runner", default="v1", choices=["v1", "v2"], help="vLLM's model runner")
     smoke.add_argument("--sleep-level", type=int, default=2, choices=[1, 2])
+    smoke.add_argument("--cpu", action="store_true",
+                       help="the trainer's and engine's cycles on a tiny model on CPU (a test)")
     startup = commands.add_parser(
         "startup-memory", help="peak memory per rank of the sharded start-up (CPU)")
     startup.add_argument("--ranks", type=int, default=2)
