@@ -200,7 +200,7 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
     from transformers import AutoTokenizer
 
     check_start(cfg, rank, world, device)
-    checkpoint = checkpoints.resume_checkpoint(cfg, check_later=not export_only, rank=rank)
+    checkpoint = checkpoints.agreed_checkpoint(cfg, check_later=not export_only, rank=rank)
     if checkpoint is not None:  # another model's checkpoint, refused before the engine starts
         checkpoints.check_shapes(checkpoint, modeling.checkpoint_index(cfg.model.path),
                                  shared_only=True)
