@@ -324,6 +324,17 @@ def group_timeout(group=None):
     return group._get_backend(group._device_types[0]).options._timeout
 
 
+def align_timeouts():
+    """Every process group of this process waits as long as the default group (the run's
+    train.nccl_timeout_minutes): vLLM's engine makes its own groups with torch's defaults (NCCL 10,
+    gloo 30 minutes; its engine arguments distributed_timeout_seconds and
+    cpu_distributed_timeout_seconds). Call after building the engine."""
+    timeout = group_timeout()
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group_timeout(group) != timeout:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
 @functools.cache
 def host_group(world_group):
     """A gloo group of the ranks of `world_group` (the default group), made once, with its timeout:

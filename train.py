@@ -281,6 +281,7 @@ def start_sampling(cfg, tokenizer, rank, lock):
     engine = rollout.build_engine(
         cfg.rollout, cfg.model.path, max_model_len=plan.max_model_len(cfg),
         seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size)
+    runs.align_timeouts()  # the engine's own groups: the run's timeout too
     runner = rollout.engine_runner(engine)
     task.metrics["rollout/model_runner_v2"] = float(runner == "v2")  # recorded with every step
     if runner != cfg.rollout.model_runner and rank == 0:
