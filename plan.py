@@ -57,12 +57,13 @@ Terms:
   host per node   ranks * host per rank, + b_c N on the first node (the export)
 
 Phases: startup = engine + 4N/W + context; resume = engine asleep (or engine) + 16N/W + AdamW's
-step + context (train.py sleeps the engine before the checkpoint loads); rollout = engine + 12N/W + context; update = engine
-asleep (or engine) + 16N/W + update batch + context; sync_probe = engine weights + engine asleep
-(or engine) + 12N/W + sync probe batch + context; export = engine asleep (or engine) + 12N/W +
-export + context. The rollout holds no gathered root unit: modeling.reshard_root frees the one
-the probe's forward leaves. A phase fits below the free memory less HEADROOM of the GPU; the KV
-cache must hold one full-length sequence, and ctx must not exceed max_position_embeddings.
+step + context (train.py sleeps the engine before the checkpoint loads); rollout = engine + 12N/W
++ context; update = engine asleep (or engine) + 16N/W + update batch + context; sync_probe =
+engine weights + engine asleep (or engine) + 12N/W + sync probe batch + context; export = engine
+asleep (or engine) + 12N/W + export + context. The rollout holds no gathered root unit:
+modeling.reshard_root frees the one the probe's forward leaves. A phase fits below the free memory
+less HEADROOM of the GPU; the KV cache must hold one full-length sequence, and ctx must not exceed
+max_position_embeddings.
 """
 
 import dataclasses
@@ -299,9 +300,10 @@ def update_gib(arch, world, compute_bytes, reduce_bytes, checkpointing, tokens, 
     "batch": the larger of a micro-batch's memory and "step", foreach AdamW's sqrt temporary (4
     bytes per parameter / world, allocated once the backward has freed the micro-batch's)}. The
     micro-batch: FSDP2's gathered units (Architecture.gathered_bytes), a layer's unsharded gradient
-    before its reduce-scatter, and `tokens` tokens (`response_tokens` of them scored): each layer's input with gradient checkpointing plus one
-    layer recomputed, or every layer's activations without, and the logits at the response positions
-    with their gradient (never a float32 copy of them: stare.token_logprobs_and_entropy)."""
+    before its reduce-scatter, and `tokens` tokens (`response_tokens` of them scored): each layer's
+    input with gradient checkpointing plus one layer recomputed, or every layer's activations
+    without, and the logits at the response positions with their gradient (never a float32 copy of
+    them: stare.token_logprobs_and_entropy)."""
     per_layer = arch.layer_activation_bytes(compute_bytes)
     body = tokens * (arch.layers * arch.hidden * compute_bytes + per_layer if checkpointing
                      else arch.layers * per_layer)

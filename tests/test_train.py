@@ -941,7 +941,7 @@ rank, world, device = runs.setup_distributed(timeout_minutes=7)
 moved = []
 broadcast = dist.broadcast
 dist.broadcast = lambda tensor, **kw: moved.append(tensor.numel()) or broadcast(tensor, **kw)
-dist.get_backend = lambda group=None: "nccl"  # as on a GPU: the host group is a gloo group of its own
+dist.get_backend = lambda group=None: "nccl"  # as on a GPU: the host group is a group of its own
 gathered = [runs.all_gather("x" * 1000 if rank == 0 else None), runs.all_gather(rank)]
 host = runs.host_group(dist.group.WORLD)
 json.dump(dict(gathered=gathered, moved=moved, host_is_new=host is not dist.group.WORLD,
