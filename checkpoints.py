@@ -387,6 +387,33 @@ def resume_checkpoint(cfg, check_later=True, rank=0):
     return checkpoint
 
 
+def agreed_checkpoint(cfg, check_later=True, rank=0):
+    """resume_checkpoint's choice, the same on every rank (a collective): RunError in one line
+    naming the ranks and what each saw when their views of out_dir/checkpoints differ (a node-local
+    out_dir, a stale copy), before the choice's own collectives, or when their choices do."""
+    seen = [p.name for p in list_checkpoints(cfg.train.out_dir)]
+    same_on_every_rank(f"different checkpoints in {Path(cfg.train.out_dir) / 'checkpoints'}",
+                       ", ".join(seen) or "none")
+    checkpoint = resume_checkpoint(cfg, check_later, rank)
+    chosen = "none (a fresh start)" if checkpoint is None else (
+        f"{checkpoint} at step {read_trainer_state(checkpoint)['step']}")
+    same_on_every_rank("different checkpoints to resume", chosen)
+    return checkpoint
+
+
+def same_on_every_rank(what, seen):
+    """RunError on every rank unless `seen` (a string) is the same on all."""
+    gathered = all_gather(seen)
+    if len(set(gathered)) > 1:
+        ranks = {value: [str(r) for r, v in enumerate(gathered) if v == value]
+                 for value in dict.fromkeys(gathered)}
+        raise RunError(
+            f"error: the ranks see {what}: " + "; ".join(
+                f"rank{'s' if len(r) > 1 else ''} {', '.join(r)}: {value}"
+                for value, r in ranks.items())
+            + "; every rank must see the same train.out_dir (a shared file system)")
+
+
 def usable_step(checkpoint, rank=0):
     """The step of a checkpoint that passes every check that reads no tensor into a model: its
     checksums (each rank of a process group its share), its index and files' sizes, trainer.pt.
@@ -395,11 +422,11 @@ def usable_step(checkpoint, rank=0):
     problem, verified = None, False
     try:
         verified = verify_checksums(checkpoint, rank, world)
+        check_files(checkpoint)
+        step = read_trainer_state(checkpoint)["step"]
     except RunError as error:
         problem = str(error)
     agree(problem)  # every rank raises, or none
-    check_files(checkpoint)
-    step = read_trainer_state(checkpoint)["step"]
     if not verified and rank == 0:
         print(f"warning: {checkpoint} has no {CHECKSUMS} (saved before checkpoints carried "
               f"them): only its files' sizes are checked", file=sys.stderr)

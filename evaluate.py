@@ -36,7 +36,6 @@ model.
 import argparse
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -48,6 +47,7 @@ import torch.distributed as dist
 
 import config
 import data
+import plan
 import rewards
 import rollout
 import runs
@@ -317,10 +317,9 @@ def evaluate(engine, tokenizer, benchmarks, cfg, return_samples=False, use_tqdm=
             records += _share_records(engine, name, [prompt_ids[i] for i in mine],
                                       [(i, kept[i]) for i in mine], ns[name], kss[name], cfg,
                                       return_samples, use_tqdm)
-    if distributed:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, records)
-        records = [r for rank_records in gathered[::tp] for r in rank_records]  # one per engine
+    # through host memory (runs.all_gather); the first rank of each engine sends its records
+    records = [r for rank_records in runs.all_gather(records if rank % tp == 0 else [])
+               for r in rank_records]
     order = {name: position for position, name in enumerate(benchmarks)}
     records.sort(key=lambda r: (order[r["benchmark"]], r["index"]))
     per_benchmark = {
@@ -456,9 +455,10 @@ def load_config(args):
     flags given (config.ConfigError naming the key). Without --config, the flags' defaults from
     before they were aliases come first where config.py's differ (its rollout section is a training
     engine's, which leaves the GPU to the trainer; enforce_eager on CPU only)."""
+    on_cpu = not torch.cuda.is_available()
     base = [] if args.config else [
-        "rollout.gpu_memory_utilization=0.9",
-        f"rollout.enforce_eager={str(not torch.cuda.is_available()).lower()}"]
+        "rollout.gpu_memory_utilization=0.9", f"rollout.enforce_eager={str(on_cpu).lower()}"] + (
+        [f"rollout.kv_cache_gib={rollout.CPU_KV_CACHE_GIB}"] if on_cpu else [])
     flags = [f"{key}={json.dumps(vars(args)[key], ensure_ascii=False)}"  # exact: quoted strings
              for _, key, _ in ALIASES if vars(args)[key] is not None]
     return config.load(args.config, base + args.overrides + flags)
@@ -490,16 +490,19 @@ def main(argv):
     except (config.ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    on_gpu = torch.cuda.is_available()
-    # torchrun: one engine per rank (rollout.build_engine uses external_launcher)
-    if "RANK" in os.environ:
-        if on_gpu:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if on_gpu else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    problem = plan.no_cuda_problem(cfg, args.config or "this command line")
+    if problem:  # or the engine takes the CPU path and fails later, inside vLLM
+        print(problem, file=sys.stderr)
+        return 2
+    # the run's plumbing: a process group of one without torchrun; collectives wait
+    # train.nccl_timeout_minutes (the engines' shares of the prompts differ)
+    rank, _, _ = runs.setup_distributed(cfg.train.nccl_timeout_minutes)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    engine = rollout.build_engine(cfg.rollout, cfg.model.path, seed=cfg.train.seed + rank,
-                                  max_model_len=cfg.data.max_prompt_tokens + cfg.eval.max_tokens)
+    # one seed per engine, shared by its ranks, as in train.py
+    engine = rollout.build_engine(
+        cfg.rollout, cfg.model.path, seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size,
+        max_model_len=cfg.data.max_prompt_tokens + cfg.eval.max_tokens)
+    runs.align_timeouts()
     result = evaluate(engine, tokenizer, benchmarks, cfg, return_samples=args.samples is not None,
                       use_tqdm=rank == 0)
     if rank == 0:

@@ -34,10 +34,15 @@ Terms:
                   ctx 2 L ceil(KV heads / t) head_dim b_e
   engine asleep   CUDA_GRAPH_GIB + 0.25
   trainer         4N/W parameters, + 8N/W AdamW moments, + 4N/W gradients during the update
-  update batch    the gathered root unit and 2 layers in b_c; a layer's gradient in b_c + b_r;
-                  activations T (L d b_c + A) with checkpointing, T L A without, where
+  AdamW's step    foreach AdamW's sqrt temporary, 4N/W (torch/optim/adam.py, _foreach_sqrt)
+  update batch    the larger of AdamW's step and a micro-batch (the step comes after the backward
+                  freed it): the gathered root unit and 2 layers in b_c; a layer's gradient in
+                  b_c + b_r; activations T (L d b_c + A) with checkpointing, T L A without, where
                   A = b_c (5d + 4q + 3k + 4I) + 8d bytes per token and layer; logits and their
                   gradient 2 T V b_c
+  resume          DCP's get_state_dict initialises AdamW's state on the fresh optimizer
+                  (torch/distributed/checkpoint/state_dict.py, _init_optim_state): zero gradients
+                  4N/W and the moments 8N/W, then AdamW's step; the checkpoint loads in place
   sync probe      max(the largest parameter, V d b_e; the probe's forward: gathered units
                   + (prompt + 512) A + 2 * 512 V b_c)
   export          the largest parameter gathered in b_c, V d b_c
@@ -45,16 +50,20 @@ Terms:
   host per rank   HOST_PROCESS_GIB; the step's groups, gathered on every rank (grpo.sample_groups):
                   B n R PYTHON_TOKEN_BYTES (B = train.train_batch_size, R = rollout.max_tokens)
                   + the gather's buffer, world x one rank's round of them pickled,
-                  W min(B, gen_batch_size / engines) n R PICKLED_TOKEN_BYTES; with
-                  rollout.sleep_level 1, vLLM's pinned copy of the engine's weights, N b_e / t
+                  engines min(B, gen_batch_size / engines) n R PICKLED_TOKEN_BYTES (one rank
+                  per engine sends them, runs.all_gather); with sleep mode, vLLM's pinned copy of
+                  its CUDA graphs and runtime state, CUDA_GRAPH_GIB + SLEEP_RUNTIME_GIB, and with
+                  rollout.sleep_level 1 of the engine's weights, N b_e / t
   host per node   ranks * host per rank, + b_c N on the first node (the export)
 
-Phases: startup = engine + 4N/W + context; rollout = engine + 12N/W + context; update = engine
-asleep (or engine) + 16N/W + update batch + context; sync_probe = engine weights + engine asleep
-(or engine) + 12N/W + sync probe batch + context; export = engine asleep (or engine) + 12N/W +
-export + context. The rollout holds no gathered root unit: modeling.reshard_root frees the one
-the probe's forward leaves. A phase fits below the free memory less HEADROOM of the GPU; the KV
-cache must hold one full-length sequence, and ctx must not exceed max_position_embeddings.
+Phases: startup = engine + 4N/W + context; resume = engine asleep (or engine) + 16N/W + AdamW's
+step + context (train.py sleeps the engine before the checkpoint loads); rollout = engine + 12N/W
++ context; update = engine asleep (or engine) + 16N/W + update batch + context; sync_probe =
+engine weights + engine asleep (or engine) + 12N/W + sync probe batch + context; export = engine
+asleep (or engine) + 12N/W + export + context. The rollout holds no gathered root unit:
+modeling.reshard_root frees the one the probe's forward leaves. A phase fits below the free memory
+less HEADROOM of the GPU; the KV cache must hold one full-length sequence, and ctx must not exceed
+max_position_embeddings.
 """
 
 import dataclasses
@@ -69,6 +78,9 @@ CUDA_CONTEXT_GIB = 1.5
 ENGINE_NON_TORCH_GIB = 0.5  # vLLM's own non-torch memory, taken from its budget before the KV cache
 # vLLM's captured CUDA graphs (not with enforce_eager); kept while the engine sleeps
 CUDA_GRAPH_GIB = 1.0
+# vLLM's runtime state (the KV cache's bookkeeping), copied to pinned host memory with the CUDA
+# graphs at every sleep level (vllm/device_allocator/sleep_mode_backend.py); an estimate
+SLEEP_RUNTIME_GIB = 0.5
 HOST_PROCESS_GIB = 6.0  # host RAM of one rank: Python, PyTorch, CUDA libraries, vLLM
 # a phase fits when it leaves this share of the device free (allocator fragmentation)
 HEADROOM = 0.05
@@ -202,8 +214,8 @@ def engine_plan(cfg, arch, gpu_gib, world):
 
 
 def host_plan(cfg, world, engine):
-    """Host memory of one rank (GiB): the process, the step's groups (and, while gathering, world x
-    one rank's round pickled), and with a level-1 sleep the engine's weights in pinned memory."""
+    """Host memory of one rank (GiB): the process, the step's groups (and, while gathering, every
+    engine's round pickled), and with sleep mode what vLLM keeps in pinned memory."""
     response_tokens = cfg.train.train_batch_size * cfg.rollout.n * cfg.rollout.max_tokens
     per_engine = cfg.algorithm.gen_batch_size // engine["engines"]
     round_tokens = (min(cfg.train.train_batch_size, per_engine) * cfg.rollout.n
@@ -211,9 +223,10 @@ def host_plan(cfg, world, engine):
     return {
         "process": HOST_PROCESS_GIB,
         "groups": (response_tokens * PYTHON_TOKEN_BYTES
-                   + world * round_tokens * PICKLED_TOKEN_BYTES) / GIB,
-        "sleep_copy": engine["weights"] if cfg.rollout.enable_sleep_mode
-        and cfg.rollout.sleep_level == 1 else 0.0}
+                   + engine["engines"] * round_tokens * PICKLED_TOKEN_BYTES) / GIB,
+        "sleep_copy": (engine["graphs"] + SLEEP_RUNTIME_GIB
+                       + (engine["weights"] if cfg.rollout.sleep_level == 1 else 0.0))
+        if cfg.rollout.enable_sleep_mode else 0.0}
 
 
 def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
@@ -241,6 +254,9 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
     context_gib = CUDA_CONTEXT_GIB if cfg.rollout.kv_cache_gib is None else 0.0
     phases = {
         "startup": {"engine": engine["total"], "trainer": master, "context": context_gib},
+        # the engine sleeps first (train.resume); AdamW's state initialised, then loaded in place
+        "resume": {"engine": engine["asleep"], "trainer": update["state"],
+                   "batch": update["step"], "context": context_gib},
         "rollout": {"engine": engine["total"], "trainer": master + adam, "context": context_gib},
         "update": {"engine": engine["asleep"], "trainer": update["state"],
                    "batch": update["batch"], "context": context_gib},
@@ -281,21 +297,22 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
 def update_gib(arch, world, compute_bytes, reduce_bytes, checkpointing, tokens, response_tokens):
     """The trainer's memory at the peak of an update, per rank, in GiB: {"state": float32 shards of
     the parameters, their gradients and AdamW's two moments (16 bytes per parameter / world),
-    "batch": the rest}. The batch part: FSDP2's gathered units (Architecture.gathered_bytes), a
-    layer's unsharded gradient before its reduce-scatter, and one micro-batch of `tokens` tokens
-    (`response_tokens` of them scored): each layer's input with gradient checkpointing plus one
-    layer recomputed, or every layer's activations without, and the logits at the response positions
-    with their gradient (never a float32 copy of them: stare.token_logprobs_and_entropy)."""
+    "batch": the larger of a micro-batch's memory and "step", foreach AdamW's sqrt temporary (4
+    bytes per parameter / world, allocated once the backward has freed the micro-batch's)}. The
+    micro-batch: FSDP2's gathered units (Architecture.gathered_bytes), a layer's unsharded gradient
+    before its reduce-scatter, and `tokens` tokens (`response_tokens` of them scored): each layer's
+    input with gradient checkpointing plus one layer recomputed, or every layer's activations
+    without, and the logits at the response positions with their gradient (never a float32 copy of
+    them: stare.token_logprobs_and_entropy)."""
     per_layer = arch.layer_activation_bytes(compute_bytes)
     body = tokens * (arch.layers * arch.hidden * compute_bytes + per_layer if checkpointing
                      else arch.layers * per_layer)
     head = 2 * response_tokens * arch.vocab * compute_bytes
     gathered = arch.gathered_bytes(compute_bytes)
     grad_buffers = (compute_bytes + reduce_bytes) * arch.layer_parameters
-    return {
-        "state": 16 * arch.parameters / world / GIB,
-        "batch": (gathered + grad_buffers + body + head) / GIB,
-    }
+    step = 4 * arch.parameters / world / GIB
+    return {"state": 16 * arch.parameters / world / GIB, "step": step,
+            "batch": max(step, (gathered + grad_buffers + body + head) / GIB)}
 
 
 def problems(plan, cfg, arch):

@@ -38,8 +38,6 @@ import threading
 import time
 from fractions import Fraction
 
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
 # math-verify's own timeouts are off (a single deadline is enforced here, see _call_with_deadline);
 # its warning saying so would only alarm the reader of every training log
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -53,7 +51,13 @@ ANSWER_FORMATS = ("boxed", "any")
 # The gold and a boxed prediction are parsed with the same config, so two identical strings parse
 # identically. boxed_match_priority=0: a \boxed{} match wins over any other LaTeX match in the same
 # text.
-_BOXED_PARSE_CONFIG = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+@functools.cache
+def _math_verify():
+    """math-verify, imported at the first score (config.py, and the tools that read configs only,
+    run where it is not installed) -> (parse, verify, the boxed extraction config)."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    return parse, verify, [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,17 +211,17 @@ def _plain_numbers_verdict(ground_truth: str, answer: str) -> bool | None:
 def _parse_gold(ground_truth: str) -> list:
     # The box makes plain "42", "\frac{1}{2}" and "x^2+1" a LaTeX match; math-verify keeps the
     # string form too.
-    return parse("\\boxed{" + ground_truth + "}", extraction_config=_BOXED_PARSE_CONFIG,
-                 parsing_timeout=None)
+    parse, _, boxed = _math_verify()
+    return parse("\\boxed{" + ground_truth + "}", extraction_config=boxed, parsing_timeout=None)
 
 
 @functools.lru_cache(maxsize=65536)
 def _boxed_answer_matches(ground_truth: str, answer: str) -> tuple[bool, str]:
     # Cached, because a group of n samples often repeats an answer. A _Timeout leaves the cache
     # untouched.
+    parse, verify, boxed = _math_verify()
     gold = _parse_gold(ground_truth)
-    prediction = parse(
-        "\\boxed{" + answer + "}", extraction_config=_BOXED_PARSE_CONFIG, parsing_timeout=None)
+    prediction = parse("\\boxed{" + answer + "}", extraction_config=boxed, parsing_timeout=None)
     if not gold or not prediction:
         return False, "parse_error"
     return verify(gold, prediction, timeout_seconds=None), "ok"
@@ -235,6 +239,7 @@ def _check_math(response: str, ground_truth: str, answer_format: str) -> tuple[b
         if verdict is not None:
             return verdict, "ok"
         return _boxed_answer_matches(ground_truth, answer)
+    parse, verify, _ = _math_verify()
     gold = _parse_gold(ground_truth)
     # math-verify's default extraction, over the whole text
     prediction = parse(response, parsing_timeout=None)

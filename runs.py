@@ -15,6 +15,7 @@ import errno
 import functools
 import json
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -300,23 +301,50 @@ def agree(problem):
 
 
 def all_gather(obj):
-    """Every rank's obj, in rank order (pickled, through host memory: host_group)."""
+    """Every rank's obj, in rank order (pickled, through host memory: host_group). Each rank's
+    pickle moves at its own size, one broadcast per rank: all_gather_object pads every rank's to
+    the largest, world x it (the ranks of a tensor-parallel engine send nothing but one's)."""
     if not dist.is_initialized():
         return [obj]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj, group=host_group(dist.group.WORLD))
+    group, rank = host_group(dist.group.WORLD), dist.get_rank()
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([payload.numel()]), group=group)
+    gathered = []
+    for source, size in enumerate(sizes):
+        buffer = payload if source == rank else torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(buffer, src=source, group=group)
+        gathered.append(pickle.loads(buffer.numpy()))
     return gathered
+
+
+def group_timeout(group=None):
+    """How long a collective of `group` (None: the default group) waits for the slowest rank."""
+    group = group or dist.group.WORLD
+    return group._get_backend(group._device_types[0]).options._timeout
+
+
+def align_timeouts():
+    """Every process group of this process waits as long as the default group (the run's
+    train.nccl_timeout_minutes): vLLM's engine makes its own groups with torch's defaults (NCCL 10,
+    gloo 30 minutes; its engine arguments distributed_timeout_seconds and
+    cpu_distributed_timeout_seconds). Call after building the engine."""
+    timeout = group_timeout()
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group_timeout(group) != timeout:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 @functools.cache
 def host_group(world_group):
-    """A gloo group of the ranks of `world_group` (the default group), made once: objects exchanged
-    while the engine holds the GPU (a step's sampled groups) go through host memory, where on NCCL
-    all_gather_object stages world x the largest pickle on the GPU (distributed_c10d.py). None: the
-    group is gloo already. A collective the first time: every rank calls it at the same point."""
+    """A gloo group of the ranks of `world_group` (the default group), made once, with its timeout:
+    objects exchanged while the engine holds the GPU (a step's sampled groups) go through host
+    memory, where on NCCL all_gather_object stages world x the largest pickle on the GPU
+    (distributed_c10d.py). None: the group is gloo already. A collective the first time: every rank
+    calls it at the same point."""
     if dist.get_backend(world_group) == "gloo":
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=group_timeout(world_group))
 
 
 def add_sums(sums, values):

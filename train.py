@@ -148,10 +148,15 @@ def train(run, state):
         if cfg.rollout.enable_sleep_mode:  # the export's gathers take the engine's memory
             rollout.release_memory(run.engine, cfg.rollout.sleep_level)
         checkpoints.export_hf(run.model, cfg, run.tokenizer, run.out_dir / "hf", run.rank)
+        if cfg.rollout.enable_sleep_mode:  # freeing a sleeping engine's unmapped memory fails
+            rollout.wake_weights(run.engine)
+            rollout.wake_kv_cache(run.engine)
         return 0
     finally:
-        log.close()
-        rollout.shutdown_engine(run.engine)
+        try:
+            log.close()
+        finally:  # a failing wandb.finish() must not keep the engine from shutting down
+            rollout.shutdown_engine(run.engine)
 
 
 @dataclasses.dataclass
@@ -195,7 +200,7 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
     from transformers import AutoTokenizer
 
     check_start(cfg, rank, world, device)
-    checkpoint = checkpoints.resume_checkpoint(cfg, check_later=not export_only, rank=rank)
+    checkpoint = checkpoints.agreed_checkpoint(cfg, check_later=not export_only, rank=rank)
     if checkpoint is not None:  # another model's checkpoint, refused before the engine starts
         checkpoints.check_shapes(checkpoint, modeling.checkpoint_index(cfg.model.path),
                                  shared_only=True)
@@ -276,6 +281,7 @@ def start_sampling(cfg, tokenizer, rank, lock):
     engine = rollout.build_engine(
         cfg.rollout, cfg.model.path, max_model_len=plan.max_model_len(cfg),
         seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size)
+    runs.align_timeouts()  # the engine's own groups: the run's timeout too
     runner = rollout.engine_runner(engine)
     task.metrics["rollout/model_runner_v2"] = float(runner == "v2")  # recorded with every step
     if runner != cfg.rollout.model_runner and rank == 0:
@@ -336,12 +342,16 @@ def load_task(cfg, tokenizer, rank):
 
 def resume(run, checkpoint):
     """Model, optimizer, scheduler, gate, EntroPIC's controller and trainer state from a checkpoint;
-    the engine gets the weights."""
+    the engine gets the weights by the step's own sync, probed. With sleep mode the engine sleeps
+    while the checkpoint loads: DCP initialises AdamW's state on zero gradients first (plan.py,
+    "resume")."""
+    cfg = run.cfg
+    if cfg.rollout.enable_sleep_mode:
+        rollout.release_memory(run.engine, cfg.rollout.sleep_level)
     saved = checkpoints.load_checkpoint(checkpoint, run.model, run.optimizer, run.rank)
     run.scheduler.load_state_dict(saved.pop("scheduler"))
     # the optimizer's saved settings give way to this run's config (a changed optim.lr takes effect,
     # as recorded)
-    cfg = run.cfg
     run.scheduler.base_lrs = [cfg.optim.lr] * len(run.optimizer.param_groups)
     factor = learning_rate_lambda(cfg)(run.scheduler.last_epoch)
     for group in run.optimizer.param_groups:
@@ -358,18 +368,25 @@ def resume(run, checkpoint):
         carried = ("integral", "error", "coef", "current_entropy")
         run.controller.load_state_dict(
             {**run.controller.state_dict(), **{key: saved["entropic"][key] for key in carried}})
-    # the engine started from model.path
-    rollout.sync_weights(
-        run.engine, rollout.full_parameters(run.model, rollout.engine_dtype(run.engine)))
-    changed = runs.config_differences((checkpoint / "config.yaml").read_text(), run.cfg)
-    if run.rank == 0:
-        print(f"resumed from {checkpoint} at step {saved['step']}" + (
-            f"; config keys changed since, this run's values apply: {', '.join(changed)}"
-            if changed else ""), file=sys.stderr)
     state = TrainerState(
         **{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved})
     if isinstance(state.scaler, dict):
         state.scaler = modeling.LossScaler(**state.scaler)
+    # the engine started from model.path: wake weights, sync, the saved probe, wake the KV cache
+    state.probe, error = rollout.sync_engine(run.engine, run.model, cfg.rollout, [], state.step,
+                                             state.probe, first=True)
+    if error is not None and not error <= cfg.rollout.max_sync_probe_error:
+        raise runs.RunError(
+            f"error: resuming from {checkpoint}: rollout/sync_probe_error = {error:.3g} exceeds "
+            f"rollout.max_sync_probe_error = {cfg.rollout.max_sync_probe_error:g}: the engine "
+            f"did not take the checkpoint's weights (a failed weight sync). Try "
+            f"rollout.sleep_level=1 on GPU")
+    changed = runs.config_differences((checkpoint / "config.yaml").read_text(), run.cfg)
+    if run.rank == 0:
+        print(f"resumed from {checkpoint} at step {saved['step']}" + (
+            f" (weight sync probed: {error:.3g})" if error is not None else "") + (
+            f"; config keys changed since, this run's values apply: {', '.join(changed)}"
+            if changed else ""), file=sys.stderr)
     return state
 
 

@@ -5,6 +5,7 @@ they will on a GPU (sleep mode aside), and the command says it needs CUDA."""
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -104,30 +105,19 @@ def test_update_runs_train_stages_on_cpu():
     assert "stare_over_grpo_update" in result
 
 
-SMOKE_CPU = """
-import json, sys
-import runs
-from tools import bench, gpu_smoke
-shape = dict(bench.QWEN25["tiny"], head_dim=64, num_attention_heads=2, num_key_value_heads=1, vocab_size=320,
-             max_position_embeddings=512)
-directory = gpu_smoke.smoke_model(sys.argv[1], shape)
-rank, world, device = runs.setup_distributed()
-engine = gpu_smoke.engine_cycles(directory, device, cycles=2, sleep=False, kv_cache_gib=0.1,
-                                 prompts=4, max_tokens=16)
-trainer = gpu_smoke.trainer_cycles(directory, device, prompts=4, max_tokens=16)
-print(json.dumps({"engine": engine, "trainer": trainer}))
-"""
-
-
-def test_gpu_smoke_engine_cycles_run_on_cpu(tmp_path):
-    # generate -> update -> wake/sync -> probe, twice, with train.py's own functions; a bfloat16
-    # engine against a float32 trainer on CPU (the GPU adds sleep mode, CUDA graphs and the
-    # free-memory readings)
+def test_gpu_smoke_runs_its_cycles_to_its_json_on_cpu(tmp_path):
+    # the command itself, to its end: generate -> update -> wake/sync -> probe, twice, with
+    # train.py's own functions, a real engine (vLLM's CPU build, bfloat16) against a float32
+    # trainer; the engine's shutdown ends the process group, and the command still finishes (the
+    # GPU adds sleep mode, CUDA graphs, the free-memory readings, its tests and `update`)
     completed = subprocess.run(
-        [sys.executable, "-c", SMOKE_CPU, str(tmp_path / "model")], capture_output=True, text=True,
+        [sys.executable, "-m", "tools.bench", "gpu-smoke", "--cpu", "--out",
+         str(tmp_path / "smoke.json")], capture_output=True, text=True,
         timeout=600, cwd=Path(bench.__file__).resolve().parents[1])
     assert completed.returncode == 0, completed.stderr[-3000:]
     reports = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert json.loads((tmp_path / "smoke.json").read_text()) == reports
+    assert reports["ok"] and reports["device"] == "cpu"
     report = reports["engine"]
     assert report["ok"] and report["failures"] == [], report["failures"]
     assert report["runner"] == "v1" and report["engine_dtype"] == "torch.bfloat16"
@@ -156,3 +146,23 @@ def test_gpu_smoke_without_cuda_says_so_in_one_line():
     assert completed.returncode == 2 and completed.stdout == ""
     assert completed.stderr.strip().splitlines() == [
         'gpu-smoke needs CUDA: run it on a GPU machine (docs/benchmarks.md, "A new GPU machine")']
+
+
+def test_a_resume_allocates_what_the_plan_says_per_parameter():
+    # checkpoints.load_checkpoint into a fresh model and optimizer, measured (the peak resident
+    # set over the float32 shards) on a ~33M-parameter Qwen2.5 shape: zero gradients and AdamW's
+    # moments (DCP's _init_optim_state) and foreach AdamW's sqrt temporary, as plan.py's resume
+    # phase counts them; without vLLM or math-verify, as on a GPU machine that lacks them
+    blocked = ("import sys; sys.modules.update(vllm=None, math_verify=None); "
+               "sys.argv[1:] = ['resume-memory', '--size', 'small']; "
+               "from tools import bench; bench.main()")
+    completed = subprocess.run(
+        [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=300,
+        cwd=Path(bench.__file__).resolve().parents[1], env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert result["planned_bytes_per_parameter"] == 16
+    assert abs(result["peak_bytes_per_parameter"] - 16) < 1.0
+    # what stays: the two moments (the gradients are freed, the temporary too)
+    assert result["moment_bytes_per_parameter"] == 8
+    assert abs(result["held_bytes_per_parameter"] - 8) < 1.0

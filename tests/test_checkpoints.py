@@ -309,3 +309,60 @@ def test_a_load_that_dcp_refuses_is_one_line(tmp_path, process_group):
     message = str(error.value)
     assert message.startswith(f"error: {saved} cannot be loaded (") and "\n" not in message
     assert "max_exp_avg_sq" in message
+
+
+VIEWS = """
+import json, os, sys
+sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+import checkpoints, config, runs
+from test_checkpoints import write_trainer_state
+from pathlib import Path
+rank, world, device = runs.setup_distributed(timeout_minutes=1)
+os.chdir(Path(sys.argv[1]) / f"rank{rank}")  # the same out_dir, "run", holds what this rank sees
+cfg = config.load(sys.argv[2], ["train.out_dir=run"])
+seen = {}
+for case, check_later in (("listing", True), ("one_rank_truncated", True), ("trainer_pt", False)):
+    os.rename(f"run_{case}", "run")
+    try:
+        seen[case] = str(checkpoints.agreed_checkpoint(cfg, check_later=check_later, rank=rank))
+    except runs.RunError as error:
+        seen[case] = str(error)
+    os.rename("run", f"run_{case}")
+Path("seen.json").write_text(json.dumps(seen))
+"""
+
+
+def test_ranks_that_see_different_checkpoints_stop_in_one_line(tmp_path):
+    # two ranks, each with its own copy of out_dir (as a node-local out_dir would be)
+    for rank in (0, 1):
+        root = tmp_path / f"rank{rank}"
+        write_trainer_state(root / "run_listing", 2)
+        if rank == 0:
+            write_trainer_state(root / "run_listing", 4)
+        for case in ("one_rank_truncated", "trainer_pt"):
+            write_trainer_state(root / f"run_{case}", 2)
+            write_trainer_state(root / f"run_{case}", 4)
+        # rank 1's step 4: a shard cut short, then a trainer.pt of another step
+        shard = root / "run_one_rank_truncated/checkpoints/step_00000004/sharded/__0_0.distcp"
+        if rank == 1:
+            shard.write_bytes(shard.read_bytes()[:100])
+            torch.save({"step": 3}, root / "run_trainer_pt/checkpoints/step_00000004/trainer.pt")
+    (tmp_path / "views.py").write_text(VIEWS)
+    completed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(tmp_path / "views.py"), str(tmp_path), os.path.abspath("configs/tiny.yaml")],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd()))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"rank{r}" / "seen.json").read_text()) for r in (0, 1)]
+    assert seen[0] == seen[1]
+    assert seen[0]["listing"] == (
+        "error: the ranks see different checkpoints in run/checkpoints: rank 0: step_00000002, "
+        "step_00000004; rank 1: step_00000002; every rank must see the same train.out_dir (a "
+        "shared file system)")
+    # one rank's failed check is every rank's: both fall back to step 2
+    assert seen[0]["one_rank_truncated"] == "run/checkpoints/step_00000002"
+    assert seen[0]["trainer_pt"] == (
+        "error: the ranks see different checkpoints to resume: rank 0: "
+        "run/checkpoints/step_00000004 at step 4; rank 1: run/checkpoints/step_00000004 at step "
+        "3; every rank must see the same train.out_dir (a shared file system)")

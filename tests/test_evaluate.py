@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow
 import pyarrow.parquet
 import pytest
+import torch
 
 from tools import benchmarks
 import config
@@ -307,9 +308,33 @@ def test_converter_errors_name_file_line_and_field(tmp_path, capsys):
 # --------------------------------------------------------------------------------------------------
 
 
+GATHERS = """
+import json, os, sys
+import torch.distributed as dist
+import evaluate, runs
+gathers, all_gather = [], runs.all_gather
+
+
+def recording(obj):  # what evaluate.py sends, and the timeout of every group of the process
+    timeouts = {str(runs.group_timeout(g)) for g in dist.distributed_c10d._world.pg_map}
+    gathers.append(dict(records=bool(obj) and all("benchmark" in r for r in obj),
+                        timeouts=sorted(timeouts)))
+    return all_gather(obj)
+
+
+runs.all_gather, rank = recording, os.environ["RANK"]
+code = evaluate.main(sys.argv[2:])
+open(os.path.join(sys.argv[1], f"gathers{rank}.json"), "w").write(json.dumps(gathers))
+runs.exit_process(code)
+"""
+
+
 def run_evaluate(tiny_dir, out_dir, nproc=1):
+    (out_dir / "gathers.py").write_text(GATHERS)
+    script = ["evaluate.py"] if nproc == 1 else [str(out_dir / "gathers.py"), str(out_dir),
+                                                  "train.nccl_timeout_minutes=7"]
     args = [
-        "evaluate.py", "--model", str(tiny_dir / "model"), "--data",
+        *script, "--model", str(tiny_dir / "model"), "--data",
         str(tiny_dir / "data" / "sum_test.jsonl"), str(tiny_dir / "data" / "add_test.jsonl"),
         "--limit", "5", "--prompt-suffix", "", "--max-tokens", "16", "--max-prompt-tokens", "64",
         "--dtype", "float32", "--kv-cache-gib", "0.25", "--seed", "3", "--out",
@@ -321,7 +346,8 @@ def run_evaluate(tiny_dir, out_dir, nproc=1):
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "--master_port", "29653"])
     env = dict(
-        os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+        os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
+        PYTHONPATH=str(REPO))
     completed = subprocess.run(
         launcher + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-4000:]
@@ -428,6 +454,11 @@ def test_two_ranks_give_the_same_result(one_process, tiny_dir, tmp_path):
     # seeds by prompt, not rank
     assert [s["response"] for s in two_samples] == [s["response"] for s in one_samples]
     assert two["benchmarks"] == one["benchmarks"] and two["overall"] == one["overall"]
+    # the run's plumbing: every group of each rank (the default group, vLLM's) waits the config's
+    # timeout, and the records go through runs.all_gather, the first rank of each engine's
+    for rank in (0, 1):
+        (gather,) = json.loads((tmp_path / f"gathers{rank}.json").read_text())
+        assert gather == {"records": True, "timeouts": ["0:07:00"]}
 
 
 @pytest.mark.parametrize(
@@ -553,3 +584,19 @@ def test_a_command_line_without_config_evaluates_as_before(monkeypatch, on_gpu):
         ["--model", "null", "--prompt-suffix", "# a: [b]", "--enforce-eager", "--out", "r.json"]))
     assert (cfg.model.path, cfg.data.prompt_suffix, cfg.rollout.enforce_eager) == (
         "null", "# a: [b]", True)
+
+
+def test_a_gpu_config_without_cuda_stops_in_one_line_before_the_engine(
+        tiny_dir, tmp_path, capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    monkeypatch.setattr(evaluate.rollout, "build_engine", lambda *a, **k: 1 / 0)
+    code = evaluate.main([
+        "--config", "configs/qwen7b_long.yaml", "--model", str(tiny_dir / "model"), "--data",
+        str(tiny_dir / "data" / "sum_test.jsonl"), "--max-prompt-tokens", "64", "--max-tokens",
+        "16", "--out", str(tmp_path / "r.json")])
+    assert code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: configs/qwen7b_long.yaml is planned for a GPU, but CUDA is not")
+    assert line.endswith("set rollout.kv_cache_gib=GIB rollout.enable_sleep_mode=false (GIB: the "
+                         "CPU engine's KV cache)")

@@ -74,6 +74,9 @@ def test_a_small_model_by_hand(tmp_path):
     context = plan.CUDA_CONTEXT_GIB
     assert p["phases"]["startup"] == pytest.approx(2.0 + 4 * n / 2 / GIB + context, abs=0.01)
     assert p["phases"]["rollout"] == pytest.approx(2.0 + 12 * n / 2 / GIB + context, abs=0.01)
+    # resume (no sleep mode: the engine awake): the shards, AdamW's state initialised on zero
+    # gradients (16 bytes per parameter over 2 ranks) and its step's sqrt temporary (4)
+    assert p["phases"]["resume"] == pytest.approx(2.0 + 20 * n / 2 / GIB + context, abs=0.01)
     # update (engine awake: no sleep mode): 16 bytes per parameter over 2 ranks, the gathered root
     # (embedding, head, final norm) and two layers in bf16, a layer's gradient in bf16 + float32,
     # and 512 tokens: every layer's activations (2 * (5*64 + 4*64 + 3*32 + 4*128) + 8*64 bytes per
@@ -87,21 +90,23 @@ def test_a_small_model_by_hand(tmp_path):
     assert p["phases"]["export"] == pytest.approx(
         2.0 + 12 * n / 2 / GIB + 1000 * 64 * 2 / GIB + context, abs=0.01)
     # host: per rank, the step's 64 x 8 responses of 192 tokens as Python objects, and the gather's
-    # buffer (2 ranks x one rank's round of 32 groups, pickled); the bf16 export on the first node
+    # buffer (2 engines x one round of 32 groups, pickled); the bf16 export on the first node
     groups = (64 * 8 * 192 * 76 + 2 * 32 * 8 * 192 * 14) / GIB
     assert p["host_gib_per_node"] == pytest.approx(2 * (6.0 + groups) + 2 * n / GIB, abs=0.1)
     asleep, _ = small_setup(tmp_path / "1", "rollout.gpu_memory_utilization=0.5",
                             "rollout.enable_sleep_mode=true", "rollout.sleep_level=1")
-    # a level-1 sleep keeps each rank's engine weights in host memory (bf16)
+    # a sleep keeps the engine's runtime state (eager: no CUDA graphs) in pinned host memory, a
+    # level-1 sleep each rank's engine weights too (bf16)
     host = plan.compute(asleep, arch)["host_gib_per_rank"]
-    assert host == {"process": 6.0, "groups": round(groups, 2), "sleep_copy": round(2 * n / GIB, 2)}
+    assert host == {"process": 6.0, "groups": round(groups, 2),
+                    "sleep_copy": round(plan.SLEEP_RUNTIME_GIB + 2 * n / GIB, 2)}
     assert p["fits"]  # 2 GiB of engine + 1.5 of CUDA context + ~0.1 of trainer < 95% of 4 GiB
     smaller, _ = small_setup(
         tmp_path / "2", "rollout.gpu_memory_utilization=0.5", "hardware.gpu_gib=3.0")
     # 1.5 engine + 1.5 context + the trainer > 95% of 3 GiB
     problems = plan.compute(smaller, arch)["problems"]
     assert [p.split(" needs ")[0] for p in problems] == [
-        "startup", "rollout", "update", "sync_probe", "export"]
+        "startup", "resume", "rollout", "update", "sync_probe", "export"]
     assert problems[0].endswith("GiB per GPU, more than 2.9 of 3 (keeping 5% of the GPU free)")
 
 
@@ -126,12 +131,12 @@ def test_the_update_peak_reproduces_the_h100_measurements(
         "float32")
     lengths = bench.realistic_lengths(32, 0)  # the benchmark's rows (--rows 32 --seed 0)
     batches = modeling.micro_batches([p + r for p, r in lengths], budget)
-    peak = max(
-        sum(
-            plan.update_gib(
-                arch, 1, 2, 4, checkpointing, sum(lengths[i][0] + lengths[i][1] for i in b),
-                sum(lengths[i][1] for i in b)).values())
-        for b in batches)
+    def peak_gib(rows):
+        update = plan.update_gib(arch, 1, 2, 4, checkpointing,
+                                 sum(lengths[i][0] + lengths[i][1] for i in rows),
+                                 sum(lengths[i][1] for i in rows))
+        return update["state"] + update["batch"]
+    peak = max(peak_gib(b) for b in batches)
     assert abs(peak / measured_gib - 1) < 0.15, (peak, measured_gib)
 
 
@@ -151,7 +156,8 @@ def test_every_shipped_config_fits_the_hardware_it_names(name, tmp_path, tiny_di
     assert plan.main(*plan_args(name, model_dir)) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert summary["fits"] and summary["problems"] == []
-    assert set(summary["phases"]) == {"startup", "rollout", "update", "sync_probe", "export"}
+    assert set(summary["phases"]) == {
+        "startup", "resume", "rollout", "update", "sync_probe", "export"}
     assert max(summary["phases"].values()) <= summary["gpu_gib"]
     assert summary["world_size"] == cfg.hardware.nodes * cfg.hardware.gpus_per_node
     assert summary["kv_full_length_sequences"] >= 1

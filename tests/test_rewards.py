@@ -87,7 +87,7 @@ def test_different_answers_are_wrong(gold, prediction):
 
 def math_verify_verdict(gold, prediction):
     """math-verify alone, with the same parse config rewards.py uses for boxed answers."""
-    config = rewards._BOXED_PARSE_CONFIG
+    config = rewards._math_verify()[2]
     return verify(parse(rf"\boxed{{{gold}}}", extraction_config=config, parsing_timeout=None),
                   parse(rf"\boxed{{{prediction}}}", extraction_config=config, parsing_timeout=None),
                   timeout_seconds=None)

@@ -4,6 +4,8 @@ import getpass
 import json
 import math
 import os
+import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -783,8 +785,12 @@ def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path, defa
     completed = run_train(tiny_dir, out, "optim.lr=1e-4")
     metrics = check_finished(completed, out)
     assert [m["train/lr"] for m in metrics] == [pytest.approx(3e-4), pytest.approx(1e-4)]
-    # tiny.yaml probes every 5th step: step 2 is probed as the resumed run's first
+    # tiny.yaml probes every 5th step: step 2 is probed as the resumed run's first, and the
+    # resume's own sync with the checkpoint's probe before it
     assert metrics[1]["rollout/sync_probe_error"] < 1e-4
+    probed = re.search(r"resumed from \S+ at step 1 \(weight sync probed: (\S+)\)",
+                       completed.stderr)
+    assert probed and float(probed[1]) < 1e-4
     assert "this run's values apply: optim.lr" in completed.stderr
     assert "lr: 0.0001" in (out / "config.yaml").read_text()
 
@@ -950,21 +956,37 @@ def test_sampling_gathers_only_the_groups_the_step_keeps(monkeypatch):
         [[(r.tokens, r.accuracy) for r in g.responses] for g in made])
 
 
-def test_objects_go_between_ranks_through_one_gloo_group_made_once(monkeypatch):
-    calls = []
+HOST_GROUP = """
+import json, sys
+import torch.distributed as dist
+import runs
+rank, world, device = runs.setup_distributed(timeout_minutes=7)
+moved = []
+broadcast = dist.broadcast
+dist.broadcast = lambda tensor, **kw: moved.append(tensor.numel()) or broadcast(tensor, **kw)
+dist.get_backend = lambda group=None: "nccl"  # as on a GPU: the host group is a group of its own
+gathered = [runs.all_gather("x" * 1000 if rank == 0 else None), runs.all_gather(rank)]
+host = runs.host_group(dist.group.WORLD)
+json.dump(dict(gathered=gathered, moved=moved, host_is_new=host is not dist.group.WORLD,
+               timeouts=[str(runs.group_timeout(g)) for g in (None, host)]),
+          open(sys.argv[1] + f"/rank{rank}.json", "w"))
+"""
 
-    def all_gather_object(out, obj, group=None):
-        calls.append(group)
-        out[:] = [obj, obj]
 
-    monkeypatch.setattr(runs.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(runs.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(runs.dist, "get_backend", lambda group=None: "nccl")
-    monkeypatch.setattr(runs.dist, "new_group", lambda **kw: calls.append(kw) or "gloo group")
-    monkeypatch.setattr(runs.dist, "all_gather_object", all_gather_object)
-    runs.host_group.cache_clear()
-    try:
-        assert runs.all_gather("a") == ["a", "a"] and runs.all_gather(1) == [1, 1]
-    finally:
-        runs.host_group.cache_clear()
-    assert calls == [{"backend": "gloo"}, "gloo group", "gloo group"]
+def test_objects_go_between_ranks_through_a_gloo_group_with_the_runs_timeout(tmp_path):
+    # two CPU ranks; the default group says it is NCCL, so the host group is made as on a GPU
+    (tmp_path / "host_group.py").write_text(HOST_GROUP)
+    completed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(tmp_path / "host_group.py"), str(tmp_path)], cwd=REPO, capture_output=True,
+        text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        # the default group and the host group wait the run's timeout, not gloo's 30 minutes
+        assert result["timeouts"] == ["0:07:00", "0:07:00"] and result["host_is_new"]
+        assert result["gathered"] == [["x" * 1000, None], [0, 1]]
+        # each rank's pickle moves at its own size (all_gather_object pads both to the largest)
+        assert len(result["moved"]) == 4
+        assert result["moved"][0] == len(pickle.dumps("x" * 1000)) > 1000
+        assert result["moved"][1] == len(pickle.dumps(None)) < 10

@@ -12,6 +12,7 @@ rewards, the whole step), and the command line of every benchmark.
     python -m tools.bench trl-compare       [--tiny runs/tiny] [--steps 6] [--prompts 16]
                                             [--threads N]                 (tools/trl_compare.py)
     python -m tools.bench startup-memory    [--ranks 2] [--tied]  (a random ~0.25B Qwen2, CPU ranks)
+    python -m tools.bench resume-memory     [--size 1.5b|small]   (a resume's load, one rank)
     python -m tools.bench gpu-smoke         [--out runs/gpu_smoke.json] [--runner v1]
                                             [--sleep-level 2]         (CUDA; tools/gpu_smoke.py)
 
@@ -206,6 +207,9 @@ QWEN25 = {
     "tiny": dict(
         hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=False),
+    "small": dict(  # ~33M parameters: resume-memory's CPU measurement (its test)
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=False),
     "0.5b": dict(
         hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
         num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True),
@@ -674,6 +678,95 @@ def bench_startup_memory(args):
     }
 
 
+# --------------------------------------------------------------------------------------------------
+# resume-memory
+# --------------------------------------------------------------------------------------------------
+
+
+def bench_resume_memory(args):
+    """train.py's resume on one rank (FSDP2; NCCL on GPU, gloo on CPU): a random-init Qwen2.5 shape
+    (config.json written here) saves a checkpoint with checkpoints.py after one AdamW step, then
+    checkpoints.load_checkpoint loads it into a fresh model and optimizer. Measured: what the load
+    allocates at its peak and keeps, over the float32 shards, in bytes per parameter (CUDA: the
+    allocator's peak; CPU: the peak resident set), against plan.py's resume terms."""
+    import tempfile
+
+    from transformers import Qwen2Config
+
+    import checkpoints
+    import config
+    import modeling
+    import plan
+    import runs
+
+    rank, world, device = runs.setup_distributed()
+    with tempfile.TemporaryDirectory() as tmp:
+        Qwen2Config(max_position_embeddings=32_768, **QWEN25[args.size]).save_pretrained(tmp)
+        arch = plan.Architecture.from_config_json(tmp)
+        cfg = config.load(overrides=["data.train_files=[unused.jsonl]", f"model.path={tmp}"])
+
+        def fresh():
+            torch.manual_seed(0)
+            model = modeling.shard_model(random_qwen(args.size, device), cfg, device, world)
+            # foreach: torch's choice for CUDA tensors (train.py's AdamW), asked for on CPU too
+            return model, torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, foreach=True)
+
+        model, optimizer = fresh()
+        for parameter in model.parameters():
+            parameter.grad = torch.ones_like(parameter)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        path = checkpoints.save_checkpoint(
+            Path(tmp) / "run", 1, model, optimizer, {"step": 1}, cfg, rank, world)
+        del model, optimizer
+        model, optimizer = fresh()
+        parameters = sum(p.numel() for p in model.parameters())
+        peak, held = load_memory(lambda: checkpoints.load_checkpoint(path, model, optimizer, rank),
+                                 device)
+        moments = sum(s.numel() for state in optimizer.state.values() for s in state.values()
+                      if torch.is_tensor(s) and s.dim() > 0)
+    planned = plan.update_gib(arch, world, 4, 4, True, 1, 1)  # the resume's trainer terms
+    torch.distributed.destroy_process_group()
+    return {
+        "size": args.size, "device": torch.cuda.get_device_name() if device.type == "cuda"
+        else "cpu", "torch": torch.__version__, "parameters": parameters,
+        "planned_parameters": arch.parameters,
+        "fp32_shards_gib": round(4 * parameters / 2**30, 3),
+        "peak_bytes_per_parameter": round(peak / parameters, 2),
+        "held_bytes_per_parameter": round(held / parameters, 2),
+        "moment_bytes_per_parameter": round(4 * moments / parameters, 2),
+        # plan.py's resume phase over the shards: zero gradients and moments, AdamW's temporary
+        "planned_bytes_per_parameter": round(
+            (planned["state"] + planned["step"]) * 2**30 / arch.parameters - 4, 2),
+        "planned_held_bytes_per_parameter": 8}
+
+
+def load_memory(fn, device):
+    """(peak, held) bytes that fn() allocates over what is live before it: CUDA's allocator
+    statistics, or on CPU the resident set (freed heap memory is returned first, so that the load
+    cannot reuse pages that are already counted)."""
+    import ctypes
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - baseline,
+                torch.cuda.memory_allocated() - baseline)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # reset the peak-RSS high-water mark (Linux >= 4.0)
+    baseline = _rss_bytes("VmRSS")
+    fn()
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return _rss_bytes("VmHWM") - baseline, _rss_bytes("VmRSS") - baseline
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -734,6 +827,11 @@ def main():
     smoke.add_argument("--out", default="runs/gpu_smoke.json", help="where the JSON report goes")
     smoke.add_argument("--runner", default="v1", choices=["v1", "v2"], help="vLLM's model runner")
     smoke.add_argument("--sleep-level", type=int, default=2, choices=[1, 2])
+    smoke.add_argument("--cpu", action="store_true",
+                       help="the trainer's and engine's cycles on a tiny model on CPU (a test)")
+    resume = commands.add_parser(
+        "resume-memory", help="peak memory of a resume's checkpoint load over the fp32 shards")
+    resume.add_argument("--size", default="1.5b", choices=list(QWEN25))
     startup = commands.add_parser(
         "startup-memory", help="peak memory per rank of the sharded start-up (CPU)")
     startup.add_argument("--ranks", type=int, default=2)
@@ -752,6 +850,7 @@ def main():
             "reward-throughput": bench_reward_throughput,
             "train-step": bench_train_step,
             "startup-memory": bench_startup_memory,
+            "resume-memory": bench_resume_memory,
         }[args.command]
     result = run(args)
     if result is not None:  # None: a trl-compare worker, which reports through its --result file

@@ -3,6 +3,7 @@
 the trainer's side alone where vLLM does not import), the GPU tests, `update --size 1.5b`.
 
     python -m tools.bench gpu-smoke [--out runs/gpu_smoke.json] [--runner v1] [--sleep-level 2]
+    python -m tools.bench gpu-smoke --cpu --out /tmp/smoke.json   # the same cycles, tiny, on CPU
 """
 
 import json
@@ -16,6 +17,10 @@ import stare
 from tools.bench import QWEN25, REPO
 
 SMOKE_SHAPE = dict(QWEN25["0.5b"], max_position_embeddings=4096)
+# --cpu (the suite's run of this command): a tiny shape, vLLM's CPU build
+CPU_SHAPE = dict(QWEN25["tiny"], head_dim=64, num_attention_heads=2, num_key_value_heads=1,
+                 vocab_size=320, max_position_embeddings=512)
+CPU_SIZES = dict(cycles=2, prompts=4, max_tokens=16)
 
 
 def smoke_model(directory, shape=SMOKE_SHAPE):
@@ -274,13 +279,14 @@ def engine_cycles(model_dir, device, cycles=3, runner="v1", sleep_level=2, sleep
 def bench_gpu_smoke(args):
     """The first command on a new GPU machine (docs/benchmarks.md, "A new GPU machine"): the
     engine's sleep / sync / probe cycles, then the GPU tests and `update --size 1.5b`; one JSON,
-    exit 1 on any failure."""
+    exit 1 on any failure. --cpu: the trainer's and the engine's cycles on a tiny model with vLLM's
+    CPU build (no sleep mode, GPU tests or update), to the same JSON."""
     import subprocess
     import sys
     import tempfile
     import traceback
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.cpu:
         print(
             'gpu-smoke needs CUDA: run it on a GPU machine (docs/benchmarks.md, "A new GPU machine")',
             file=sys.stderr)
@@ -290,9 +296,9 @@ def bench_gpu_smoke(args):
 
     repo = REPO
     installed = plan.installed_versions()
-    errors, warnings = plan.machine_problems(installed)
+    errors, warnings = ([], []) if args.cpu else plan.machine_problems(installed)
     result = {
-        "device": torch.cuda.get_device_name(),
+        "device": "cpu" if args.cpu else torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "installed": installed,
@@ -300,20 +306,29 @@ def bench_gpu_smoke(args):
     }
     rank, world, device = runs.setup_distributed()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = smoke_model(tmp + "/model")
+        model_dir = smoke_model(tmp + "/model", CPU_SHAPE if args.cpu else SMOKE_SHAPE)
+        sizes = CPU_SIZES if args.cpu else {}
         try:
             import vllm  # noqa: F401
         except ImportError as error:
             result["engine"] = {"ok": False,
                                 "failures": [f"not run: vllm does not import here ({error})"]}
+        if args.cpu or "engine" in result:  # before the engine's shutdown ends the process group
             try:
-                result["trainer"] = trainer_cycles(model_dir, device)
+                result["trainer"] = trainer_cycles(model_dir, device, **sizes)
             except Exception:  # noqa: BLE001  (a smoke test reports every failure)
                 result["trainer"] = {"ok": False, "failures": [traceback.format_exc()[-3000:]]}
-        else:
-            result["engine"] = engine_cycles(model_dir, device, runner=args.runner,
-                                             sleep_level=args.sleep_level)
-    torch.distributed.destroy_process_group()
+        if "engine" not in result:
+            result["engine"] = engine_cycles(
+                model_dir, device, runner=args.runner, sleep_level=args.sleep_level,
+                sleep=not args.cpu, kv_cache_gib=0.1 if args.cpu else None, **sizes)
+    # the engine's shutdown destroys the default group with its own (vLLM's
+    # cleanup_dist_env_and_memory): a second destroy fails
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if args.cpu:
+        result["ok"] = result["engine"]["ok"] and result["trainer"]["ok"]
+        return finish(result, args.out)
     torch.cuda.empty_cache()  # the tests and the update benchmark below get the whole device
     # the children start process groups of their own, not on this one's address
     env = {k: v for k, v in os.environ.items()
@@ -338,7 +353,14 @@ def bench_gpu_smoke(args):
               or tests.returncode != 0 or update.returncode != 0
               or any(line.startswith("error") for line in errors))
     result["ok"] = not failed
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    return finish(result, args.out)
+
+
+def finish(result, out):
+    """The report to `out` and stdout; exit 1 unless it is ok."""
+    import sys
+
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
-    sys.exit(1 if failed else 0)
+    sys.exit(0 if result["ok"] else 1)
