@@ -186,9 +186,7 @@ def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, t
     # each rank; the ranks sample the same prompts with the same seeds, so the step equals the
     # one-rank step
     one_dir, one = one_rank_gen16
-    # a temp directory of its own, to see what the runs leave (short: sockets are made there)
-    host_tmp = Path(tempfile.mkdtemp(prefix="stare-test-"))
-    request.addfinalizer(lambda: shutil.rmtree(host_tmp, ignore_errors=True))
+    host_tmp = private_tmp(request)
     shm_before = set(os.listdir("/dev/shm"))
 
     def run_tp(steps):
@@ -202,7 +200,7 @@ def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, t
         # nothing of the run's is left on the host but torch's compile cache, kept on purpose
         # (vLLM's sockets were in the temp directory, AVX-512 builds' segments in /dev/shm, named
         # after a constant before: the second run then failed on the first's)
-        assert os.listdir(host_tmp) in ([], [f"torchinductor_{getpass.getuser()}"])
+        assert left_on_host(host_tmp) == []
         assert not [name for name in set(os.listdir("/dev/shm")) - shm_before
                     if name.startswith(rollout.HOST_TAG) or "cpushm" in name]
         return completed
@@ -320,7 +318,20 @@ def kill_tree(process):
         time.sleep(0.05)
 
 
-def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
+def private_tmp(request):
+    """A temp directory of a test's own, to see what runs leave there (short: vLLM makes sockets
+    there), removed after the test."""
+    host_tmp = Path(tempfile.mkdtemp(prefix="stare-test-"))
+    request.addfinalizer(lambda: shutil.rmtree(host_tmp, ignore_errors=True))
+    return host_tmp
+
+
+def left_on_host(host_tmp):
+    """What runs left in host_tmp, torch's compile cache (kept on purpose) aside."""
+    return sorted(set(os.listdir(host_tmp)) - {f"torchinductor_{getpass.getuser()}"})
+
+
+def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path, request):
     # everything a step reads from the past: a warm-up + cosine schedule, an adaptive gate, the sync
     # probe, evaluations
     steps = [
@@ -335,6 +346,8 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
     # is logged
     out = tmp_path / "killed"
     command, env = train_command(tiny_dir, out, *steps, nproc=2)
+    command[3:3] = ["--log-dir", str(tmp_path / "torchrun")]  # torchrun's own files
+    env["TMPDIR"] = str(host_tmp := private_tmp(request))
     process = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_until(
@@ -344,8 +357,13 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]
     # step 3 was logged, not saved: to be dropped
     assert [m["step"] for m in read_metrics(out)] == [0, 1, 2, 3]
+    # a SIGKILL leaves each rank's socket directory; the next run on the host removes them
+    stale = left_on_host(host_tmp)
+    assert len(stale) == 2 and all(name.startswith(rollout.HOST_TAG) for name in stale)
 
-    completed = run_train(tiny_dir, out, *steps, nproc=2)
+    completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                               timeout=900)
+    assert left_on_host(host_tmp) == []
     assert "resumed from" in completed.stderr and "step_00000002 at step 2" in completed.stderr
     resumed = check_finished(completed, out, 4)
     # the resumed run probed the sync at its first step, 3, which the uninterrupted one did not
@@ -374,8 +392,9 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path):
     assert all(p.stat().st_size > 10_000 for p in written)
 
 
-def test_sigterm_saves_a_checkpoint_that_exports(tiny_dir, tmp_path):
+def test_sigterm_saves_a_checkpoint_that_exports(tiny_dir, tmp_path, request):
     out = tmp_path / "run"
+    host_tmp = private_tmp(request)
     args = [
         "train.py", "--config", "configs/tiny.yaml", f"model.path={tiny_dir / 'model'}",
         f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]",
@@ -383,12 +402,14 @@ def test_sigterm_saves_a_checkpoint_that_exports(tiny_dir, tmp_path):
     # a file, not a pipe nobody reads until the end
     with open(tmp_path / "console.txt", "w") as console:
         process = subprocess.Popen(
-            [sys.executable] + args, cwd=REPO, stdout=console, stderr=subprocess.STDOUT)
+            [sys.executable] + args, cwd=REPO, stdout=console, stderr=subprocess.STDOUT,
+            env={**os.environ, "TMPDIR": str(host_tmp)})
         wait_until(process, lambda: logged_steps(out) >= 1)
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=300)
     output = (tmp_path / "console.txt").read_text()
     assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert left_on_host(host_tmp) == []  # a signal's exit removes what the run made there
     (checkpoint,) = list((out / "checkpoints").iterdir())
     step = checkpoints.checkpoint_step(checkpoint)
     assert 1 <= step < 1000 and len(read_metrics(out)) == step
