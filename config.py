@@ -320,6 +320,9 @@ class TrainConfig:
     keep_last: int = 3  # checkpoints kept (>= 1)
     # auto: continue from out_dir's latest checkpoint if any | never | a checkpoint path
     resume: str = "auto"
+    # resume: auto, and no checkpoint in out_dir passes its checks: true = train from step 0
+    # (replacing them), false = stop in one line with all of them intact
+    start_over_if_unusable: bool = False
     log_every: int = 1  # steps between console lines (metrics.jsonl gets every step)
     wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`)
     wandb_project: str = "stare"  # the W&B project; the run is named after out_dir

@@ -47,7 +47,7 @@ _EXIT_SYNTAX, _EXIT_EXCEPTION, _EXIT_MEMORY, _EXIT_SETUP = 211, 212, 213, 214
 _STOP_GRACE_S = 2.0
 # how long a clean-up (the launcher's, then the trainer's if the launcher did not finish) keeps
 # killing the run's processes; then the run ends as a "sandbox" failure
-_KILL_S = 1.0
+_KILL_S = 1.5
 
 
 @dataclasses.dataclass
@@ -673,9 +673,10 @@ def _kill_once(cgroup, user, launcher):
         with contextlib.suppress(FileNotFoundError), open(f"{cgroup}/cgroup.kill", "w") as f:
             f.write("1")
     elif user is not None:
-        if launcher:
+        found = _processes_of(user)
+        if found and launcher:
             helpers.add(_kill_all_as(user))
-        for pid in _processes_of(user):
+        for pid in found:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     elif launcher:
@@ -759,6 +760,7 @@ def _child(function, *args):
     if pid:
         return pid
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # L's handler is L's alone
         function(*args)
     except BaseException as e:  # noqa: B036 - the child must exit here, whatever happened
         print(f"sandbox setup: {type(e).__name__}: {e}", flush=True)
