@@ -487,13 +487,26 @@ def _cgroup_parent():
     if own is None or not points:
         return None
     parent = points[0] + own.rstrip("/")
-    try:
+    try:  # a process moved in and killed as a run's would be (a controller may forbid the move)
         probe = tempfile.mkdtemp(prefix="stare-sandbox-probe-", dir=parent)
-        kill_file = os.path.exists(f"{probe}/cgroup.kill")
-        os.rmdir(probe)
     except OSError:
         return None
-    return parent if kill_file else None
+    sleeper = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(60)"],
+                               stdin=subprocess.DEVNULL)
+    try:
+        with open(f"{probe}/cgroup.procs", "w") as f:
+            f.write(str(sleeper.pid))
+        with open(f"{probe}/cgroup.kill", "w") as f:
+            f.write("1")
+        sleeper.wait(timeout=10)
+        return parent
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        with contextlib.suppress(OSError):
+            os.rmdir(probe)
 
 
 _RUN_IDS = 0x70000000  # "process" mode, root trainer: the code's uid and gid, + the launcher's pid

@@ -169,8 +169,9 @@ def test_a_run_never_gets_the_user_of_a_live_process(config):
     if sandbox._run_user(os.getpid()) == sandbox._NOBODY:
         pytest.skip("this machine's user namespace maps no uid of its own per run")
     for _ in range(10):
-        with open("/proc/sys/kernel/ns_last_pid") as f:
-            pid = int(f.read()) + 1000
+        with open("/proc/sys/kernel/ns_last_pid") as f, open("/proc/sys/kernel/pid_max") as g:
+            last, pid_max = int(f.read()), int(g.read())
+        pid = 301 + (last + 1000 - 301) % (pid_max - 301)  # the kernel wraps to 300 past pid_max
         uid = sandbox._RUN_IDS + pid
         survivor = subprocess.Popen(["sleep", "30"], user=uid, group=uid, extra_groups=[])
         try:
