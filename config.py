@@ -411,6 +411,8 @@ def load(path=None, overrides=()):
     """The Config of a YAML file (None: the defaults) with `section.key=value` overrides applied, fully checked."""
     raw = {}
     if path is not None:
+        if Path(path).exists() and not Path(path).is_file():  # a FIFO would block the read
+            raise ConfigError(f"config file {path} {_not_a_file(path)}")
         try:
             with open(path) as f:
                 raw = yaml.load(f, Loader=_UniqueKeyLoader)
@@ -703,6 +705,9 @@ def check_model_path(path, key="model.path"):
             f"{key}: {where} is {what}, not a model: export it as one with `python train.py "
             f"--config {checkpoint / 'config.yaml'} --export train.resume={checkpoint}` (writes "
             f"its out_dir/hf_step_N), or continue training from it with train.resume={checkpoint}")
+    for file in [path / "config.json", *sorted(path.glob("*.safetensors"))]:
+        if file.exists() and not file.is_file():  # a FIFO would block the reads below
+            raise ConfigError(f"{key}: {file} {_not_a_file(file)}")
     quantization = _config_json(path).get("quantization_config") or {}
     if isinstance(quantization, dict) and quantization.get("quant_method") == "gguf":
         raise ConfigError(

@@ -260,6 +260,8 @@ def test_inputs_that_failed_late_or_raw_are_one_line(tiny_dir, tmp_path):
     assert problem(f"data.train_files=[{tmp_path / 'pipe.jsonl'}]") == (
         f"config key 'data.train_files[0]': {tmp_path / 'pipe.jsonl'} is a named pipe (FIFO), not "
         f"a regular file")
+    with pytest.raises(config.ConfigError, match="pipe.jsonl is a named pipe"):
+        config.load(tmp_path / "pipe.jsonl")  # as --config: refused, not read (it would block)
     (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "gone.jsonl")
     assert problem(f"eval.files=[{tmp_path / 'dangling.jsonl'}]").endswith(
         f"is a symbolic link to {tmp_path / 'gone.jsonl'}, which does not exist")
@@ -282,6 +284,11 @@ def test_inputs_that_failed_late_or_raw_are_one_line(tiny_dir, tmp_path):
         f"(JSONDecodeError: ")
     (model / "config.json").write_text("[]")
     assert "holds a list, not the model's settings" in problem(f"model.path={model}")
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json")
+    assert problem(f"model.path={model}") == (
+        f"config key 'model.path': {model / 'config.json'} is a named pipe (FIFO), not a regular "
+        f"file")
     # a checkpoint is not a model, and the Hub has nothing to do with it
     step = tmp_path / "old_run" / "checkpoints" / "step_00000004"
     (step / "sharded").mkdir(parents=True)
