@@ -9,8 +9,12 @@ A checkpoint is written under a hidden .tmp name and renamed once every rank has
 never leaves a half checkpoint that looks complete; the newest step_* directory is the latest. Its
 checksums are written once its files are, before the rename, and checked before anything of it
 loads (resume, --export, `python -m tools.checkpoint verify`): bytes changed by a disk error or a
-bad copy of the right size are found, not trained on. With several nodes, out_dir must be on a
-shared file system (every rank writes its own shard).
+bad copy of the right size are found, not trained on. Removing checksums.sha256 does not turn the
+check off: a checkpoint without one loads (its files' sizes checked, with a warning) only if its run
+never had them, i.e. its trainer.pt does not record that it was saved with one ("checksums": True,
+in every checkpoint saved since) and no checkpoint beside it carries one; otherwise it is refused
+like a corrupt one. With several nodes, out_dir must be on a shared file system (every rank writes
+its own shard).
 """
 
 import hashlib
@@ -93,7 +97,8 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
         torch.save(rng_states(), partial / f"rng_rank{rank}.pt")
         if rank == 0:
             torch.save(
-                {**trainer_state, "world_size": world, "has_optimizer_state": has_optimizer_state},
+                {**trainer_state, "world_size": world, "has_optimizer_state": has_optimizer_state,
+                 "checksums": True},  # carries checksums.sha256: without it, refused
                 partial / "trainer.pt")
             (partial / "config.yaml").write_text(config.to_yaml(cfg))
 
@@ -224,10 +229,15 @@ def read_checksums(checkpoint):
 
 def verify_checksums(checkpoint, rank=0, world=1):
     """RunError naming the first file of this rank's share that is missing or whose bytes differ
-    from those hashed at save; -> False when the checkpoint has no checksums (nothing verified),
-    True when every file of the share matches."""
+    from those hashed at save, or the checksums file when it is missing from a run that had them
+    (the rule: the docstring above); -> False when the checkpoint has none and its run never had
+    them (nothing verified), True when every file of the share matches."""
     expected = read_checksums(checkpoint)
     if expected is None:
+        had = _run_had_checksums(checkpoint)
+        if had:
+            raise RunError(f"error: {Path(checkpoint) / CHECKSUMS} is missing, but {had}: its "
+                           f"bytes cannot be verified")
         return False
     # a file a load could read (a shard, an RNG file) that the save did not write
     unlisted = [name for name in set(checkpoint_files(checkpoint)) - set(expected)
@@ -248,6 +258,15 @@ def verify_checksums(checkpoint, rank=0, world=1):
                 f"error: {path} does not match its sha256 in {CHECKSUMS}: its bytes changed "
                 f"after the save (a disk error or a bad copy)")
     return True
+
+
+def _run_had_checksums(checkpoint):
+    """Why a checkpoint without checksums.sha256 must have had one (a phrase), or None: its
+    trainer.pt records it, or a checkpoint beside it carries one."""
+    if read_trainer_state(checkpoint).get("checksums"):
+        return "its trainer.pt records that it was saved with one"
+    carriers = sorted(p.parent.name for p in Path(checkpoint).parent.glob("step_*/" + CHECKSUMS))
+    return f"{carriers[-1]} of the same run carries one" if carriers else None
 
 
 def load_checkpoint(path, model, optimizer, rank):
@@ -354,21 +373,30 @@ def resume_checkpoint(cfg, check_later=True, rank=0):
     each its share). With auto, a checkpoint that fails a check is skipped with a warning naming
     the file, for the one before it. Raises RunError when a named checkpoint cannot be used, or
     (check_later) when out_dir holds checkpoints after the step this run would start at: they belong
-    to another trajectory, which pruning and `resume: auto` would mix with this one."""
+    to another trajectory, which pruning and `resume: auto` would mix with this one; and with auto
+    when every checkpoint fails its checks, unless train.start_over_if_unusable."""
     out_dir, resume = Path(cfg.train.out_dir), cfg.train.resume
-    checkpoint, start_step, unreadable = None, 0, []
+    checkpoint, start_step, unreadable = None, 0, {}
     if resume == "auto":
         for candidate in reversed(list_checkpoints(out_dir)):
             try:
                 step = usable_step(candidate, rank)
             except RunError as error:
-                unreadable.append(candidate)
+                unreadable[candidate] = str(error).removeprefix("error: ")
                 if rank == 0:
-                    print(f"warning: {str(error).removeprefix('error: ')}; falling back to the "
-                          f"checkpoint before it", file=sys.stderr)
+                    print(f"warning: {unreadable[candidate]}; falling back to the checkpoint "
+                          f"before it", file=sys.stderr)
                 continue
             start_step, checkpoint = step, candidate
             break
+        # a false alarm in every checkpoint (a verifier's bug, a file system's hiccup) must not
+        # discard a whole run: nothing has been written or deleted yet
+        if unreadable and checkpoint is None and not cfg.train.start_over_if_unusable:
+            raise RunError(
+                f"error: no checkpoint in {out_dir / 'checkpoints'} passes its checks, so the run "
+                f"stops with all of them intact: " + "; ".join(unreadable.values())
+                + "; name one with train.resume=PATH, or set train.start_over_if_unusable=true to "
+                "train from step 0 (replacing them)")
     elif resume != "never":
         checkpoint = Path(resume)
         try:

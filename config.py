@@ -21,6 +21,8 @@ import importlib.util
 import json
 import math
 import os
+import resource
+import stat
 import types
 import typing
 from pathlib import Path
@@ -320,6 +322,9 @@ class TrainConfig:
     keep_last: int = 3  # checkpoints kept (>= 1)
     # auto: continue from out_dir's latest checkpoint if any | never | a checkpoint path
     resume: str = "auto"
+    # resume: auto, and no checkpoint in out_dir passes its checks: true = train from step 0
+    # (replacing them), false = stop in one line with all of them intact
+    start_over_if_unusable: bool = False
     log_every: int = 1  # steps between console lines (metrics.jsonl gets every step)
     wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`)
     wandb_project: str = "stare"  # the W&B project; the run is named after out_dir
@@ -406,11 +411,15 @@ def load(path=None, overrides=()):
     """The Config of a YAML file (None: the defaults) with `section.key=value` overrides applied, fully checked."""
     raw = {}
     if path is not None:
+        if Path(path).exists() and not Path(path).is_file():  # a FIFO would block the read
+            raise ConfigError(f"config file {path} {_not_a_file(path)}")
         try:
             with open(path) as f:
                 raw = yaml.load(f, Loader=_UniqueKeyLoader)
         except OSError as error:
             raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(_not_utf8(path)) from None
         except yaml.YAMLError as error:  # one line: where, and what
             mark = getattr(error, "problem_mark", None)
             where = f"{path}:{mark.line + 1}" if mark is not None else path
@@ -427,6 +436,17 @@ def load(path=None, overrides=()):
     cfg = _build(Config, raw, "")
     check(cfg)
     return cfg
+
+
+def _not_utf8(path):
+    """Where a config file stops being UTF-8, as a line (the reader's error counts in chunks)."""
+    text = Path(path).read_bytes()
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = text[:error.start].count(b"\n") + 1
+        return f"config file {path}:{line} is not UTF-8 text (byte 0x{text[error.start]:02x})"
+    return f"config file {path} is not UTF-8 text"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -568,6 +588,10 @@ def check(cfg, world_size=None):
             raise ConfigError(f"config key {key!r}: {message}, got {_get(cfg, key)!r}")
 
 
+# responses per prompt vLLM samples at most (vllm/sampling_params.py; its default 16384)
+VLLM_MAX_N = int(os.environ.get("VLLM_MAX_N_SEQUENCES", "16384"))
+
+
 def _rules(cfg, world_size):
     """(key, whether it holds, what the value must be) for every rule beyond the ranges."""
     r, a, t, hw = cfg.rollout, cfg.algorithm, cfg.train, cfg.hardware
@@ -577,6 +601,12 @@ def _rules(cfg, world_size):
         ("eval.n", cfg.eval.n is None or cfg.eval.n >= 1, "must be >= 1 or null"),
         ("rollout.top_k", r.top_k >= -1, "must be >= -1 (0 or -1 = off)"),
         ("rollout.n", r.n >= 2, "must be >= 2: a group of one response has no baseline"),
+        ("rollout.n", r.n <= VLLM_MAX_N, f"must be <= {VLLM_MAX_N}, vLLM's limit "
+         "(VLLM_MAX_N_SEQUENCES)"),
+        ("eval.n", cfg.eval.n is None or cfg.eval.n <= VLLM_MAX_N,
+         f"must be <= {VLLM_MAX_N}, vLLM's limit (VLLM_MAX_N_SEQUENCES)"),
+        ("train.out_dir", t.out_dir.strip() != "",
+         "must name a directory (empty would write the run into the working directory)"),
         ("rollout.tensor_parallel_size", r.tensor_parallel_size == 1 or not r.tools,
          "must be 1 with rollout.tools (the ranks of one engine would each run the tool calls)"),
         ("rollout.tensor_parallel_size", hw.gpus_per_node % r.tensor_parallel_size == 0,
@@ -665,6 +695,19 @@ def check_model_path(path, key="model.path"):
     if (path / "hf" / "config.json").exists():
         raise ConfigError(
             f"{key}: {where} is a training run's directory; its model is {path / 'hf'}")
+    found = [(what, sorted(path.glob(pattern))) for what, pattern in (
+        ("a training checkpoint", "trainer.pt"), ("a run's checkpoints directory",
+         "step_*/trainer.pt"), ("a training run's directory", "checkpoints/step_*/trainer.pt"))]
+    what, checkpoint = next(((what, files[-1].parent) for what, files in found if files),
+                            (None, None))
+    if checkpoint is not None:  # its latest checkpoint, in the advice
+        raise ConfigError(
+            f"{key}: {where} is {what}, not a model: export it as one with `python train.py "
+            f"--config {checkpoint / 'config.yaml'} --export train.resume={checkpoint}` (writes "
+            f"its out_dir/hf_step_N), or continue training from it with train.resume={checkpoint}")
+    for file in [path / "config.json", *sorted(path.glob("*.safetensors"))]:
+        if file.exists() and not file.is_file():  # a FIFO would block the reads below
+            raise ConfigError(f"{key}: {file} {_not_a_file(file)}")
     quantization = _config_json(path).get("quantization_config") or {}
     if isinstance(quantization, dict) and quantization.get("quant_method") == "gguf":
         raise ConfigError(
@@ -680,6 +723,51 @@ def check_model_path(path, key="model.path"):
     if missing:
         raise ConfigError(f"{key}: {where} is not a Hugging Face model directory "
                           f"(missing: {', '.join(missing)}); {get_it}")
+    try:
+        config_json = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # ValueError: invalid JSON or UTF-8
+        raise ConfigError(f"{key}: {path / 'config.json'} cannot be read as JSON "
+                          f"({type(error).__name__}: {error})") from None
+    if not isinstance(config_json, dict):
+        raise ConfigError(f"{key}: {path / 'config.json'} holds a {type(config_json).__name__}, "
+                          f"not the model's settings (a JSON object)")
+    for file in sorted(path.glob("*.safetensors")):
+        problem = _safetensors_problem(file)
+        if problem:
+            raise ConfigError(f"{key}: {file} {problem}: a copy cut short or damaged; fetch it "
+                              f"again")
+
+
+def _safetensors_problem(file):
+    """Why a .safetensors file cannot hold what its header lists (read: the header alone), or
+    None."""
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            header_size = int.from_bytes(f.read(8), "little")
+            if size < 8 or header_size > size - 8:
+                return f"is truncated ({size} bytes, its header alone needs {8 + header_size})"
+            header = json.loads(f.read(header_size))
+        ends = [entry["data_offsets"][1] for name, entry in header.items()
+                if name != "__metadata__"]
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+        return f"has no readable safetensors header ({type(error).__name__}: {error})"
+    needed = 8 + header_size + max(ends, default=0)
+    return f"is truncated ({size} bytes, its header needs {needed})" if size < needed else None
+
+
+def check_write_limit(model_path):
+    """That the file-size limit (ulimit -f) lets a run write its files: the largest is at least
+    model_path's largest weight file (a checkpoint's shard, the export), and vLLM's compile cache
+    writes files of many MB. Past the limit a write fails deep inside a library."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    largest = max((p.stat().st_size for p in Path(model_path).glob("*.safetensors")), default=0)
+    needed = max(largest, 256 << 20)
+    if limit != resource.RLIM_INFINITY and limit < needed:
+        raise ConfigError(
+            f"the file-size limit (ulimit -f) is {limit / 2**20:.1f} MiB: a run writes larger "
+            f"files (checkpoints, the export, vLLM's compile cache: at least "
+            f"{needed / 2**20:.0f} MiB); raise it, e.g. `ulimit -f unlimited`")
 
 
 def check_model_config(path, key="model.path"):
@@ -705,19 +793,33 @@ def check_context(model_path, max_model_len, keys):
 def _config_json(model_path):
     """A model directory's config.json; {} when it cannot be read (check_model_path says why)."""
     try:
-        return json.loads((Path(model_path) / "config.json").read_text())
+        settings = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
         return {}
+    return settings if isinstance(settings, dict) else {}
 
 
 def check_files(paths, key):
-    """Every path is a readable file."""
+    """Every path is a readable regular file."""
     for i, path in enumerate(paths):
         if not Path(path).is_file():
-            problem = "is a directory" if Path(path).is_dir() else "does not exist"
-            raise ConfigError(f"{_named(f'{key}[{i}]')}: {describe_path(path)} {problem}")
+            raise ConfigError(f"{_named(f'{key}[{i}]')}: {describe_path(path)} {_not_a_file(path)}")
         if not os.access(path, os.R_OK):
             raise ConfigError(f"{_named(f'{key}[{i}]')}: {describe_path(path)} is not readable")
+
+
+def _not_a_file(path):
+    """What a path that is not a regular file is instead, as the end of a sentence."""
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        return f"is a symbolic link to {os.readlink(path)}, which does not exist"
+    if not path.exists():
+        return "does not exist"
+    mode = path.stat().st_mode
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device")]
+    return f"is {next((name for test, name in kinds if test(mode)), 'special')}, not a regular file"
 
 
 def check_paths(cfg, config_path=None):
@@ -726,6 +828,7 @@ def check_paths(cfg, config_path=None):
     if not cfg.data.train_files:  # a training run's (evaluate.py loads a config without them)
         raise ConfigError("config key 'data.train_files': needs at least one file")
     check_model_path(cfg.model.path)
+    check_write_limit(cfg.model.path)
     longest = max(
         cfg.rollout.max_tokens, cfg.eval.max_tokens if cfg.eval.every and cfg.eval.files else 0)
     check_context(cfg.model.path, cfg.data.max_prompt_tokens + longest,

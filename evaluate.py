@@ -478,6 +478,7 @@ def main(argv):
         if not cfg.eval.files:
             raise config.ConfigError("config key 'eval.files' (--data): no benchmark file given")
         config.check_model_path(cfg.model.path, key=model_key)
+        config.check_write_limit(cfg.model.path)
         config.check_context(cfg.model.path, cfg.data.max_prompt_tokens + cfg.eval.max_tokens,
                              "data.max_prompt_tokens + eval.max_tokens")
         config.check_files(cfg.eval.files, data_key)

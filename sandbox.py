@@ -45,6 +45,9 @@ _NOBODY = 65534  # the identity code runs under when the trainer is root
 _EXIT_SYNTAX, _EXIT_EXCEPTION, _EXIT_MEMORY, _EXIT_SETUP = 211, 212, 213, 214
 # after a timeout, how long the launcher gets to clean up before it is SIGKILLed
 _STOP_GRACE_S = 2.0
+# how long a clean-up (the launcher's, then the trainer's if the launcher did not finish) keeps
+# killing the run's processes; then the run ends as a "sandbox" failure
+_KILL_S = 1.5
 
 
 @dataclasses.dataclass
@@ -246,6 +249,7 @@ def _run(code, config, mode):
     python = _python(config)
     view = _view(python, config.network)
     workdir = outer = None
+    survived = False
     if mode == "process":
         # The code's directory inside one of the trainer's that the code cannot write (0711): it
         # cannot rename its directory and leave a symlink for the clean-up to follow.
@@ -259,7 +263,8 @@ def _run(code, config, mode):
     env = {"PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home,
            "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1"}
-    spec = {"mode": mode, "python": python, "workdir": workdir,
+    cgroup = _new_cgroup() if mode == "process" and os.geteuid() == 0 else None
+    spec = {"mode": mode, "python": python, "workdir": workdir, "cgroup": cgroup,
             "landlock_abi": _landlock_abi() if mode == "process" else 0,
             "network": config.network, "trainer_pid": os.getpid(), "cpu_s": int(config.cpu_s),
             "memory_mb": int(config.memory_mb), "max_processes": int(config.max_processes),
@@ -284,17 +289,19 @@ def _run(code, config, mode):
     finally:
         if proc is not None:
             # Before reaping the launcher, so that its pid (the group's id) cannot have been reused:
-            # normally a no-op, else it kills the launcher and what is left in its group (see "The
-            # process tree").
+            # normally a no-op, else it kills the launcher and what is left in its group.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             # Exited but not reaped: its pid, and so the run's user (_run_user), is no other run's
-            # while /dev/shm is cleaned.
+            # while what the launcher did not finish is killed and /dev/shm is cleaned.
             os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
-            try:
-                if outer is not None and _run_user(proc.pid) not in (None, _NOBODY):
-                    _remove_owned("/dev/shm", _run_user(proc.pid))
-            finally:
+        try:
+            user = _own(_run_user(proc.pid)) if proc is not None and mode == "process" else None
+            survived = not _kill_run(cgroup, user, time.monotonic() + _KILL_S, launcher=False)
+            if user is not None:
+                _remove_owned("/dev/shm", user)
+        finally:
+            if proc is not None:
                 proc.wait()
                 proc.stdout.close()
         if outer is not None:
@@ -306,6 +313,8 @@ def _run(code, config, mode):
     output, truncated = _join_output(head, tail, total, config.max_output_bytes)
     status = None if timed_out else proc.returncode
     error, message = _classify(status, output, config)
+    if survived:
+        error, message = "sandbox", "Error: sandbox failure (processes of the run survived it)"
     return Result(
         output, error == "", error, message, status, time.monotonic() - start, truncated, total)
 
@@ -453,6 +462,53 @@ def _remove_owned(directory, uid):
         os.close(fd)
 
 
+def _new_cgroup():
+    """A new cgroup (v2) below the trainer's own, for one "process" run under a root trainer: its
+    path, or None where this machine allows none (no cgroup2 mount, read-only, not root)."""
+    parent = _cgroup_parent()
+    if parent is None:
+        return None
+    try:  # a unique name, even beside one a killed trainer left
+        return tempfile.mkdtemp(prefix="stare-sandbox-", dir=parent)
+    except OSError:
+        return None
+
+
+@functools.cache
+def _cgroup_parent():
+    """The trainer's own cgroup directory in the cgroup2 hierarchy, if a child can be made there
+    (and killed as a whole: cgroup.kill, Linux 5.14+); else None."""
+    with open("/proc/self/cgroup") as f:
+        own = next((line[3:].strip() for line in f if line.startswith("0::")), None)
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f]
+    # fields: id, parent, device, root, mount point, options..., "-", type, source, options
+    points = [m[4] for m in mounts if m[m.index("-") + 1] == "cgroup2" and m[3] == "/"]
+    if own is None or not points:
+        return None
+    parent = points[0] + own.rstrip("/")
+    try:  # a process moved in and killed as a run's would be (a controller may forbid the move)
+        probe = tempfile.mkdtemp(prefix="stare-sandbox-probe-", dir=parent)
+    except OSError:
+        return None
+    sleeper = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(60)"],
+                               stdin=subprocess.DEVNULL)
+    try:
+        with open(f"{probe}/cgroup.procs", "w") as f:
+            f.write(str(sleeper.pid))
+        with open(f"{probe}/cgroup.kill", "w") as f:
+            f.write("1")
+        sleeper.wait(timeout=10)
+        return parent
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        with contextlib.suppress(OSError):
+            os.rmdir(probe)
+
+
 _RUN_IDS = 0x70000000  # "process" mode, root trainer: the code's uid and gid, + the launcher's pid
 
 
@@ -471,6 +527,11 @@ def _run_user(launcher_pid):
         if not any(first <= run_id < first + count for first, _, count in ranges):
             return _NOBODY
     return run_id
+
+
+def _own(user):
+    """The run's user if it is the run's alone (not `nobody`, not the trainer's), else None."""
+    return None if user in (None, _NOBODY) else user
 
 
 # --------------------------------------------------------------------------------------------------
@@ -539,52 +600,159 @@ def _mount(source, target, fstype, flags, data=None):
 
 
 def _launch(spec):
-    """The launcher L: the trainer's child and session leader. Start the code, wait for it, kill and
-    reap whatever it left, exit as it did. SIGTERM from the trainer (the deadline) kills the code
-    first."""
+    """The launcher L: the trainer's child and session leader. Start the code, wait for it, kill
+    (_kill_run) whatever it left, exit as it did. SIGTERM (the trainer's deadline, or the trainer's
+    death) kills the run's processes, so the wait ends."""
     # a SIGINT from the code is a plain death, not a traceback here
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     code = sys.stdin.buffer.read()
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     with open(_THIS_FILE, "rb") as f:  # as the trainer's user: "namespaces" mode copies it inside
         runner = f.read()
+    cgroup = spec["cgroup"]
+    user = _own(_run_user(os.getpid())) if spec["mode"] == "process" else None
     try:
+        signal.signal(signal.SIGTERM, _stop)
         # if the trainer dies, the run dies (and the chain below)
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != spec["trainer_pid"]:
             raise RuntimeError("the trainer is gone")
         # orphans of the run, setsid() or not, become our children
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        # what an earlier run of this user left (none should) must not meet this one
+        if user is not None and not _kill_run(None, user, time.monotonic() + _KILL_S):
+            raise RuntimeError(f"processes of an earlier run under uid {user} survive")
         child = (_start_in_namespaces(code, runner, spec) if spec["mode"] == "namespaces"
                  else _start_as_process(code, spec))
-        signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
         _, status = os.waitpid(child, 0)
-        # the child is reaped: its pid is not ours to kill any more
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the clean-up below runs to its end
+    except BaseException as e:  # noqa: B036 - _Stopped too: whatever happened, clean up
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    except Exception as e:
         print(f"sandbox launcher: {type(e).__name__}: {e}", flush=True)
         status = _EXIT_SETUP << 8
-    _kill_descendants()
+    if not _kill_run(cgroup, user, time.monotonic() + _KILL_S):
+        print("sandbox launcher: processes of the run survived its clean-up", flush=True)
+        status = _EXIT_SETUP << 8
     _exit_like(status)
 
 
-def _kill_descendants():
-    """SIGKILL and reap every child until there is none. As a subreaper we inherit every orphaned
-    descendant, so then nothing the run started is alive anywhere."""
-    me = str(os.getpid())
+class _Stopped(Exception):
+    """L's SIGTERM: the trainer's deadline passed, or the trainer died."""
+
+
+def _stop(signum, frame):
+    raise _Stopped("stopped")
+
+
+def _kill_run(cgroup, user, deadline, launcher=True):
+    """SIGKILL every process of the run until none is left: True, or False if some still live at
+    the deadline. The run's processes are its cgroup's where it has one (the kernel kills them all
+    at once, forks in flight included, then the cgroup is removed); else those of its own user
+    (the launcher kills them all at once with kill(-1) as that user, and each one found in /proc as
+    root); else (a non-root trainer, `nobody`) the launcher's children: as a subreaper it inherits
+    every orphan. Never blocks on a process: a zombie only its tracer may reap is released when the
+    tracer dies. The trainer (launcher=False) calls it after the launcher, neither forking nor
+    reaping: normally nothing is left to do."""
+    helpers = set()  # until reaped: one still root when /proc is read must not be missed
     while True:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    parent = f.read().rsplit(")", 1)[1].split()[1]
-                if parent == me:
-                    os.kill(int(pid), signal.SIGKILL)
-            except (OSError, IndexError):
-                continue
+        helpers |= _kill_once(cgroup, user, launcher)
+        while launcher:  # reap without waiting
+            with contextlib.suppress(ChildProcessError):
+                pid = os.waitpid(-1, os.WNOHANG)[0]
+                if pid:
+                    helpers.discard(pid)
+                    continue
+            break
+        if cgroup is not None:
+            alive = _populated(cgroup)
+        elif user is not None:
+            alive = bool(helpers) or _processes_of(user) != []
+        else:  # a zombie child left is one its tracer holds
+            alive = launcher and _children_of(os.getpid()) != []
+        if not alive:
+            if cgroup is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.rmdir(cgroup)
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+
+
+def _kill_once(cgroup, user, launcher):
+    """One round of _kill_run's SIGKILLs; returns the pids of the helpers it started."""
+    helpers = set()
+    if cgroup is not None:
+        with contextlib.suppress(FileNotFoundError), open(f"{cgroup}/cgroup.kill", "w") as f:
+            f.write("1")
+    elif user is not None:
+        found = _processes_of(user)
+        if found and launcher:
+            helpers.add(_kill_all_as(user))
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    elif launcher:
+        for pid in _children_of(os.getpid()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return helpers
+
+
+def _kill_all_as(user):
+    """kill(-1, SIGKILL) from a child of L that takes the run's user: every process of that user
+    but the child, in one pass no fork escapes. The child cannot be traced (a change of user made
+    it non-dumpable); it is reaped with the run's orphans. Returns its pid."""
+    helper = os.fork()
+    if helper == 0:
         try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            return
+            os.setgroups([])
+            os.setresgid(user, user, user)
+            os.setresuid(user, user, user)
+            if os.getresuid() == (user,) * 3 and user != 0:  # never as root: that is the host
+                os.kill(-1, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    return helper
+
+
+def _populated(cgroup):
+    try:
+        with open(f"{cgroup}/cgroup.events") as f:
+            return "populated 1" in f.read().splitlines()
+    except FileNotFoundError:  # removed: empty
+        return False
+
+
+_STATUS = re.compile(rb"\nState:\s*(\S).*?\nUid:([^\n]*).*?\nThreads:\s*(\d+)", re.DOTALL)
+
+
+def _processes_of(uid):
+    """Pids of the live processes with uid as their real, effective, saved or file-system uid (a
+    zombie is not live, unless its threads are)."""
+    found, wanted = [], str(uid).encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status", "rb") as f:
+                state, uids, threads = _STATUS.search(f.read()).groups()
+        except (OSError, AttributeError):  # gone meanwhile
+            continue
+        if wanted in uids.split() and (state != b"Z" or int(threads) > 1):
+            found.append(int(pid))
+    return found
+
+
+def _children_of(parent):
+    """Pids of the processes whose parent is `parent`, zombies included."""
+    found, wanted = [], str(parent).encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[1] == wanted:
+                    found.append(int(pid))
+        except (OSError, IndexError):
+            continue
+    return found
 
 
 def _exit_like(status):
@@ -605,6 +773,7 @@ def _child(function, *args):
     if pid:
         return pid
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # L's handler is L's alone
         function(*args)
     except BaseException as e:  # noqa: B036 - the child must exit here, whatever happened
         print(f"sandbox setup: {type(e).__name__}: {e}", flush=True)
@@ -624,6 +793,9 @@ def _start_as_process(code, spec):
         os.chown("main.py", user, user)
 
     def code_process():
+        if spec["cgroup"]:  # all it starts stays there: its user cannot write the cgroup's files
+            with open(f"{spec['cgroup']}/cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
         if user is not None:  # root is exempt from RLIMIT_NPROC and can write anywhere
             os.setgroups([])
             os.setresgid(user, user, user)

@@ -15,6 +15,7 @@ here, the run around them: start-up and resume (`start_run`), the loop with eval
 and checkpoints on schedule (`train`), the guards that stop a run in one line, the export.
 """
 
+import collections
 import dataclasses
 import math
 import random
@@ -316,6 +317,11 @@ def load_task(cfg, tokenizer, rank):
     """The training prompts, tokenised (tool-use runs list the code interpreter in the system
     block), and the evaluation benchmarks; truncated and skipped prompts reported. A data problem is
     a RunError naming the file."""
+    listed = collections.Counter(Path(path).resolve() for path in cfg.data.train_files)
+    for path, times in listed.items():
+        if times > 1 and rank == 0:  # oversampling is rarely meant: said, then done
+            print(f"warning: data.train_files lists {path} {times} times: its prompts are "
+                  f"sampled {times} times as often", file=sys.stderr)
     try:
         examples = [example for path in cfg.data.train_files
                     for example in data.load_examples(path, prompt_suffix=cfg.data.prompt_suffix)]

@@ -251,11 +251,67 @@ def test_checksums_are_written_at_save_and_a_changed_shard_is_never_loaded(tmp_p
     assert checkpoint_tool.main(["verify", str(latest)]) == 1
     assert checkpoint_tool.main(["verify", str(first)]) == 0
     assert f"FAILED {shard} does not match" in capsys.readouterr().out
-    # a loader that is handed it anyway refuses the shard's tensors too
+    # removing the checksums does not make the changed shard loadable: its trainer.pt records them
     (latest / checkpoints.CHECKSUMS).unlink()
     assert checkpoint_tool.main(["verify", str(latest)]) == 1
-    assert checkpoints.resume_checkpoint(cfg).name == latest.name  # older checkpoints: a warning
-    assert f"{latest} has no {checkpoints.CHECKSUMS}" in capsys.readouterr().err
+    capsys.readouterr()
+    assert checkpoints.resume_checkpoint(cfg).name == first.name
+    assert (f"{latest / checkpoints.CHECKSUMS} is missing, but its trainer.pt records that it was "
+            f"saved with one" in capsys.readouterr().err)
+    with pytest.raises(runs.RunError, match="is missing, but its trainer.pt records"):
+        checkpoints.resume_checkpoint(named, check_later=False)
+
+
+def test_a_checkpoint_without_checksums_loads_only_if_its_run_never_had_them(tmp_path, capsys,
+                                                                             process_group):
+    cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}"])
+    # saved before checkpoints carried checksums (and before trainer.pt recorded them)
+    legacy = write_trainer_state(tmp_path, 1)
+    assert checkpoints.resume_checkpoint(cfg).name == legacy.name
+    assert f"{legacy} has no {checkpoints.CHECKSUMS}" in capsys.readouterr().err
+    # saved with checksums, but before trainer.pt recorded them (the record dropped here): a
+    # checkpoint beside it that carries them says the run had them
+    out_dir = tmp_path / "with_checksums"
+    model, optimizer = stepped_linear(64, 64)
+    first, latest = [checkpoints.save_checkpoint(out_dir, step, model, optimizer, {"step": step},
+                                                 cfg, 0, 1) for step in (1, 2)]
+    state = torch.load(latest / "trainer.pt", weights_only=False)
+    del state["checksums"]
+    torch.save(state, latest / "trainer.pt")
+    (latest / checkpoints.CHECKSUMS).unlink()
+    with pytest.raises(runs.RunError) as error:
+        checkpoints.verify_checksums(latest)
+    assert str(error.value) == (f"error: {latest / checkpoints.CHECKSUMS} is missing, but "
+                                f"{first.name} of the same run carries one: its bytes cannot be "
+                                f"verified")
+    (first / checkpoints.CHECKSUMS).unlink()  # the run's last trace of checksums gone too
+    assert checkpoints.verify_checksums(latest) is False  # a legacy run, as far as can be told
+    with pytest.raises(runs.RunError, match="its trainer.pt records that it was saved with one"):
+        checkpoints.verify_checksums(first)
+
+
+def test_a_run_whose_every_checkpoint_fails_stops_with_all_of_them_intact(tmp_path, capsys,
+                                                                          process_group):
+    cfg = config.load("configs/tiny.yaml", [f"train.out_dir={tmp_path}", "train.keep_last=3"])
+    model, optimizer = stepped_linear(64, 64)
+    saved = [checkpoints.save_checkpoint(tmp_path, step, model, optimizer, {"step": step}, cfg, 0,
+                                         1) for step in (1, 2)]
+    shards = [next((path / "sharded").glob("*.distcp")) for path in saved]
+    for shard in shards:
+        flip_middle_bytes(shard)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(runs.RunError) as error:
+        checkpoints.resume_checkpoint(cfg)
+    message = str(error.value)
+    assert message.startswith(f"error: no checkpoint in {tmp_path / 'checkpoints'} passes its "
+                              f"checks, so the run stops with all of them intact: ")
+    assert all(f"{shard} does not match its sha256" in message for shard in shards)
+    assert "train.start_over_if_unusable=true" in message and "\n" not in message
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    # told to, the run starts over from step 0: they do not count as later checkpoints
+    told = config.load("configs/tiny.yaml",
+                       [f"train.out_dir={tmp_path}", "train.start_over_if_unusable=true"])
+    assert checkpoints.resume_checkpoint(told) is None
 
 
 def test_a_checkpoint_of_another_shape_is_refused_in_one_line(tmp_path, process_group):

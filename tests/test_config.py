@@ -1,7 +1,10 @@
 """config.py: every shipped config loads and validates; bad input fails with a message naming the key."""
 
 import dataclasses
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,7 +125,13 @@ def test_overrides_are_typed(tmp_path):
         ("rollout.gpu_memory_utilization=1.5",
          "'rollout.gpu_memory_utilization': must be in (0, 1]"),
         ("rollout.kv_cache_gib=0", "'rollout.kv_cache_gib': must be > 0 or null"),
-        ("hardware.host_gib=-1", "'hardware.host_gib': must be > 0 or null")])
+        ("hardware.host_gib=-1", "'hardware.host_gib': must be > 0 or null"),
+        # vLLM refused these only once its engine had started
+        ("rollout.n=16385", "'rollout.n': must be <= 16384, vLLM's limit (VLLM_MAX_N_SEQUENCES)"),
+        ("eval.n=20000", "'eval.n': must be <= 16384, vLLM's limit"),
+        # an empty out_dir trained the run into the working directory
+        ("train.out_dir=", "'train.out_dir': must name a directory (empty would write the run "
+                           "into the working directory), got ''")])
 def test_bad_overrides_name_the_key(override, message, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("data:\n  train_files: [a.jsonl]\n")
@@ -228,3 +237,79 @@ def test_optional_loggers_need_their_package(package):
         pytest.skip(f"{package} is installed here")
     with pytest.raises(config.ConfigError, match=f"train.{package}.*pip install {package}"):
         config.load("configs/tiny.yaml", [f"train.{package}=true"])
+
+
+def test_inputs_that_failed_late_or_raw_are_one_line(tiny_dir, tmp_path):
+    base = [f"model.path={tiny_dir / 'model'}",
+            f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]",
+            f"train.out_dir={tmp_path / 'run'}"]
+
+    def problem(*overrides):
+        with pytest.raises(config.ConfigError) as error:
+            config.check_paths(config.load(REPO / "configs" / "tiny.yaml", base + list(overrides)))
+        assert "\n" not in str(error.value)
+        return str(error.value)
+
+    (tmp_path / "latin1.yaml").write_bytes("model:\n  path: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(config.ConfigError) as error:
+        config.load(tmp_path / "latin1.yaml")
+    assert str(error.value) == (
+        f"config file {tmp_path / 'latin1.yaml'}:2 is not UTF-8 text (byte 0xe9)")
+    # a named pipe is not "missing": it exists, and reading it would wait for a writer
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    assert problem(f"data.train_files=[{tmp_path / 'pipe.jsonl'}]") == (
+        f"config key 'data.train_files[0]': {tmp_path / 'pipe.jsonl'} is a named pipe (FIFO), not "
+        f"a regular file")
+    with pytest.raises(config.ConfigError, match="pipe.jsonl is a named pipe"):
+        config.load(tmp_path / "pipe.jsonl")  # as --config: refused, not read (it would block)
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    assert problem(f"eval.files=[{tmp_path / 'dangling.jsonl'}]").endswith(
+        f"is a symbolic link to {tmp_path / 'gone.jsonl'}, which does not exist")
+    # a model directory copied in part, or edited by hand
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir / "model", model)
+    weights = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    assert problem(f"model.path={model}") == (
+        f"config key 'model.path': {model / 'model.safetensors'} is truncated "
+        f"({len(weights) // 2} bytes, its header needs {len(weights)}): a copy cut short or "
+        f"damaged; fetch it again")
+    (model / "model.safetensors").write_bytes(weights[:4])
+    assert "its header alone needs" in problem(f"model.path={model}")
+    (model / "model.safetensors").write_bytes(weights)
+    settings = (model / "config.json").read_text()
+    (model / "config.json").write_text(settings[:len(settings) // 2])
+    assert problem(f"model.path={model}").startswith(
+        f"config key 'model.path': {model / 'config.json'} cannot be read as JSON "
+        f"(JSONDecodeError: ")
+    (model / "config.json").write_text("[]")
+    assert "holds a list, not the model's settings" in problem(f"model.path={model}")
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json")
+    assert problem(f"model.path={model}") == (
+        f"config key 'model.path': {model / 'config.json'} is a named pipe (FIFO), not a regular "
+        f"file")
+    # a checkpoint is not a model, and the Hub has nothing to do with it
+    step = tmp_path / "old_run" / "checkpoints" / "step_00000004"
+    (step / "sharded").mkdir(parents=True)
+    (step / "trainer.pt").write_bytes(b"")
+    for given in (step, step.parent, step.parent.parent):
+        message = problem(f"model.path={given}")
+        assert "not a model: export it as one with `python train.py --config " in message
+        assert f"--export train.resume={step}`" in message and "train.resume=" in message
+        assert "download" not in message
+
+
+def test_a_file_size_limit_below_what_a_run_writes_is_one_line(tiny_dir):
+    # Python ignores SIGXFSZ: past the limit a write raises EFBIG deep inside vLLM's compiler
+    checked = subprocess.run([sys.executable, "-c", (
+        "import resource, sys, config\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))\n"
+        f"config.check_write_limit({str(tiny_dir / 'model')!r})\n")],
+        capture_output=True, text=True, cwd=REPO)
+    assert checked.returncode == 1
+    assert checked.stderr.strip().splitlines()[-1] == (
+        "config.ConfigError: the file-size limit (ulimit -f) is 1.0 MiB: a run writes larger "
+        "files (checkpoints, the export, vLLM's compile cache: at least 256 MiB); raise it, e.g. "
+        "`ulimit -f unlimited`")
+    config.check_write_limit(tiny_dir / "model")  # this process has none

@@ -167,3 +167,23 @@ def test_values_that_cannot_be_plotted_are_reported_with_their_file(tmp_path, ca
     (run / "config.yaml").write_text("- a list\n")
     with pytest.raises(ValueError, match="config.yaml: expected a mapping"):
         plots.target_entropy(run / "config.yaml")
+
+
+def test_non_finite_values_and_rows_without_a_step_are_noted(tmp_path, capsys):
+    lines = [json.dumps(record(1)), json.dumps({**record(2), "train/entropy": float("nan")}),
+             json.dumps({**record(3), "rollout/acc": float("inf")}),
+             json.dumps({"rollout/acc": 0.5}), json.dumps(record(4))]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")  # json.dumps writes NaN
+    records = plots.read_metrics(run / "metrics.jsonl")
+    assert len(records) == 5
+    note = capsys.readouterr().err
+    assert (f"note: {run / 'metrics.jsonl'}: 'train/entropy' is not finite on 1 line(s) (line 2: "
+            f"nan); those values are not plotted") in note
+    assert "'rollout/acc' is not finite on 1 line(s) (line 3: inf)" in note
+    assert (f"note: {run / 'metrics.jsonl'}: 1 line(s) have no numeric 'step' (line 4); nothing "
+            f"of them is plotted") in note
+    # and indeed they are not: the series keeps the finite values with a step
+    steps, values = plots.series(records, ["rollout/acc"])
+    assert steps == [1, 2, 4] and values == pytest.approx([0.21, 0.22, 0.24])

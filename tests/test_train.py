@@ -1011,3 +1011,26 @@ def test_objects_go_between_ranks_through_a_gloo_group_with_the_runs_timeout(tmp
         assert len(result["moved"]) == 4
         assert result["moved"][0] == len(pickle.dumps("x" * 1000)) > 1000
         assert result["moved"][1] == len(pickle.dumps(None)) < 10
+
+
+def test_a_training_file_listed_twice_is_named_in_a_warning(tiny_dir, capsys):
+    import config
+    import train
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "model")
+    train_file = tiny_dir / "data" / "sum_train.jsonl"
+    other_name = tiny_dir / "data" / ".." / "data" / "sum_train.jsonl"  # the same file
+
+    def task(*files):
+        cfg = config.load("configs/tiny.yaml", [
+            f"model.path={tiny_dir / 'model'}", "eval.every=0",
+            f"data.train_files=[{','.join(map(str, files))}]"])
+        return train.load_task(cfg, tokenizer, rank=0)[0]
+
+    once = task(train_file)
+    assert "warning" not in capsys.readouterr().err
+    twice = task(train_file, other_name)
+    assert (f"warning: data.train_files lists {train_file.resolve()} 2 times: its prompts are "
+            f"sampled 2 times as often") in capsys.readouterr().err
+    assert twice.prompt_ids == once.prompt_ids * 2  # said, then done as configured

@@ -107,7 +107,7 @@ def read_metrics(path):
     lines = path.read_text(encoding="utf-8").split("\n")
     while lines and not lines[-1].strip():
         lines.pop()
-    records, non_numeric = [], {}
+    records, non_numeric, non_finite, stepless = [], {}, {}, []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -123,6 +123,10 @@ def read_metrics(path):
         for key, value in record.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 non_numeric.setdefault(key, []).append((number, value))
+            elif not math.isfinite(value):  # NaN, Infinity: valid to json, not drawn
+                non_finite.setdefault(key, []).append((number, value))
+        if not isinstance(record.get("step"), (int, float)) or isinstance(record["step"], bool):
+            stepless.append(number)
         records.append(record)
     for key, found in non_numeric.items():  # said, not silently dropped
         number, value = found[0]
@@ -130,6 +134,13 @@ def read_metrics(path):
             f"note: {path}: {key!r} is not a number on {len(found)} line(s) (line {number}: {value!r}); "
             f"those values are not plotted",
             file=sys.stderr)
+    for key, found in non_finite.items():
+        number, value = found[0]
+        print(f"note: {path}: {key!r} is not finite on {len(found)} line(s) (line {number}: "
+              f"{value}); those values are not plotted", file=sys.stderr)
+    if stepless:
+        print(f"note: {path}: {len(stepless)} line(s) have no numeric 'step' (line {stepless[0]}); "
+              f"nothing of them is plotted", file=sys.stderr)
     return records
 
 
