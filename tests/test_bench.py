@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import data
-from tools import bench, gpu_smoke, trl_compare
+from tools import bench, trl_compare
 
 
 def test_bench_does_not_import_trl():

@@ -24,6 +24,7 @@ import config
 import data
 import evaluate
 import rewards
+import rollout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -575,7 +576,9 @@ def test_a_command_line_without_config_evaluates_as_before(monkeypatch, on_gpu):
         "eval.temperature": 1.0, "eval.top_p": 0.7, "eval.max_tokens": 3072,
         "data.max_prompt_tokens": 1024, "data.overflow": "left_truncate",
         "data.prompt_suffix": data.STARE_SUFFIX, "reward.answer_format": "boxed", "train.seed": 0,
-        "rollout.dtype": "auto", "rollout.kv_cache_gib": None,
+        "rollout.dtype": "auto",
+        # on CPU the size the engine took for None, said (None reads as a GPU config)
+        "rollout.kv_cache_gib": None if on_gpu else rollout.CPU_KV_CACHE_GIB,
         "rollout.gpu_memory_utilization": 0.9, "rollout.max_num_seqs": 256,
         "rollout.enforce_eager": not on_gpu, "rollout.tensor_parallel_size": 1}
     assert {key: functools.reduce(getattr, key.split("."), cfg) for key in old} == old

@@ -19,38 +19,11 @@ import pytest
 
 import sandbox
 from config import SandboxConfig
+from sandbox_machine import skip_without_namespaces, usable_python
 
 LANDLOCK = sandbox._landlock_abi() > 0  # "process" mode confines files only where Landlock exists
 FAST = dict(
     timeout_s=2.0, cpu_s=2, memory_mb=512, max_processes=8, max_file_mb=8, max_output_bytes=4096)
-
-
-def _usable_python(mode, tmp_root):
-    """The interpreter the sandbox runs in this mode, chosen from the machine, never by a trial run
-    (one that failed under load skipped the tests it should have run). In "process" mode under
-    root the run's own user must reach it, and this machine's pyenv may live under /root: then the
-    system one. None: no interpreter here that mode can use (the tests skip, naming why)."""
-    for python in (sys.executable, "/usr/bin/python3"):
-        if not os.path.exists(python):
-            continue
-        if mode == "process" and os.geteuid() == 0 and sandbox._out_of_reach(
-                python, sandbox._view(python, SandboxConfig().network), tmp_root):
-            continue
-        return python
-    return None
-
-
-def _skip_without_namespaces():
-    """Skip where this kernel refuses the namespaces the sandbox makes (e.g. under Docker's seccomp
-    profile), as the kernel says in a child that asks for them; a sandbox that then fails to run
-    fails its tests with its own reason."""
-    ask = ("import ctypes, os, sys; libc = ctypes.CDLL(None, use_errno=True); "
-           f"sys.exit(0 if libc.unshare({0x10000000 | 0x20000000 | 0x20000}) == 0 "
-           "else ctypes.get_errno())")  # CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS
-    code = subprocess.run([sys.executable, "-c", ask], timeout=60).returncode
-    if code:
-        pytest.skip(f"user namespaces are not available on this machine: unshare: "
-                    f"{os.strerror(code)}")
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +39,8 @@ def tmp_root():
 def mode_config(request, tmp_root):
     mode = request.param
     if mode == "namespaces":
-        _skip_without_namespaces()
-    python = _usable_python(mode, tmp_root)
+        skip_without_namespaces()
+    python = usable_python(mode, tmp_root)
     if python is None:
         pytest.skip(f"no interpreter on this machine that {mode!r} mode's user can reach")
     return mode, SandboxConfig(isolation=mode, python=python, tmp_root=tmp_root, **FAST)
@@ -734,13 +707,13 @@ def every_mode(request, monkeypatch, tmp_root):
     the trainer reads the ABI and hands it to the launcher)."""
     mode = request.param.split()[0]
     if mode == "namespaces":
-        _skip_without_namespaces()
+        skip_without_namespaces()
     if request.param.endswith("without Landlock"):
         monkeypatch.setattr(sandbox, "_landlock_abi", lambda: 0)
     elif mode == "process" and not LANDLOCK:
         pytest.skip("this kernel has no Landlock")
     if mode not in _PYTHONS:
-        _PYTHONS[mode] = _usable_python(mode, tmp_root)
+        _PYTHONS[mode] = usable_python(mode, tmp_root)
     if _PYTHONS[mode] is None:
         pytest.skip(f"no interpreter on this machine that {mode!r} mode's user can reach")
     return request.param, SandboxConfig(isolation=mode, python=_PYTHONS[mode], tmp_root=tmp_root,
@@ -804,7 +777,7 @@ def test_the_clean_up_follows_no_symlink(landlock, monkeypatch):
         pytest.skip("this kernel has no Landlock")
     if not landlock:
         monkeypatch.setattr(sandbox, "_landlock_abi", lambda: 0)
-    python = _usable_python("process", "")
+    python = usable_python("process", "")
     if python is None:
         pytest.skip("no interpreter on this machine that 'process' mode's user can reach")
     sticky = tempfile.mkdtemp(prefix="sandbox-test-sticky-")

@@ -4,9 +4,7 @@ the run started is alive, and the run's user (in "process" mode under root) has 
 Each hostile program ends by itself within seconds, so that a broken sandbox fails its test rather
 than leaving the machine busy."""
 
-import dataclasses
 import os
-import sys
 import tempfile
 import textwrap
 import time
@@ -15,6 +13,7 @@ import pytest
 
 import sandbox
 from config import SandboxConfig
+from sandbox_machine import skip_without_namespaces, usable_python
 
 REPEATS = 8
 FAST = dict(timeout_s=3.0, cpu_s=4, memory_mb=512, max_processes=16, max_file_mb=8,
@@ -29,8 +28,6 @@ def tmp_root():
     os.rmdir(root)
 
 
-_PYTHONS = {}
-
 
 @pytest.fixture(params=["namespaces", "process", "process without cgroup"])
 def config(request, tmp_root, monkeypatch):
@@ -38,24 +35,17 @@ def config(request, tmp_root, monkeypatch):
     the run's own user is what is killed)."""
     mode = request.param.split()[0]
     if mode == "namespaces":
-        try:
-            sandbox.isolation(SandboxConfig())
-        except sandbox.Unavailable as error:
-            pytest.skip(f"user namespaces are not available on this machine: {error}")
+        skip_without_namespaces()
     if request.param.endswith("without cgroup"):
         if os.geteuid() != 0:
             pytest.skip("no cgroup is used under a non-root trainer")
         monkeypatch.setattr(sandbox, "_new_cgroup", lambda: None)
     elif mode == "process" and os.geteuid() == 0 and sandbox._cgroup_parent() is None:
         pytest.skip("this machine allows no cgroup per run")
-    # under root, "process" mode's user must reach the interpreter (pyenv under /root may not be)
-    if mode not in _PYTHONS:
-        _PYTHONS[mode] = next((python for python in (sys.executable, "/usr/bin/python3") if (
-            os.path.exists(python) and sandbox.run_code("print('ok')", SandboxConfig(
-                isolation=mode, python=python, tmp_root=tmp_root, **FAST)).ok)), None)
-    if _PYTHONS[mode] is None:
-        pytest.fail(f"no interpreter runs in {mode!r} mode here")
-    return SandboxConfig(isolation=mode, python=_PYTHONS[mode], tmp_root=tmp_root, **FAST)
+    python = usable_python(mode, tmp_root)
+    if python is None:
+        pytest.skip(f"no interpreter on this machine that {mode!r} mode's user can reach")
+    return SandboxConfig(isolation=mode, python=python, tmp_root=tmp_root, **FAST)
 
 
 def alive_with_marker(marker):
@@ -158,14 +148,14 @@ def test_nothing_outlives_its_run(config, code):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the code runs as the trainer's own user")
+# "namespaces" mode runs every run as `nobody` in a PID namespace of its own
+@pytest.mark.parametrize("config", ["process", "process without cgroup"], indirect=True)
 def test_a_run_never_gets_the_user_of_a_live_process(config):
     """A process left under the uid a run is about to get (an earlier holder's survivor, planted
     here) is gone before the run's code starts. The launcher's pid fixes the run's user, so the
     next pid is set (ns_last_pid) to the one whose user holds the survivor; other processes of the
     machine may take it first, hence a few tries."""
     import subprocess
-    if config.isolation != "process":
-        pytest.skip("'namespaces' mode runs every run as `nobody` in a PID namespace of its own")
     if sandbox._run_user(os.getpid()) == sandbox._NOBODY:
         pytest.skip("this machine's user namespace maps no uid of its own per run")
     for _ in range(10):
