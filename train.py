@@ -53,9 +53,9 @@ def nonfinite_guard(metrics, state, cfg, step):
 
 
 def zero_signal_guard(metrics, in_a_row, cfg, step):
-    """The zero-signal guard: a step whose sampled groups carry no reward variance, or whose
-    responses the reward could not read, at or below train.min_varied_group_frac or
-    train.min_answered_frac, trains on (almost) no signal and raises no error. -> (consecutive steps
+    """The zero-signal guard: a step whose share of sampled groups with answers judged differently,
+    or of responses the reward could read, is at or below train.min_varied_group_frac or
+    train.min_answered_frac trains on (almost) no signal and raises no error. -> (consecutive steps
     without signal up to this one, given in_a_row before it; the line when their count reaches
     train.zero_signal_warn_steps or train.zero_signal_stop_steps, else None). A step with signal
     resets the count."""

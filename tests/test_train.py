@@ -631,6 +631,9 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tool_dir, tmp_path):
         "rollout.sync_check_every=1", "optim.lr=1e-5"]
     completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     metrics = check_finished(completed, out)
+    # never right: no group varies, counted; the config turns the zero-signal guard's lines off
+    assert [m["train/zero_signal_steps"] for m in metrics] == [1, 2]
+    assert "no learning signal" not in completed.stderr
     assert (
         metrics[0]["rollout/tool_calls_mean"] > 0.3
         and 0.1 < metrics[0]["rollout/tool_token_frac"] < 0.9)
