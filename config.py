@@ -332,6 +332,15 @@ class TrainConfig:
     nccl_timeout_minutes: int = 60
     # also log to TensorBoard under out_dir/tensorboard (needs `pip install tensorboard`)
     tensorboard: bool = False
+    # The zero-signal guard (train.py): a step has no learning signal when the share of sampled
+    # groups whose answers were judged differently (rollout/varied_group_frac), or the share of
+    # responses with an answer the reward could read (1 - rollout/no_answer_frac -
+    # rollout/parse_error_frac), is at or below its floor; 0.0 = none at all
+    min_varied_group_frac: float = 0.0
+    min_answered_frac: float = 0.0
+    zero_signal_warn_steps: int = 3  # consecutive steps without signal before a warning; 0 = never
+    # consecutive steps without signal before the run stops after a checkpoint; 0 = never
+    zero_signal_stop_steps: int = 10
 
 
 @dataclasses.dataclass
@@ -566,7 +575,8 @@ POSITIVE = (
 NON_NEGATIVE = (
     "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
     "train.save_every", "eval.every", "rollout.sync_check_every", "algorithm.max_num_gen_batches",
-    "gate.alpha", "optim.max_nonfinite_steps", "entropic.kp", "entropic.ki")
+    "gate.alpha", "optim.max_nonfinite_steps", "entropic.kp", "entropic.ki",
+    "train.zero_signal_warn_steps", "train.zero_signal_stop_steps")
 
 
 def check(cfg, world_size=None):
@@ -618,6 +628,8 @@ def _rules(cfg, world_size):
         ("optim.betas", len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
          "must be two numbers in [0, 1)"),
         ("optim.min_lr_ratio", cfg.optim.min_lr_ratio <= 1, "must be <= 1"),
+        ("train.min_varied_group_frac", 0 <= t.min_varied_group_frac < 1, "must be in [0, 1)"),
+        ("train.min_answered_frac", 0 <= t.min_answered_frac < 1, "must be in [0, 1)"),
         ("rollout.gpu_memory_utilization", 0 < r.gpu_memory_utilization <= 1, "must be in (0, 1]"),
         ("rollout.kv_cache_gib", r.kv_cache_gib is None or r.kv_cache_gib > 0, "must be > 0 or null"),
         ("hardware.host_gib", hw.host_gib is None or hw.host_gib > 0, "must be > 0 or null"),

@@ -53,6 +53,36 @@ def nonfinite_guard(metrics, state, cfg, step):
     return None
 
 
+def zero_signal_guard(metrics, in_a_row, cfg, step):
+    """The zero-signal guard: a step whose share of sampled groups with answers judged differently,
+    or of responses the reward could read, is at or below train.min_varied_group_frac or
+    train.min_answered_frac trains on (almost) no signal and raises no error. -> (consecutive steps
+    without signal up to this one, given in_a_row before it; the line when their count reaches
+    train.zero_signal_warn_steps or train.zero_signal_stop_steps, else None). A step with signal
+    resets the count."""
+    t = cfg.train
+    answered = 1 - metrics["rollout/no_answer_frac"] - metrics["rollout/parse_error_frac"]
+    lacking = [
+        f"{key} = {value:.3g} <= train.{name} = {getattr(t, name):g}"
+        for key, value, name in (
+            ("rollout/varied_group_frac", metrics["rollout/varied_group_frac"],
+             "min_varied_group_frac"),
+            ("1 - rollout/no_answer_frac - rollout/parse_error_frac", answered,
+             "min_answered_frac"))
+        if value <= getattr(t, name)]
+    in_a_row = in_a_row + 1 if lacking else 0
+    stop = t.zero_signal_stop_steps and in_a_row >= t.zero_signal_stop_steps
+    if not lacking or not (stop or in_a_row == t.zero_signal_warn_steps):
+        return in_a_row, None
+    return in_a_row, (
+        f"{'error' if stop else 'warning'}: step {step}: no learning signal in {in_a_row} "
+        f"consecutive steps: {'; '.join(lacking)}. Likely: a prompt template or answer format the "
+        f"reward never matches, a response limit (rollout.max_tokens) that cuts every answer, or a "
+        f"model too weak for groups of rollout.n={cfg.rollout.n}" + (
+            f"; stopped after this step's checkpoint (train.zero_signal_stop_steps="
+            f"{t.zero_signal_stop_steps}; 0 goes on)" if stop else ""))
+
+
 def sync_guard(metrics, cfg, step):
     """One line when the engine and the trainer disagree beyond their bounds (a failed or partial
     weight sync samples from other weights than the ones trained), else None. The bounds and their
@@ -125,21 +155,29 @@ def train(run, state):
             metrics.update(run.task.metrics)  # data/*: what loading the prompts did
             if run.benchmarks and (step % cfg.eval.every == 0 or step == cfg.train.total_steps):
                 metrics.update(evaluation(run))
+            state.zero_signal_in_a_row, no_signal = zero_signal_guard(
+                metrics, state.zero_signal_in_a_row, cfg, step)
+            metrics["train/zero_signal_steps"] = state.zero_signal_in_a_row
             log.write(step, metrics, progress)
             # before this step's checkpoint: the last one holds finite weights the engine sampled
             problem = nonfinite_guard(metrics, state, cfg, step) or sync_guard(metrics, cfg, step)
             if problem:
                 raise runs.RunError(problem)
+            no_signal_stop = no_signal is not None and no_signal.startswith("error")
+            if no_signal and not no_signal_stop and run.rank == 0:
+                progress.write(no_signal, file=sys.stderr)
             state.step = step
             # a signal to any rank
             stopping = runs.all_reduce({"stop": float(stop.requested)}, run.device)["stop"] > 0
-            if (stopping or step == cfg.train.total_steps
+            if (stopping or no_signal_stop or step == cfg.train.total_steps
                     or (cfg.train.save_every and step % cfg.train.save_every == 0)):
                 path = checkpoints.save_checkpoint(
                     run.out_dir, step, run.model, run.optimizer, trainer_state(run, state), cfg,
                     run.rank, run.world)
                 if run.rank == 0:
                     progress.write(f"step {step}: checkpoint {path}")
+            if no_signal_stop:  # the same metrics on every rank: all stop here
+                raise runs.RunError(no_signal)
             # at the last step: finish normally (export included)
             if stopping and step < cfg.train.total_steps:
                 if run.rank == 0:
@@ -190,6 +228,7 @@ class TrainerState:
     # prompts consumed so far (global): the index into the seeded prompt stream
     data_position: int = 0
     nonfinite_in_a_row: int = 0  # consecutive steps whose update was skipped
+    zero_signal_in_a_row: int = 0  # consecutive steps without learning signal (zero_signal_guard)
     probe: tuple | None = None  # (token ids, prompt length) of the weight-sync check
     scaler: "modeling.LossScaler | None" = None  # float16 compute: the dynamic loss scale
 

@@ -46,6 +46,11 @@ ARCHITECTURES = {  # the model directory name each shipped config uses -> its co
         QWEN2, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
         max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True),
+    "Qwen2.5-0.5B-Instruct": dict(
+        QWEN2, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+        max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True,
+        eos_token_id=151645),
     "Qwen2.5-7B-Instruct": dict(
         QWEN2, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,

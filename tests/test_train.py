@@ -1,5 +1,6 @@
 """train.py end to end on the tiny default: real vLLM (CPU), FSDP2 on gloo, one and two torchrun ranks."""
 
+import dataclasses
 import getpass
 import json
 import math
@@ -518,6 +519,65 @@ def test_nonfinite_loss_skips_the_step_then_stops_the_run(tiny_dir, tmp_path):
         f"step_{s:08d}" for s in (1, 2, 3, 4)]
 
 
+def test_the_zero_signal_guard_counts_steps_without_signal_in_a_row():
+    import config
+    import train
+
+    cfg = config.Config()
+    cfg.train = dataclasses.replace(cfg.train, zero_signal_warn_steps=2, zero_signal_stop_steps=4,
+                                    min_answered_frac=0.1)
+
+    def step(varied, no_answer, parse_error=0.0):
+        return {"rollout/varied_group_frac": varied, "rollout/no_answer_frac": no_answer,
+                "rollout/parse_error_frac": parse_error}
+
+    # signal, none (no group varied), none (5% answered, under the floor of 10%), signal again
+    # (resets), then five steps with none: warned at the 2nd, stopped at the 4th and every later one
+    steps = [step(0.5, 0.0), step(0.0, 0.0), step(0.3, 0.9, 0.05), step(0.1, 0.5)] + [
+        step(0.0, 1.0)] * 5
+    in_a_row, counts, lines = 0, [], []
+    for number, metrics in enumerate(steps, 1):
+        in_a_row, line = train.zero_signal_guard(metrics, in_a_row, cfg, number)
+        counts.append(in_a_row)
+        lines.append(line and line.split(":")[0])
+    assert counts == [0, 1, 2, 0, 1, 2, 3, 4, 5]
+    assert lines == [None, None, "warning", None, None, "warning", None, "error", "error"]
+    _, line = train.zero_signal_guard(step(0.0, 1.0), 3, cfg, 7)
+    assert line.startswith("error: step 7: no learning signal in 4 consecutive steps: "
+                           "rollout/varied_group_frac = 0 <= train.min_varied_group_frac = 0; "
+                           "1 - rollout/no_answer_frac - rollout/parse_error_frac = 0 <= "
+                           "train.min_answered_frac = 0.1. Likely: ")
+    # 0: never warn, never stop
+    cfg.train = dataclasses.replace(cfg.train, zero_signal_warn_steps=0, zero_signal_stop_steps=0)
+    assert train.zero_signal_guard(step(0.0, 1.0), 100, cfg, 101) == (101, None)
+
+
+def test_a_run_without_signal_warns_then_stops_after_a_checkpoint(tiny_dir, tmp_path, default_run):
+    # the quick start's steps have signal: the guard counted none
+    assert [m["train/zero_signal_steps"] for m in default_run[1]] == [0, 0]
+    # two response tokens cut every answer: no box, no group judged differently
+    out = tmp_path / "run"
+    small = ["rollout.max_tokens=2", "algorithm.dynamic_sampling=false",
+             "algorithm.gen_batch_size=4", "train.train_batch_size=4", "train.mini_batch_size=4",
+             "train.save_every=0", "train.zero_signal_warn_steps=2",
+             "train.zero_signal_stop_steps=3"]
+    completed = run_train(tiny_dir, out, *small, "train.total_steps=5")
+    assert completed.returncode == 2, completed.stderr[-3000:]
+    lines = completed.stderr.splitlines()
+    warning = [line for line in lines if line.startswith("warning: step 2: no learning signal")]
+    assert len(warning) == 1 and "rollout/varied_group_frac = 0 <=" in warning[0], lines[-20:]
+    assert lines[-1].startswith("error: step 3: no learning signal in 3 consecutive steps: "
+                                "rollout/varied_group_frac = 0"), lines[-20:]
+    assert "rollout.max_tokens" in lines[-1] and "train.zero_signal_stop_steps=3" in lines[-1]
+    assert [m["train/zero_signal_steps"] for m in read_metrics(out)] == [1, 2, 3]
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["step_00000003"]
+    # the count resumes from the checkpoint; stop_steps=0 goes on to the end
+    completed = run_train(tiny_dir, out, *small, "train.total_steps=4",
+                          "train.zero_signal_stop_steps=0")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert [m["train/zero_signal_steps"] for m in read_metrics(out)] == [1, 2, 3, 4]
+
+
 def test_dynamic_sampling_gives_up_with_a_clear_error(tiny_dir, tmp_path):
     # every group of the tiny sum task is all-wrong or mixed; demanding 16 varied groups from one
     # round of 16 fails
@@ -592,6 +652,9 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tool_dir, tmp_path):
         "rollout.sync_check_every=1", "optim.lr=1e-5"]
     completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     metrics = check_finished(completed, out)
+    # never right: no group varies, counted; the config turns the zero-signal guard's lines off
+    assert [m["train/zero_signal_steps"] for m in metrics] == [1, 2]
+    assert "no learning signal" not in completed.stderr
     assert (
         metrics[0]["rollout/tool_calls_mean"] > 0.3
         and 0.1 < metrics[0]["rollout/tool_token_frac"] < 0.9)
