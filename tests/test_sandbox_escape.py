@@ -148,11 +148,11 @@ def test_nothing_outlives_its_run(config, code):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the code runs as the trainer's own user")
-# "namespaces" mode runs every run as `nobody` in a PID namespace of its own
 @pytest.mark.parametrize("config", ["process", "process without cgroup"], indirect=True)
 def test_a_run_never_gets_the_user_of_a_live_process(config):
     """A process left under the uid a run is about to get (an earlier holder's survivor, planted
-    here) is gone before the run's code starts. The launcher's pid fixes the run's user, so the
+    here) is gone before the run's code starts ("process" mode: "namespaces" mode runs every run
+    as `nobody` in a PID namespace of its own). The launcher's pid fixes the run's user, so the
     next pid is set (ns_last_pid) to the one whose user holds the survivor; other processes of the
     machine may take it first, hence a few tries."""
     import subprocess
