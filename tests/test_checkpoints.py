@@ -370,6 +370,7 @@ def test_a_load_that_dcp_refuses_is_one_line(tmp_path, process_group):
 VIEWS = """
 import json, os, sys
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+import torch
 import checkpoints, config, runs
 from test_checkpoints import write_trainer_state
 from pathlib import Path
@@ -385,6 +386,8 @@ for case, check_later in (("listing", True), ("one_rank_truncated", True), ("tra
         seen[case] = str(error)
     os.rename("run", f"run_{case}")
 Path("seen.json").write_text(json.dumps(seen))
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()  # or gloo's threads may abort the exit
 """
 
 
@@ -406,7 +409,7 @@ def test_ranks_that_see_different_checkpoints_stop_in_one_line(tmp_path):
     (tmp_path / "views.py").write_text(VIEWS)
     completed = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(tmp_path / "views.py"), str(tmp_path), os.path.abspath("configs/tiny.yaml")],
+         "--log-dir", str(tmp_path / "torchrun"), str(tmp_path / "views.py"), str(tmp_path), os.path.abspath("configs/tiny.yaml")],
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd()))
     assert completed.returncode == 0, completed.stderr[-3000:]

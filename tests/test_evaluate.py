@@ -345,7 +345,7 @@ def run_evaluate(tiny_dir, out_dir, nproc=1):
         if nproc == 1
         else [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_port", "29653"])
+            "--master_port", "29653", "--log-dir", str(out_dir / "torchrun")])
     env = dict(
         os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
         PYTHONPATH=str(REPO))

@@ -187,6 +187,7 @@ def test_sharded_start_up_reads_each_rank_its_rows_and_never_the_whole_model(arc
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "--log-dir", str(tmp_path / "torchrun"),
         str(Path(__file__).with_name("startup_two_ranks.py")), str(tmp_path / "model"),
         str(tmp_path)]
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -216,7 +217,8 @@ def test_a_rank_without_rows_of_a_weight_starts_and_computes_the_whole_model(tmp
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")])))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               "3", str(Path(__file__).with_name("startup_two_ranks.py")), str(tmp_path / "model"),
+               "3", "--log-dir", str(tmp_path / "torchrun"),
+               str(Path(__file__).with_name("startup_two_ranks.py")), str(tmp_path / "model"),
                str(tmp_path)]
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]

@@ -43,7 +43,7 @@ def train_command(tiny_dir, out_dir, *overrides, nproc=1):
         if nproc == 1
         else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-            str(nproc)])
+            str(nproc), "--log-dir", str(Path(out_dir).parent / "torchrun")])  # not in $TMPDIR
     env = dict(
         os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
     return launcher + ["train.py", "--config", "configs/tiny.yaml", *base, *overrides], env
@@ -195,7 +195,6 @@ def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, t
             tiny_dir, tmp_path / "tp", "algorithm.gen_batch_size=16",
             "rollout.tensor_parallel_size=2", "hardware.gpus_per_node=2",
             "rollout.sync_check_every=1", f"train.total_steps={steps}", nproc=2)
-        command[3:3] = ["--log-dir", str(tmp_path / f"torchrun{steps}")]  # torchrun's own files
         completed = subprocess.run(command, cwd=REPO, env={**env, "TMPDIR": str(host_tmp)},
                                    capture_output=True, text=True, timeout=900)
         # nothing of the run's is left on the host but torch's compile cache, kept on purpose
@@ -347,7 +346,6 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path, request):
     # is logged
     out = tmp_path / "killed"
     command, env = train_command(tiny_dir, out, *steps, nproc=2)
-    command[3:3] = ["--log-dir", str(tmp_path / "torchrun")]  # torchrun's own files
     env["TMPDIR"] = str(host_tmp := private_tmp(request))
     process = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -1054,6 +1052,8 @@ host = runs.host_group(dist.group.WORLD)
 json.dump(dict(gathered=gathered, moved=moved, host_is_new=host is not dist.group.WORLD,
                timeouts=[str(runs.group_timeout(g)) for g in (None, host)]),
           open(sys.argv[1] + f"/rank{rank}.json", "w"))
+dist.barrier()
+dist.destroy_process_group()  # or gloo's threads may abort the exit ("terminate called ...")
 """
 
 
@@ -1062,7 +1062,8 @@ def test_objects_go_between_ranks_through_a_gloo_group_with_the_runs_timeout(tmp
     (tmp_path / "host_group.py").write_text(HOST_GROUP)
     completed = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(tmp_path / "host_group.py"), str(tmp_path)], cwd=REPO, capture_output=True,
+         "--log-dir", str(tmp_path / "torchrun"), str(tmp_path / "host_group.py"), str(tmp_path)],
+        cwd=REPO, capture_output=True,
         text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
     assert completed.returncode == 0, completed.stderr[-3000:]
     for rank in (0, 1):
