@@ -190,7 +190,7 @@ def remove_stale_host_files():
     for directory in (tempfile.gettempdir(), "/dev/shm"):
         for name in _entries(directory):
             pid = name.removeprefix(HOST_TAG).split("-", 1)[0]
-            if name.startswith(HOST_TAG) and pid.isdigit() and not _alive(int(pid)):
+            if name.startswith(HOST_TAG) and pid.isdigit() and not runs.process_alive(int(pid)):
                 path = os.path.join(directory, name)
                 if os.path.isdir(path) and not os.path.islink(path):
                     shutil.rmtree(path, ignore_errors=True)
@@ -208,16 +208,6 @@ def _entries(directory):
 def _unlink(path):
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def _tag_cpu_shared_memory():

@@ -56,7 +56,7 @@ class RunLock:
                     pid, _, host = self.path.read_text().strip().partition(" ")
                 except FileNotFoundError:  # released between the two calls: try again
                     continue
-                if host == socket.gethostname() and pid.isdigit() and not _process_alive(int(pid)):
+                if host == socket.gethostname() and pid.isdigit() and not process_alive(int(pid)):
                     self.path.unlink(missing_ok=True)  # stale: its run was killed
                     continue
                 raise RunError(
@@ -83,7 +83,8 @@ class RunLock:
             self.held = False
 
 
-def _process_alive(pid):
+def process_alive(pid):
+    """Whether a process of this host's pid namespace has this pid (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
