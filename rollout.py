@@ -72,14 +72,22 @@ def build_engine(cfg, model_path, seed, max_model_len, block_size=None):
     and the layerwise reload all run that code) where vLLM 0.32 runs its experimental V2 on GPU by
     default; `engine_runner(engine)` says which one runs.
     """
+    import gc
+
     from vllm import LLM
 
+    # vLLM collects garbage several times while it starts and stops, each a pass of about a
+    # second over the millions of objects the imports made (torch, transformers, vLLM): frozen,
+    # the collector skips them. So is the engine once built; vLLM's shutdown thaws both.
+    gc.freeze()
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     # read by VllmConfig
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cfg.model_runner == "v2" else "0"
     claim_host_files(distributed)
-    return LLM(**engine_kwargs(cfg, model_path, seed, max_model_len, block_size,
-                               on_gpu=torch.cuda.is_available(), distributed=distributed))
+    engine = LLM(**engine_kwargs(cfg, model_path, seed, max_model_len, block_size,
+                                 on_gpu=torch.cuda.is_available(), distributed=distributed))
+    gc.freeze()
+    return engine
 
 
 def engine_kwargs(cfg, model_path, seed, max_model_len, block_size, on_gpu, distributed):
@@ -166,6 +174,8 @@ def claim_host_files(distributed):
     atexit.register(remove_host_files, _engine_tag, sockets)
     if distributed and not torch.cuda.is_available():
         _tag_cpu_shared_memory()
+    if not distributed and sockets is not None:
+        _private_file_store(sockets)
 
 
 def remove_host_files(tag, sockets):
@@ -231,6 +241,18 @@ def _tag_cpu_shared_memory():
 
     launcher._distributed_args = tagged_distributed_args
     launcher._stare_tagged = True
+
+
+def _private_file_store(directory):
+    """A one-process engine (no torchrun) makes its own process group through a file store in the
+    temp directory (uniproc_executor.py: get_file_store_init_method), which only the store's
+    destructor removes, and os._exit skips destructors. It goes to the run's private directory."""
+    import uuid
+
+    from vllm.v1.executor import uniproc_executor
+
+    uniproc_executor.get_file_store_init_method = (
+        lambda: f"file://{directory}/vllm_dist_{uuid.uuid4().hex}")
 
 
 def engine_runner(engine):
@@ -378,7 +400,7 @@ def shutdown_engine(engine):
 
     engine.llm_engine.engine_core.shutdown()
     del engine
-    gc.collect()
+    gc.collect()  # vLLM's shutdown thawed what build_engine froze (vllm/v1/engine/core.py)
 
 
 def release_memory(engine, level=2):

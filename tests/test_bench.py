@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import data
+import forked
 from tools import bench, trl_compare
 
 
@@ -89,14 +90,9 @@ def test_trl_step_does_the_work_of_ours(tiny_dir, tmp_path):
 
 def test_update_runs_train_stages_on_cpu():
     # the tiny shape through train.py's stages in a fresh process (it starts its own process group)
-    completed = subprocess.run(
-        [
-            sys.executable, "-m", "tools.bench", "update", "--size", "tiny", "--rows", "6",
-            "--max-response", "40", "--budget", "60", "--repeats", "1"],
-        cwd=Path(bench.__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-        timeout=300)
+    completed = forked.run("-m", ["tools.bench", "update", "--size", "tiny", "--rows", "6",
+                                  "--max-response", "40", "--budget", "60", "--repeats", "1"],
+                           timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(completed.stdout.strip().splitlines()[-1])
     assert result["padding_share"] == 0.0 and result["micro_batches"] >= 2
@@ -110,10 +106,8 @@ def test_gpu_smoke_runs_its_cycles_to_its_json_on_cpu(tmp_path):
     # train.py's own functions, a real engine (vLLM's CPU build, bfloat16) against a float32
     # trainer; the engine's shutdown ends the process group, and the command still finishes (the
     # GPU adds sleep mode, CUDA graphs, the free-memory readings, its tests and `update`)
-    completed = subprocess.run(
-        [sys.executable, "-m", "tools.bench", "gpu-smoke", "--cpu", "--out",
-         str(tmp_path / "smoke.json")], capture_output=True, text=True,
-        timeout=600, cwd=Path(bench.__file__).resolve().parents[1])
+    completed = forked.run("-m", ["tools.bench", "gpu-smoke", "--cpu", "--out",
+                                  tmp_path / "smoke.json"], timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     reports = json.loads(completed.stdout.strip().splitlines()[-1])
     assert json.loads((tmp_path / "smoke.json").read_text()) == reports

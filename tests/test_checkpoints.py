@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import checkpoints
 import config
+import forked
 import runs
 
 
@@ -407,11 +408,8 @@ def test_ranks_that_see_different_checkpoints_stop_in_one_line(tmp_path):
             shard.write_bytes(shard.read_bytes()[:100])
             torch.save({"step": 3}, root / "run_trainer_pt/checkpoints/step_00000004/trainer.pt")
     (tmp_path / "views.py").write_text(VIEWS)
-    completed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "--log-dir", str(tmp_path / "torchrun"), str(tmp_path / "views.py"), str(tmp_path), os.path.abspath("configs/tiny.yaml")],
-        capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd()))
+    completed = forked.run(tmp_path / "views.py", [tmp_path, os.path.abspath("configs/tiny.yaml")],
+                           env=dict(os.environ, OMP_NUM_THREADS="1"), nproc=2, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     seen = [json.loads((tmp_path / f"rank{r}" / "seen.json").read_text()) for r in (0, 1)]
     assert seen[0] == seen[1]

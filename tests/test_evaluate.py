@@ -23,6 +23,7 @@ from tools import benchmarks
 import config
 import data
 import evaluate
+import forked
 import rewards
 import rollout
 
@@ -332,25 +333,17 @@ runs.exit_process(code)
 
 def run_evaluate(tiny_dir, out_dir, nproc=1):
     (out_dir / "gathers.py").write_text(GATHERS)
-    script = ["evaluate.py"] if nproc == 1 else [str(out_dir / "gathers.py"), str(out_dir),
-                                                  "train.nccl_timeout_minutes=7"]
-    args = [
-        *script, "--model", str(tiny_dir / "model"), "--data",
+    script, *args = (["evaluate.py"] if nproc == 1 else
+                     [str(out_dir / "gathers.py"), str(out_dir), "train.nccl_timeout_minutes=7"])
+    args += [
+        "--model", str(tiny_dir / "model"), "--data",
         str(tiny_dir / "data" / "sum_test.jsonl"), str(tiny_dir / "data" / "add_test.jsonl"),
         "--limit", "5", "--prompt-suffix", "", "--max-tokens", "16", "--max-prompt-tokens", "64",
         "--dtype", "float32", "--kv-cache-gib", "0.25", "--seed", "3", "--out",
         str(out_dir / "results.json"), "--samples", str(out_dir / "samples.jsonl")]
-    launcher = (
-        [sys.executable]
-        if nproc == 1
-        else [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_port", "29653", "--log-dir", str(out_dir / "torchrun")])
     env = dict(
-        os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
-        PYTHONPATH=str(REPO))
-    completed = subprocess.run(
-        launcher + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+    completed = forked.run(REPO / script, args, env=env, nproc=nproc, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-4000:]
     result = json.loads((out_dir / "results.json").read_text())
     samples = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]

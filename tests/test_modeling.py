@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+import forked
 import modeling
 import stare
 
@@ -182,15 +183,9 @@ def test_sharded_start_up_reads_each_rank_its_rows_and_never_the_whole_model(arc
         model = model.to(torch.bfloat16)
     model.save_pretrained(tmp_path / "model")
     del model
-    repo_root = Path(__file__).resolve().parents[1]
-    path = os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "--log-dir", str(tmp_path / "torchrun"),
-        str(Path(__file__).with_name("startup_two_ranks.py")), str(tmp_path / "model"),
-        str(tmp_path)]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    completed = forked.run(Path(__file__).with_name("startup_two_ranks.py"),
+                           [tmp_path / "model", tmp_path], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                           nproc=2, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     vocab = STARTUP_SHAPE["vocab_size"]
@@ -213,14 +208,9 @@ def test_a_rank_without_rows_of_a_weight_starts_and_computes_the_whole_model(tmp
     Qwen2ForCausalLM(Qwen2Config(hidden_size=2, intermediate_size=4, num_hidden_layers=1,
                                  num_attention_heads=1, num_key_value_heads=1, vocab_size=64,
                                  max_position_embeddings=64)).save_pretrained(tmp_path / "model")
-    repo_root = str(Path(__file__).parents[1])
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               "3", "--log-dir", str(tmp_path / "torchrun"),
-               str(Path(__file__).with_name("startup_two_ranks.py")), str(tmp_path / "model"),
-               str(tmp_path)]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    completed = forked.run(Path(__file__).with_name("startup_two_ranks.py"),
+                           [tmp_path / "model", tmp_path], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                           nproc=3, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert [r["shard_rows"]["model.norm.weight"] for r in ranks] == [[0, 1], [1, 2], [2, 2]]

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import config
 import data
+import forked
 import rollout
 
 
@@ -181,18 +182,12 @@ def test_two_ranks_sample_differently_and_fsdp2_sync_streams(tiny_dir, tmp_path,
     # A temp directory of its own, to see what the run leaves there.
     script = Path(__file__).with_name("rollout_two_ranks.py")
     result_path = tmp_path / "result.json"
-    repo_root = str(Path(__file__).resolve().parents[1])
     host_tmp = Path(tempfile.mkdtemp(prefix="stare-test-"))  # short: sockets are made there
     request.addfinalizer(lambda: shutil.rmtree(host_tmp, ignore_errors=True))
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", TMPDIR=str(host_tmp),
-        PYTHONPATH=os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")])))
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "--log-dir", str(tmp_path / "torchrun"), str(script), str(tiny_dir / "model"),
-        str(result_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(host_tmp))
     shm_before = set(os.listdir("/dev/shm"))
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    completed = forked.run(script, [tiny_dir / "model", result_path], env=env, nproc=2,
+                           timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads(result_path.read_text())
     # one engine tag for the run, on both ranks, and it names what vLLM's CPU workers name a

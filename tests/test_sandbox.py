@@ -22,8 +22,13 @@ from config import SandboxConfig
 from sandbox_machine import skip_without_namespaces, usable_python
 
 LANDLOCK = sandbox._landlock_abi() > 0  # "process" mode confines files only where Landlock exists
+# timeout_s: the wall-clock ceiling of code that is not about it (a loaded machine can take seconds
+# to start an interpreter in a new namespace); the tests of the wall-clock kill set KILL_AFTER_S
 FAST = dict(
-    timeout_s=2.0, cpu_s=2, memory_mb=512, max_processes=8, max_file_mb=8, max_output_bytes=4096)
+    timeout_s=15.0, cpu_s=2, memory_mb=512, max_processes=8, max_file_mb=8, max_output_bytes=4096)
+KILL_AFTER_S = 2.0
+# the kill's own bound: the grace after SIGTERM, then SIGKILL and the reaping
+KILLED_WITHIN_S = KILL_AFTER_S + sandbox._STOP_GRACE_S + sandbox._KILL_S
 
 
 @pytest.fixture(scope="module")
@@ -154,14 +159,16 @@ def test_stdin_is_closed(mode_config):
 
 def test_batch_runs_in_parallel_and_keeps_order(mode_config):
     _, config = mode_config
-    # the first ends last
-    codes = [f"import time; time.sleep({1.5 - 0.1 * i:.1f}); print({i})" for i in range(6)]
-    start = time.monotonic()
-    results = batch(codes, config, max_workers=6, timeout_s=10)
-    elapsed = time.monotonic() - start
-    assert [r.output for r in results] == [f"{i}\n" for i in range(6)]
-    assert elapsed < 5.0, (
-        f"{elapsed:.1f} s: the batch did not run in parallel (one at a time takes > 7.5 s)")
+    # the first ends last; each says when it slept (the wall clock is the host's in every mode),
+    # so parallel means overlapping sleeps, whatever a loaded machine adds to start-up
+    codes = [f"import time; t = time.time(); time.sleep({1.5 - 0.1 * i:.1f}); "
+             f"print({i}, t, time.time())" for i in range(6)]
+    results = batch(codes, config, max_workers=6)
+    lines = [r.output.split() for r in results]
+    assert [int(line[0]) for line in lines] == list(range(6))
+    sleeps = [(float(line[1]), float(line[2])) for line in lines]
+    most_at_once = max(sum(begin <= t < end for begin, end in sleeps) for t, _ in sleeps)
+    assert most_at_once >= 2, f"the batch ran one at a time: {sleeps}"
     assert sandbox.run_batch([], config) == []
 
 
@@ -209,8 +216,9 @@ def test_exit_code(mode_config):
 def test_infinite_loop_times_out(mode_config):
     _, config = mode_config
     start = time.monotonic()
-    result = run("print('started')\nwhile True:\n    pass", config, cpu_s=30)
-    assert time.monotonic() - start < config.timeout_s + 1.0
+    result = run("print('started')\nwhile True:\n    pass", config, cpu_s=30,
+                 timeout_s=KILL_AFTER_S)
+    assert time.monotonic() - start < KILLED_WITHIN_S
     assert (result.error, result.exit_code, result.output) == ("timeout", None, "started\n")
     assert sandbox.format_result(result).endswith(
         "Error: timed out after 2 s (the code was killed)")
@@ -219,9 +227,9 @@ def test_infinite_loop_times_out(mode_config):
 def test_cpu_limit(mode_config):
     _, config = mode_config
     start = time.monotonic()
-    result = run("while True:\n    pass", config, cpu_s=1, timeout_s=10)
+    result = run("while True:\n    pass", config, cpu_s=1, timeout_s=30)
     assert result.error == "cpu" and result.exit_code == -signal.SIGXCPU
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 15  # the CPU limit ended it, not the wall clock
 
 
 def test_allocating_10_gib(mode_config):
@@ -232,7 +240,7 @@ def test_allocating_10_gib(mode_config):
         result.error == "memory"
         and "MemoryError" in result.output
         and "allocated" not in result.output)
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < config.timeout_s / 2  # refused, not swapped until the kill
 
 
 def test_fork_limit(mode_config):
@@ -254,7 +262,8 @@ def test_fork_limit(mode_config):
     forks = int(result.output.split("forks ")[1])
     # "process" mode counts the user's tasks (racy)
     assert forks < config.max_processes + 3, result.output
-    assert result.ok and result.duration_s < 2, "the sleeping children must die with the code"
+    # the children sleep 30 s
+    assert result.ok and result.duration_s < 10, "the sleeping children must die with the code"
     assert runner_processes() == []
 
 
@@ -268,7 +277,7 @@ def test_fork_bomb(mode_config):
             except OSError:
                 pass
         time.sleep(60)  # so only the wall-clock kill ends it
-    """, config)
+    """, config, timeout_s=KILL_AFTER_S)
     assert result.error == "timeout"
     assert runner_processes() == []
 
@@ -284,7 +293,7 @@ def test_huge_file(mode_config):
     """, config)
     assert result.error == "exception" and "wrote" not in result.output
     assert "File too large" in result.output or "No space left on device" in result.output
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < config.timeout_s / 2  # refused, not written until the kill
 
 
 def test_print_100_mb(mode_config):
@@ -688,7 +697,7 @@ def test_no_files_left_behind(mode_config):
         open(os.environ['TMPDIR'] + '/t', 'w').write('x')
         while True:
             pass
-    """, config)  # run() checks that tmp_root is empty again
+    """, config, timeout_s=KILL_AFTER_S)  # run() checks that tmp_root is empty again
     assert result.error == "timeout"
     new = set(os.listdir(tempfile.gettempdir())) - before
     assert not new & {"t", "a"}  # what the code wrote did not reach the real /tmp

@@ -15,7 +15,7 @@ import sandbox
 from config import SandboxConfig
 from sandbox_machine import skip_without_namespaces, usable_python
 
-REPEATS = 8
+REPEATS = 4
 FAST = dict(timeout_s=3.0, cpu_s=4, memory_mb=512, max_processes=16, max_file_mb=8,
             max_output_bytes=4096)
 

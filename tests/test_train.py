@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 import baselines
 import checkpoints
+import forked
 import rollout
 import runs
 import sandbox
@@ -28,8 +29,8 @@ import sandbox
 REPO = Path(__file__).resolve().parents[1]
 
 
-def train_command(tiny_dir, out_dir, *overrides, nproc=1):
-    """train.py on the tiny default (torchrun --standalone picks a free port) -> (argv, env)."""
+def train_args(tiny_dir, out_dir, *overrides):
+    """train.py's arguments for a run of the tiny default."""
     base = [
         f"model.path={tiny_dir / 'model'}",
         f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]",
@@ -38,20 +39,31 @@ def train_command(tiny_dir, out_dir, *overrides, nproc=1):
         "train.total_steps=2",
         # above the tiny model's entropy: the gate is on, STARE reweights
         "gate.target_entropy=1.0"]
+    return ["--config", "configs/tiny.yaml", *base, *overrides]
+
+
+def train_env(nproc):
+    return dict(
+        os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+
+
+def train_command(tiny_dir, out_dir, *overrides, nproc=1):
+    """train.py on the tiny default in a fresh interpreter, under torchrun when nproc > 1
+    (--standalone picks a free port) -> (argv, env)."""
     launcher = (
         [sys.executable]
         if nproc == 1
         else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
             str(nproc), "--log-dir", str(Path(out_dir).parent / "torchrun")])  # not in $TMPDIR
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
-    return launcher + ["train.py", "--config", "configs/tiny.yaml", *base, *overrides], env
+    return launcher + ["train.py", *train_args(tiny_dir, out_dir, *overrides)], train_env(nproc)
 
 
-def run_train(tiny_dir, out_dir, *overrides, nproc=1):
-    command, env = train_command(tiny_dir, out_dir, *overrides, nproc=nproc)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+def run_train(tiny_dir, out_dir, *overrides, nproc=1, env=None):
+    """train.py on the tiny default, forked with its imports made (tests/forked.py), on nproc
+    ranks as torchrun starts them -> subprocess.CompletedProcess."""
+    return forked.run(REPO / "train.py", train_args(tiny_dir, out_dir, *overrides),
+                      env=train_env(nproc) if env is None else env, nproc=nproc)
 
 
 def read_metrics(out_dir):
@@ -104,13 +116,10 @@ def every_method(tiny_dir, tmp_path_factory):
     """tests/methods_two_ranks.py on two torchrun ranks: each method's steps' metrics, and the
     run's directory (its HF export)."""
     out_dir = tmp_path_factory.mktemp("methods")
-    command, env = train_command(tiny_dir, out_dir / "run", "rollout.sync_check_every=1", nproc=2)
-    config_at = command.index("--config")
-    command = (command[:config_at - 1] + [str(REPO / "tests" / "methods_two_ranks.py"),
-               str(out_dir / "metrics.json")] + command[config_at + 1:])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                               timeout=900)
+    _, *config_and_overrides = train_args(tiny_dir, out_dir / "run", "rollout.sync_check_every=1")
+    completed = forked.run(REPO / "tests" / "methods_two_ranks.py",
+                           [out_dir / "metrics.json", *config_and_overrides], env=train_env(2),
+                           nproc=2)
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
     return json.loads((out_dir / "metrics.json").read_text()), out_dir / "run"
 
@@ -190,13 +199,17 @@ def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, t
     host_tmp = private_tmp(request)
     shm_before = set(os.listdir("/dev/shm"))
 
-    def run_tp(steps):
-        command, env = train_command(
-            tiny_dir, tmp_path / "tp", "algorithm.gen_batch_size=16",
-            "rollout.tensor_parallel_size=2", "hardware.gpus_per_node=2",
-            "rollout.sync_check_every=1", f"train.total_steps={steps}", nproc=2)
-        completed = subprocess.run(command, cwd=REPO, env={**env, "TMPDIR": str(host_tmp)},
-                                   capture_output=True, text=True, timeout=900)
+    def run_tp(steps, torchrun):
+        settings = ["algorithm.gen_batch_size=16", "rollout.tensor_parallel_size=2",
+                    "hardware.gpus_per_node=2", "rollout.sync_check_every=1",
+                    f"train.total_steps={steps}"]
+        if torchrun:  # the README's two-rank command itself
+            command, env = train_command(tiny_dir, tmp_path / "tp", *settings, nproc=2)
+            completed = subprocess.run(command, cwd=REPO, env={**env, "TMPDIR": str(host_tmp)},
+                                       capture_output=True, text=True, timeout=900)
+        else:
+            completed = run_train(tiny_dir, tmp_path / "tp", *settings, nproc=2,
+                                  env={**train_env(2), "TMPDIR": str(host_tmp)})
         # nothing of the run's is left on the host but torch's compile cache, kept on purpose
         # (vLLM's sockets were in the temp directory, AVX-512 builds' segments in /dev/shm, named
         # after a constant before: the second run then failed on the first's)
@@ -205,7 +218,7 @@ def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, t
                     if name.startswith(rollout.HOST_TAG) or "cpushm" in name]
         return completed
 
-    tp = check_finished(run_tp(2), tmp_path / "tp")
+    tp = check_finished(run_tp(2, torchrun=True), tmp_path / "tp")
     for key in (
         "rollout/acc", "rollout/acc_before_filter", "rollout/gen_rounds", "train/entropy",
         "train/loss", "train/grad_norm", "stare/pos_selected_frac"):
@@ -217,7 +230,7 @@ def test_two_ranks_sharing_one_tensor_parallel_engine_match_one_rank(tiny_dir, t
                             weights_only=False)["data_position"] for run in (one_dir, tmp_path / "tp")]
     assert positions[0] == positions[1]  # each round's prompts were sampled once, not once per rank
     # a second tensor-parallel run on the same host: it resumes the first and adds a step
-    assert check_finished(run_tp(3), tmp_path / "tp", steps=3)[-1]["step"] == 3
+    assert check_finished(run_tp(3, torchrun=False), tmp_path / "tp", steps=3)[-1]["step"] == 3
 
 
 def test_round_prompts_give_each_engine_its_share_once():
@@ -304,8 +317,10 @@ def dead(pid):
 
 
 def kill_tree(process):
-    """SIGKILL a launcher and everything it started, as a machine failure would; returns once all are dead."""
-    victims = [process.pid] + descendants(process.pid)
+    """SIGKILL a launcher (or a forked run's ranks) and everything it started, as a machine failure
+    would; returns once all are dead."""
+    victims = [pid for top in getattr(process, "pids", [process.pid])
+               for pid in [top] + descendants(top)]
     for pid in victims:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -345,10 +360,8 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path, request):
     # the same run, killed (SIGKILL, every process) once step 2's checkpoint is written and step 3
     # is logged
     out = tmp_path / "killed"
-    command, env = train_command(tiny_dir, out, *steps, nproc=2)
-    env["TMPDIR"] = str(host_tmp := private_tmp(request))
-    process = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**train_env(2), "TMPDIR": str(host_tmp := private_tmp(request))}
+    process = forked.Forked(REPO / "train.py", train_args(tiny_dir, out, *steps), env, nproc=2)
     wait_until(
         process, lambda: (out / "checkpoints" / "step_00000002").exists() and logged_steps(out) >= 4
     )
@@ -360,8 +373,7 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path, request):
     stale = left_on_host(host_tmp)
     assert len(stale) == 2 and all(name.startswith(rollout.HOST_TAG) for name in stale)
 
-    completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                               timeout=900)
+    completed = run_train(tiny_dir, out, *steps, nproc=2, env=env)
     assert left_on_host(host_tmp) == []
     assert "resumed from" in completed.stderr and "step_00000002 at step 2" in completed.stderr
     resumed = check_finished(completed, out, 4)
@@ -394,19 +406,15 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path, request):
 def test_sigterm_saves_a_checkpoint_that_exports(tiny_dir, tmp_path, request):
     out = tmp_path / "run"
     host_tmp = private_tmp(request)
-    args = [
-        "train.py", "--config", "configs/tiny.yaml", f"model.path={tiny_dir / 'model'}",
-        f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]",
-        f"train.out_dir={out}", "train.total_steps=1000", "train.save_every=0"]
+    args = train_args(tiny_dir, out, "train.total_steps=1000", "train.save_every=0")
     # a file, not a pipe nobody reads until the end
-    with open(tmp_path / "console.txt", "w") as console:
-        process = subprocess.Popen(
-            [sys.executable] + args, cwd=REPO, stdout=console, stderr=subprocess.STDOUT,
-            env={**os.environ, "TMPDIR": str(host_tmp)})
-        wait_until(process, lambda: logged_steps(out) >= 1)
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=300)
-    output = (tmp_path / "console.txt").read_text()
+    console = tmp_path / "console.txt"
+    process = forked.Forked(REPO / "train.py", args, {**os.environ, "TMPDIR": str(host_tmp)},
+                            stdout=console, stderr=console)
+    wait_until(process, lambda: logged_steps(out) >= 1)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=300)
+    output = console.read_text()
     assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert left_on_host(host_tmp) == []  # a signal's exit removes what the run made there
     (checkpoint,) = list((out / "checkpoints").iterdir())
@@ -414,9 +422,7 @@ def test_sigterm_saves_a_checkpoint_that_exports(tiny_dir, tmp_path, request):
     assert 1 <= step < 1000 and len(read_metrics(out)) == step
     assert "stopped by a signal" in output
 
-    exported = subprocess.run(
-        [sys.executable] + args + ["--export"], cwd=REPO, capture_output=True, text=True,
-        timeout=300)
+    exported = forked.run(REPO / "train.py", args + ["--export"], timeout=300)
     assert exported.returncode == 0, exported.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(out / f"hf_step_{step}", dtype=torch.float32)
     initial = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
@@ -478,27 +484,19 @@ def checkpoint_weights(checkpoint):
 
 
 def test_nonfinite_loss_skips_the_step_then_stops_the_run(tiny_dir, tmp_path):
-    # in float16 (a loss scale of 65536), NaN losses at steps 2, 4 and 5 (one micro-batch:
-    # policy_loss call k is step k), at most optim.max_nonfinite_steps=1 in a row: a non-finite
-    # loss counts whatever the scale (as tests/fp16_update.py shows inside policy_update)
+    # NaN losses at steps 2, 4 and 5 (one micro-batch: policy_loss call k is step k), at most
+    # optim.max_nonfinite_steps=1 in a row. In float32: that a non-finite loss counts whatever
+    # float16's loss scale is, tests/fp16_update.py shows inside policy_update
     out = tmp_path / "run"
-    completed = subprocess.run(
-        [sys.executable, "tests/nan_train.py", "2,4,5", "--config", "configs/tiny.yaml",
-         f"model.path={tiny_dir / 'model'}",
-         f"data.train_files=[{tiny_dir / 'data' / 'sum_train.jsonl'}]", "eval.files=[]",
-         f"train.out_dir={out}", "train.total_steps=6", "train.save_every=1",
-         "train.keep_last=10", "optim.max_nonfinite_steps=1", "train.micro_token_budget=100000",
-         "model.param_dtype=float16", "rollout.max_sync_probe_error=10",
-         "rollout.max_logprob_mismatch=10"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-            filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))))
+    completed = forked.run(REPO / "tests" / "nan_train.py", ["2,4,5", *train_args(
+        tiny_dir, out, "train.total_steps=6", "train.save_every=1", "train.keep_last=10",
+        "optim.max_nonfinite_steps=1", "train.micro_token_budget=100000",
+        "rollout.sync_check_every=1")])
     assert (out / "metrics.jsonl").exists(), completed.stderr[-4000:]
     # one bad step (2): skipped (no update), counted, and the run goes on
     metrics = read_metrics(out)
     assert [m["train/skipped_updates"] for m in metrics] == [0, 1, 0, 1, 1], (
         completed.stderr[-4000:])
-    assert all(m["train/loss_scale"] == 2.0**16 for m in metrics)  # the scale left as it was
     bad = [2, 4, 5]
     assert all(math.isfinite(m["train/loss"]) != (m["step"] in bad) for m in metrics)
     assert all(math.isfinite(m["train/grad_norm"]) != (m["step"] in bad) for m in metrics)
@@ -569,11 +567,8 @@ def test_a_run_without_signal_warns_then_stops_after_a_checkpoint(tiny_dir, tmp_
     assert "rollout.max_tokens" in lines[-1] and "train.zero_signal_stop_steps=3" in lines[-1]
     assert [m["train/zero_signal_steps"] for m in read_metrics(out)] == [1, 2, 3]
     assert [p.name for p in checkpoints.list_checkpoints(out)] == ["step_00000003"]
-    # the count resumes from the checkpoint; stop_steps=0 goes on to the end
-    completed = run_train(tiny_dir, out, *small, "train.total_steps=4",
-                          "train.zero_signal_stop_steps=0")
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    assert [m["train/zero_signal_steps"] for m in read_metrics(out)] == [1, 2, 3, 4]
+    assert checkpoints.read_trainer_state(out / "checkpoints" / "step_00000003")[
+        "zero_signal_in_a_row"] == 3  # a resumed run goes on counting
 
 
 def test_dynamic_sampling_gives_up_with_a_clear_error(tiny_dir, tmp_path):
@@ -642,13 +637,11 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tool_dir, tmp_path):
     out = tmp_path / "run"
     # the tiny tool model is never right; DAPO's overlong shaping makes rewards (and so advantages)
     # differ anyway
-    command = [
-        sys.executable, "train.py", "--config", "configs/tiny_tool.yaml",
-        f"model.path={tiny_dir / 'tool_model'}",
+    completed = forked.run(REPO / "train.py", [
+        "--config", "configs/tiny_tool.yaml", f"model.path={tiny_dir / 'tool_model'}",
         f"data.train_files=[{tiny_dir / 'data' / 'mul_train.jsonl'}]", f"train.out_dir={out}",
         "train.total_steps=2", "reward.overlong_buffer_len=300", "reward.max_response_len=400",
-        "rollout.sync_check_every=1", "optim.lr=1e-5"]
-    completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+        "rollout.sync_check_every=1", "optim.lr=1e-5"])
     metrics = check_finished(completed, out)
     # never right: no group varies, counted; the config turns the zero-signal guard's lines off
     assert [m["train/zero_signal_steps"] for m in metrics] == [1, 2]
@@ -675,12 +668,10 @@ def test_a_sandbox_that_cannot_run_stops_the_run_before_the_engine(tool_dir, tmp
     """Under "auto", a probe that fails twice (here: no interpreter) stops in one line with its
     reason, rather than every tool call of the run failing in a weaker mode."""
     tiny_dir = tool_dir
-    completed = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny_tool.yaml",
-                                f"model.path={tiny_dir / 'tool_model'}",
-                                f"data.train_files=[{tiny_dir / 'data' / 'mul_train.jsonl'}]",
-                                f"train.out_dir={tmp_path / 'out'}",
-                                "sandbox.python=/nonexistent/python3"],
-                               cwd=REPO, capture_output=True, text=True, timeout=300)
+    completed = forked.run(REPO / "train.py", [
+        "--config", "configs/tiny_tool.yaml", f"model.path={tiny_dir / 'tool_model'}",
+        f"data.train_files=[{tiny_dir / 'data' / 'mul_train.jsonl'}]",
+        f"train.out_dir={tmp_path / 'out'}", "sandbox.python=/nonexistent/python3"], timeout=300)
     assert completed.returncode == 2, completed.stderr[-2000:]
     last = completed.stderr.strip().splitlines()[-1]
     assert last.startswith("error: sandbox: user namespaces failed twice") and (
@@ -931,14 +922,8 @@ def test_float16_loss_scaling_keeps_the_gradients_that_float16_loses(tiny_dir, t
     # gradients of ~1e-7 per entry, as a token mean over ~10^7 tokens gives: float16 compute flushes
     # all of them to zero; scaled by 2^16 before backward and unscaled after, the update matches the
     # float32 one
-    completed = subprocess.run(
-        [
-            sys.executable, "tests/fp16_update.py", str(tiny_dir / "model"),
-            str(tmp_path / "fp16.json")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600)
+    completed = forked.run(REPO / "tests" / "fp16_update.py",
+                           [tiny_dir / "model", tmp_path / "fp16.json"], timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads((tmp_path / "fp16.json").read_text())
     assert result["reference_max_abs"] < 1e-4  # the premise: a tiny update (entries ~1e-7 to 1e-5)
