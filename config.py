@@ -85,6 +85,11 @@ class RolloutConfig:
     sync_check_every: int = 10
     # stop when the probe's max |engine - trainer| log-prob exceeds this
     max_sync_probe_error: float = 2.0
+    # the probe also compares the next-token distributions over the engine's k most likely tokens
+    # (rollout.topk_divergence); 0 = the probe's own tokens only
+    sync_check_topk: int = 20
+    # stop when the probe's largest total variation over those k (and the rest) exceeds this
+    max_sync_probe_tv: float = 0.5
     # stop when a step's mean |rollout - trainer| log-prob exceeds this
     max_logprob_mismatch: float = 0.25
     # multi-turn code-interpreter rollouts (tool_use.generate_with_tools; sandbox section)
@@ -281,14 +286,22 @@ class SandboxConfig:
     # "auto" where user namespaces fail (twice): true = run the code in "process" mode, false = stop
     allow_process_fallback: bool = False
     tmp_root: str = ""  # "process" mode: where private directories are made; "" = tempfile.gettempdir()
+    # failures of the sandbox itself (not of the code) that stop a run (train.sandbox_guard): a share
+    # of one step's tool calls, and of the calls over the last window_steps steps; 1 = never
+    max_failure_frac: float = 0.25
+    max_window_failure_frac: float = 0.02
+    window_steps: int = 20
 
     def __post_init__(self):
         if self.isolation not in ("auto", "namespaces", "process"):
             raise ValueError(f"isolation must be auto, namespaces or process, not {self.isolation!r}")
         for name in ("timeout_s", "cpu_s", "memory_mb", "max_processes", "max_file_mb", "max_output_bytes",
-                     "max_workers"):
+                     "max_workers", "window_steps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)!r}")
+        for name in ("max_failure_frac", "max_window_failure_frac"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], not {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass
@@ -570,13 +583,13 @@ POSITIVE = (
     "train.keep_last", "rollout.max_num_seqs", "optim.lr", "eval.temperature", "eval.max_tokens",
     "rollout.max_turns", "rollout.max_tool_response_tokens", "hardware.nodes",
     "hardware.gpus_per_node", "hardware.gpu_gib", "rollout.max_sync_probe_error",
-    "rollout.max_logprob_mismatch", "optim.loss_scale_init", "optim.loss_scale_window",
+    "rollout.max_sync_probe_tv", "rollout.max_logprob_mismatch", "optim.loss_scale_init", "optim.loss_scale_window",
     "train.nccl_timeout_minutes", "train.log_every", "gate.target_entropy")
 NON_NEGATIVE = (
     "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
     "train.save_every", "eval.every", "rollout.sync_check_every", "algorithm.max_num_gen_batches",
     "gate.alpha", "optim.max_nonfinite_steps", "entropic.kp", "entropic.ki",
-    "train.zero_signal_warn_steps", "train.zero_signal_stop_steps")
+    "train.zero_signal_warn_steps", "train.zero_signal_stop_steps", "rollout.sync_check_topk")
 
 
 def check(cfg, world_size=None):

@@ -478,13 +478,13 @@ def train_step(run, state, step, stage=lambda name: None, first=False):
         run.scheduler.step()
     stage("weight sync")
     with timer("time/sync"):
-        state.probe, sync_error = rollout.sync_engine(run.engine, run.model, cfg.rollout,
-                                                      responses, step, state.probe, first)
+        state.probe, probe_metrics = rollout.sync_engine(run.engine, run.model, cfg.rollout,
+                                                         responses, step, state.probe, first)
     elapsed = time.time() - start
     return {**rollout_metrics, **batch_metrics(responses, num_tokens, device), **gate_metrics,
             **selection_metrics, **update_metrics, "train/lr": learning_rate, **timer.times,
             "time/step": elapsed, "time/tokens_per_s": num_tokens / max(elapsed, 1e-9),
-            **({"rollout/sync_probe_error": sync_error} if sync_error is not None else {})}
+            **probe_metrics}
 
 
 def policy_token_mask(out, index):

@@ -433,10 +433,11 @@ def wake_kv_cache(engine):
 # --------------------------------------------------------------------------------------------------
 
 
-def engine_logprobs(engine, token_ids, prompt_len):
+def engine_logprobs(engine, token_ids, prompt_len, topk=0):
     """The engine's log-probs of token_ids[prompt_len:] given everything before them (temperature
-    1), via vLLM's prompt log-probs. token_ids: one sequence (list of ints). -> float32 tensor
-    [len(token_ids) - prompt_len]."""
+    1), via vLLM's prompt log-probs. token_ids: one sequence (list of ints). -> (float32 [R] those
+    log-probs, int64 [R, topk] the engine's topk most likely tokens at each position, float32
+    [R, topk] their log-probs), R = len(token_ids) - prompt_len."""
     from vllm import SamplingParams
 
     if not 1 <= prompt_len < len(token_ids):
@@ -446,19 +447,27 @@ def engine_logprobs(engine, token_ids, prompt_len):
     # never read the prefix cache (vllm/sampling_params.py), so the probe always recomputes the
     # whole sequence with current weights
     params = SamplingParams(
-        max_tokens=1, prompt_logprobs=0, temperature=1.0, flat_logprobs=True, seed=0)
+        max_tokens=1, prompt_logprobs=topk, temperature=1.0, flat_logprobs=True, seed=0)
     (request,) = engine.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)
-    # position 0 has no log-prob; position t holds log p(token_t | tokens_<t)
-    flat = request.prompt_logprobs
-    return torch.tensor([float(flat.logprobs[flat.start_indices[t]])
-                         for t in range(prompt_len, len(token_ids))], dtype=torch.float32)
+    # position 0 has none; position t holds log p(token_t | tokens_<t), then the top-k by rank
+    flat, positions = request.prompt_logprobs, range(prompt_len, len(token_ids))
+    top = [(flat.token_ids[i], flat.logprobs[i], flat.ranks[i]) for t in positions
+           for i in range(flat.start_indices[t] + 1, flat.end_indices[t])]
+    if len(top) != len(positions) * topk or any(rank > topk for _, _, rank in top):
+        raise RuntimeError(f"vLLM returned {len(top)} top log-probs for {len(positions)} positions "
+                           f"of prompt_logprobs={topk}")
+    return (torch.tensor([float(flat.logprobs[flat.start_indices[t]]) for t in positions],
+                         dtype=torch.float32),
+            torch.tensor([i for i, _, _ in top], dtype=torch.int64).view(len(positions), topk),
+            torch.tensor([lp for _, lp, _ in top], dtype=torch.float32).view(len(positions), topk))
 
 
 @torch.no_grad()
-def trainer_logprobs(model, token_ids, prompt_len):
-    """The training model's log-probs of token_ids[prompt_len:] (temperature 1). Call on every rank
-    with FSDP2. The LM head runs only at the positions compared ([R, V] logits in the compute dtype,
-    R = len - prompt_len)."""
+def trainer_logprobs(model, token_ids, prompt_len, with_logits=False):
+    """The training model's log-probs of token_ids[prompt_len:] (temperature 1), float32 [R]; with
+    with_logits, also the logits [R, V] (compute dtype, on the host) and their logsumexp, float32
+    [R]: any token's log-prob is then logit - logsumexp. Call on every rank with FSDP2. The LM head
+    runs only at the positions compared, R = len - prompt_len."""
     import stare
 
     device = next(model.parameters()).device
@@ -466,14 +475,34 @@ def trainer_logprobs(model, token_ids, prompt_len):
     # position t predicts token t + 1
     keep = torch.arange(prompt_len - 1, len(token_ids) - 1, device=device)
     logits = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits[0]  # [R, V]
-    logprobs, _ = stare.token_logprobs_and_entropy(logits, ids[0, prompt_len:])
-    return logprobs.cpu()
+    tokens = ids[0, prompt_len:]
+    logprobs, _ = stare.token_logprobs_and_entropy(logits, tokens)
+    if not with_logits:
+        return logprobs.cpu()
+    # logsumexp = logit_token - log p(token): no second pass over [R, V]
+    logsumexp = logits.gather(-1, tokens[:, None])[:, 0].float() - logprobs
+    return logprobs.cpu(), logits.cpu(), logsumexp.cpu()
+
+
+def topk_divergence(engine_top, trainer_top):
+    """How far the trainer's next-token distributions are from the engine's, seen through the
+    engine's k most likely tokens at each position: both distributions coarsened to those k
+    tokens and one bucket for the rest. engine_top, trainer_top: float32 [R, k] log-probs of the
+    same tokens -> (total variation [R], KL(engine || trainer) [R], the engine's mass outside the
+    k [R]). Both are lower bounds of the full distributions' (coarsening never increases them)."""
+    p, q = engine_top.exp(), trainer_top.exp()
+    p_out, q_out = (1 - p.sum(-1)).clamp_min(0), (1 - q.sum(-1)).clamp_min(0)
+    total_variation = 0.5 * ((p - q).abs().sum(-1) + (p_out - q_out).abs())
+    tiny = torch.finfo(torch.float32).tiny  # 0 log 0 = 0
+    kl = (p * (engine_top - trainer_top)).sum(-1) + p_out * (
+        p_out.clamp_min(tiny).log() - q_out.clamp_min(tiny).log())
+    return total_variation, kl.clamp_min(0), p_out
 
 
 def weight_sync_error(engine, model, token_ids, prompt_len):
     """max |engine log-prob - trainer log-prob| on a fixed probe sequence: ~1e-5 in float32 when the
     engine holds the trainer's weights, orders of magnitude more after a missed or partial sync."""
-    engine_side = engine_logprobs(engine, token_ids, prompt_len)
+    engine_side, _, _ = engine_logprobs(engine, token_ids, prompt_len)
     return (engine_side - trainer_logprobs(model, token_ids, prompt_len)).abs().max().item()
 
 
@@ -489,8 +518,12 @@ PROBE_TOKENS = 512
 def sync_engine(engine, model, rollout_cfg, responses, step, probe, first=False):
     """The new weights into the local engine; at step 1 (or when `first`) and every sync_check_every
     steps, the engine's log-probs of a probe sequence against the trainer's -> (the probe, the
-    largest difference over all ranks, or None). With sleep mode the trainer's side of the probe
-    runs before the engine's KV cache is back, so the two never hold memory at once."""
+    probe's metrics over all ranks: {} when it did not run). rollout/sync_probe_error is the
+    largest |engine - trainer| log-prob of the probe's tokens; with rollout.sync_check_topk,
+    rollout/sync_probe_tv and rollout/sync_probe_kl are the largest divergences of the next-token
+    distributions over the engine's top-k (`topk_divergence`), rollout/sync_probe_mass_out the
+    engine's mean mass outside it. With sleep mode the trainer's side of the probe runs before the
+    engine's KV cache is back, so the two never hold memory at once."""
     if rollout_cfg.enable_sleep_mode:
         wake_weights(engine)  # weights first, then the KV cache (vLLM's sleep mode)
     sync_weights(engine, full_parameters(model, engine_dtype(engine)))
@@ -499,17 +532,26 @@ def sync_engine(engine, model, rollout_cfg, responses, step, probe, first=False)
     if checking and probe is None:
         # same on all ranks
         probe = next((p for p in runs.all_gather(probe_sequence(responses)) if p is not None), None)
+    topk = rollout_cfg.sync_check_topk
     if checking and probe is not None:
         model.eval()
-        trainer_side = trainer_logprobs(model, probe[0], probe[1])
+        trainer_side = trainer_logprobs(model, probe[0], probe[1], with_logits=topk > 0)
         modeling.reshard_root(model)  # or the root unit stays gathered through the rollout
     if rollout_cfg.enable_sleep_mode:
         wake_kv_cache(engine)
     if not checking or probe is None:
-        return probe, None
-    error = (engine_logprobs(engine, probe[0], probe[1]) - trainer_side).abs().max()
+        return probe, {}
+    engine_side, top_ids, engine_top = engine_logprobs(engine, probe[0], probe[1], topk)
+    checks = {}
+    if topk:
+        trainer_side, logits, logsumexp = trainer_side
+        trainer_top = logits.gather(-1, top_ids).float() - logsumexp[:, None]
+        total_variation, kl, mass_out = topk_divergence(engine_top, trainer_top)
+        checks = {"rollout/sync_probe_tv": total_variation.max(), "rollout/sync_probe_kl": kl.max(),
+                  "rollout/sync_probe_mass_out": mass_out.mean()}
+    checks["rollout/sync_probe_error"] = (engine_side - trainer_side).abs().max()
     device = next(model.parameters()).device
-    return probe, runs.all_reduce({"error": error}, device, op=dist.ReduceOp.MAX)["error"]
+    return probe, runs.all_reduce(checks, device, op=dist.ReduceOp.MAX)
 
 
 def probe_sequence(responses):

@@ -101,13 +101,26 @@ def run_batch(codes: list[str], config=None) -> list[Result]:
 def run_code(code: str, config=None) -> Result:
     """Run one piece of code in a fresh sandbox. Never raises, returns within about
     config.timeout_s."""
+    global _last_failure
     config = config or _default_config()
     try:
-        return _run(code, config, isolation(config))
+        result = _run(code, config, isolation(config))
     except Exception as e:  # a sandbox bug or a machine problem; the trainer carries on
-        return Result(
+        result = Result(
             "", False, "sandbox", f"Error: sandbox failure ({type(e).__name__}: {e})", None, 0.0,
             False, 0)
+    if result.error == "sandbox":
+        _last_failure = result.message
+    return result
+
+
+_last_failure = None  # the message of this process's latest "sandbox" failure
+
+
+def last_failure():
+    """The message of this process's latest failure of the sandbox itself (Result.error
+    "sandbox"), or None: what a run that stops on them names."""
+    return _last_failure
 
 
 class Unavailable(RuntimeError):

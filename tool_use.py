@@ -69,6 +69,8 @@ class ToolRollouts(rollout.Rollouts):
     # [N] tool turns that report an error: invalid calls and failed runs (timeouts included)
     num_errors: list
     num_timeouts: list  # [N] runs killed at the sandbox's timeout_s
+    # [N] runs the sandbox itself failed (Result.error "sandbox": the code never ran or was lost)
+    num_sandbox_failures: list
     # [N] calls rejected without running: bad JSON, unknown function, no code string
     num_invalid: list
 
@@ -89,6 +91,7 @@ class _Conversation:
     num_calls: int = 0
     num_errors: int = 0
     num_timeouts: int = 0
+    num_sandbox_failures: int = 0
     num_invalid: int = 0
 
 
@@ -295,6 +298,7 @@ def _count_call(conversation, result):
     conversation.num_invalid += result is None
     conversation.num_errors += result is None or not result.ok
     conversation.num_timeouts += result is not None and result.error == "timeout"
+    conversation.num_sandbox_failures += result is not None and result.error == "sandbox"
 
 
 def _tool_rollouts(conversations, tokenizer):
@@ -306,6 +310,7 @@ def _tool_rollouts(conversations, tokenizer):
         full_texts=[tokenizer.decode(c.token_ids, skip_special_tokens=False) for c in cs],
         num_turns=[c.num_turns for c in cs], num_calls=[c.num_calls for c in cs],
         num_errors=[c.num_errors for c in cs], num_timeouts=[c.num_timeouts for c in cs],
+        num_sandbox_failures=[c.num_sandbox_failures for c in cs],
         num_invalid=[c.num_invalid for c in cs])
 
 
@@ -315,15 +320,20 @@ def tool_sums(out):
     return {"responses": len(out.token_ids), "tokens": sum(out.lengths),
             "tool_calls": sum(out.num_calls), "tool_errors": sum(out.num_errors),
             "tool_timeouts": sum(out.num_timeouts), "tool_invalid": sum(out.num_invalid),
+            "sandbox_failures": sum(out.num_sandbox_failures),
             "tool_tokens": sum(map(sum, out.tool_mask)),
             "max_turns": out.finish_reasons.count("max_turns")}
 
 
 def tool_metrics(sums):
     """rollout/ metrics of `tool_sums` (added up over any batches): calls per response, errors,
-    timeouts and invalid calls per call, the tool tokens' share of the tokens."""
+    timeouts, the sandbox's own failures (also errors) and invalid calls per call, the tool tokens'
+    share of the tokens; the counts of calls and sandbox failures (train.sandbox_guard's window)."""
     responses, calls = max(sums["responses"], 1), max(sums["tool_calls"], 1)
-    return {"rollout/tool_calls_mean": sums["tool_calls"] / responses,
+    return {"rollout/tool_calls": sums["tool_calls"],
+            "rollout/sandbox_failures": sums["sandbox_failures"],
+            "rollout/sandbox_failure_frac": sums["sandbox_failures"] / calls,
+            "rollout/tool_calls_mean": sums["tool_calls"] / responses,
             "rollout/tool_error_frac": sums["tool_errors"] / calls,
             "rollout/tool_timeout_frac": sums["tool_timeouts"] / calls,
             "rollout/tool_invalid_frac": sums["tool_invalid"] / calls,

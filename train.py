@@ -53,6 +53,34 @@ def nonfinite_guard(metrics, state, cfg, step):
     return None
 
 
+def sandbox_guard(metrics, state, cfg, step):
+    """One line when the sandbox itself failed (rollout/sandbox_failures: the code never ran, or
+    its result was lost; not the code's own errors) in more than sandbox.max_failure_frac of this
+    step's tool calls, or sandbox.max_window_failure_frac of the calls of the last
+    sandbox.window_steps steps (state.sandbox_window), else None. Such a step's rewards were computed
+    without the tool's output: RL with tools silently becomes RL without them."""
+    if "rollout/sandbox_failures" not in metrics:  # no tools
+        return None
+    box = cfg.sandbox
+    failures, calls = metrics["rollout/sandbox_failures"], metrics["rollout/tool_calls"]
+    state.sandbox_window = (state.sandbox_window + [[failures, calls]])[-box.window_steps:]
+    window_failures, window_calls = map(sum, zip(*state.sandbox_window))
+    for failed, made, bound, where in (
+            (failures, calls, box.max_failure_frac, "this step's"),
+            (window_failures, window_calls, box.max_window_failure_frac,
+             f"the last {len(state.sandbox_window)} steps'")):
+        if made and failed / made > bound:
+            name = "max_failure_frac" if where == "this step's" else "max_window_failure_frac"
+            return (
+                f"error: step {step}: the sandbox itself failed in {failed:g} of {where} {made:g} "
+                f"tool calls ({failed / made:.3g} > sandbox.{name} = {bound:g}); the latest: "
+                f"{sandbox.last_failure() or 'on another rank'}. Its code never ran, so the "
+                f"rewards were computed without the tool's output. Check that sandbox.python runs "
+                f"and sandbox.tmp_root has room (`python sandbox.py` runs one code as a tool call "
+                f"would; docs/sandbox.md); stopped before this step's checkpoint")
+    return None
+
+
 def zero_signal_guard(metrics, in_a_row, cfg, step):
     """The zero-signal guard: a step whose share of sampled groups with answers judged differently,
     or of responses the reward could read, is at or below train.min_varied_group_frac or
@@ -88,6 +116,7 @@ def sync_guard(metrics, cfg, step):
     weight sync samples from other weights than the ones trained), else None. The bounds and their
     noise floor: docs/usage.md, "GPU runs: the checks"."""
     for key, name in (("rollout/sync_probe_error", "max_sync_probe_error"),
+                      ("rollout/sync_probe_tv", "max_sync_probe_tv"),
                       ("rollout/logprob_mismatch_mean", "max_logprob_mismatch")):
         bound = getattr(cfg.rollout, name)
         if key in metrics and not metrics[key] <= bound:
@@ -160,7 +189,8 @@ def train(run, state):
             metrics["train/zero_signal_steps"] = state.zero_signal_in_a_row
             log.write(step, metrics, progress)
             # before this step's checkpoint: the last one holds finite weights the engine sampled
-            problem = nonfinite_guard(metrics, state, cfg, step) or sync_guard(metrics, cfg, step)
+            problem = (nonfinite_guard(metrics, state, cfg, step) or sync_guard(metrics, cfg, step)
+                       or sandbox_guard(metrics, state, cfg, step))
             if problem:
                 raise runs.RunError(problem)
             no_signal_stop = no_signal is not None and no_signal.startswith("error")
@@ -229,6 +259,8 @@ class TrainerState:
     data_position: int = 0
     nonfinite_in_a_row: int = 0  # consecutive steps whose update was skipped
     zero_signal_in_a_row: int = 0  # consecutive steps without learning signal (zero_signal_guard)
+    # [sandbox failures, tool calls] of the last sandbox.window_steps steps (sandbox_guard)
+    sandbox_window: list = dataclasses.field(default_factory=list)
     probe: tuple | None = None  # (token ids, prompt length) of the weight-sync check
     scaler: "modeling.LossScaler | None" = None  # float16 compute: the dynamic loss scale
 
@@ -418,8 +450,9 @@ def resume(run, checkpoint):
     if isinstance(state.scaler, dict):
         state.scaler = modeling.LossScaler(**state.scaler)
     # the engine started from model.path: wake weights, sync, the saved probe, wake the KV cache
-    state.probe, error = rollout.sync_engine(run.engine, run.model, cfg.rollout, [], state.step,
-                                             state.probe, first=True)
+    state.probe, checks = rollout.sync_engine(run.engine, run.model, cfg.rollout, [], state.step,
+                                              state.probe, first=True)
+    error = checks.get("rollout/sync_probe_error")
     if error is not None and not error <= cfg.rollout.max_sync_probe_error:
         raise runs.RunError(
             f"error: resuming from {checkpoint}: rollout/sync_probe_error = {error:.3g} exceeds "

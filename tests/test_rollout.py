@@ -2,6 +2,7 @@
 
 import getpass
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -139,6 +140,60 @@ def test_weight_sync_is_checkable(engine, prompts, tiny_dir):
     rollout.sync_weights(engine, rollout.full_parameters(model))
     restored = rollout.generate(engine, prompts, n=4, max_tokens=24, seeds=[20, 21, 22])
     assert restored.token_ids == before.token_ids
+
+
+def test_the_probe_compares_next_token_distributions_over_the_engines_top_k(engine, prompts,
+                                                                             tiny_dir):
+    model = load_model(tiny_dir)
+    probe = (
+        list(prompts[0])
+        + rollout.generate(engine, prompts[:1], n=1, max_tokens=12, seeds=[7]).token_ids[0])
+    prompt_len, k = len(prompts[0]), 5
+
+    def divergence():
+        _, top_ids, engine_top = rollout.engine_logprobs(engine, probe, prompt_len, k)
+        _, logits, logsumexp = rollout.trainer_logprobs(model, probe, prompt_len, with_logits=True)
+        trainer_top = logits.gather(-1, top_ids) - logsumexp[:, None]
+        return top_ids, logits, rollout.topk_divergence(engine_top, trainer_top)
+
+    top_ids, logits, (total_variation, kl, mass_out) = divergence()
+    # the engine's top k are the k largest of the trainer's logits, in order
+    assert torch.equal(top_ids, logits.topk(k).indices)
+    assert total_variation.max() < 1e-5 and kl.max() < 1e-6 and 0 < mass_out.min()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the engine is stale: a training step's worth of change
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    _, _, (total_variation, kl, _) = divergence()
+    assert total_variation.max() > 0.05 and kl.max() > 1e-3
+
+
+def test_topk_divergence_is_the_coarsened_distributions_divergence():
+    # an independent computation: full distributions over 50 tokens, merged by hand into the
+    # engine's top k and one bucket for the others
+    generator = torch.Generator().manual_seed(0)
+    for k in (1, 5, 49):
+        engine_full = torch.log_softmax(3 * torch.randn(4, 50, generator=generator), -1)
+        trainer_full = torch.log_softmax(
+            engine_full + 0.5 * torch.randn(4, 50, generator=generator), -1)
+        top = engine_full.topk(k).indices
+        total_variation, kl, mass_out = rollout.topk_divergence(
+            engine_full.gather(-1, top), trainer_full.gather(-1, top))
+        for row in range(4):
+            p, q = engine_full[row].double().exp(), trainer_full[row].double().exp()
+            kept = set(top[row].tolist())
+            p_merged = [p[i].item() for i in kept] + [sum(p[i].item() for i in range(50)
+                                                          if i not in kept)]
+            q_merged = [q[i].item() for i in kept] + [sum(q[i].item() for i in range(50)
+                                                          if i not in kept)]
+            tv = 0.5 * sum(abs(a - b) for a, b in zip(p_merged, q_merged))
+            divergence = sum(a * math.log(a / b) for a, b in zip(p_merged, q_merged) if a > 0)
+            assert total_variation[row].item() == pytest.approx(tv, abs=1e-6)
+            assert kl[row].item() == pytest.approx(divergence, abs=1e-5)
+            assert mass_out[row].item() == pytest.approx(p_merged[-1], abs=1e-6)
+            # a lower bound of the full distributions' divergences
+            assert tv <= 0.5 * (p - q).abs().sum().item() + 1e-9
+            assert divergence <= (p * (p / q).log()).sum().item() + 1e-9
 
 
 def test_the_trainer_side_of_the_probe_runs_the_head_only_where_it_compares(tiny_dir):

@@ -649,6 +649,8 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tool_dir, tmp_path):
     assert (
         metrics[0]["rollout/tool_calls_mean"] > 0.3
         and 0.1 < metrics[0]["rollout/tool_token_frac"] < 0.9)
+    # the code's own errors are not the sandbox's failures
+    assert all(m["rollout/sandbox_failures"] == 0 for m in metrics)
     # the mode the run used, as this process finds it (auto stops rather than fall back)
     assert metrics[0]["rollout/sandbox_namespaces"] == float(sandbox.isolation() == "namespaces")
     for record in metrics:
@@ -662,6 +664,54 @@ def test_tool_use_trains_end_to_end_with_tool_tokens_masked(tool_dir, tmp_path):
         # tool tokens' rollout log-prob is a 0.0 placeholder
         assert record["rollout/logprob_mismatch_max"] < 1e-3
         assert record["rollout/sync_probe_error"] < 1e-4 and record["train/grad_norm"] > 0
+
+
+def test_a_sandbox_that_fails_mid_run_stops_the_run_in_one_line(tool_dir, tmp_path):
+    # the start-up probe passes, then every execution fails in the sandbox itself
+    out = tmp_path / "run"
+    completed = forked.run(REPO / "tests" / "sandbox_fault_train.py", [
+        "--config", "configs/tiny_tool.yaml", f"model.path={tool_dir / 'tool_model'}",
+        f"data.train_files=[{tool_dir / 'data' / 'mul_train.jsonl'}]", f"train.out_dir={out}",
+        "train.total_steps=3", "train.save_every=1"])
+    assert completed.returncode == 2, completed.stderr[-3000:]
+    line = completed.stderr.strip().splitlines()[-1]
+    (record,) = read_metrics(out)  # on record, and not saved: no checkpoint after it
+    # every call that ran (not rejected as invalid) failed in the sandbox
+    failures, calls = record["rollout/sandbox_failures"], record["rollout/tool_calls"]
+    assert failures == round(calls * (1 - record["rollout/tool_invalid_frac"])) > 0
+    assert record["rollout/tool_error_frac"] == 1.0
+    assert line.startswith(
+        f"error: step 1: the sandbox itself failed in {failures:g} of this step's {calls:g} tool "
+        f"calls ({failures / calls:.3g} > sandbox.max_failure_frac = 0.25); the latest: Error: "
+        "sandbox failure (OSError: [Errno 28] No space left on device (injected)). Its code never "
+        "ran"), line
+    assert checkpoints.list_checkpoints(out) == []
+
+
+def test_the_sandbox_guard_bounds_a_step_and_a_window_of_steps():
+    import config
+    import train
+
+    cfg = config.Config()
+    cfg.sandbox = dataclasses.replace(cfg.sandbox, max_failure_frac=0.5,
+                                      max_window_failure_frac=0.1, window_steps=3)
+    state = train.TrainerState()
+
+    def step(failures, calls):
+        return {"rollout/sandbox_failures": failures, "rollout/tool_calls": calls}
+
+    # per step under 0.5; over the window: 1/10, 2/20 (= the bound: goes on), 3/30, then 4 of the
+    # last three steps' 30 calls (the first step left the window)
+    lines = [train.sandbox_guard(step(f, 10), state, cfg, number)
+             for number, f in enumerate([1, 1, 1, 1, 2], 1)]
+    assert lines[:4] == [None] * 4 and state.sandbox_window == [[1, 10], [1, 10], [2, 10]]
+    assert lines[4].startswith("error: step 5: the sandbox itself failed in 4 of the last 3 "
+                               "steps' 30 tool calls (0.133 > sandbox.max_window_failure_frac = 0.1)")
+    assert train.sandbox_guard(step(6, 10), train.TrainerState(), cfg, 1).startswith(
+        "error: step 1: the sandbox itself failed in 6 of this step's 10 tool calls (0.6 > "
+        "sandbox.max_failure_frac = 0.5)")
+    assert train.sandbox_guard(step(0, 0), train.TrainerState(), cfg, 1) is None  # no calls
+    assert train.sandbox_guard({}, state, cfg, 6) is None  # no tools
 
 
 def test_a_sandbox_that_cannot_run_stops_the_run_before_the_engine(tool_dir, tmp_path):
@@ -903,19 +953,25 @@ def test_the_sync_probe_runs_at_step_one_and_a_broken_bound_stops_the_run_in_one
     assert first["rollout/sync_probe_error"] < 1e-4 and "rollout/sync_probe_error" not in second
     assert first["rollout/model_runner_v2"] == 0.0  # the V1 runner, as rollout.model_runner asks
 
-    out = tmp_path / "guarded"
-    completed = run_train(tiny_dir, out, "rollout.max_logprob_mismatch=1e-12")
-    assert completed.returncode == 2, completed.stderr[-2000:]
-    assert "Traceback" not in completed.stderr
-    line = next(line for line in completed.stderr.splitlines() if line.startswith("error:"))
-    assert line.startswith("error: step 1: rollout/logprob_mismatch_mean = ")
-    assert "exceeds rollout.max_logprob_mismatch = 1e-12" in line
-    logged = read_metrics(out)
-    # the step that tripped the guard is on record
-    assert [m["step"] for m in logged if m["step"] > 0] == [1]
-    assert "max_logprob_mismatch: 1.0e-12" in (out / "config.yaml").read_text()
-    # nothing saved from weights the engine may not hold
-    assert checkpoints.list_checkpoints(out) == []
+    # the probe's distributions too: the engine's top 20 at every position, ~0 apart when synced
+    assert first["rollout/sync_probe_tv"] < 1e-5 and first["rollout/sync_probe_kl"] < 1e-6
+    assert 0 < first["rollout/sync_probe_mass_out"] < 1
+
+    for key, bound in (("rollout/logprob_mismatch_mean", "max_logprob_mismatch"),
+                       ("rollout/sync_probe_tv", "max_sync_probe_tv")):
+        out = tmp_path / bound
+        completed = run_train(tiny_dir, out, f"rollout.{bound}=1e-12")
+        assert completed.returncode == 2, completed.stderr[-2000:]
+        assert "Traceback" not in completed.stderr
+        line = next(line for line in completed.stderr.splitlines() if line.startswith("error:"))
+        assert line.startswith(f"error: step 1: {key} = ")
+        assert f"exceeds rollout.{bound} = 1e-12" in line
+        logged = read_metrics(out)
+        # the step that tripped the guard is on record
+        assert [m["step"] for m in logged if m["step"] > 0] == [1]
+        assert f"{bound}: 1.0e-12" in (out / "config.yaml").read_text()
+        # nothing saved from weights the engine may not hold
+        assert checkpoints.list_checkpoints(out) == []
 
 
 def test_float16_loss_scaling_keeps_the_gradients_that_float16_loses(tiny_dir, tmp_path):

@@ -631,6 +631,71 @@ def bench_train_step(args):
 
 
 # --------------------------------------------------------------------------------------------------
+# sync-probe
+# --------------------------------------------------------------------------------------------------
+
+
+def bench_sync_probe(args):
+    """The weight-sync probe of rollout.sync_engine on a model directory: a float32 trainer (a
+    transformers model, as FSDP2 computes it on CPU) against an engine of --engine-dtype holding
+    the same weights, then against a trainer moved away from them (every weight plus --stale times
+    its tensor's standard deviation of noise, a stand-in for a missed sync). Reports the probe's
+    log-prob error and its top-k divergences (rollout.topk_divergence), and the probe's cost with
+    and without the top-k (engine and trainer side, the best of --repeats)."""
+    import time
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import config
+    import rollout
+
+    engine = rollout.build_engine(
+        config.RolloutConfig(dtype=args.engine_dtype, kv_cache_gib=0.5, enforce_eager=True),
+        args.model, seed=0, max_model_len=args.tokens + 128)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    prompt = tokenizer(args.prompt).input_ids
+    response = rollout.generate(engine, [prompt], n=1, max_tokens=args.tokens, seeds=[0],
+                                temperature=1.0).token_ids[0]
+    probe, prompt_len = prompt + response, len(prompt)
+
+    def best_time(call):
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            value = call()
+            times.append(time.perf_counter() - start)
+        return value, min(times)
+
+    def checks():
+        (engine_side, top_ids, engine_top), engine_s = best_time(
+            lambda: rollout.engine_logprobs(engine, probe, prompt_len, args.topk))
+        (trainer_side, logits, logsumexp), trainer_s = best_time(
+            lambda: rollout.trainer_logprobs(model, probe, prompt_len, with_logits=True))
+        total_variation, kl, mass_out = rollout.topk_divergence(
+            engine_top, logits.gather(-1, top_ids).float() - logsumexp[:, None])
+        return {"sync_probe_error": (engine_side - trainer_side).abs().max().item(),
+                "tv_max": total_variation.max().item(), "tv_mean": total_variation.mean().item(),
+                "kl_max": kl.max().item(), "mass_out_mean": mass_out.mean().item()}, {
+                    f"engine_top{args.topk}_s": engine_s, "trainer_with_logits_s": trainer_s}
+
+    synced, seconds = checks()
+    _, seconds["engine_s"] = best_time(lambda: rollout.engine_logprobs(engine, probe, prompt_len))
+    _, seconds["trainer_s"] = best_time(lambda: rollout.trainer_logprobs(model, probe, prompt_len))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(args.stale * parameter.std() * torch.randn(
+                parameter.shape, generator=generator))
+    stale, _ = checks()
+    rollout.shutdown_engine(engine)
+    return {"model": str(args.model), "engine_dtype": args.engine_dtype, "topk": args.topk,
+            "probe_tokens": len(response), "vocab": model.config.vocab_size,
+            "threads": torch.get_num_threads(), "synced": synced, "stale": stale,
+            "stale_noise": args.stale, "seconds": {k: round(v, 4) for k, v in seconds.items()}}
+
+
+# --------------------------------------------------------------------------------------------------
 # startup-memory
 # --------------------------------------------------------------------------------------------------
 
@@ -829,6 +894,15 @@ def main():
     smoke.add_argument("--sleep-level", type=int, default=2, choices=[1, 2])
     smoke.add_argument("--cpu", action="store_true",
                        help="the trainer's and engine's cycles on a tiny model on CPU (a test)")
+    probe = commands.add_parser(
+        "sync-probe", help="the weight-sync probe's divergences and cost on a model (CPU)")
+    probe.add_argument("--model", required=True, help="a local HF model directory")
+    probe.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"])
+    probe.add_argument("--topk", type=int, default=20, help="rollout.sync_check_topk")
+    probe.add_argument("--tokens", type=int, default=512, help="the probe's response tokens")
+    probe.add_argument("--prompt", default="What is 7 + 5? Think step by step.")
+    probe.add_argument("--stale", type=float, default=0.01)
+    probe.add_argument("--repeats", type=int, default=3)
     resume = commands.add_parser(
         "resume-memory", help="peak memory of a resume's checkpoint load over the fp32 shards")
     resume.add_argument("--size", default="1.5b", choices=list(QWEN25))
@@ -851,6 +925,7 @@ def main():
             "train-step": bench_train_step,
             "startup-memory": bench_startup_memory,
             "resume-memory": bench_resume_memory,
+            "sync-probe": bench_sync_probe,
         }[args.command]
     result = run(args)
     if result is not None:  # None: a trl-compare worker, which reports through its --result file

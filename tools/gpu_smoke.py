@@ -250,9 +250,11 @@ def engine_cycles(model_dir, device, cycles=3, runner="v1", sleep_level=2, sleep
             record["free_gib_asleep"] = free_gib(device)
             responses, update = update_on(model, optimizer, gate, groups, cfg, cycle, device)
             record.update(update)
-            probe, error = rollout.sync_engine(engine, model, sync_cfg.rollout, responses, cycle, None,
-                                             first=True)
-            record.update(probe_error=error, probe_tokens=len(probe[0]) - probe[1] if probe else 0,
+            probe, checks = rollout.sync_engine(engine, model, sync_cfg.rollout, responses, cycle,
+                                                None, first=True)
+            error = checks.get("rollout/sync_probe_error")
+            record.update(probe_error=error, probe_tv=checks.get("rollout/sync_probe_tv"),
+                          probe_tokens=len(probe[0]) - probe[1] if probe else 0,
                           free_gib_synced=free_gib(device),
                           resharded=all(hasattr(p, "to_local") for p in model.parameters()))
             if probe:  # the probe's forward again, then reshard_root, as rollout.sync_engine does
