@@ -5,7 +5,9 @@
 runs any of: grpo, stare, stapo, lp_reg, clip_cov, kl_cov, high_entropy, entropy_bonus, steer,
 w_reinforce, entropic, on the same tensors. GRPO, DAPO (clip-higher, dual clip, token-mean) and
 Dr.GRPO (advantages without std, `seq-mean-token-sum-norm`) are settings of `config.LossConfig`
-and `stare.group_advantages`, not separate methods. "Eq. N" refers to docs/method.md.
+and `stare.group_advantages`, not separate methods. Beside PPO-clip (`stare.clipped_surrogate`),
+verl's GSPO, CISPO and SAPO losses are per-token functions here (`gspo_surrogate`,
+`cispo_surrogate`, `sapo_surrogate`). "Eq. N" refers to docs/method.md.
 
 `batch` is a dict of [B, T] tensors (advantages may be [B]):
     logprobs        log pi_theta of the sampled tokens, current policy, with grad
@@ -393,6 +395,127 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
         return {"high_prob": high_prob}, {
             "entropic/high_prob_frac": high_prob.sum() / mask.bool().sum().clamp(min=1)}
     return {}, {}  # grpo, entropy_bonus, w_reinforce: nothing to select
+
+
+# ==================================================================================================
+# Policy losses beside PPO-clip: GSPO, CISPO, SAPO (per-token losses for stare.aggregate_loss)
+# ==================================================================================================
+# Each matches verl's function at volcengine/verl@b178a3c (verl/trainer/ppo/core_algos.py) bit for
+# bit, values and gradients, when aggregated as verl's recipe does (tests/test_policy_losses.py).
+
+
+def gspo_surrogate(logprobs, old_logprobs, advantages, mask, clip_low=3e-4, clip_high=4e-4):
+    """GSPO's per-token loss (Zheng et al. 2025, arXiv 2507.18071; Eq. 27): PPO's clip applied to a
+    sequence-level, length-normalised ratio. verl: compute_policy_loss_gspo.
+
+    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B] or [B, T], mask [B, T] ->
+    (token_loss [B, T], stats as stare.clipped_surrogate's).
+
+      log s_i   = sum_t m (log pi - log pi_old) / max(sum_t m, 1)      (no +-20 clamp per token)
+      s_{i,t}   = exp(min(sg[log s_i] + log pi_{i,t} - sg[log pi_{i,t}], 10))
+      loss      = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high))   (no dual clip)
+    The value of s_{i,t} is s_i; its gradient is s_i d log pi_{i,t} (zero where the clamp at 10
+    acts). verl aggregates it as seq-mean-token-mean whatever loss_agg_mode says; defaults: the
+    paper's (Sec. 5.1) and verl's GSPO recipes' clip ranges.
+    """
+    _check_clip(clip_low, clip_high)
+    token_adv = stare.token_advantages(advantages, logprobs).to(logprobs.dtype)  # [B, T]
+    log_ratio = logprobs - old_logprobs  # [B, T]
+    seq_lengths = mask.sum(-1).clamp(min=1)  # [B], an integer count for bool masks
+    seq_log_ratio = (log_ratio * mask).sum(-1) / seq_lengths  # [B]: log s_i
+    # sg[log s_i] + log pi - sg[log pi]: the value log s_i, the gradient of log pi
+    log_seq_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)  # [B, T]
+    seq_ratio = torch.exp(torch.clamp(log_seq_ratio, max=10.0))  # [B, T]
+    loss_unclipped = -token_adv * seq_ratio
+    loss_clipped = -token_adv * torch.clamp(seq_ratio, 1 - clip_low, 1 + clip_high)
+    token_loss = torch.maximum(loss_unclipped, loss_clipped)
+    with torch.no_grad():
+        stats = _surrogate_stats(
+            log_ratio, mask, clipped=loss_clipped > loss_unclipped,
+            below=(token_adv < 0) & (seq_ratio < 1 - clip_low),
+            above=(token_adv > 0) & (seq_ratio > 1 + clip_high))
+    return token_loss, stats
+
+
+def cispo_surrogate(logprobs, old_logprobs, advantages, mask, clip_low=10.0, clip_high=0.2):
+    """CISPO's per-token loss (MiniMax 2025, MiniMax-M1, arXiv 2506.13585; Eq. 28): REINFORCE on
+    every token, weighted by the clipped importance ratio with its gradient stopped. verl:
+    compute_policy_loss_cispo.
+
+    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B] or [B, T], mask [B, T] ->
+    (token_loss [B, T], stats as stare.clipped_surrogate's).
+
+      r    = exp(clamp(log pi - log pi_old, -20, 20))
+      loss = -sg[clip(r, 1 - clip_low, 1 + clip_high)] A log pi
+    The value holds log pi itself (not r): on-policy it is -A log pi, and its gradient -A d log pi.
+    No token loses its gradient: a clipped ratio only caps the weight. The paper sets no lower
+    bound ("a large value") and publishes no upper one; the defaults are verl's CISPO example's
+    (clip_ratio_low 10, clip_ratio_high 0.2). verl aggregates it by loss_agg_mode (token-mean there,
+    as the paper's 1 / sum |o_i|).
+    """
+    _check_clip(clip_low, clip_high)
+    token_adv = stare.token_advantages(advantages, logprobs).to(logprobs.dtype)  # [B, T]
+    log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)  # [B, T]
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    token_loss = -clipped_ratio.detach() * token_adv * logprobs
+    with torch.no_grad():
+        stats = _surrogate_stats(log_ratio, mask, clipped=ratio != clipped_ratio,
+                                 below=ratio < 1 - clip_low, above=ratio > 1 + clip_high)
+    return token_loss, stats
+
+
+def sapo_surrogate(logprobs, old_logprobs, advantages, mask, tau_pos=1.0, tau_neg=1.05):
+    """SAPO's per-token loss (Gao et al. 2025, arXiv 2511.20347; Eq. 29): a sigmoid gate of the
+    ratio in place of the hard clip, steeper (tau_neg > tau_pos) for negative advantages. verl:
+    compute_policy_loss_sapo.
+
+    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B] or [B, T], mask [B, T] ->
+    (token_loss [B, T], stats as stare.clipped_surrogate's; SAPO clips nothing, so its clip
+    fractions are 0).
+
+      r    = exp(clamp(log pi - log pi_old, -20, 20)),  tau = tau_pos if A > 0 else tau_neg
+      loss = -(4 / tau) sigmoid(tau (r - 1)) A
+    On-policy the gate is 2 / tau and its slope 1: the gradient is GRPO's, -A d log pi. tau is a
+    tensor of the loss's dtype, as in verl, so that 4 / tau rounds as there. verl aggregates it as
+    seq-mean-token-mean whatever loss_agg_mode says; defaults: the paper's and verl's.
+    """
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"SAPO's tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
+    token_adv = stare.token_advantages(advantages, logprobs).to(logprobs.dtype)  # [B, T]
+    log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)  # [B, T]
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(token_adv > 0,
+                      torch.as_tensor(tau_pos, dtype=token_adv.dtype, device=token_adv.device),
+                      torch.as_tensor(tau_neg, dtype=token_adv.dtype, device=token_adv.device))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # [B, T]
+    token_loss = -gate * token_adv
+    with torch.no_grad():
+        never = torch.zeros_like(mask, dtype=torch.bool)
+        stats = _surrogate_stats(log_ratio, mask, clipped=never, below=never, above=never)
+    return token_loss, stats
+
+
+def _check_clip(clip_low, clip_high):
+    if not (clip_low > 0 and clip_high > 0):
+        raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low}, {clip_high}")
+
+
+def _surrogate_stats(log_ratio, mask, clipped, below, above):
+    """stare.clipped_surrogate's stats for a loss without dual clip: the fractions of valid tokens
+    whose clip acts / whose ratio lies below / above the band where that matters, and the KL
+    estimates of d = log_ratio. All [B, T] -> dict of 0-dim tensors."""
+    valid = mask.bool()
+    num_valid = valid.sum().clamp(min=1).float()
+    d = torch.where(valid, log_ratio.detach(), 0.0)  # GSPO's d is unclamped: padding may be inf
+
+    def frac(flags):
+        return (flags & valid).sum() / num_valid
+
+    return {"clip_frac": frac(clipped), "clip_low_frac": frac(below),
+            "clip_high_frac": frac(above), "dual_clip_frac": torch.zeros((), device=d.device),
+            "approx_kl": (-d * valid).sum() / num_valid,
+            "approx_kl_k3": ((torch.expm1(d) - d) * valid).sum() / num_valid}
 
 
 # ==================================================================================================
