@@ -442,9 +442,11 @@ def resume(run, checkpoint):
     # EntroPIC's controller: its integral and last error carry over (the reference's restart at 0);
     # gains, bounds and target come from this run's config. A run that had none starts at 0.
     if run.controller is not None and saved.get("entropic") is not None:
-        carried = ("integral", "error", "coef", "current_entropy")
+        carried = ("integral", "error", "coef", "current_entropy", "started")
+        # a checkpoint from before "started" ran the reference's law, which starts at step 1
+        controller_state = {"started": True, **saved["entropic"]}
         run.controller.load_state_dict(
-            {**run.controller.state_dict(), **{key: saved["entropic"][key] for key in carried}})
+            {**run.controller.state_dict(), **{key: controller_state[key] for key in carried}})
     state = TrainerState(
         **{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved})
     if isinstance(state.scaler, dict):

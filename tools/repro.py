@@ -103,11 +103,12 @@ class RunSpec:
     # varied (train.py's dynamic sampling); 0: the first round's varied groups only
     refill_rounds: int = 0
     min_kept_groups: int = 1  # fewer varied groups than this: no update
+    max_tokens: int | None = None  # response limit, training and held-out; None: tiny.yaml's (16)
 
 
 # RunSpec fields added after runs were recorded: in a run's record only when not at this default,
 # so that the runs recorded before them stay complete (is_complete)
-ADDED_LATER = {"refill_rounds": 0, "min_kept_groups": 1}
+ADDED_LATER = {"refill_rounds": 0, "min_kept_groups": 1, "max_tokens": None}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,7 +304,8 @@ def run_config(spec):
     """configs/tiny.yaml with the run's loss settings, gate target, seed and steps: the settings train.py would use."""
     # STARE's weights live in the gate section, EntroPIC's gains in its own
     keys = {"stare_w": "gate.w", "stare_m": "gate.m", "entropic_kp": "entropic.kp",
-            "entropic_ki": "entropic.ki"}
+            "entropic_ki": "entropic.ki", "entropic_start": "entropic.start",
+            "entropic_anti_windup": "entropic.anti_windup"}
     overrides = [
         f"{keys.get(key, 'loss.' + key)}={value}"
         for key, value in spec.loss.items()
@@ -313,6 +315,8 @@ def run_config(spec):
         f"train.seed={spec.seed}", f"train.total_steps={spec.steps}"]
     if spec.lr is not None:
         overrides.append(f"optim.lr={spec.lr}")
+    if spec.max_tokens is not None:
+        overrides += [f"rollout.max_tokens={spec.max_tokens}", f"eval.max_tokens={spec.max_tokens}"]
     return config.load(TINY_CONFIG, overrides)
 
 
