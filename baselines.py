@@ -287,14 +287,25 @@ class EntropyPIController:
     it), so alpha > 0 sharpens (Eq. 25) and alpha < 0 flattens. The integral is not bounded (no
     anti-windup), as in the reference; only alpha is clipped. A non-finite entropy leaves the state
     unchanged and `update` returns False. Starts at alpha = 0 (the GRPO loss).
+
+    Two deviations from the reference, off by default (Eq. 26's notes): start="crossing" holds
+    alpha and the integral at 0 until the first step whose entropy is at or below the target
+    (a target below the starting entropy is then not first approached by sharpening), and
+    anti_windup=True adds no error to the integral at a step whose alpha is clipped at a bound
+    that the error pushes against (conditional integration).
     """
 
-    def __init__(self, target_entropy=0.3, kp=1.0, ki=0.01, coef_min=-1.0, coef_max=1.0):
-        if not (math.isfinite(target_entropy) and kp >= 0 and ki >= 0 and coef_min <= coef_max):
-            raise ValueError(f"need a finite target, kp, ki >= 0 and coef_min <= coef_max; got "
-                             f"{target_entropy=}, {kp=}, {ki=}, {coef_min=}, {coef_max=}")
+    def __init__(self, target_entropy=0.3, kp=1.0, ki=0.01, coef_min=-1.0, coef_max=1.0,
+                 start="first_step", anti_windup=False):
+        if not (math.isfinite(target_entropy) and kp >= 0 and ki >= 0 and coef_min <= coef_max
+                and start in ("first_step", "crossing")):
+            raise ValueError(f"need a finite target, kp, ki >= 0, coef_min <= coef_max and start "
+                             f"'first_step' or 'crossing'; got {target_entropy=}, {kp=}, {ki=}, "
+                             f"{coef_min=}, {coef_max=}, {start=}")
         self.target_entropy, self.kp, self.ki = float(target_entropy), float(kp), float(ki)
         self.coef_min, self.coef_max = float(coef_min), float(coef_max)
+        self.start, self.anti_windup = start, bool(anti_windup)
+        self.started = start == "first_step"  # whether the PI law acts yet
         self.integral = 0.0  # sum of the errors of the steps so far
         self.error = 0.0  # this step's H - target
         self.coef = 0.0  # alpha for this step's update
@@ -307,18 +318,28 @@ class EntropyPIController:
         if not math.isfinite(entropy):
             return False
         self.current_entropy, self.error = entropy, entropy - self.target_entropy
+        self.started = self.started or self.error <= 0
+        if not self.started:
+            return True
         unclipped = self.kp * self.error + self.ki * self.integral
         self.coef = min(max(unclipped, self.coef_min), self.coef_max)
-        self.integral += self.error
+        # at a bound, an error of the sign that pushes past it would only wind the integral up
+        held = ((unclipped > self.coef_max and self.error > 0)
+                or (unclipped < self.coef_min and self.error < 0))
+        if not (self.anti_windup and held):
+            self.integral += self.error
         return True
 
     _STATE_KEYS = ("target_entropy", "kp", "ki", "coef_min", "coef_max", "integral", "error",
-                   "coef", "current_entropy")
+                   "coef", "current_entropy", "start", "anti_windup", "started")
+    # keys a checkpoint from before the deviations lacks: their reference values
+    _ADDED_KEYS = {"start": "first_step", "anti_windup": False, "started": True}
 
     def state_dict(self):
         return {key: getattr(self, key) for key in self._STATE_KEYS}
 
     def load_state_dict(self, state):
+        state = {**self._ADDED_KEYS, **state}
         missing, unknown = set(self._STATE_KEYS) - set(state), set(state) - set(self._STATE_KEYS)
         if missing or unknown:
             raise KeyError(f"EntropyPIController state: missing keys {sorted(missing)}, unknown "

@@ -145,6 +145,11 @@ class EntropicConfig:
     ki: float = 0.01  # integral gain on the sum of the earlier steps' errors
     coef_min: float = -1.0  # alpha is clipped to [coef_min, coef_max]; the integral is not
     coef_max: float = 1.0
+    # not the reference's (deviations, off by default): "crossing" keeps alpha and the integral at
+    # 0 until the entropy first reaches the target from above; anti_windup stops integrating while
+    # alpha is held at a bound by an error that would push it further
+    start: str = "first_step"
+    anti_windup: bool = False
 
 
 @dataclasses.dataclass
@@ -420,6 +425,7 @@ CHOICES = {  # fields with a fixed set of values
     "data.overflow": data.OVERFLOW_MODES,
     "algorithm.method": baselines.METHODS,
     "algorithm.selection_scope": ("step", "micro"),
+    "entropic.start": ("first_step", "crossing"),
     "optim.schedule": ("constant", "cosine"),
 }
 

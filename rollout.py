@@ -22,6 +22,7 @@ tool_use.py, on this engine.
 import contextlib
 import dataclasses
 import os
+import secrets
 import sys
 
 import torch
@@ -152,7 +153,6 @@ def claim_host_files(distributed):
     run left is removed by the next run on the host (remove_stale_host_files). A collective when
     distributed (rank 0's tag is every rank's)."""
     import atexit
-    import secrets
     import tempfile
 
     global _engine_tag
@@ -174,6 +174,8 @@ def claim_host_files(distributed):
     atexit.register(remove_host_files, _engine_tag, sockets)
     if distributed and not torch.cuda.is_available():
         _tag_cpu_shared_memory()
+    if distributed:
+        _tag_broadcast_buffers()
     if not distributed and sockets is not None:
         _private_file_store(sockets)
 
@@ -241,6 +243,16 @@ def _tag_cpu_shared_memory():
 
     launcher._distributed_args = tagged_distributed_args
     launcher._stare_tagged = True
+
+
+def _tag_broadcast_buffers():
+    """A tensor-parallel group broadcasts through a shared-memory ring buffer (vLLM's
+    shm_broadcast.py), created as multiprocessing's SharedMemory under a random name ("psm_...")
+    that a SIGKILLed run leaves in /dev/shm (24 MiB each). Named after the run's tag instead, it is
+    removed with the run's other files, and by the next run after a SIGKILL."""
+    from multiprocessing import shared_memory
+
+    shared_memory._make_filename = lambda: f"/{_engine_tag}-{secrets.token_hex(4)}"
 
 
 def _private_file_store(directory):

@@ -65,12 +65,12 @@ def sandbox_guard(metrics, state, cfg, step):
     failures, calls = metrics["rollout/sandbox_failures"], metrics["rollout/tool_calls"]
     state.sandbox_window = (state.sandbox_window + [[failures, calls]])[-box.window_steps:]
     window_failures, window_calls = map(sum, zip(*state.sandbox_window))
-    for failed, made, bound, where in (
-            (failures, calls, box.max_failure_frac, "this step's"),
-            (window_failures, window_calls, box.max_window_failure_frac,
+    for failed, made, name, where in (
+            (failures, calls, "max_failure_frac", "this step's"),
+            (window_failures, window_calls, "max_window_failure_frac",
              f"the last {len(state.sandbox_window)} steps'")):
+        bound = getattr(box, name)
         if made and failed / made > bound:
-            name = "max_failure_frac" if where == "this step's" else "max_window_failure_frac"
             return (
                 f"error: step {step}: the sandbox itself failed in {failed:g} of {where} {made:g} "
                 f"tool calls ({failed / made:.3g} > sandbox.{name} = {bound:g}); the latest: "
@@ -442,9 +442,11 @@ def resume(run, checkpoint):
     # EntroPIC's controller: its integral and last error carry over (the reference's restart at 0);
     # gains, bounds and target come from this run's config. A run that had none starts at 0.
     if run.controller is not None and saved.get("entropic") is not None:
-        carried = ("integral", "error", "coef", "current_entropy")
+        carried = ("integral", "error", "coef", "current_entropy", "started")
+        # a checkpoint from before "started" ran the reference's law, which starts at step 1
+        controller_state = {"started": True, **saved["entropic"]}
         run.controller.load_state_dict(
-            {**run.controller.state_dict(), **{key: saved["entropic"][key] for key in carried}})
+            {**run.controller.state_dict(), **{key: controller_state[key] for key in carried}})
     state = TrainerState(
         **{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved})
     if isinstance(state.scaler, dict):

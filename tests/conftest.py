@@ -56,3 +56,22 @@ def pytest_collection_modifyitems(items):
         shared = SHARED_FIXTURES & set(item.fixturenames)
         if shared:
             item.add_marker(pytest.mark.xdist_group(f"{item.path.stem}.{min(shared)}"))
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own clean-up (pytest.ini: tmp_path_retention_policy)
+def pytest_sessionfinish(session, exitstatus):
+    """A passing run removes its temporary directories, but pytest keeps their parent,
+    $TMPDIR/pytest-of-$USER, with a dangling pytest-current link: both go when nothing else is
+    there (another session's directories are left alone)."""
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    basetemp = getattr(factory, "_basetemp", None)
+    if exitstatus != 0 or basetemp is None or hasattr(session.config, "workerinput"):
+        return
+    parent = Path(basetemp).parent
+    current = parent / "pytest-current"
+    if current.is_symlink() and not current.exists():
+        current.unlink()
+    try:
+        parent.rmdir()
+    except OSError:  # not empty, or already gone
+        pass

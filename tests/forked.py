@@ -139,10 +139,10 @@ def _serve():
     for line in sys.stdin:
         request = json.loads(line)
         if request["op"] == "start":
-            pid = os.fork()
+            server, pid = os.getpid(), os.fork()
             if pid == 0:
                 answers.close()
-                runs.exit_process(_child(request, set_by_imports))
+                runs.exit_process(_child(request, set_by_imports, server))
             answer = {"pid": pid}
         else:
             pid, status = os.waitpid(request["pid"], os.WNOHANG if request["op"] == "poll" else 0)
@@ -151,11 +151,18 @@ def _serve():
         answers.flush()
 
 
-def _child(request, set_by_imports):
+def _child(request, set_by_imports, server):
+    import ctypes
     import runpy
     import traceback
 
     import torch
+
+    # a run dies with the server (whose stdin closes when its pytest worker ends), as a
+    # subprocess's run ends with a killed test
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != server:
+        return 1
 
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY),
                             (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),

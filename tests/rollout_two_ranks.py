@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import types
+from multiprocessing import shared_memory
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,8 @@ def main(model_dir, result_path):
                     "engine_dtype": str(rollout.engine_dtype(engine)),
                     "dist_idents": idents, "shm_group_name": group_name,
                     "engine_tag": rollout._engine_tag,
+                    # what a tensor-parallel group's broadcast buffer is named (shm_broadcast.py)
+                    "broadcast_name": shared_memory._make_filename(),
                 },
                 f)
     dist.barrier()

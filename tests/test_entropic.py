@@ -148,6 +148,44 @@ def test_the_controller_matches_a_hand_computation():
         copy.load_state_dict({"integral": 0.0})
 
 
+def test_the_controllers_deviations_match_a_hand_computation():
+    # start="crossing": nothing moves until the entropy first reaches the target (0.3) from above
+    controller = baselines.EntropyPIController(0.3, kp=1.0, ki=0.5, start="crossing")
+    steps = [  # (entropy, alpha, integral after), by hand
+        (0.5, 0.0, 0.0), (0.4, 0.0, 0.0),  # above the target: GRPO's loss, no integral
+        (0.25, -0.05, -0.05),  # the crossing: -0.05 + 0.5 x 0
+        (0.35, 0.025, 0.0),  # 0.05 + 0.5 x -0.05; started stays on above the target
+        (0.2, -0.1, -0.1)]
+    for entropy, alpha, integral in steps:
+        assert controller.update(entropy)
+        assert (controller.coef, controller.integral) == pytest.approx((alpha, integral),
+                                                                       abs=1e-12), entropy
+    # anti_windup: at the bound -0.2 an error that pushes below it is not integrated
+    held, wound = (baselines.EntropyPIController(0.3, kp=1.0, ki=0.5, coef_min=-0.2,
+                                                 coef_max=0.25, anti_windup=on)
+                   for on in (True, False))
+    expected = [  # (entropy, alpha and integral with anti-windup, the same without)
+        (0.1, (-0.2, -0.2), (-0.2, -0.2)),  # -0.2 + 0: at the bound, not past it: integrated
+        (0.1, (-0.2, -0.2), (-0.2, -0.4)),  # -0.2 + 0.5 x -0.2 = -0.3 < -0.2: held
+        (0.1, (-0.2, -0.2), (-0.2, -0.6)),
+        (0.6, (0.2, 0.1), (0.0, -0.3))]  # 0.3 + 0.5 x -0.2; without: 0.3 + 0.5 x -0.6
+    for entropy, with_anti_windup, without in expected:
+        assert held.update(entropy) and wound.update(entropy)
+        assert (held.coef, held.integral) == pytest.approx(with_anti_windup, abs=1e-12)
+        assert (wound.coef, wound.integral) == pytest.approx(without, abs=1e-12)
+    # the state carries the deviations; a state saved before them loads as the reference's law
+    copy = baselines.EntropyPIController(start="crossing")
+    copy.load_state_dict(controller.state_dict())
+    assert copy.started and copy.update(0.4) and controller.update(0.4)
+    assert copy.state_dict() == controller.state_dict()
+    old = {key: value for key, value in held.state_dict().items()
+           if key not in ("start", "anti_windup", "started")}
+    copy.load_state_dict(old)
+    assert (copy.start, copy.anti_windup, copy.started) == ("first_step", False, True)
+    with pytest.raises(ValueError, match="start"):
+        baselines.EntropyPIController(start="later")
+
+
 def test_the_controller_reads_the_gates_entropy_once_per_step():
     # update_gate: the step's token-mean entropy under pi_old drives both, once
     generator = torch.Generator().manual_seed(42)
@@ -190,3 +228,5 @@ def test_the_controller_holds_the_gates_target_unless_given_its_own():
         config.load("configs/tiny.yaml", ["entropic.coef_min=0.5", "entropic.coef_max=0.1"])
     with pytest.raises(config.ConfigError, match="entropic.ki"):
         config.load("configs/tiny.yaml", ["entropic.ki=-1"])
+    with pytest.raises(config.ConfigError, match="entropic.start"):
+        config.load("configs/tiny.yaml", ["entropic.start=later"])

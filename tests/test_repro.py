@@ -172,6 +172,34 @@ def test_short_runs_end_to_end_and_resume(tiny_dir, tmp_path, capsys):
     assert [path.stat().st_mtime_ns != old for path, old in zip(runs, before)] == [True, False]
 
 
+def test_refill_rounds_fill_the_batch_and_min_kept_groups_withholds_the_update(tiny_dir, tmp_path):
+    """Dynamic sampling's refill as train.py does it: more rounds of prompts while fewer than
+    prompts_per_step groups varied; a step under min_kept_groups varied groups makes no update and
+    counts as a step without signal."""
+    base = dict(loss={"method": "grpo"}, seed=1, steps=2, prompts_per_step=8)
+    plain = repro.train_run(repro.RunSpec("plain", **base), tiny_dir, tmp_path / "plain")
+    refilled = repro.train_run(repro.RunSpec("refilled", refill_rounds=3, **base), tiny_dir,
+                               tmp_path / "refilled")
+    assert [r["rollout/gen_rounds"] for r in plain] == [1, 1]
+    # step 1's first round is the plain run's round: same prompts, same samples
+    first = plain[0]["train/kept_groups"]
+    assert first == round(plain[0]["rollout/varied_group_frac"] * 8) < 8  # the batch was short
+    record = refilled[0]
+    assert record["rollout/gen_rounds"] >= 2 and record["train/zero_signal_steps"] == 0
+    varied = round(record["rollout/varied_group_frac"] * 8 * record["rollout/gen_rounds"])
+    assert record["train/kept_groups"] == min(8, varied) and varied > first
+    assert varied >= 8 or record["rollout/gen_rounds"] == 4  # filled, or out of rounds
+    # never enough varied groups: no step updates, each counts
+    starved = repro.train_run(repro.RunSpec("starved", min_kept_groups=9, **base), tiny_dir,
+                              tmp_path / "starved")
+    assert [r["train/zero_signal_steps"] for r in starved] == [1, 2]
+    assert not any("train/loss" in r for r in starved) and "train/loss" in plain[0]
+    # a spec at the defaults of fields added later records as it did before them
+    assert "refill_rounds" not in repro.spec_record(repro.RunSpec("plain", **base), tiny_dir)
+    assert repro.spec_record(repro.RunSpec("x", refill_rounds=3, **base), tiny_dir)[
+        "refill_rounds"] == 3
+
+
 def test_heldout_summary_against_subset_enumeration():
     """pass@k of each prompt = the fraction of its k-subsets of samples holding a correct one,
     counted by brute force; avg@n, the solved fraction and the diversity of correct answers by

@@ -250,6 +250,8 @@ def test_two_ranks_sample_differently_and_fsdp2_sync_streams(tiny_dir, tmp_path,
     tag = result["engine_tag"]
     assert tag.startswith(rollout.HOST_TAG) and result["dist_idents"] == ["//" + tag] * 2
     assert tag in result["shm_group_name"]
+    # and the broadcast buffer of a tensor-parallel group (a SIGKILLed run's: 24 MiB in /dev/shm)
+    assert result["broadcast_name"].startswith(f"/{tag}-")
     # nothing of the run's is left in its temp directory or /dev/shm (vLLM's sockets were in the
     # first, AVX-512 builds' segments in the second) but torch's compile cache, kept on purpose
     assert os.listdir(host_tmp) in ([], [f"torchinductor_{getpass.getuser()}"])

@@ -16,7 +16,9 @@ import tool_use
 
 MAX_TURNS = 3
 MAX_TOKENS = 400
-SANDBOX = config.SandboxConfig(timeout_s=5, max_workers=4)
+# a wall-clock ceiling no run here reaches, even on a loaded machine: a timeout would change a
+# tool turn's text, and the tests compare conversations token for token
+SANDBOX = config.SandboxConfig(timeout_s=60, max_workers=4)
 # a prefill: the first turn calls
 CALL_HEAD = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": '
 

@@ -32,8 +32,10 @@ Training goes through train.py's stages (group_responses, old_policy_pass, updat
 select_tokens, policy_update, batch_metrics) in one process; only sampling differs: a batched
 KV-cache loop over the same transformers model instead of a vLLM engine (whose start-up and weight
 sync dominate a step at this size), on-policy. Dynamic sampling drops groups whose answers were all
-judged alike but does not resample to refill the batch; a step without a varied group makes no
-update. Distinct-correct compares token sequences.
+judged alike; with RunSpec.refill_rounds it samples up to that many more rounds of prompts to fill
+the batch, as train.py does (algorithm.max_num_gen_batches), else the batch stays short. A step
+with fewer than RunSpec.min_kept_groups varied groups makes no update, and counts in
+train/zero_signal_steps (such steps in a row). Distinct-correct compares token sequences.
 """
 
 import argparse
@@ -97,6 +99,16 @@ class RunSpec:
     # at these steps both held-out splits with endpoint_n samples per prompt, under "endpoint"
     endpoint_steps: tuple = ()
     endpoint_n: int = 64
+    # rounds of prompts_per_step more prompts sampled while fewer than prompts_per_step groups
+    # varied (train.py's dynamic sampling); 0: the first round's varied groups only
+    refill_rounds: int = 0
+    min_kept_groups: int = 1  # fewer varied groups than this: no update
+    max_tokens: int | None = None  # response limit, training and held-out; None: tiny.yaml's (16)
+
+
+# RunSpec fields added after runs were recorded: in a run's record only when not at this default,
+# so that the runs recorded before them stay complete (is_complete)
+ADDED_LATER = {"refill_rounds": 0, "min_kept_groups": 1, "max_tokens": None}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -292,7 +304,8 @@ def run_config(spec):
     """configs/tiny.yaml with the run's loss settings, gate target, seed and steps: the settings train.py would use."""
     # STARE's weights live in the gate section, EntroPIC's gains in its own
     keys = {"stare_w": "gate.w", "stare_m": "gate.m", "entropic_kp": "entropic.kp",
-            "entropic_ki": "entropic.ki"}
+            "entropic_ki": "entropic.ki", "entropic_start": "entropic.start",
+            "entropic_anti_windup": "entropic.anti_windup"}
     overrides = [
         f"{keys.get(key, 'loss.' + key)}={value}"
         for key, value in spec.loss.items()
@@ -302,6 +315,8 @@ def run_config(spec):
         f"train.seed={spec.seed}", f"train.total_steps={spec.steps}"]
     if spec.lr is not None:
         overrides.append(f"optim.lr={spec.lr}")
+    if spec.max_tokens is not None:
+        overrides += [f"rollout.max_tokens={spec.max_tokens}", f"eval.max_tokens={spec.max_tokens}"]
     return config.load(TINY_CONFIG, overrides)
 
 
@@ -367,21 +382,29 @@ def train_run(spec, tiny_dir, out_dir):
             with open(heldout_log, "a") as log:
                 log.write(json.dumps(record) + "\n")
 
-    records = []
+    records, zero_signal_steps = [], 0
     evaluate_heldout(0)
     with open(out_dir / "metrics.jsonl", "w") as log:
         for step in range(1, spec.steps + 1):
             start = time.time()
-            chosen = torch.cat(
-                [
-                    torch.randperm(len(prompts), generator=order)
-                    for _ in range(-(-spec.prompts_per_step // len(prompts)))]
-            )[: spec.prompts_per_step]
             model.eval()
-            groups = sample_groups(model, tokenizer, prompts[chosen], [truths[p] for p in chosen],
-                                   [sources[p] for p in chosen], cfg, sampler)
-            # train.py's filter, without refilling the batch
-            kept = [group for group in groups if group.varied]
+            # train.py's filter; rounds of new prompts while the batch is short (refill_rounds)
+            groups, kept, rounds = [], [], 0
+            while rounds <= spec.refill_rounds and len(kept) < spec.prompts_per_step:
+                chosen = torch.cat(
+                    [
+                        torch.randperm(len(prompts), generator=order)
+                        for _ in range(-(-spec.prompts_per_step // len(prompts)))]
+                )[: spec.prompts_per_step]
+                sampled_groups = sample_groups(
+                    model, tokenizer, prompts[chosen], [truths[p] for p in chosen],
+                    [sources[p] for p in chosen], cfg, sampler)
+                groups += sampled_groups
+                kept += [group for group in sampled_groups if group.varied]
+                rounds += 1
+            kept = kept[:spec.prompts_per_step]
+            updating = len(kept) >= spec.min_kept_groups
+            zero_signal_steps = 0 if updating else zero_signal_steps + 1
             sampled = [r for group in groups for r in group.responses]
             metrics = {
                 "step": step,
@@ -390,8 +413,11 @@ def train_run(spec, tiny_dir, out_dir):
                     [[(r.tokens, r.accuracy) for r in group.responses] for group in groups]),
                 "rollout/response_length_mean": statistics.mean(len(r.tokens) for r in sampled),
                 "train/kept_groups": len(kept),
+                "rollout/gen_rounds": rounds,
+                "rollout/varied_group_frac": sum(g.varied for g in groups) / len(groups),
+                "train/zero_signal_steps": zero_signal_steps,
             }
-            if kept:  # else no update, as train.py would resample (tools/repro.py does not)
+            if updating:
                 # train.py's stages, in its order
                 responses = grpo.group_responses(kept, cfg, rank=0, world=1)
                 grpo.old_policy_pass(model, responses, cfg, cpu)
@@ -448,7 +474,8 @@ def read_records(path):
 def spec_record(spec, tiny_dir):
     """A RunSpec and its starting model's sha256 as the JSON a run directory keeps: a rerun reuses
     the directory only if it matches (a run from another model is rerun, not mixed in)."""
-    record = json.loads(json.dumps(dataclasses.asdict(spec)))
+    record = {key: value for key, value in json.loads(json.dumps(dataclasses.asdict(spec))).items()
+              if key not in ADDED_LATER or value != ADDED_LATER[key]}
     return {**record, "model_sha256": model_sha256(tiny_dir, spec.task)}
 
 

@@ -346,8 +346,9 @@ def run_main(args, workers, analyze_only):
                 + decisive.prompt_clusters(args.tiny, "countdown_fresh"))
     summary = {"plan": "docs/results.md, Holding a target entropy",
                "model_sha256": repro.check_model(args.tiny, "countdown")["countdown"],
-               "settings": {name: {**loss, "seeds": list(args.seeds)}
-                            for name, loss in SETTINGS.items()},
+               # the arms as run ("settings" is the analysis' measures per setting, below)
+               "arms": {name: {**loss, "seeds": list(args.seeds)}
+                        for name, loss in SETTINGS.items()},
                "lr": pilot["lr"], "target_entropy": pilot["target_entropy"],
                "plateau_step": pilot["plateau_step"], "steps": args.steps,
                "endpoint_steps": list(endpoint_steps(args.steps)), "pilot": pilot,
