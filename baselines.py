@@ -3,11 +3,17 @@
     loss, metrics = baselines.policy_loss(method, batch, cfg)     # method in METHODS, cfg a config.LossConfig
 
 runs any of: grpo, stare, stapo, lp_reg, clip_cov, kl_cov, high_entropy, entropy_bonus, steer,
-w_reinforce, entropic, on the same tensors. GRPO, DAPO (clip-higher, dual clip, token-mean) and
-Dr.GRPO (advantages without std, `seq-mean-token-sum-norm`) are settings of `config.LossConfig`
-and `stare.group_advantages`, not separate methods. Beside PPO-clip (`stare.clipped_surrogate`),
-verl's GSPO, CISPO and SAPO losses are per-token functions here (`gspo_surrogate`,
-`cispo_surrogate`, `sapo_surrogate`). "Eq. N" refers to docs/method.md.
+w_reinforce, entropic, adaptive_entropy, on the same tensors, on top of one of the policy losses POLICY_LOSSES
+(`cfg.policy_loss`): PPO-clip (`stare.clipped_surrogate`), or verl's GSPO, CISPO and SAPO
+(`gspo_surrogate`, `cispo_surrogate`, `sapo_surrogate`); `refused_combination` says which pairs
+have no meaning. GRPO, DAPO (clip-higher, dual clip, token-mean) and Dr.GRPO (advantages without
+std, `seq-mean-token-sum-norm`) are settings of `config.LossConfig` and
+`stare.group_advantages`, not separate methods. "Eq. N" refers to docs/method.md.
+
+A new method is an edit of this file and config.py (docs/method.md, "Methods", lists the places):
+its name in METHODS, its selection in `token_selection`, its token loss in `method_token_loss`,
+its inputs in EXTRA_INPUTS / `old_policy_inputs`, and, if it carries state across steps, a
+stare.MethodState subclass registered in STATEFUL.
 
 `batch` is a dict of [B, T] tensors (advantages may be [B]):
     logprobs        log pi_theta of the sampled tokens, current policy, with grad
@@ -27,8 +33,9 @@ slice (`selection=`), so the update does not depend on the micro-batch size. The
 denominator is `loss_mask(...)`'s count, summed over the step.
 
 Pure functions of tensors: no I/O, no torch.distributed, no global state. Randomness (Clip-Cov)
-comes from a torch.Generator passed in. EntroPIC's coefficient comes from an EntropyPIController
-the trainer updates once per step beside STARE's gate (its state lives in that object).
+comes from a torch.Generator passed in. State across steps (STARE's gate, EntroPIC's controller)
+lives in stare.MethodState objects that `method_states` builds and the trainer updates once per
+step; `policy_loss` reads them (`states=`).
 """
 
 import difflib
@@ -39,13 +46,47 @@ import torch
 import stare
 
 METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy",
-           "entropy_bonus", "steer", "w_reinforce", "entropic")
+           "entropy_bonus", "steer", "w_reinforce", "entropic", "adaptive_entropy")
 # What the trainer gives each method: the per-token inputs of pi_old it needs beyond logprobs,
 # old_logprobs, advantages, mask and entropy; and whether `token_selection` decides anything for it
 # (then the trainer selects once over the whole step, all ranks, and hands each micro-batch its
 # slice).
 EXTRA_INPUTS = {"lp_reg": ("proxy_logprobs",), "steer": ("sensitivity",)}
 SELECTING = ("stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "steer", "entropic")
+POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "sapo")
+# methods whose selected tokens get an objective of their own in place of the policy loss's token
+# loss (-A r unclipped, Eqs. 14 and 17): defined against PPO-clip's ratio only
+OWN_OBJECTIVE = {"lp_reg": "its regularised tokens take -A r unclipped plus a KL term (Eq. 14)",
+                 "kl_cov": "its loss is -A r unclipped plus a KL penalty on every token (Eq. 17)"}
+
+
+def refused_combination(method, policy_loss):
+    """Why `method` on top of `policy_loss` has no meaning, or None when it runs."""
+    if policy_loss != "ppo_clip" and method in OWN_OBJECTIVE:
+        return (f"{method} on loss.policy_loss {policy_loss}: {OWN_OBJECTIVE[method]}, a "
+                f"replacement of PPO-clip's token loss; it composes with ppo_clip only")
+    return None
+
+
+def method_states(cfg):
+    """The run's state across steps, by name (stare.MethodState): STARE's gate for every method
+    (its entropy signal is logged for all; only STARE acts on it) and the method's own (STATEFUL).
+    cfg: the run's config (config.Config)."""
+    states = {"gate": stare.EntropyGate(**vars(cfg.gate))}
+    make = STATEFUL.get(cfg.algorithm.method)
+    if make is not None:
+        state = make(cfg)
+        states[state.name] = state
+    return states
+
+
+def old_policy_inputs(method, logits, ids, temperature, cfg):
+    """The per-token inputs of pi_old that `method` needs from the no-grad pass's logits beyond
+    log-probs, entropy and sensitivity (EXTRA_INPUTS): name -> [N]. logits [N, V], ids [N]."""
+    if method == "lp_reg":  # Eq. 13
+        return {"proxy_logprobs": minp_proxy_logprobs(logits, ids, temperature, cfg.lp_reg_kappa,
+                                                      cfg.lp_reg_soft)}
+    return {}
 
 
 # ==================================================================================================
@@ -277,7 +318,7 @@ def entropic_high_prob_mask(logprobs, mask, prob_threshold=0.95):
     return mask.bool() & (logprobs.detach().float() > log_threshold)
 
 
-class EntropyPIController:
+class EntropyPIController(stare.MethodState):
     """EntroPIC's proportional-integral controller of the coefficient alpha (Eq. 26).
 
     Once per optimizer step, before the update, `update(batch_entropy)` with the same signal as
@@ -330,29 +371,90 @@ class EntropyPIController:
             self.integral += self.error
         return True
 
-    _STATE_KEYS = ("target_entropy", "kp", "ki", "coef_min", "coef_max", "integral", "error",
-                   "coef", "current_entropy", "start", "anti_windup", "started")
+    name = "entropic"
+    STATE_KEYS = ("target_entropy", "kp", "ki", "coef_min", "coef_max", "integral", "error",
+                  "coef", "current_entropy", "start", "anti_windup", "started")
     # keys a checkpoint from before the deviations lacks: their reference values
-    _ADDED_KEYS = {"start": "first_step", "anti_windup": False, "started": True}
+    ADDED_KEYS = {"start": "first_step", "anti_windup": False, "started": True}
 
-    def state_dict(self):
-        return {key: getattr(self, key) for key in self._STATE_KEYS}
+    def metrics(self, accepted):  # after this step's error: coef is what the update uses
+        return {"entropic/update_accepted": float(accepted), "entropic/error": self.error,
+                "entropic/coef": self.coef, "entropic/integral": self.integral}
 
-    def load_state_dict(self, state):
-        state = {**self._ADDED_KEYS, **state}
-        missing, unknown = set(self._STATE_KEYS) - set(state), set(state) - set(self._STATE_KEYS)
-        if missing or unknown:
-            raise KeyError(f"EntropyPIController state: missing keys {sorted(missing)}, unknown "
-                           f"keys {sorted(unknown)}")
-        for key in self._STATE_KEYS:
-            setattr(self, key, state[key])
-
-    def __repr__(self):
-        items = self.state_dict().items()
-        return "EntropyPIController(" + ", ".join(f"{k}={v!r}" for k, v in items) + ")"
+    def carried(self):
+        # the integral and last error carry over (the reference restarts at 0); gains, bounds and
+        # target come from the resumed run's config
+        return ("integral", "error", "coef", "current_entropy", "started")
 
 
-def token_selection(method, batch, cfg, gate=None, generator=None):
+def _entropic_controller(cfg):
+    # its target defaults to the gate's, so that both hold the same entropy
+    target = cfg.entropic.target_entropy
+    target = cfg.gate.target_entropy if target is None else target
+    return EntropyPIController(**{**vars(cfg.entropic), "target_entropy": target})
+
+
+class AdaptiveEntropyCoefficient(stare.MethodState):
+    """The entropy bonus's coefficient following a target entropy (Eq. 30; Skywork-OR1's
+    EntController, SkyworkAI/Skywork-OR1 @64e96af, verl/trainer/ppo/core_algos.py; the rule of TRL
+    PR #6140).
+
+    `update(batch_entropy)` once per step, before the update: the bonus this step applies, `applied`,
+    is the one the earlier steps set (the reference moves its controller after the update, so a
+    step's entropy acts from the next step), then H < target raises the coefficient by delta, else
+    lowers it, within [coef_min, coef_max], and enables the bonus for the next step only while H <
+    target. Starts at coef_init, enabled. A non-finite entropy leaves the state unchanged.
+    """
+
+    name = "adaptive_entropy"
+    STATE_KEYS = ("target_entropy", "coef_min", "coef_max", "delta", "coef", "enabled", "applied",
+                  "current_entropy")
+
+    def __init__(self, target_entropy=0.2, coef_init=0.0, coef_min=0.0, coef_max=0.005,
+                 delta=1e-4):
+        if not (math.isfinite(target_entropy) and 0 <= coef_min <= coef_max and delta >= 0):
+            raise ValueError(f"need a finite target, 0 <= coef_min <= coef_max and delta >= 0; got "
+                             f"{target_entropy=}, {coef_min=}, {coef_max=}, {delta=}")
+        self.target_entropy, self.delta = float(target_entropy), float(delta)
+        self.coef_min, self.coef_max = float(coef_min), float(coef_max)
+        self.coef, self.enabled = float(coef_init), True  # the reference's start
+        self.applied = 0.0  # the coefficient of this step's bonus
+        self.current_entropy = float("nan")  # last accepted batch entropy
+
+    def update(self, batch_entropy):
+        entropy = float(batch_entropy)  # one host read per optimizer step
+        if not math.isfinite(entropy):
+            return False
+        self.applied = self.coef if self.enabled else 0.0
+        self.current_entropy = entropy
+        below = entropy < self.target_entropy
+        step = self.delta if below else -self.delta
+        self.coef = min(max(self.coef + step, self.coef_min), self.coef_max)
+        self.enabled = below
+        return True
+
+    def metrics(self, accepted):
+        return {"adaptive_entropy/update_accepted": float(accepted),
+                "adaptive_entropy/coef": self.applied, "adaptive_entropy/next_coef": self.coef}
+
+    def carried(self):
+        # target, bounds and delta come from the resumed run's config
+        return ("coef", "enabled", "applied", "current_entropy")
+
+
+def _adaptive_entropy(cfg):
+    target = cfg.loss.adaptive_entropy_target
+    return AdaptiveEntropyCoefficient(
+        cfg.gate.target_entropy if target is None else target, cfg.loss.adaptive_entropy_coef_init,
+        cfg.loss.adaptive_entropy_coef_min, cfg.loss.adaptive_entropy_coef_max,
+        cfg.loss.adaptive_entropy_delta)
+
+
+# method -> the factory of the state it carries across steps, from the run's config
+STATEFUL = {"entropic": _entropic_controller, "adaptive_entropy": _adaptive_entropy}
+
+
+def token_selection(method, batch, cfg, states=None, generator=None):
     """What `method` changes, per token, decided on `batch` -> (selection dict of [B, T] tensors,
     metrics dict). The sets of Eqs. 7-8 (stare), 12-18 (the baselines) and STEER's weights (Eqs. 22,
     23), EntroPIC's high-probability tokens (Eq. 25); W-REINFORCE's weight (Eq. 24) needs no
@@ -360,8 +462,8 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
 
     Call it on a micro-batch (the references' behaviour) or once on the whole optimizer step, then
     slice the tensors per micro-batch for `policy_loss(..., selection=...)`. Uses batch["logprobs"]
-    detached: in step scope pass the old log-probs there. `gate`: a stare.EntropyGate whose gate_on,
-    w and m STARE uses (None: EntropyGate()'s, on).
+    detached: in step scope pass the old log-probs there. `states`: `method_states`'s; STARE uses
+    the gate's gate_on, w and m (no gate: EntropyGate()'s, on).
     """
     _check_method(method)
     logprobs, advantages, mask = batch["logprobs"].detach(), batch["advantages"], batch["mask"]
@@ -371,7 +473,7 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
     positive, negative = (mask.bool() & (signed > 0)).sum(), (mask.bool() & (signed < 0)).sum()
     if method == "stare":
         # no gate given: on, default w and m
-        gate = gate if gate is not None else stare.EntropyGate()
+        gate = (states or {}).get("gate") or stare.EntropyGate()
         weights, stats = stare.stare_weights(
             logprobs, advantages, mask, cfg.stare_variant, cfg.stare_top_ratio, gate.w, gate.m,
             gate.gate_on)
@@ -415,7 +517,7 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
         high_prob = entropic_high_prob_mask(logprobs, mask, cfg.entropic_prob_threshold)
         return {"high_prob": high_prob}, {
             "entropic/high_prob_frac": high_prob.sum() / mask.bool().sum().clamp(min=1)}
-    return {}, {}  # grpo, entropy_bonus, w_reinforce: nothing to select
+    return {}, {}  # grpo, entropy_bonus, w_reinforce, adaptive_entropy: nothing to select
 
 
 # ==================================================================================================
@@ -564,10 +666,11 @@ def control_mask(method, mask, selection):
     return mask.bool() & selection["high_prob"] if method == "entropic" else None
 
 
-def method_token_loss(method, batch, cfg, selection, surrogate, unclipped, token_adv, coef):
+def method_token_loss(method, batch, cfg, selection, surrogate, unclipped, token_adv, states):
     """Each method's per-token loss [B, T] and the tokens it treats unlike GRPO [B, T] bool, from
-    the clipped surrogate (Eq. 2), the unclipped -A r, the token advantages and its selection: one
-    branch per method. coef: EntroPIC's controller output (its term is added after aggregation)."""
+    the policy loss's token loss (Eqs. 2, 27-29), the unclipped -A r, the token advantages, its
+    selection and its state (`method_states`'s): one branch per method. EntroPIC's control term is
+    added after aggregation (`policy_loss`)."""
     logprobs, old_logprobs, valid = batch["logprobs"], batch["old_logprobs"], batch["mask"].bool()
     # Eq. 12: STAPO's change is in the mask, spurious tokens leave loss and denominator
     if method in ("grpo", "stapo"):
@@ -603,71 +706,101 @@ def method_token_loss(method, batch, cfg, selection, surrogate, unclipped, token
         touched = positive & (cfg.w_reinforce_lambda != 1)
     elif method == "entropic":  # Eq. 25: GRPO's loss, plus the control term below
         token_loss = surrogate
-        touched = selection["high_prob"] & (coef != 0)
+        touched = selection["high_prob"] & (_coef(states, "entropic", "coef") != 0)
+    elif method == "adaptive_entropy":  # Eq. 30: Eq. 19 with the controller's coefficient
+        coef = _coef(states, "adaptive_entropy", "applied")
+        token_loss = surrogate - coef * batch["entropy"]
+        touched = torch.full_like(valid, coef != 0)
     else:  # entropy_bonus, Eq. 19: -beta H per token, H with grad
         token_loss = surrogate - cfg.entropy_coef * batch["entropy"]
         touched = torch.full_like(valid, cfg.entropy_coef != 0)
     return token_loss, touched
 
 
-def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, num_tokens=None,
-                num_sequences=None, token_weights=None, controller=None, num_control_tokens=None,
-                num_control_sequences=None):
+def policy_surrogate(batch, cfg):
+    """The token loss of the policy loss `cfg.policy_loss` names (Eqs. 2, 27-29), before any
+    method's change -> (token_loss [B, T], stats: clip fractions and KL estimates)."""
+    args = (batch["logprobs"], batch["old_logprobs"], batch["advantages"])
+    if cfg.policy_loss == "ppo_clip":
+        return stare.clipped_surrogate(*args, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
+                                       mask=batch["mask"])
+    if cfg.policy_loss == "gspo":
+        return gspo_surrogate(*args, batch["mask"], cfg.gspo_clip_low, cfg.gspo_clip_high)
+    if cfg.policy_loss == "cispo":
+        return cispo_surrogate(*args, batch["mask"], cfg.cispo_clip_low, cfg.cispo_clip_high)
+    if cfg.policy_loss == "sapo":
+        return sapo_surrogate(*args, batch["mask"], cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    raise ValueError(f"unknown policy loss {cfg.policy_loss!r}; choose from {POLICY_LOSSES}")
+
+
+def policy_loss(method, batch, cfg, selection=None, states=None, counts=None, token_weights=None,
+                generator=None):
     """The policy loss of `method` on `batch` -> (scalar loss to minimise, metrics of 0-dim
-    tensors): the method's token loss (Eq. 2 changed by Eqs. 9, 12-19, 23, 24), times token_weights
-    (Eq. 11), aggregated by Eq. 3; EntroPIC adds its control term (Eq. 25).
+    tensors): the token loss of `cfg.policy_loss` (Eqs. 2, 27-29) changed by the method (Eqs. 9,
+    12-19, 23, 24), times token_weights (Eq. 11), aggregated by Eq. 3; EntroPIC adds its control
+    term (Eq. 25).
 
     selection: from `token_selection` (sliced to this batch); None = select within this batch.
-    num_tokens / num_sequences: the optimizer step's counts of `loss_mask` tokens / non-empty sequences (see
-    stare.aggregate_loss), so that micro-batch losses add up to the full-batch loss.
-    token_weights: [B, T] constants multiplying every token's loss before aggregation (e.g. truncated importance
-    weights pi_old / pi_rollout, Eq. 11), or None.
-    controller: EntroPIC's EntropyPIController, whose `coef` scales Eq. 25's term (None: 0, GRPO's
-    loss); num_control_tokens / num_control_sequences: the step's counts of `control_mask`.
+    states: `method_states`'s (STARE reads the gate, EntroPIC its controller's alpha; None: the
+    gate on at its defaults, alpha 0).
+    counts: the optimizer step's counts, so that micro-batch losses add up to the full-batch loss
+    (see stare.aggregate_loss): "num_tokens" / "num_sequences" of `loss_mask` tokens and non-empty
+    sequences, "num_control_tokens" / "num_control_sequences" of `control_mask`'s; None: this
+    batch's own.
+    token_weights: [B, T] constants multiplying every token's loss before aggregation (e.g.
+    truncated importance weights pi_old / pi_rollout, Eq. 11), or None.
 
     Every method returns "touched_frac", the fraction of valid tokens whose loss term differs from
     GRPO's (STARE, STEER: reweighted; STAPO: silenced; Lp-Reg: regularised; Clip-Cov: detached;
     KL-Cov: penalised; 80/20: gradient removed; entropy bonus: all, when its coefficient is not 0;
     W-REINFORCE: the positive-advantage ones, when lambda is not 1; EntroPIC: the high-probability
-    ones, when alpha is not 0), and clipped_surrogate's stats.
+    ones, when alpha is not 0), and the policy loss's clip statistics.
     When the selection is made here, its own metrics (stare/..., stapo/...) are included; with
     `selection=` they come from the token_selection call that made it.
     """
     _check_method(method)
-    metrics = {}
+    refused = refused_combination(method, cfg.policy_loss)
+    if refused:
+        raise ValueError(refused)
+    metrics, states, counts = {}, states or {}, counts or {}
     if selection is None:
-        selection, metrics = token_selection(method, batch, cfg, gate=gate, generator=generator)
+        selection, metrics = token_selection(method, batch, cfg, states=states,
+                                             generator=generator)
     logprobs, old_logprobs, mask = batch["logprobs"], batch["old_logprobs"], batch["mask"]
     valid = mask.bool()
     token_adv = stare.token_advantages(batch["advantages"], logprobs).to(logprobs.dtype)  # [B, T]
-    surrogate, surrogate_stats = stare.clipped_surrogate(
-        logprobs, old_logprobs, batch["advantages"], cfg.clip_low, cfg.clip_high, cfg.dual_clip,
-        mask=mask)
+    surrogate, surrogate_stats = policy_surrogate(batch, cfg)
     ratio = torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))  # [B, T]
     # -A r without clipping: Lp-Reg's regularised tokens and KL-Cov's base loss
     unclipped = -token_adv * ratio
 
     # ----------------------------------------------- ALGO LOGIC: one branch per method ----------------
-    coef = controller.coef if controller is not None else 0.0  # EntroPIC's alpha (Eq. 26)
     token_loss, touched = method_token_loss(method, batch, cfg, selection, surrogate, unclipped,
-                                            token_adv, coef)
+                                            token_adv, states)
 
     if token_weights is not None:
         token_loss = token_loss * token_weights.detach()
     loss = stare.aggregate_loss(
-        token_loss, loss_mask(method, mask, selection, cfg), cfg.agg_mode, num_tokens,
-        num_sequences, cfg.loss_scale_factor)
+        token_loss, loss_mask(method, mask, selection, cfg), cfg.agg_mode,
+        counts.get("num_tokens"), counts.get("num_sequences"), cfg.loss_scale_factor)
     if method == "entropic":
         # Eq. 25: alpha x the mean of -r |A| over the high-probability tokens, aggregated over their
         # own count; the ratio unclipped, no importance weight (both as the reference)
         control = stare.aggregate_loss(
             -token_adv.abs() * ratio, control_mask(method, mask, selection),
-            cfg.agg_mode, num_control_tokens, num_control_sequences, cfg.loss_scale_factor)
-        loss = loss + coef * control
+            cfg.agg_mode, counts.get("num_control_tokens"), counts.get("num_control_sequences"),
+            cfg.loss_scale_factor)
+        loss = loss + _coef(states, "entropic", "coef") * control
     num_valid = valid.sum().clamp(min=1)
     metrics.update(surrogate_stats)
     metrics["touched_frac"] = (touched & valid).sum() / num_valid
     return loss, metrics
+
+
+def _coef(states, name, attribute):
+    """A controller's coefficient; 0 (GRPO's loss) when the state is not given."""
+    state = states.get(name)
+    return getattr(state, attribute) if state is not None else 0.0
 
 
 def _check_method(method):

@@ -1,9 +1,8 @@
 """Run by tests/test_train.py under `torchrun --nproc_per_node 2`: every method of
-baselines.METHODS (and the VARIANTS below) through train.py's own start-up and steps, on one engine and one sharded model,
-from a fresh gate (and controller) and trainer state, with the weight sync probed at every step:
-two steps for the methods that carry state from step to step (STARE's gate, EntroPIC's
-controller) and for GRPO and the variants, one for the others (their loss reads nothing of an
-earlier step).
+baselines.METHODS on top of every policy loss of baselines.POLICY_LOSSES it composes with (and the
+VARIANTS below) through train.py's own start-up and steps, on one engine and one sharded model,
+from fresh method states and trainer state, with the weight sync probed at every step: two steps
+each. Results are keyed by method (PPO-clip) or "method+loss".
 Writes each method's step metrics, with the parameters left unsharded after each step, as JSON,
 and an HF export of the final weights.
 
@@ -29,7 +28,6 @@ import config
 import grpo
 import rollout
 import runs
-import stare
 import train
 
 
@@ -39,7 +37,17 @@ VARIANTS = {
     # token budget
     "stare_micro_scope": ["algorithm.method=stare", "algorithm.selection_scope=micro",
                           "train.mini_batch_size=8", "train.micro_token_budget=600"]}
-TWO_STEPS = {"grpo", "stare", "entropic", *VARIANTS}
+
+
+def settings():
+    """Every allowed method x policy loss, then the VARIANTS: name -> config overrides."""
+    combinations = {}
+    for loss in baselines.POLICY_LOSSES:
+        for method in baselines.METHODS:
+            if baselines.refused_combination(method, loss) is None:
+                name = method if loss == "ppo_clip" else f"{method}+{loss}"
+                combinations[name] = [f"algorithm.method={method}", f"loss.policy_loss={loss}"]
+    return {**combinations, **VARIANTS}
 
 
 def main(result_path, config_path, overrides):
@@ -47,18 +55,16 @@ def main(result_path, config_path, overrides):
     rank, world, device = runs.setup_distributed()
     lock = runs.RunLock(cfg.train.out_dir)
     run, _ = train.start_run(cfg, rank, world, device, lock)
-    settings = {method: [f"algorithm.method={method}"] for method in baselines.METHODS}
     results = {}
     try:
-        for method, changes in {**settings, **VARIANTS}.items():
+        for method, changes in settings().items():
             method_cfg = config.apply_overrides(cfg, changes)
             config.check(method_cfg, world_size=world)
             method_run = dataclasses.replace(run, cfg=method_cfg,
-                                             gate=stare.EntropyGate(**vars(cfg.gate)),
-                                             controller=train.entropy_controller(method_cfg))
+                                             states=baselines.method_states(method_cfg))
             state = train.TrainerState()
             results[method] = []
-            for step in (1, 2) if method in TWO_STEPS else (1,):
+            for step in (1, 2):
                 metrics = grpo.train_step(method_run, state, step)
                 problem = train.sync_guard(metrics, method_cfg, step)
                 assert problem is None, f"{method}, step {step}: {problem}"
