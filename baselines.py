@@ -3,7 +3,7 @@
     loss, metrics = baselines.policy_loss(method, batch, cfg)     # method in METHODS, cfg a config.LossConfig
 
 runs any of: grpo, stare, stapo, lp_reg, clip_cov, kl_cov, high_entropy, entropy_bonus, steer,
-w_reinforce, entropic, adaptive_entropy, on the same tensors, on top of one of the policy losses POLICY_LOSSES
+w_reinforce, entropic, adaptive_entropy, grpo_dropout, on the same tensors, on top of one of the policy losses POLICY_LOSSES
 (`cfg.policy_loss`): PPO-clip (`stare.clipped_surrogate`), or verl's GSPO, CISPO and SAPO
 (`gspo_surrogate`, `cispo_surrogate`, `sapo_surrogate`); `refused_combination` says which pairs
 have no meaning. GRPO, DAPO (clip-higher, dual clip, token-mean) and Dr.GRPO (advantages without
@@ -19,6 +19,7 @@ stare.MethodState subclass registered in STATEFUL.
     logprobs        log pi_theta of the sampled tokens, current policy, with grad
     old_logprobs    log pi_old (the behaviour policy, from the no-grad pass)
     advantages      [B] or [B, T]
+    rewards, groups [B]: each response's reward and its group's id (grpo_dropout)
     mask            1 = a response token that counts
     entropy         next-token entropy (stapo, high_entropy: detached is fine; entropy_bonus: with grad)
     old_entropy     H under pi_old, for STEER's weights (optional: `entropy` when absent)
@@ -46,13 +47,15 @@ import torch
 import stare
 
 METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy",
-           "entropy_bonus", "steer", "w_reinforce", "entropic", "adaptive_entropy")
+           "entropy_bonus", "steer", "w_reinforce", "entropic", "adaptive_entropy",
+           "grpo_dropout")
 # What the trainer gives each method: the per-token inputs of pi_old it needs beyond logprobs,
 # old_logprobs, advantages, mask and entropy; and whether `token_selection` decides anything for it
 # (then the trainer selects once over the whole step, all ranks, and hands each micro-batch its
 # slice).
 EXTRA_INPUTS = {"lp_reg": ("proxy_logprobs",), "steer": ("sensitivity",)}
-SELECTING = ("stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "steer", "entropic")
+SELECTING = ("stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "steer", "entropic",
+             "grpo_dropout")
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "sapo")
 # methods whose selected tokens get an objective of their own in place of the policy loss's token
 # loss (-A r unclipped, Eqs. 14 and 17): defined against PPO-clip's ratio only
@@ -517,7 +520,85 @@ def token_selection(method, batch, cfg, states=None, generator=None):
         high_prob = entropic_high_prob_mask(logprobs, mask, cfg.entropic_prob_threshold)
         return {"high_prob": high_prob}, {
             "entropic/high_prob_frac": high_prob.sum() / mask.bool().sum().clamp(min=1)}
+    if method == "grpo_dropout":  # whole responses: their rows, broadcast over the tokens
+        kept, new_advantages = grpo_dropout(logprobs, advantages, batch["rewards"], batch["groups"],
+                                            mask, cfg, generator)
+        rows = torch.ones_like(mask, dtype=torch.bool)
+        sequence = advantages if advantages.dim() == 1 else advantages[:, 0]
+        changed = ~kept | (new_advantages != sequence.float())
+        return {"kept": kept[:, None] & rows, "changed": changed[:, None] & rows,
+                "advantages": new_advantages[:, None].to(logprobs.dtype) * rows}, {
+            "grpo_dropout/kept_frac": kept.float().mean()}
     return {}, {}  # grpo, entropy_bonus, w_reinforce, adaptive_entropy: nothing to select
+
+
+def balanced_push_selection(push, generator=None, eps=1e-12):
+    """GRPODropout's choice of one group's rollouts (Eq. 31; hexuandeng/GRPODropout @4ad3b3b,
+    selector_methods.py: select_balanced_push_zero): push [G] float64, u_k = A_k (s_k - mean s) ->
+    kept [G] bool.
+
+    Every positive push is kept; the negative ones, least negative first, while the running sum
+    stays above eps; at least max(1, G // 4) rollouts (zero pushes first). A group of one sign only
+    keeps its positive pushes, padded by zero, then by the least negative ones. All pushes zero:
+    max(1, G // 4) rollouts drawn with `generator` (the reference seeds Python's random by group)."""
+    size = push.numel()
+    minimum = max(1, size // 4)
+    values = push.tolist()
+    positive = sorted((k for k in range(size) if values[k] > eps), key=lambda k: -values[k])
+    negative = sorted((k for k in range(size) if values[k] < -eps), key=lambda k: -values[k])
+    zero = [k for k in range(size) if abs(values[k]) <= eps]
+    if len(zero) == size:
+        chosen = torch.randperm(size, generator=generator)[:minimum].tolist()
+    elif not positive or not negative:
+        chosen = positive + zero[:max(minimum - len(positive), 0)]
+        chosen += negative[:max(minimum - len(chosen), 0)]
+    else:
+        chosen, running = list(positive), sum(values[k] for k in positive)
+        for k in negative:
+            if running + values[k] <= eps:
+                break
+            chosen.append(k)
+            running += values[k]
+        chosen += zero[:max(minimum - len(chosen), 0)]
+    kept = torch.zeros(size, dtype=torch.bool)
+    kept[chosen] = True
+    return kept
+
+
+def grpo_dropout(logprobs, advantages, rewards, groups, mask, cfg, generator=None):
+    """GRPODropout (Eq. 31; hexuandeng/GRPODropout @4ad3b3b, its "balance" variant): which whole
+    responses update, and their new advantages. logprobs [B, T] (pi_old), advantages, rewards,
+    groups [B] (a group id per response), mask [B, T] -> (kept [B] bool, advantages [B]).
+
+    Per group: l_k the mean (or, grpo_dropout_basis "sum", the sum) of the response's log-probs,
+    push u_k = A_k (s_k - mean_j s_j) with s = -l (balanced_push_selection); the kept responses'
+    advantages recomputed by Eq. 1 over them alone, then shifted so that their softmax(l)-weighted
+    mean is 0. The dropped ones' are 0. grpo_dropout_drop / grpo_dropout_center off: GRPO's."""
+    valid = mask.to(logprobs.dtype)
+    ell = (logprobs.detach() * valid).sum(-1)  # [B]
+    if cfg.grpo_dropout_basis == "avg":
+        ell = ell / valid.sum(-1).clamp(min=1)
+    if advantages.dim() > 1:  # [B, T]: the sequence's, a masked mean as the reference reads it
+        advantages = (advantages * valid).sum(-1) / valid.sum(-1).clamp(min=1)
+    kept = torch.ones(len(ell), dtype=torch.bool)
+    new_advantages = advantages.detach().float().clone()
+    for group in torch.unique(groups).tolist():
+        rows = (groups == group).nonzero().flatten()
+        if cfg.grpo_dropout_drop:
+            surprisal = -ell[rows].double()
+            push = advantages[rows].double() * (surprisal - surprisal.mean())
+            chosen = rows[balanced_push_selection(push, generator)]
+            kept[rows] = False
+            kept[chosen] = True
+            if len(chosen) < len(rows):  # Eq. 1 over the kept responses
+                new_advantages[rows] = 0.0
+                new_advantages[chosen] = stare.group_advantages(rewards[chosen].float(), len(chosen))
+        else:
+            chosen = rows
+        if cfg.grpo_dropout_center:
+            weights = torch.softmax(ell[chosen].float(), dim=0)
+            new_advantages[chosen] -= (weights * new_advantages[chosen]).sum()
+    return kept, new_advantages
 
 
 # ==================================================================================================
@@ -656,6 +737,8 @@ def loss_mask(method, mask, selection, cfg):
         return valid & ~selection["spurious"]
     if method == "high_entropy" and cfg.high_entropy_convention == "lp_reg_dev":
         return valid & selection["kept"]
+    if method == "grpo_dropout":  # the dropped responses leave the loss and its denominator
+        return valid & selection["kept"]
     return valid
 
 
@@ -707,6 +790,8 @@ def method_token_loss(method, batch, cfg, selection, surrogate, unclipped, token
     elif method == "entropic":  # Eq. 25: GRPO's loss, plus the control term below
         token_loss = surrogate
         touched = selection["high_prob"] & (_coef(states, "entropic", "coef") != 0)
+    elif method == "grpo_dropout":  # Eq. 31: the selection's advantages, dropped rows masked
+        token_loss, touched = surrogate, selection["changed"]
     elif method == "adaptive_entropy":  # Eq. 30: Eq. 19 with the controller's coefficient
         coef = _coef(states, "adaptive_entropy", "applied")
         token_loss = surrogate - coef * batch["entropy"]
@@ -766,6 +851,8 @@ def policy_loss(method, batch, cfg, selection=None, states=None, counts=None, to
     if selection is None:
         selection, metrics = token_selection(method, batch, cfg, states=states,
                                              generator=generator)
+    if "advantages" in selection:  # a method that reassigns the advantages (GRPODropout)
+        batch = {**batch, "advantages": selection["advantages"]}
     logprobs, old_logprobs, mask = batch["logprobs"], batch["old_logprobs"], batch["mask"]
     valid = mask.bool()
     token_adv = stare.token_advantages(batch["advantages"], logprobs).to(logprobs.dtype)  # [B, T]

@@ -225,6 +225,10 @@ class LossConfig:
     adaptive_entropy_coef_min: float = 0.0
     adaptive_entropy_coef_max: float = 0.005
     adaptive_entropy_delta: float = 1e-4  # the coefficient's move per step
+    # --- GRPODropout (Eq. 31): its "balance" variant (hexuandeng/GRPODropout, balance.env) ---
+    grpo_dropout_drop: bool = True  # drop rollouts by their entropy push (false: keep all)
+    grpo_dropout_center: bool = True  # shift the kept advantages to a softmax(l)-weighted mean 0
+    grpo_dropout_basis: str = "avg"  # l: the mean ("avg") or sum ("sum") of a response's log-probs
 
     def __post_init__(self):
         checks = {
@@ -258,6 +262,7 @@ class LossConfig:
             "adaptive_entropy_coef_max": (0 <= self.adaptive_entropy_coef_min
                                           <= self.adaptive_entropy_coef_max),
             "adaptive_entropy_delta": self.adaptive_entropy_delta >= 0,
+            "grpo_dropout_basis": self.grpo_dropout_basis in ("avg", "sum"),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -657,6 +662,11 @@ def _rules(cfg, world_size):
     r, a, t, hw = cfg.rollout, cfg.algorithm, cfg.train, cfg.hardware
     rules = [
         ("rollout.top_p", 0 < r.top_p <= 1, "must be in (0, 1]"),
+        # GRPODropout chooses among a whole group's responses and recomputes Eq. 1 with std
+        ("algorithm.selection_scope", a.method != "grpo_dropout" or a.selection_scope == "step",
+         "must be step for grpo_dropout (it chooses among whole groups)"),
+        ("algorithm.normalize_std", a.method != "grpo_dropout" or a.normalize_std,
+         "must be true for grpo_dropout (its advantages are recomputed as GRPO's)"),
         ("eval.top_p", 0 < cfg.eval.top_p <= 1, "must be in (0, 1]"),
         ("eval.n", cfg.eval.n is None or cfg.eval.n >= 1, "must be >= 1 or null"),
         ("rollout.top_k", r.top_k >= -1, "must be >= -1 (0 or -1 = off)"),

@@ -67,6 +67,7 @@ class Response:
     # [T] bool: True at tokens the policy sampled, False at tool-result tokens
     policy_mask: torch.Tensor
     advantage: float = 0.0
+    group: int = 0  # the index of its group (prompt) in the step, over all ranks
     old_logprobs: torch.Tensor | None = None  # [T] log pi_old, from old_policy_pass
     entropy: torch.Tensor | None = None  # [T] next-token entropy under pi_old
     sensitivity: torch.Tensor | None = None  # [T] entropy sensitivity S (Eq. 5)
@@ -196,11 +197,12 @@ def group_responses(groups, cfg, rank, world):
     """Group-normalised advantages (Eq. 1); this rank's share of the groups, as one list of responses."""
     per_rank = len(groups) // world
     mine = []
-    for group in groups[rank * per_rank:(rank + 1) * per_rank]:
+    for index in range(rank * per_rank, (rank + 1) * per_rank):
+        group = groups[index]
         rewards_ = torch.tensor([r.reward for r in group.responses])  # [n]
         advantages = stare.group_advantages(rewards_, len(rewards_), cfg.algorithm.normalize_std)
-        mine += [
-            dataclasses.replace(r, advantage=float(a)) for r, a in zip(group.responses, advantages)]
+        mine += [dataclasses.replace(r, advantage=float(a), group=index)
+                 for r, a in zip(group.responses, advantages)]
     return mine
 
 
@@ -257,8 +259,8 @@ def select_tokens(responses, cfg, states, step, device):
     method = cfg.algorithm.method
     if cfg.algorithm.selection_scope != "step" or method not in baselines.SELECTING:
         return {}  # nothing to select, or micro scope: policy_loss selects inside each micro-batch
-    fields = ("old_logprobs", "entropy", "policy_mask", "advantage") + baselines.EXTRA_INPUTS.get(
-        method, ())
+    fields = ("old_logprobs", "entropy", "policy_mask", "advantage", "reward", "group",
+              *baselines.EXTRA_INPUTS.get(method, ()))
     shared = [types.SimpleNamespace(**{key: method_input(r, key) for key in fields})
               for r in responses]
     everyone = [row for rank_rows in runs.all_gather(shared) for row in rank_rows]
@@ -284,6 +286,8 @@ def loss_batch(rows, lay_out, method, device):
         "entropy": lay_out([r.entropy for r in rows]),
         "mask": lay_out([r.policy_mask for r in rows]),
         "advantages": torch.tensor([r.advantage for r in rows], device=device),
+        "rewards": torch.tensor([r.reward for r in rows], device=device),
+        "groups": torch.tensor([r.group for r in rows], device=device),
     }
     for key in baselines.EXTRA_INPUTS.get(method, ()):
         batch[key] = lay_out([method_input(r, key) for r in rows])

@@ -23,9 +23,11 @@ def make_batch(seed=0, batch_size=6, width=9, vocab=12, on_policy=False):
     mask = torch.rand(batch_size, width, generator=generator) < 0.85
     mask[2, 5:] = False
     rewards = (torch.rand(batch_size, generator=generator) < 0.5).float()
-    advantages = stare.group_advantages(rewards + 0.1 * torch.arange(batch_size), group_size=2)
+    rewards = rewards + 0.1 * torch.arange(batch_size)
+    advantages = stare.group_advantages(rewards, group_size=2)
     return {"logits": logits, "tokens": tokens, "logprobs": logprobs, "old_logprobs": old_logprobs,
-            "advantages": advantages, "mask": mask, "entropy": entropy,
+            "advantages": advantages, "mask": mask, "entropy": entropy, "rewards": rewards,
+            "groups": torch.arange(batch_size) // 2,
             "proxy_logprobs": baselines.minp_proxy_logprobs(logits, tokens, kappa=1e-3),  # uniform
             "sensitivity": stare.entropy_sensitivity(logits, tokens)}
 
@@ -617,6 +619,7 @@ ACTIVE = {
     "w_reinforce": {},
     "entropic": {"entropic_prob_threshold": 0.3},
     "adaptive_entropy": {},  # its coefficient: STATES'
+    "grpo_dropout": {},
 }
 
 
@@ -711,8 +714,9 @@ def test_selections_make_no_host_sync():
         "sensitivity": torch.empty(4, 8, device="meta"),
     }
     for method in baselines.METHODS:
-        # torch.rand has no meta generator; its selection is select_top_k, checked here
-        if method == "clip_cov":
+        # torch.rand has no meta generator; its selection is select_top_k, checked here.
+        # GRPODropout decides per group on the host, once a step (step scope only, CPU tensors)
+        if method in ("clip_cov", "grpo_dropout"):
             continue
         loss, metrics = baselines.policy_loss(method, batch, config.LossConfig(**ACTIVE[method]),
                                               states=STATES)
