@@ -73,6 +73,12 @@ COMPARE_RUNS = {
         method="stare", stare_variant="C2", stare_w=4.0, stare_m=0.5, stare_top_ratio=0.05),
     "stapo": dict(method="stapo"),
     "lp_reg": dict(method="lp_reg"),
+    "adaptive_entropy": dict(method="adaptive_entropy"),
+    "grpo_dropout": dict(method="grpo_dropout"),
+    # the other policy losses under GRPO's advantages, no entropy method
+    "gspo": dict(method="grpo", policy_loss="gspo"),
+    "cispo": dict(method="grpo", policy_loss="cispo"),
+    "sapo": dict(method="grpo", policy_loss="sapo"),
 }
 
 
