@@ -11,9 +11,10 @@ checkpoints); equation numbers refer to docs/method.md.
                    method needs besides (Eqs. 4-5, 13)
   update_states    the batch's token-mean entropy over all ranks drives the methods' states:
                    STARE's gate (Eq. 10), EntroPIC's controller (Eq. 26)
-  select_tokens    every method's token selection (Eqs. 7, 12-18, 23, 25), once over the whole step
+  select_tokens    every method's token selection (Eqs. 7, 12-18, 23, 25, 31), once over the whole
+                   step
   policy_update    the chosen method's loss over token-budget micro-batches (Eqs. 2-3, 8-9, 11-19,
-                   23-25)
+                   23-30)
   rollout.sync_engine  the new weights into the engine (and a log-prob probe)
   batch_metrics    the batch's statistics and the predicted entropy change by quadrant (Eq. 6)
 

@@ -7,7 +7,10 @@ Writes each method's step metrics, with the parameters left unsharded after each
 and an HF export of the final weights.
 
     PYTHONPATH=. python -m torch.distributed.run --nproc_per_node 2 tests/methods_two_ranks.py \\
-        RESULT_JSON CONFIG_YAML [section.key=value ...]
+        ppo_clip|other_losses RESULT_JSON CONFIG_YAML [section.key=value ...]
+
+ppo_clip: every method on PPO-clip, and the VARIANTS; other_losses: every allowed method on each
+other policy loss (two process pairs, so that the suite runs them side by side).
 
 One process pair for all methods, not one per method: the start-up (imports, engine, model) is
 most of a tiny run's cost. train.py's loop around the steps (metrics file, checkpoints, export,
@@ -39,25 +42,27 @@ VARIANTS = {
                           "train.mini_batch_size=8", "train.micro_token_budget=600"]}
 
 
-def settings():
-    """Every allowed method x policy loss, then the VARIANTS: name -> config overrides."""
+def settings(part):
+    """part "ppo_clip": every method on PPO-clip, then the VARIANTS; "other_losses": every allowed
+    method x other policy loss -> {name: config overrides}."""
     combinations = {}
-    for loss in baselines.POLICY_LOSSES:
+    losses = ("ppo_clip",) if part == "ppo_clip" else baselines.POLICY_LOSSES[1:]
+    for loss in losses:
         for method in baselines.METHODS:
             if baselines.refused_combination(method, loss) is None:
                 name = method if loss == "ppo_clip" else f"{method}+{loss}"
                 combinations[name] = [f"algorithm.method={method}", f"loss.policy_loss={loss}"]
-    return {**combinations, **VARIANTS}
+    return {**combinations, **VARIANTS} if part == "ppo_clip" else combinations
 
 
-def main(result_path, config_path, overrides):
+def main(part, result_path, config_path, overrides):
     cfg = config.load(config_path, overrides)
     rank, world, device = runs.setup_distributed()
     lock = runs.RunLock(cfg.train.out_dir)
     run, _ = train.start_run(cfg, rank, world, device, lock)
     results = {}
     try:
-        for method, changes in settings().items():
+        for method, changes in settings(part).items():
             method_cfg = config.apply_overrides(cfg, changes)
             config.check(method_cfg, world_size=world)
             method_run = dataclasses.replace(run, cfg=method_cfg,
@@ -82,5 +87,5 @@ def main(result_path, config_path, overrides):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])
     runs.exit_process(0)

@@ -112,17 +112,28 @@ def one_rank_gen16(tiny_dir, tmp_path_factory):
     return out, check_finished(run_train(tiny_dir, out, "algorithm.gen_batch_size=16"), out)
 
 
-@pytest.fixture(scope="session")  # once per worker: other modules may run between its tests
-def every_method(tiny_dir, tmp_path_factory):
-    """tests/methods_two_ranks.py on two torchrun ranks: each method's steps' metrics, and the
-    run's directory (its HF export)."""
+def methods_on_two_ranks(part, tiny_dir, tmp_path_factory):
+    """tests/methods_two_ranks.py's `part` on two torchrun ranks: each setting's steps' metrics,
+    and the run's directory (its HF export)."""
     out_dir = tmp_path_factory.mktemp("methods")
     _, *config_and_overrides = train_args(tiny_dir, out_dir / "run", "rollout.sync_check_every=1")
     completed = forked.run(REPO / "tests" / "methods_two_ranks.py",
-                           [out_dir / "metrics.json", *config_and_overrides], env=train_env(2),
-                           nproc=2)
+                           [part, out_dir / "metrics.json", *config_and_overrides],
+                           env=train_env(2), nproc=2)
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
     return json.loads((out_dir / "metrics.json").read_text()), out_dir / "run"
+
+
+@pytest.fixture(scope="session")  # once per worker: other modules may run between its tests
+def every_method(tiny_dir, tmp_path_factory):
+    """Every method on PPO-clip (and methods_two_ranks.VARIANTS), 2 steps on 2 ranks."""
+    return methods_on_two_ranks("ppo_clip", tiny_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def every_loss(tiny_dir, tmp_path_factory):
+    """Every allowed method on GSPO, CISPO and SAPO, 2 steps on 2 ranks (its own process pair)."""
+    return methods_on_two_ranks("other_losses", tiny_dir, tmp_path_factory)
 
 
 @pytest.mark.parametrize("method", baselines.METHODS)
@@ -161,10 +172,10 @@ def test_every_method_trains_end_to_end(method, every_method):
 
 @pytest.mark.parametrize("policy_loss", [loss for loss in baselines.POLICY_LOSSES
                                          if loss != "ppo_clip"])
-def test_every_method_trains_on_every_policy_loss_it_composes_with(policy_loss, every_method):
-    # the same process pair: 2 steps of each allowed method on GSPO, CISPO and SAPO, finite
-    # gradients that move the weights the engine then holds; the refused ones are refused
-    results, _ = every_method
+def test_every_method_trains_on_every_policy_loss_it_composes_with(policy_loss, every_loss):
+    # 2 steps of each allowed method on GSPO, CISPO and SAPO, finite gradients that move the
+    # weights the engine then holds; the refused ones are refused
+    results, _ = every_loss
     for method in baselines.METHODS:
         name = f"{method}+{policy_loss}"
         if baselines.refused_combination(method, policy_loss):
