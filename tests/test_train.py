@@ -112,11 +112,11 @@ def one_rank_gen16(tiny_dir, tmp_path_factory):
     return out, check_finished(run_train(tiny_dir, out, "algorithm.gen_batch_size=16"), out)
 
 
-def methods_on_two_ranks(part, tiny_dir, tmp_path_factory):
+def methods_on_two_ranks(part, tiny_dir, tmp_path_factory, *overrides):
     """tests/methods_two_ranks.py's `part` on two torchrun ranks: each setting's steps' metrics,
     and the run's directory (its HF export)."""
     out_dir = tmp_path_factory.mktemp("methods")
-    _, *config_and_overrides = train_args(tiny_dir, out_dir / "run", "rollout.sync_check_every=1")
+    _, *config_and_overrides = train_args(tiny_dir, out_dir / "run", *overrides)
     completed = forked.run(REPO / "tests" / "methods_two_ranks.py",
                            [part, out_dir / "metrics.json", *config_and_overrides],
                            env=train_env(2), nproc=2)
@@ -126,14 +126,19 @@ def methods_on_two_ranks(part, tiny_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")  # once per worker: other modules may run between its tests
 def every_method(tiny_dir, tmp_path_factory):
-    """Every method on PPO-clip (and methods_two_ranks.VARIANTS), 2 steps on 2 ranks."""
-    return methods_on_two_ranks("ppo_clip", tiny_dir, tmp_path_factory)
+    """Every method on PPO-clip (and methods_two_ranks.VARIANTS), 2 steps on 2 ranks, the sync
+    probed at every step."""
+    return methods_on_two_ranks("ppo_clip", tiny_dir, tmp_path_factory,
+                                "rollout.sync_check_every=1")
 
 
 @pytest.fixture(scope="session")
 def every_loss(tiny_dir, tmp_path_factory):
-    """Every allowed method on GSPO, CISPO and SAPO, 2 steps on 2 ranks (its own process pair)."""
-    return methods_on_two_ranks("other_losses", tiny_dir, tmp_path_factory)
+    """Every allowed method on GSPO, CISPO and SAPO, 2 steps on 2 ranks (its own process pair),
+    8 prompts a step, no sync probe (every_method's probes): the mean sampler/trainer gap."""
+    return methods_on_two_ranks("other_losses", tiny_dir, tmp_path_factory,
+                                "rollout.sync_check_every=0", "train.train_batch_size=8",
+                                "train.mini_batch_size=8", "algorithm.gen_batch_size=16")
 
 
 @pytest.mark.parametrize("method", baselines.METHODS)
@@ -188,7 +193,8 @@ def test_every_method_trains_on_every_policy_loss_it_composes_with(policy_loss, 
                    if isinstance(v, float) and not math.isfinite(v)}
             assert not bad, (name, bad)
             assert record["train/grad_norm"] > 0 and record["train/skipped_updates"] == 0, name
-            assert record["rollout/sync_probe_error"] < 1e-4, name
+            # the engine holds the weights just trained: the mean sampler/trainer gap
+            assert record["rollout/logprob_mismatch_max"] < 1e-3, name
 
 
 def test_two_ranks_match_one_and_export_loads(tiny_dir, tmp_path, one_rank_gen16):
