@@ -39,7 +39,7 @@ VARIANTS = {
     # the reference's per-micro-batch selection, two optimizer steps per training step, a small
     # token budget
     "stare_micro_scope": ["algorithm.method=stare", "algorithm.selection_scope=micro",
-                          "train.mini_batch_size=8", "train.micro_token_budget=600"]}
+                          "train.mini_batch_size=4", "train.micro_token_budget=250"]}
 
 
 def settings(part):

@@ -112,6 +112,10 @@ def one_rank_gen16(tiny_dir, tmp_path_factory):
     return out, check_finished(run_train(tiny_dir, out, "algorithm.gen_batch_size=16"), out)
 
 
+# 8 prompts a step: every method's steps on two ranks, at half the tiny default's batch
+SMALL_STEPS = ("train.train_batch_size=8", "train.mini_batch_size=8", "algorithm.gen_batch_size=16")
+
+
 def methods_on_two_ranks(part, tiny_dir, tmp_path_factory, *overrides):
     """tests/methods_two_ranks.py's `part` on two torchrun ranks: each setting's steps' metrics,
     and the run's directory (its HF export)."""
@@ -129,16 +133,16 @@ def every_method(tiny_dir, tmp_path_factory):
     """Every method on PPO-clip (and methods_two_ranks.VARIANTS), 2 steps on 2 ranks, the sync
     probed at every step."""
     return methods_on_two_ranks("ppo_clip", tiny_dir, tmp_path_factory,
-                                "rollout.sync_check_every=1")
+                                "rollout.sync_check_every=1", *SMALL_STEPS)
 
 
 @pytest.fixture(scope="session")
 def every_loss(tiny_dir, tmp_path_factory):
     """Every allowed method on GSPO, CISPO and SAPO, 2 steps on 2 ranks (its own process pair),
-    8 prompts a step, no sync probe (every_method's probes): the mean sampler/trainer gap."""
+    4 prompts a step, no sync probe (every_method's probes): the mean sampler/trainer gap."""
     return methods_on_two_ranks("other_losses", tiny_dir, tmp_path_factory,
-                                "rollout.sync_check_every=0", "train.train_batch_size=8",
-                                "train.mini_batch_size=8", "algorithm.gen_batch_size=16")
+                                "rollout.sync_check_every=0", "train.train_batch_size=4",
+                                "train.mini_batch_size=4", "algorithm.gen_batch_size=8")
 
 
 @pytest.mark.parametrize("method", baselines.METHODS)
