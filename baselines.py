@@ -3,14 +3,23 @@
     loss, metrics = baselines.policy_loss(method, batch, cfg)     # method in METHODS, cfg a config.LossConfig
 
 runs any of: grpo, stare, stapo, lp_reg, clip_cov, kl_cov, high_entropy, entropy_bonus, steer,
-w_reinforce, entropic, on the same tensors. GRPO, DAPO (clip-higher, dual clip, token-mean) and
-Dr.GRPO (advantages without std, `seq-mean-token-sum-norm`) are settings of `config.LossConfig`
-and `stare.group_advantages`, not separate methods. "Eq. N" refers to docs/method.md.
+w_reinforce, entropic, adaptive_entropy, grpo_dropout, on the same tensors, on top of one of the policy losses POLICY_LOSSES
+(`cfg.policy_loss`): PPO-clip (`stare.clipped_surrogate`), or verl's GSPO, CISPO and SAPO
+(`gspo_surrogate`, `cispo_surrogate`, `sapo_surrogate`); `refused_combination` says which pairs
+have no meaning. GRPO, DAPO (clip-higher, dual clip, token-mean) and Dr.GRPO (advantages without
+std, `seq-mean-token-sum-norm`) are settings of `config.LossConfig` and
+`stare.group_advantages`, not separate methods. "Eq. N" refers to docs/method.md.
+
+A new method is an edit of this file and config.py (docs/method.md, "Methods", lists the places):
+its name in METHODS, its selection in `token_selection`, its token loss in `method_token_loss`,
+its inputs in EXTRA_INPUTS / `old_policy_inputs`, and, if it carries state across steps, a
+stare.MethodState subclass registered in STATEFUL.
 
 `batch` is a dict of [B, T] tensors (advantages may be [B]):
     logprobs        log pi_theta of the sampled tokens, current policy, with grad
     old_logprobs    log pi_old (the behaviour policy, from the no-grad pass)
     advantages      [B] or [B, T]
+    rewards, groups [B]: each response's reward and its group's id (grpo_dropout)
     mask            1 = a response token that counts
     entropy         next-token entropy (stapo, high_entropy: detached is fine; entropy_bonus: with grad)
     old_entropy     H under pi_old, for STEER's weights (optional: `entropy` when absent)
@@ -25,8 +34,9 @@ slice (`selection=`), so the update does not depend on the micro-batch size. The
 denominator is `loss_mask(...)`'s count, summed over the step.
 
 Pure functions of tensors: no I/O, no torch.distributed, no global state. Randomness (Clip-Cov)
-comes from a torch.Generator passed in. EntroPIC's coefficient comes from an EntropyPIController
-the trainer updates once per step beside STARE's gate (its state lives in that object).
+comes from a torch.Generator passed in. State across steps (STARE's gate, EntroPIC's controller)
+lives in stare.MethodState objects that `method_states` builds and the trainer updates once per
+step; `policy_loss` reads them (`states=`).
 """
 
 import difflib
@@ -37,13 +47,49 @@ import torch
 import stare
 
 METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy",
-           "entropy_bonus", "steer", "w_reinforce", "entropic")
+           "entropy_bonus", "steer", "w_reinforce", "entropic", "adaptive_entropy",
+           "grpo_dropout")
 # What the trainer gives each method: the per-token inputs of pi_old it needs beyond logprobs,
 # old_logprobs, advantages, mask and entropy; and whether `token_selection` decides anything for it
 # (then the trainer selects once over the whole step, all ranks, and hands each micro-batch its
 # slice).
 EXTRA_INPUTS = {"lp_reg": ("proxy_logprobs",), "steer": ("sensitivity",)}
-SELECTING = ("stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "steer", "entropic")
+SELECTING = ("stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "steer", "entropic",
+             "grpo_dropout")
+POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "sapo")
+# methods whose selected tokens get an objective of their own in place of the policy loss's token
+# loss (-A r unclipped, Eqs. 14 and 17): defined against PPO-clip's ratio only
+OWN_OBJECTIVE = {"lp_reg": "its regularised tokens take -A r unclipped plus a KL term (Eq. 14)",
+                 "kl_cov": "its loss is -A r unclipped plus a KL penalty on every token (Eq. 17)"}
+
+
+def refused_combination(method, policy_loss):
+    """Why `method` on top of `policy_loss` has no meaning, or None when it runs."""
+    if policy_loss != "ppo_clip" and method in OWN_OBJECTIVE:
+        return (f"{method} on loss.policy_loss {policy_loss}: {OWN_OBJECTIVE[method]}, a "
+                f"replacement of PPO-clip's token loss; it composes with ppo_clip only")
+    return None
+
+
+def method_states(cfg):
+    """The run's state across steps, by name (stare.MethodState): STARE's gate for every method
+    (its entropy signal is logged for all; only STARE acts on it) and the method's own (STATEFUL).
+    cfg: the run's config (config.Config)."""
+    states = {"gate": stare.EntropyGate(**vars(cfg.gate))}
+    make = STATEFUL.get(cfg.algorithm.method)
+    if make is not None:
+        state = make(cfg)
+        states[state.name] = state
+    return states
+
+
+def old_policy_inputs(method, logits, ids, temperature, cfg):
+    """The per-token inputs of pi_old that `method` needs from the no-grad pass's logits beyond
+    log-probs, entropy and sensitivity (EXTRA_INPUTS): name -> [N]. logits [N, V], ids [N]."""
+    if method == "lp_reg":  # Eq. 13
+        return {"proxy_logprobs": minp_proxy_logprobs(logits, ids, temperature, cfg.lp_reg_kappa,
+                                                      cfg.lp_reg_soft)}
+    return {}
 
 
 # ==================================================================================================
@@ -275,7 +321,7 @@ def entropic_high_prob_mask(logprobs, mask, prob_threshold=0.95):
     return mask.bool() & (logprobs.detach().float() > log_threshold)
 
 
-class EntropyPIController:
+class EntropyPIController(stare.MethodState):
     """EntroPIC's proportional-integral controller of the coefficient alpha (Eq. 26).
 
     Once per optimizer step, before the update, `update(batch_entropy)` with the same signal as
@@ -328,29 +374,90 @@ class EntropyPIController:
             self.integral += self.error
         return True
 
-    _STATE_KEYS = ("target_entropy", "kp", "ki", "coef_min", "coef_max", "integral", "error",
-                   "coef", "current_entropy", "start", "anti_windup", "started")
+    name = "entropic"
+    STATE_KEYS = ("target_entropy", "kp", "ki", "coef_min", "coef_max", "integral", "error",
+                  "coef", "current_entropy", "start", "anti_windup", "started")
     # keys a checkpoint from before the deviations lacks: their reference values
-    _ADDED_KEYS = {"start": "first_step", "anti_windup": False, "started": True}
+    ADDED_KEYS = {"start": "first_step", "anti_windup": False, "started": True}
 
-    def state_dict(self):
-        return {key: getattr(self, key) for key in self._STATE_KEYS}
+    def metrics(self, accepted):  # after this step's error: coef is what the update uses
+        return {"entropic/update_accepted": float(accepted), "entropic/error": self.error,
+                "entropic/coef": self.coef, "entropic/integral": self.integral}
 
-    def load_state_dict(self, state):
-        state = {**self._ADDED_KEYS, **state}
-        missing, unknown = set(self._STATE_KEYS) - set(state), set(state) - set(self._STATE_KEYS)
-        if missing or unknown:
-            raise KeyError(f"EntropyPIController state: missing keys {sorted(missing)}, unknown "
-                           f"keys {sorted(unknown)}")
-        for key in self._STATE_KEYS:
-            setattr(self, key, state[key])
-
-    def __repr__(self):
-        items = self.state_dict().items()
-        return "EntropyPIController(" + ", ".join(f"{k}={v!r}" for k, v in items) + ")"
+    def carried(self):
+        # the integral and last error carry over (the reference restarts at 0); gains, bounds and
+        # target come from the resumed run's config
+        return ("integral", "error", "coef", "current_entropy", "started")
 
 
-def token_selection(method, batch, cfg, gate=None, generator=None):
+def _entropic_controller(cfg):
+    # its target defaults to the gate's, so that both hold the same entropy
+    target = cfg.entropic.target_entropy
+    target = cfg.gate.target_entropy if target is None else target
+    return EntropyPIController(**{**vars(cfg.entropic), "target_entropy": target})
+
+
+class AdaptiveEntropyCoefficient(stare.MethodState):
+    """The entropy bonus's coefficient following a target entropy (Eq. 30; Skywork-OR1's
+    EntController, SkyworkAI/Skywork-OR1 @64e96af, verl/trainer/ppo/core_algos.py; the rule of TRL
+    PR #6140).
+
+    `update(batch_entropy)` once per step, before the update: the bonus this step applies, `applied`,
+    is the one the earlier steps set (the reference moves its controller after the update, so a
+    step's entropy acts from the next step), then H < target raises the coefficient by delta, else
+    lowers it, within [coef_min, coef_max], and enables the bonus for the next step only while H <
+    target. Starts at coef_init, enabled. A non-finite entropy leaves the state unchanged.
+    """
+
+    name = "adaptive_entropy"
+    STATE_KEYS = ("target_entropy", "coef_min", "coef_max", "delta", "coef", "enabled", "applied",
+                  "current_entropy")
+
+    def __init__(self, target_entropy=0.2, coef_init=0.0, coef_min=0.0, coef_max=0.005,
+                 delta=1e-4):
+        if not (math.isfinite(target_entropy) and 0 <= coef_min <= coef_max and delta >= 0):
+            raise ValueError(f"need a finite target, 0 <= coef_min <= coef_max and delta >= 0; got "
+                             f"{target_entropy=}, {coef_min=}, {coef_max=}, {delta=}")
+        self.target_entropy, self.delta = float(target_entropy), float(delta)
+        self.coef_min, self.coef_max = float(coef_min), float(coef_max)
+        self.coef, self.enabled = float(coef_init), True  # the reference's start
+        self.applied = 0.0  # the coefficient of this step's bonus
+        self.current_entropy = float("nan")  # last accepted batch entropy
+
+    def update(self, batch_entropy):
+        entropy = float(batch_entropy)  # one host read per optimizer step
+        if not math.isfinite(entropy):
+            return False
+        self.applied = self.coef if self.enabled else 0.0
+        self.current_entropy = entropy
+        below = entropy < self.target_entropy
+        step = self.delta if below else -self.delta
+        self.coef = min(max(self.coef + step, self.coef_min), self.coef_max)
+        self.enabled = below
+        return True
+
+    def metrics(self, accepted):
+        return {"adaptive_entropy/update_accepted": float(accepted),
+                "adaptive_entropy/coef": self.applied, "adaptive_entropy/next_coef": self.coef}
+
+    def carried(self):
+        # target, bounds and delta come from the resumed run's config
+        return ("coef", "enabled", "applied", "current_entropy")
+
+
+def _adaptive_entropy(cfg):
+    target = cfg.loss.adaptive_entropy_target
+    return AdaptiveEntropyCoefficient(
+        cfg.gate.target_entropy if target is None else target, cfg.loss.adaptive_entropy_coef_init,
+        cfg.loss.adaptive_entropy_coef_min, cfg.loss.adaptive_entropy_coef_max,
+        cfg.loss.adaptive_entropy_delta)
+
+
+# method -> the factory of the state it carries across steps, from the run's config
+STATEFUL = {"entropic": _entropic_controller, "adaptive_entropy": _adaptive_entropy}
+
+
+def token_selection(method, batch, cfg, states=None, generator=None):
     """What `method` changes, per token, decided on `batch` -> (selection dict of [B, T] tensors,
     metrics dict). The sets of Eqs. 7-8 (stare), 12-18 (the baselines) and STEER's weights (Eqs. 22,
     23), EntroPIC's high-probability tokens (Eq. 25); W-REINFORCE's weight (Eq. 24) needs no
@@ -358,8 +465,8 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
 
     Call it on a micro-batch (the references' behaviour) or once on the whole optimizer step, then
     slice the tensors per micro-batch for `policy_loss(..., selection=...)`. Uses batch["logprobs"]
-    detached: in step scope pass the old log-probs there. `gate`: a stare.EntropyGate whose gate_on,
-    w and m STARE uses (None: EntropyGate()'s, on).
+    detached: in step scope pass the old log-probs there. `states`: `method_states`'s; STARE uses
+    the gate's gate_on, w and m (no gate: EntropyGate()'s, on).
     """
     _check_method(method)
     logprobs, advantages, mask = batch["logprobs"].detach(), batch["advantages"], batch["mask"]
@@ -369,7 +476,7 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
     positive, negative = (mask.bool() & (signed > 0)).sum(), (mask.bool() & (signed < 0)).sum()
     if method == "stare":
         # no gate given: on, default w and m
-        gate = gate if gate is not None else stare.EntropyGate()
+        gate = (states or {}).get("gate") or stare.EntropyGate()
         weights, stats = stare.stare_weights(
             logprobs, advantages, mask, cfg.stare_variant, cfg.stare_top_ratio, gate.w, gate.m,
             gate.gate_on)
@@ -413,7 +520,206 @@ def token_selection(method, batch, cfg, gate=None, generator=None):
         high_prob = entropic_high_prob_mask(logprobs, mask, cfg.entropic_prob_threshold)
         return {"high_prob": high_prob}, {
             "entropic/high_prob_frac": high_prob.sum() / mask.bool().sum().clamp(min=1)}
-    return {}, {}  # grpo, entropy_bonus, w_reinforce: nothing to select
+    if method == "grpo_dropout":  # whole responses: their rows, broadcast over the tokens
+        kept, new_advantages = grpo_dropout(logprobs, advantages, batch["rewards"], batch["groups"],
+                                            mask, cfg, generator)
+        rows = torch.ones_like(mask, dtype=torch.bool)
+        sequence = advantages if advantages.dim() == 1 else advantages[:, 0]
+        changed = ~kept | (new_advantages != sequence.float())
+        return {"kept": kept[:, None] & rows, "changed": changed[:, None] & rows,
+                "advantages": new_advantages[:, None].to(logprobs.dtype) * rows}, {
+            "grpo_dropout/kept_frac": kept.float().mean()}
+    return {}, {}  # grpo, entropy_bonus, w_reinforce, adaptive_entropy: nothing to select
+
+
+def balanced_push_selection(push, generator=None, eps=1e-12):
+    """GRPODropout's choice of one group's rollouts (Eq. 31; hexuandeng/GRPODropout @4ad3b3b,
+    selector_methods.py: select_balanced_push_zero): push [G] float64, u_k = A_k (s_k - mean s) ->
+    kept [G] bool.
+
+    Every positive push is kept; the negative ones, least negative first, while the running sum
+    stays above eps; at least max(1, G // 4) rollouts (zero pushes first). A group of one sign only
+    keeps its positive pushes, padded by zero, then by the least negative ones. All pushes zero:
+    max(1, G // 4) rollouts drawn with `generator` (the reference seeds Python's random by group)."""
+    size = push.numel()
+    minimum = max(1, size // 4)
+    values = push.tolist()
+    positive = sorted((k for k in range(size) if values[k] > eps), key=lambda k: -values[k])
+    negative = sorted((k for k in range(size) if values[k] < -eps), key=lambda k: -values[k])
+    zero = [k for k in range(size) if abs(values[k]) <= eps]
+    if len(zero) == size:
+        chosen = torch.randperm(size, generator=generator)[:minimum].tolist()
+    elif not positive or not negative:
+        chosen = positive + zero[:max(minimum - len(positive), 0)]
+        chosen += negative[:max(minimum - len(chosen), 0)]
+    else:
+        chosen, running = list(positive), sum(values[k] for k in positive)
+        for k in negative:
+            if running + values[k] <= eps:
+                break
+            chosen.append(k)
+            running += values[k]
+        chosen += zero[:max(minimum - len(chosen), 0)]
+    kept = torch.zeros(size, dtype=torch.bool)
+    kept[chosen] = True
+    return kept
+
+
+def grpo_dropout(logprobs, advantages, rewards, groups, mask, cfg, generator=None):
+    """GRPODropout (Eq. 31; hexuandeng/GRPODropout @4ad3b3b, its "balance" variant): which whole
+    responses update, and their new advantages. logprobs [B, T] (pi_old), advantages, rewards,
+    groups [B] (a group id per response), mask [B, T] -> (kept [B] bool, advantages [B]).
+
+    Per group: l_k the mean (or, grpo_dropout_basis "sum", the sum) of the response's log-probs,
+    push u_k = A_k (s_k - mean_j s_j) with s = -l (balanced_push_selection); the kept responses'
+    advantages recomputed by Eq. 1 over them alone, then shifted so that their softmax(l)-weighted
+    mean is 0. The dropped ones' are 0. grpo_dropout_drop / grpo_dropout_center off: GRPO's."""
+    valid = mask.to(logprobs.dtype)
+    ell = (logprobs.detach() * valid).sum(-1)  # [B]
+    if cfg.grpo_dropout_basis == "avg":
+        ell = ell / valid.sum(-1).clamp(min=1)
+    if advantages.dim() > 1:  # [B, T]: the sequence's, a masked mean as the reference reads it
+        advantages = (advantages * valid).sum(-1) / valid.sum(-1).clamp(min=1)
+    kept = torch.ones(len(ell), dtype=torch.bool)
+    new_advantages = advantages.detach().float().clone()
+    for group in torch.unique(groups).tolist():
+        rows = (groups == group).nonzero().flatten()
+        if cfg.grpo_dropout_drop:
+            surprisal = -ell[rows].double()
+            push = advantages[rows].double() * (surprisal - surprisal.mean())
+            chosen = rows[balanced_push_selection(push, generator)]
+            kept[rows] = False
+            kept[chosen] = True
+            if len(chosen) < len(rows):  # Eq. 1 over the kept responses
+                new_advantages[rows] = 0.0
+                new_advantages[chosen] = stare.group_advantages(rewards[chosen].float(), len(chosen))
+        else:
+            chosen = rows
+        if cfg.grpo_dropout_center:
+            weights = torch.softmax(ell[chosen].float(), dim=0)
+            new_advantages[chosen] -= (weights * new_advantages[chosen]).sum()
+    return kept, new_advantages
+
+
+# ==================================================================================================
+# Policy losses beside PPO-clip: GSPO, CISPO, SAPO (per-token losses for stare.aggregate_loss)
+# ==================================================================================================
+# Each matches verl's function at volcengine/verl@b178a3c (verl/trainer/ppo/core_algos.py) bit for
+# bit, values and gradients, when aggregated as verl's recipe does (tests/test_policy_losses.py).
+
+
+def gspo_surrogate(logprobs, old_logprobs, advantages, mask, clip_low=3e-4, clip_high=4e-4):
+    """GSPO's per-token loss (Zheng et al. 2025, arXiv 2507.18071; Eq. 27): PPO's clip applied to a
+    sequence-level, length-normalised ratio. verl: compute_policy_loss_gspo.
+
+    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B] or [B, T], mask [B, T] ->
+    (token_loss [B, T], stats as stare.clipped_surrogate's).
+
+      log s_i   = sum_t m (log pi - log pi_old) / max(sum_t m, 1)      (no +-20 clamp per token)
+      s_{i,t}   = exp(min(sg[log s_i] + log pi_{i,t} - sg[log pi_{i,t}], 10))
+      loss      = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high))   (no dual clip)
+    The value of s_{i,t} is s_i; its gradient is s_i d log pi_{i,t} (zero where the clamp at 10
+    acts). verl aggregates it as seq-mean-token-mean whatever loss_agg_mode says; defaults: the
+    paper's (Sec. 5.1) and verl's GSPO recipes' clip ranges.
+    """
+    _check_clip(clip_low, clip_high)
+    token_adv = stare.token_advantages(advantages, logprobs).to(logprobs.dtype)  # [B, T]
+    log_ratio = logprobs - old_logprobs  # [B, T]
+    seq_lengths = mask.sum(-1).clamp(min=1)  # [B], an integer count for bool masks
+    seq_log_ratio = (log_ratio * mask).sum(-1) / seq_lengths  # [B]: log s_i
+    # sg[log s_i] + log pi - sg[log pi]: the value log s_i, the gradient of log pi
+    log_seq_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)  # [B, T]
+    seq_ratio = torch.exp(torch.clamp(log_seq_ratio, max=10.0))  # [B, T]
+    loss_unclipped = -token_adv * seq_ratio
+    loss_clipped = -token_adv * torch.clamp(seq_ratio, 1 - clip_low, 1 + clip_high)
+    token_loss = torch.maximum(loss_unclipped, loss_clipped)
+    with torch.no_grad():
+        stats = _surrogate_stats(
+            log_ratio, mask, clipped=loss_clipped > loss_unclipped,
+            below=(token_adv < 0) & (seq_ratio < 1 - clip_low),
+            above=(token_adv > 0) & (seq_ratio > 1 + clip_high))
+    return token_loss, stats
+
+
+def cispo_surrogate(logprobs, old_logprobs, advantages, mask, clip_low=10.0, clip_high=0.2):
+    """CISPO's per-token loss (MiniMax 2025, MiniMax-M1, arXiv 2506.13585; Eq. 28): REINFORCE on
+    every token, weighted by the clipped importance ratio with its gradient stopped. verl:
+    compute_policy_loss_cispo.
+
+    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B] or [B, T], mask [B, T] ->
+    (token_loss [B, T], stats as stare.clipped_surrogate's).
+
+      r    = exp(clamp(log pi - log pi_old, -20, 20))
+      loss = -sg[clip(r, 1 - clip_low, 1 + clip_high)] A log pi
+    The value holds log pi itself (not r): on-policy it is -A log pi, and its gradient -A d log pi.
+    No token loses its gradient: a clipped ratio only caps the weight. The paper sets no lower
+    bound ("a large value") and publishes no upper one; the defaults are verl's CISPO example's
+    (clip_ratio_low 10, clip_ratio_high 0.2). verl aggregates it by loss_agg_mode (token-mean there,
+    as the paper's 1 / sum |o_i|).
+    """
+    _check_clip(clip_low, clip_high)
+    token_adv = stare.token_advantages(advantages, logprobs).to(logprobs.dtype)  # [B, T]
+    log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)  # [B, T]
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    token_loss = -clipped_ratio.detach() * token_adv * logprobs
+    with torch.no_grad():
+        stats = _surrogate_stats(log_ratio, mask, clipped=ratio != clipped_ratio,
+                                 below=ratio < 1 - clip_low, above=ratio > 1 + clip_high)
+    return token_loss, stats
+
+
+def sapo_surrogate(logprobs, old_logprobs, advantages, mask, tau_pos=1.0, tau_neg=1.05):
+    """SAPO's per-token loss (Gao et al. 2025, arXiv 2511.20347; Eq. 29): a sigmoid gate of the
+    ratio in place of the hard clip, steeper (tau_neg > tau_pos) for negative advantages. verl:
+    compute_policy_loss_sapo.
+
+    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B] or [B, T], mask [B, T] ->
+    (token_loss [B, T], stats as stare.clipped_surrogate's; SAPO clips nothing, so its clip
+    fractions are 0).
+
+      r    = exp(clamp(log pi - log pi_old, -20, 20)),  tau = tau_pos if A > 0 else tau_neg
+      loss = -(4 / tau) sigmoid(tau (r - 1)) A
+    On-policy the gate is 2 / tau and its slope 1: the gradient is GRPO's, -A d log pi. tau is a
+    tensor of the loss's dtype, as in verl, so that 4 / tau rounds as there. verl aggregates it as
+    seq-mean-token-mean whatever loss_agg_mode says; defaults: the paper's and verl's.
+    """
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"SAPO's tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
+    token_adv = stare.token_advantages(advantages, logprobs).to(logprobs.dtype)  # [B, T]
+    log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)  # [B, T]
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(token_adv > 0,
+                      torch.as_tensor(tau_pos, dtype=token_adv.dtype, device=token_adv.device),
+                      torch.as_tensor(tau_neg, dtype=token_adv.dtype, device=token_adv.device))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # [B, T]
+    token_loss = -gate * token_adv
+    with torch.no_grad():
+        never = torch.zeros_like(mask, dtype=torch.bool)
+        stats = _surrogate_stats(log_ratio, mask, clipped=never, below=never, above=never)
+    return token_loss, stats
+
+
+def _check_clip(clip_low, clip_high):
+    if not (clip_low > 0 and clip_high > 0):
+        raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low}, {clip_high}")
+
+
+def _surrogate_stats(log_ratio, mask, clipped, below, above):
+    """stare.clipped_surrogate's stats for a loss without dual clip: the fractions of valid tokens
+    whose clip acts / whose ratio lies below / above the band where that matters, and the KL
+    estimates of d = log_ratio. All [B, T] -> dict of 0-dim tensors."""
+    valid = mask.bool()
+    num_valid = valid.sum().clamp(min=1).float()
+    d = torch.where(valid, log_ratio.detach(), 0.0)  # GSPO's d is unclamped: padding may be inf
+
+    def frac(flags):
+        return (flags & valid).sum() / num_valid
+
+    return {"clip_frac": frac(clipped), "clip_low_frac": frac(below),
+            "clip_high_frac": frac(above), "dual_clip_frac": torch.zeros((), device=d.device),
+            "approx_kl": (-d * valid).sum() / num_valid,
+            "approx_kl_k3": ((torch.expm1(d) - d) * valid).sum() / num_valid}
 
 
 # ==================================================================================================
@@ -431,6 +737,8 @@ def loss_mask(method, mask, selection, cfg):
         return valid & ~selection["spurious"]
     if method == "high_entropy" and cfg.high_entropy_convention == "lp_reg_dev":
         return valid & selection["kept"]
+    if method == "grpo_dropout":  # the dropped responses leave the loss and its denominator
+        return valid & selection["kept"]
     return valid
 
 
@@ -441,10 +749,11 @@ def control_mask(method, mask, selection):
     return mask.bool() & selection["high_prob"] if method == "entropic" else None
 
 
-def method_token_loss(method, batch, cfg, selection, surrogate, unclipped, token_adv, coef):
+def method_token_loss(method, batch, cfg, selection, surrogate, unclipped, token_adv, states):
     """Each method's per-token loss [B, T] and the tokens it treats unlike GRPO [B, T] bool, from
-    the clipped surrogate (Eq. 2), the unclipped -A r, the token advantages and its selection: one
-    branch per method. coef: EntroPIC's controller output (its term is added after aggregation)."""
+    the policy loss's token loss (Eqs. 2, 27-29), the unclipped -A r, the token advantages, its
+    selection and its state (`method_states`'s): one branch per method. EntroPIC's control term is
+    added after aggregation (`policy_loss`)."""
     logprobs, old_logprobs, valid = batch["logprobs"], batch["old_logprobs"], batch["mask"].bool()
     # Eq. 12: STAPO's change is in the mask, spurious tokens leave loss and denominator
     if method in ("grpo", "stapo"):
@@ -480,71 +789,105 @@ def method_token_loss(method, batch, cfg, selection, surrogate, unclipped, token
         touched = positive & (cfg.w_reinforce_lambda != 1)
     elif method == "entropic":  # Eq. 25: GRPO's loss, plus the control term below
         token_loss = surrogate
-        touched = selection["high_prob"] & (coef != 0)
+        touched = selection["high_prob"] & (_coef(states, "entropic", "coef") != 0)
+    elif method == "grpo_dropout":  # Eq. 31: the selection's advantages, dropped rows masked
+        token_loss, touched = surrogate, selection["changed"]
+    elif method == "adaptive_entropy":  # Eq. 30: Eq. 19 with the controller's coefficient
+        coef = _coef(states, "adaptive_entropy", "applied")
+        token_loss = surrogate - coef * batch["entropy"]
+        touched = torch.full_like(valid, coef != 0)
     else:  # entropy_bonus, Eq. 19: -beta H per token, H with grad
         token_loss = surrogate - cfg.entropy_coef * batch["entropy"]
         touched = torch.full_like(valid, cfg.entropy_coef != 0)
     return token_loss, touched
 
 
-def policy_loss(method, batch, cfg, selection=None, gate=None, generator=None, num_tokens=None,
-                num_sequences=None, token_weights=None, controller=None, num_control_tokens=None,
-                num_control_sequences=None):
+def policy_surrogate(batch, cfg):
+    """The token loss of the policy loss `cfg.policy_loss` names (Eqs. 2, 27-29), before any
+    method's change -> (token_loss [B, T], stats: clip fractions and KL estimates)."""
+    args = (batch["logprobs"], batch["old_logprobs"], batch["advantages"])
+    if cfg.policy_loss == "ppo_clip":
+        return stare.clipped_surrogate(*args, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
+                                       mask=batch["mask"])
+    if cfg.policy_loss == "gspo":
+        return gspo_surrogate(*args, batch["mask"], cfg.gspo_clip_low, cfg.gspo_clip_high)
+    if cfg.policy_loss == "cispo":
+        return cispo_surrogate(*args, batch["mask"], cfg.cispo_clip_low, cfg.cispo_clip_high)
+    if cfg.policy_loss == "sapo":
+        return sapo_surrogate(*args, batch["mask"], cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    raise ValueError(f"unknown policy loss {cfg.policy_loss!r}; choose from {POLICY_LOSSES}")
+
+
+def policy_loss(method, batch, cfg, selection=None, states=None, counts=None, token_weights=None,
+                generator=None):
     """The policy loss of `method` on `batch` -> (scalar loss to minimise, metrics of 0-dim
-    tensors): the method's token loss (Eq. 2 changed by Eqs. 9, 12-19, 23, 24), times token_weights
-    (Eq. 11), aggregated by Eq. 3; EntroPIC adds its control term (Eq. 25).
+    tensors): the token loss of `cfg.policy_loss` (Eqs. 2, 27-29) changed by the method (Eqs. 9,
+    12-19, 23, 24), times token_weights (Eq. 11), aggregated by Eq. 3; EntroPIC adds its control
+    term (Eq. 25).
 
     selection: from `token_selection` (sliced to this batch); None = select within this batch.
-    num_tokens / num_sequences: the optimizer step's counts of `loss_mask` tokens / non-empty sequences (see
-    stare.aggregate_loss), so that micro-batch losses add up to the full-batch loss.
-    token_weights: [B, T] constants multiplying every token's loss before aggregation (e.g. truncated importance
-    weights pi_old / pi_rollout, Eq. 11), or None.
-    controller: EntroPIC's EntropyPIController, whose `coef` scales Eq. 25's term (None: 0, GRPO's
-    loss); num_control_tokens / num_control_sequences: the step's counts of `control_mask`.
+    states: `method_states`'s (STARE reads the gate, EntroPIC its controller's alpha; None: the
+    gate on at its defaults, alpha 0).
+    counts: the optimizer step's counts, so that micro-batch losses add up to the full-batch loss
+    (see stare.aggregate_loss): "num_tokens" / "num_sequences" of `loss_mask` tokens and non-empty
+    sequences, "num_control_tokens" / "num_control_sequences" of `control_mask`'s; None: this
+    batch's own.
+    token_weights: [B, T] constants multiplying every token's loss before aggregation (e.g.
+    truncated importance weights pi_old / pi_rollout, Eq. 11), or None.
 
     Every method returns "touched_frac", the fraction of valid tokens whose loss term differs from
     GRPO's (STARE, STEER: reweighted; STAPO: silenced; Lp-Reg: regularised; Clip-Cov: detached;
     KL-Cov: penalised; 80/20: gradient removed; entropy bonus: all, when its coefficient is not 0;
     W-REINFORCE: the positive-advantage ones, when lambda is not 1; EntroPIC: the high-probability
-    ones, when alpha is not 0), and clipped_surrogate's stats.
+    ones, when alpha is not 0), and the policy loss's clip statistics.
     When the selection is made here, its own metrics (stare/..., stapo/...) are included; with
     `selection=` they come from the token_selection call that made it.
     """
     _check_method(method)
-    metrics = {}
+    refused = refused_combination(method, cfg.policy_loss)
+    if refused:
+        raise ValueError(refused)
+    metrics, states, counts = {}, states or {}, counts or {}
     if selection is None:
-        selection, metrics = token_selection(method, batch, cfg, gate=gate, generator=generator)
+        selection, metrics = token_selection(method, batch, cfg, states=states,
+                                             generator=generator)
+    if "advantages" in selection:  # a method that reassigns the advantages (GRPODropout)
+        batch = {**batch, "advantages": selection["advantages"]}
     logprobs, old_logprobs, mask = batch["logprobs"], batch["old_logprobs"], batch["mask"]
     valid = mask.bool()
     token_adv = stare.token_advantages(batch["advantages"], logprobs).to(logprobs.dtype)  # [B, T]
-    surrogate, surrogate_stats = stare.clipped_surrogate(
-        logprobs, old_logprobs, batch["advantages"], cfg.clip_low, cfg.clip_high, cfg.dual_clip,
-        mask=mask)
+    surrogate, surrogate_stats = policy_surrogate(batch, cfg)
     ratio = torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))  # [B, T]
     # -A r without clipping: Lp-Reg's regularised tokens and KL-Cov's base loss
     unclipped = -token_adv * ratio
 
     # ----------------------------------------------- ALGO LOGIC: one branch per method ----------------
-    coef = controller.coef if controller is not None else 0.0  # EntroPIC's alpha (Eq. 26)
     token_loss, touched = method_token_loss(method, batch, cfg, selection, surrogate, unclipped,
-                                            token_adv, coef)
+                                            token_adv, states)
 
     if token_weights is not None:
         token_loss = token_loss * token_weights.detach()
     loss = stare.aggregate_loss(
-        token_loss, loss_mask(method, mask, selection, cfg), cfg.agg_mode, num_tokens,
-        num_sequences, cfg.loss_scale_factor)
+        token_loss, loss_mask(method, mask, selection, cfg), cfg.agg_mode,
+        counts.get("num_tokens"), counts.get("num_sequences"), cfg.loss_scale_factor)
     if method == "entropic":
         # Eq. 25: alpha x the mean of -r |A| over the high-probability tokens, aggregated over their
         # own count; the ratio unclipped, no importance weight (both as the reference)
         control = stare.aggregate_loss(
             -token_adv.abs() * ratio, control_mask(method, mask, selection),
-            cfg.agg_mode, num_control_tokens, num_control_sequences, cfg.loss_scale_factor)
-        loss = loss + coef * control
+            cfg.agg_mode, counts.get("num_control_tokens"), counts.get("num_control_sequences"),
+            cfg.loss_scale_factor)
+        loss = loss + _coef(states, "entropic", "coef") * control
     num_valid = valid.sum().clamp(min=1)
     metrics.update(surrogate_stats)
     metrics["touched_frac"] = (touched & valid).sum() / num_valid
     return loss, metrics
+
+
+def _coef(states, name, attribute):
+    """A controller's coefficient; 0 (GRPO's loss) when the state is not given."""
+    state = states.get(name)
+    return getattr(state, attribute) if state is not None else 0.0
 
 
 def _check_method(method):

@@ -155,13 +155,22 @@ class EntropicConfig:
 @dataclasses.dataclass
 class LossConfig:
     """Hyperparameters of the policy loss. Each method's own knobs default to its paper's reference
-    scripts (Eqs. 12-19, 22-24). The clipped surrogate is shared by every method (a controlled
-    comparison: only the token-level change differs), with the STARE/DAPO settings; the references
-    of Lp-Reg, Clip-Cov and W-REINFORCE use no dual clip and other clip ranges (Lp-Reg clip_low=1.0,
-    clip_high=9.0; Clip-Cov 1.0/1.0; W-REINFORCE 0.2/0.2): set those here to reproduce them
-    exactly."""
+    scripts (Eqs. 12-19, 22-24). The policy loss (policy_loss; PPO-clip by default) is shared by
+    every method (a controlled comparison: only the token-level change differs), with the
+    STARE/DAPO settings; the references of Lp-Reg, Clip-Cov and W-REINFORCE use no dual clip and
+    other clip ranges (Lp-Reg clip_low=1.0, clip_high=9.0; Clip-Cov 1.0/1.0; W-REINFORCE 0.2/0.2):
+    set those here to reproduce them exactly."""
 
-    # --- shared: the clipped surrogate and its aggregation (Eqs. 2, 3) ---
+    # --- the policy loss under every method: ppo_clip (Eq. 2, verl's "vanilla"), gspo, cispo or
+    # sapo (Eqs. 27-29, verl's loss_mode names); their knobs' defaults are their papers' ---
+    policy_loss: str = "ppo_clip"
+    gspo_clip_low: float = 3e-4  # GSPO's sequence-ratio clip (its Sec. 5.1)
+    gspo_clip_high: float = 4e-4
+    cispo_clip_low: float = 10.0  # CISPO's weight clip: no lower bound in effect (verl's example)
+    cispo_clip_high: float = 0.2
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperatures for A > 0 and A <= 0
+    sapo_tau_neg: float = 1.05
+    # --- PPO-clip and the aggregation of every loss (Eqs. 2, 3) ---
     clip_low: float = 0.2  # ratio clip below 1 - clip_low
     clip_high: float = 0.28  # ratio clip above 1 + clip_high (DAPO's clip-higher)
     # dual-clip bound c for A < 0 (STARE/DAPO scripts: 10); None = off
@@ -209,12 +218,29 @@ class LossConfig:
     w_reinforce_lambda: float = 0.1  # lambda: weight of positive-advantage tokens (paper: 0.1)
     # --- EntroPIC (Eq. 25); its controller is the `entropic` section ---
     entropic_prob_threshold: float = 0.95  # its term acts on tokens with pi above this (reference)
+    # --- the adaptive entropy coefficient (Eq. 30): Skywork-OR1's paper runs' values ---
+    # the entropy it holds; null = gate.target_entropy (Skywork-OR1: 0.2)
+    adaptive_entropy_target: float | None = None
+    adaptive_entropy_coef_init: float = 0.0
+    adaptive_entropy_coef_min: float = 0.0
+    adaptive_entropy_coef_max: float = 0.005
+    adaptive_entropy_delta: float = 1e-4  # the coefficient's move per step
+    # --- GRPODropout (Eq. 31): its "balance" variant (hexuandeng/GRPODropout, balance.env) ---
+    grpo_dropout_drop: bool = True  # drop rollouts by their entropy push (false: keep all)
+    grpo_dropout_center: bool = True  # shift the kept advantages to a softmax(l)-weighted mean 0
+    grpo_dropout_basis: str = "avg"  # l: the mean ("avg") or sum ("sum") of a response's log-probs
 
     def __post_init__(self):
         checks = {
             "clip_low": self.clip_low > 0,
             "clip_high": self.clip_high > 0,
             "dual_clip": self.dual_clip is None or self.dual_clip > 1,
+            "gspo_clip_low": self.gspo_clip_low > 0,
+            "gspo_clip_high": self.gspo_clip_high > 0,
+            "cispo_clip_low": self.cispo_clip_low > 0,
+            "cispo_clip_high": self.cispo_clip_high > 0,
+            "sapo_tau_pos": self.sapo_tau_pos > 0,
+            "sapo_tau_neg": self.sapo_tau_neg > 0,
             "agg_mode": self.agg_mode in stare.LOSS_AGG_MODES,
             "stare_variant": self.stare_variant.upper() in ("O1", "C2"),
             "stare_top_ratio": 0 <= self.stare_top_ratio <= 1,
@@ -231,6 +257,12 @@ class LossConfig:
             "steer_estimate": self.steer_estimate in ("steer", "sensitivity"),
             "w_reinforce_lambda": self.w_reinforce_lambda >= 0,
             "entropic_prob_threshold": 0 <= self.entropic_prob_threshold <= 1,
+            "adaptive_entropy_target": (self.adaptive_entropy_target is None
+                                        or self.adaptive_entropy_target > 0),
+            "adaptive_entropy_coef_max": (0 <= self.adaptive_entropy_coef_min
+                                          <= self.adaptive_entropy_coef_max),
+            "adaptive_entropy_delta": self.adaptive_entropy_delta >= 0,
+            "grpo_dropout_basis": self.grpo_dropout_basis in ("avg", "sum"),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -424,6 +456,7 @@ CHOICES = {  # fields with a fixed set of values
     "rollout.model_runner": ("v1", "v2"),
     "data.overflow": data.OVERFLOW_MODES,
     "algorithm.method": baselines.METHODS,
+    "loss.policy_loss": baselines.POLICY_LOSSES,
     "algorithm.selection_scope": ("step", "micro"),
     "entropic.start": ("first_step", "crossing"),
     "optim.schedule": ("constant", "cosine"),
@@ -606,6 +639,9 @@ def check(cfg, world_size=None):
             close = difflib.get_close_matches(str(value), allowed, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"config key {key!r}: {value!r} is not one of {allowed}{hint}")
+    refused = baselines.refused_combination(cfg.algorithm.method, cfg.loss.policy_loss)
+    if refused:
+        raise ConfigError(f"config keys 'algorithm.method' and 'loss.policy_loss': {refused}")
     for key in POSITIVE:
         if not _get(cfg, key) > 0:
             raise ConfigError(f"config key {key!r}: must be > 0, got {_get(cfg, key)!r}")
@@ -626,6 +662,11 @@ def _rules(cfg, world_size):
     r, a, t, hw = cfg.rollout, cfg.algorithm, cfg.train, cfg.hardware
     rules = [
         ("rollout.top_p", 0 < r.top_p <= 1, "must be in (0, 1]"),
+        # GRPODropout chooses among a whole group's responses and recomputes Eq. 1 with std
+        ("algorithm.selection_scope", a.method != "grpo_dropout" or a.selection_scope == "step",
+         "must be step for grpo_dropout (it chooses among whole groups)"),
+        ("algorithm.normalize_std", a.method != "grpo_dropout" or a.normalize_std,
+         "must be true for grpo_dropout (its advantages are recomputed as GRPO's)"),
         ("eval.top_p", 0 < cfg.eval.top_p <= 1, "must be in (0, 1]"),
         ("eval.n", cfg.eval.n is None or cfg.eval.n >= 1, "must be >= 1 or null"),
         ("rollout.top_k", r.top_k >= -1, "must be >= -1 (0 or -1 = off)"),

@@ -7,13 +7,14 @@ checkpoints); equation numbers refer to docs/method.md.
                    dynamic sampling keeps the groups whose rewards differ, over all ranks, until the
                    batch is full
   group_responses  group-normalised advantages, this rank's share of the groups (Eq. 1)
-  old_policy_pass  one no-grad forward: old log-probs, entropies, sensitivities S, Lp-Reg's proxy
-                   (Eqs. 4-5, 13)
-  update_gate      the batch's token-mean entropy over all ranks drives STARE's gate (Eq. 10) and
-                   EntroPIC's controller (Eq. 26)
-  select_tokens    every method's token selection (Eqs. 7, 12-18, 23, 25), once over the whole step
+  old_policy_pass  one no-grad forward: old log-probs, entropies, sensitivities S, and what the
+                   method needs besides (Eqs. 4-5, 13)
+  update_states    the batch's token-mean entropy over all ranks drives the methods' states:
+                   STARE's gate (Eq. 10), EntroPIC's controller (Eq. 26)
+  select_tokens    every method's token selection (Eqs. 7, 12-18, 23, 25, 31), once over the whole
+                   step
   policy_update    the chosen method's loss over token-budget micro-batches (Eqs. 2-3, 8-9, 11-19,
-                   23-25)
+                   23-30)
   rollout.sync_engine  the new weights into the engine (and a log-prob probe)
   batch_metrics    the batch's statistics and the predicted entropy change by quadrant (Eq. 6)
 
@@ -67,10 +68,12 @@ class Response:
     # [T] bool: True at tokens the policy sampled, False at tool-result tokens
     policy_mask: torch.Tensor
     advantage: float = 0.0
+    group: int = 0  # the index of its group (prompt) in the step, over all ranks
     old_logprobs: torch.Tensor | None = None  # [T] log pi_old, from old_policy_pass
     entropy: torch.Tensor | None = None  # [T] next-token entropy under pi_old
     sensitivity: torch.Tensor | None = None  # [T] entropy sensitivity S (Eq. 5)
-    proxy_logprobs: torch.Tensor | None = None  # [T] Lp-Reg's min-p proxy log-prob (lp_reg only)
+    # name -> [T]: the method's own inputs of pi_old (baselines.old_policy_inputs: Lp-Reg's proxy)
+    extra: dict = dataclasses.field(default_factory=dict)
     selection: dict | None = None  # name -> [T], the step-scope token selection of the method
 
 
@@ -195,18 +198,20 @@ def group_responses(groups, cfg, rank, world):
     """Group-normalised advantages (Eq. 1); this rank's share of the groups, as one list of responses."""
     per_rank = len(groups) // world
     mine = []
-    for group in groups[rank * per_rank:(rank + 1) * per_rank]:
+    for index in range(rank * per_rank, (rank + 1) * per_rank):
+        group = groups[index]
         rewards_ = torch.tensor([r.reward for r in group.responses])  # [n]
         advantages = stare.group_advantages(rewards_, len(rewards_), cfg.algorithm.normalize_std)
-        mine += [
-            dataclasses.replace(r, advantage=float(a)) for r, a in zip(group.responses, advantages)]
+        mine += [dataclasses.replace(r, advantage=float(a), group=index)
+                 for r, a in zip(group.responses, advantages)]
     return mine
 
 
 @torch.no_grad()
 def old_policy_pass(model, responses, cfg, device):
     """One no-grad forward per micro-batch: each response's old log-probs, entropies and entropy
-    sensitivities (and Lp-Reg's proxy log-probs). Fills those fields of `responses`."""
+    sensitivities (and the method's own inputs, Response.extra). Fills those fields of
+    `responses`."""
     model.eval()
     temperature = cfg.rollout.temperature
     for indices in modeling.equal_count_micro_batches(responses, cfg.train.micro_token_budget, device):
@@ -221,17 +226,18 @@ def old_policy_pass(model, responses, cfg, device):
         for i, (row_logprobs, row_entropy, row_sensitivity) in zip(indices, per_row):
             responses[i].old_logprobs, responses[i].entropy = row_logprobs, row_entropy
             responses[i].sensitivity = row_sensitivity
-        # Lp-Reg's (Eq. 13)
-        if "proxy_logprobs" in baselines.EXTRA_INPUTS.get(cfg.algorithm.method, ()):
-            proxy = baselines.minp_proxy_logprobs(logits, ids, temperature, cfg.loss.lp_reg_kappa,
-                                                   cfg.loss.lp_reg_soft)
-            for i, row_proxy in zip(indices, proxy.cpu().split(lengths)):
-                responses[i].proxy_logprobs = row_proxy
+        # what the method needs beyond these (baselines.EXTRA_INPUTS)
+        extra = baselines.old_policy_inputs(cfg.algorithm.method, logits, ids, temperature,
+                                            cfg.loss)
+        for key, values in extra.items():
+            for i, row_values in zip(indices, values.cpu().split(lengths)):
+                responses[i].extra[key] = row_values
 
 
-def update_gate(gate, responses, device, controller=None):
-    """The batch's token-mean entropy under pi_old, over all ranks, drives the gate once per step
-    (Eq. 10), and EntroPIC's controller (Eq. 26) when one is given: the same signal for both."""
+def update_states(states, responses, device):
+    """The batch's token-mean entropy under pi_old, over all ranks, drives every method state once
+    per step (baselines.method_states: STARE's gate, Eq. 10; EntroPIC's controller, Eq. 26): the
+    same signal for all."""
     sums = runs.all_reduce(
         {
             "tokens": sum(float(r.policy_mask.sum()) for r in responses),
@@ -240,40 +246,31 @@ def update_gate(gate, responses, device, controller=None):
         },
         device)
     tokens = max(sums["tokens"], 1)
-    accepted = gate.update(sums["entropy"] / tokens)
-    metrics = {
-        "train/entropy": sums["entropy"] / tokens,
-        "train/surprisal": sums["surprisal"] / tokens,
-        "stare/gate_update_accepted": float(accepted),
-        "stare/gate_on": float(gate.gate_on),
-        "stare/w": gate.w,
-        "stare/m": gate.m,
-    }
-    if controller is not None:  # the state after this step's error: coef is what the update uses
-        accepted = controller.update(sums["entropy"] / tokens)
-        metrics.update({"entropic/update_accepted": float(accepted),
-                        "entropic/error": controller.error, "entropic/coef": controller.coef,
-                        "entropic/integral": controller.integral})
+    metrics = {"train/entropy": sums["entropy"] / tokens,
+               "train/surprisal": sums["surprisal"] / tokens}
+    for state in states.values():  # the state after this step's entropy: what the update uses
+        metrics.update(state.metrics(state.update(sums["entropy"] / tokens)))
     return sums["tokens"], metrics
 
 
-def select_tokens(responses, cfg, gate, step, device):
+def select_tokens(responses, cfg, states, step, device):
     """Every method's token selection made once over the whole step, all ranks
     (algorithm.selection_scope=step), so the update depends on neither the micro-batch size nor the
     world size. Fills `selection` -> metrics."""
     method = cfg.algorithm.method
     if cfg.algorithm.selection_scope != "step" or method not in baselines.SELECTING:
         return {}  # nothing to select, or micro scope: policy_loss selects inside each micro-batch
-    fields = ("old_logprobs", "entropy", "policy_mask", "advantage") + baselines.EXTRA_INPUTS.get(
-        method, ())
-    shared = [types.SimpleNamespace(**{key: getattr(r, key) for key in fields}) for r in responses]
+    fields = ("old_logprobs", "entropy", "policy_mask", "advantage", "reward", "group",
+              *baselines.EXTRA_INPUTS.get(method, ()))
+    shared = [types.SimpleNamespace(**{key: method_input(r, key) for key in fields})
+              for r in responses]
     everyone = [row for rank_rows in runs.all_gather(shared) for row in rank_rows]
     # [B, T] each, B = the step's responses
     batch = loss_batch(everyone, modeling.pad_rows, method, device=None)
     batch["logprobs"] = batch["old_logprobs"]  # the selection ranks tokens under pi_old
     generator = torch.Generator().manual_seed(data.derive_seed(cfg.train.seed, "selection", step))
     selection, metrics = baselines.token_selection(
-        method, batch, cfg.loss, gate=gate, generator=generator)
+        method, batch, cfg.loss, states=states, generator=generator)
     offset = (dist.get_rank() if dist.is_initialized() else 0) * len(responses)
     for j, response in enumerate(responses):
         response.selection = {k: v[offset + j, :len(response.tokens)] for k, v in selection.items()}
@@ -290,14 +287,22 @@ def loss_batch(rows, lay_out, method, device):
         "entropy": lay_out([r.entropy for r in rows]),
         "mask": lay_out([r.policy_mask for r in rows]),
         "advantages": torch.tensor([r.advantage for r in rows], device=device),
+        "rewards": torch.tensor([r.reward for r in rows], device=device),
+        "groups": torch.tensor([r.group for r in rows], device=device),
     }
     for key in baselines.EXTRA_INPUTS.get(method, ()):
-        batch[key] = lay_out([getattr(r, key) for r in rows])
+        batch[key] = lay_out([method_input(r, key) for r in rows])
     return batch
 
 
-def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=None,
-                  controller=None):
+def method_input(row, key):
+    """A response's (or its gathered fields') per-token input `key`: a field, or one of the
+    method's own (Response.extra)."""
+    extra = getattr(row, "extra", None) or {}
+    return extra[key] if key in extra else getattr(row, key)
+
+
+def policy_update(model, optimizer, responses, cfg, states, step, device, scaler=None):
     """One optimizer step per mini-batch: the method's loss over token-budget micro-batches,
     gradient clipping, AdamW; a non-finite loss or gradient norm on any rank skips the step. With a
     LossScaler (float16 compute) the loss is scaled before backward and the gradients unscaled
@@ -315,7 +320,7 @@ def policy_update(model, optimizer, responses, cfg, gate, step, device, scaler=N
         for indices in modeling.equal_count_micro_batches(rows, cfg.train.micro_token_budget, device):
             share = len(indices) / len(rows)  # of the mini-batch's rows; 0: a padding batch
             loss, stats = micro_batch_loss(model, [rows[i] for i in indices] or rows[:1], share,
-                                           denominators, cfg, gate, step, controller)
+                                           denominators, cfg, states, step)
             (loss * loss_scale).backward()  # loss_scale: float16's dynamic scaling (LossScaler)
             runs.add_sums(mini_sums, stats)
             micro_batch_count += 1
@@ -365,7 +370,7 @@ def loss_denominators(rows, cfg, device):
                             "num_control_sequences": control.any(-1).sum()}, device)
 
 
-def micro_batch_loss(model, rows, share, denominators, cfg, gate, step, controller=None):
+def micro_batch_loss(model, rows, share, denominators, cfg, states, step):
     """One micro-batch's part of its mini-batch's loss (forward only) -> (the loss to backward, its
     value and statistics as device sums). share: its rows' share of the mini-batch's rows; 0 for a
     padding batch, which only keeps this rank in step with the others' collectives."""
@@ -395,8 +400,8 @@ def micro_batch_loss(model, rows, share, denominators, cfg, gate, step, controll
     generator = torch.Generator(device=device).manual_seed(
         data.derive_seed(cfg.train.seed, "selection", step))
     loss, loss_metrics = baselines.policy_loss(
-        cfg.algorithm.method, batch, cfg.loss, selection=selection, gate=gate, generator=generator,
-        token_weights=token_weights, controller=controller, **(denominators or {}))
+        cfg.algorithm.method, batch, cfg.loss, selection=selection, states=states,
+        counts=denominators, token_weights=token_weights, generator=generator)
     # step scope: the loss is already this batch's share of the global mean and FSDP averages
     # gradients over ranks, hence x world; micro scope: each micro-batch's mean weighted by its
     # share of the rows (0 for a padding batch)
@@ -468,20 +473,20 @@ def train_step(run, state, step, stage=lambda name: None, first=False):
     stage("old log-probs")
     with timer("time/old_logprobs"):
         old_policy_pass(run.model, responses, cfg, device)
-    num_tokens, gate_metrics = update_gate(run.gate, responses, device, run.controller)
-    selection_metrics = select_tokens(responses, cfg, run.gate, step, device)
+    num_tokens, state_metrics = update_states(run.states, responses, device)
+    selection_metrics = select_tokens(responses, cfg, run.states, step, device)
     learning_rate = run.optimizer.param_groups[0]["lr"]  # the rate this step uses
     stage("update")
     with timer("time/update"):
-        update_metrics = policy_update(run.model, run.optimizer, responses, cfg, run.gate, step,
-                                       device, state.scaler, run.controller)
+        update_metrics = policy_update(run.model, run.optimizer, responses, cfg, run.states, step,
+                                       device, state.scaler)
         run.scheduler.step()
     stage("weight sync")
     with timer("time/sync"):
         state.probe, probe_metrics = rollout.sync_engine(run.engine, run.model, cfg.rollout,
                                                          responses, step, state.probe, first)
     elapsed = time.time() - start
-    return {**rollout_metrics, **batch_metrics(responses, num_tokens, device), **gate_metrics,
+    return {**rollout_metrics, **batch_metrics(responses, num_tokens, device), **state_metrics,
             **selection_metrics, **update_metrics, "train/lr": learning_rate, **timer.times,
             "time/step": elapsed, "time/tokens_per_s": num_tokens / max(elapsed, 1e-9),
             **probe_metrics}

@@ -10,6 +10,7 @@ log, the stop signals, and what a resume keeps of the metrics and checks of the 
 import atexit
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import errno
 import functools
@@ -24,8 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-import config
 
 
 class RunError(Exception):
@@ -123,7 +122,8 @@ def keep_metrics(path, last_step):
 
 
 def config_differences(old_yaml, cfg):
-    """Keys whose value differs between a checkpoint's config and this run's (a resumed run should match)."""
+    """Keys whose value differs between a checkpoint's config and this run's config.Config (a
+    resumed run should match)."""
     import yaml
 
     def flat(d, prefix=""):
@@ -133,7 +133,7 @@ def config_differences(old_yaml, cfg):
             else:
                 yield prefix + k, v
 
-    old, new = dict(flat(yaml.safe_load(old_yaml))), dict(flat(config.to_dict(cfg)))
+    old, new = dict(flat(yaml.safe_load(old_yaml))), dict(flat(dataclasses.asdict(cfg)))
     return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
 
 
@@ -164,7 +164,7 @@ class MetricsLog:
             id_file.write_text(run_id)
             self.wandb_run = wandb.init(
                 project=cfg.train.wandb_project, name=Path(out_dir).name, id=run_id, resume="allow",
-                dir=str(out_dir), config=config.to_dict(cfg))
+                dir=str(out_dir), config=dataclasses.asdict(cfg))
         if rank == 0 and cfg.train.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             # purge_step: events of the steps a resume recomputes are dropped from the old event

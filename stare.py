@@ -303,7 +303,53 @@ def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1
     return weights, stats
 
 
-class EntropyGate:
+class MethodState:
+    """What a method that carries state from step to step implements (STARE's gate, EntroPIC's
+    controller; baselines.STATEFUL lists them): the trainer calls `update` once per optimizer step,
+    before the update, with the step's token-mean entropy under pi_old over all ranks, logs
+    `metrics(accepted)`, checkpoints `state_dict()` under `name` and, on resume, `resume(saved)`
+    restores the keys of `carried()` (the rest comes from the resumed run's config).
+
+    A subclass sets `name`, `STATE_KEYS` (its attributes, saved) and `ADDED_KEYS` (keys added after
+    checkpoints were written -> the value an older checkpoint means), and defines `update`,
+    `metrics` and `carried`."""
+
+    name = ""
+    STATE_KEYS = ()
+    ADDED_KEYS = {}
+
+    def update(self, batch_entropy):  # -> bool: whether the entropy was accepted (finite)
+        raise NotImplementedError
+
+    def metrics(self, accepted):  # -> {"prefix/name": float}
+        raise NotImplementedError
+
+    def carried(self):  # -> the STATE_KEYS a resume restores
+        raise NotImplementedError
+
+    def state_dict(self):
+        return {key: getattr(self, key) for key in self.STATE_KEYS}
+
+    def load_state_dict(self, state):
+        state = {**self.ADDED_KEYS, **state}
+        missing, unknown = set(self.STATE_KEYS) - set(state), set(state) - set(self.STATE_KEYS)
+        if missing or unknown:
+            raise KeyError(f"{type(self).__name__} state: missing keys {sorted(missing)}, unknown "
+                           f"keys {sorted(unknown)}")
+        for key in self.STATE_KEYS:
+            setattr(self, key, state[key])
+
+    def resume(self, saved):
+        """This run's state with the carried keys of a checkpoint's `saved` state."""
+        saved = {**self.ADDED_KEYS, **saved}
+        self.load_state_dict({**self.state_dict(), **{key: saved[key] for key in self.carried()}})
+
+    def __repr__(self):
+        items = self.state_dict().items()
+        return f"{type(self).__name__}(" + ", ".join(f"{k}={v!r}" for k, v in items) + ")"
+
+
+class EntropyGate(MethodState):
     """The closed-loop entropy controller of STARE (Eq. 10; the reference's STAREController).
 
     Once per optimizer step, before the update, call `update(batch_entropy)` with the token-mean
@@ -343,23 +389,18 @@ class EntropyGate:
             self.m = min(max(self.m - self.alpha * direction, self.m_min), 1.0)
         return True
 
-    _STATE_KEYS = (
+    name = "gate"
+    STATE_KEYS = (
         "target_entropy", "w", "m", "adaptive", "alpha", "w_max", "m_min", "gate_on",
         "current_entropy")
 
-    def state_dict(self):
-        return {key: getattr(self, key) for key in self._STATE_KEYS}
+    def metrics(self, accepted):
+        return {"stare/gate_update_accepted": float(accepted), "stare/gate_on": float(self.gate_on),
+                "stare/w": self.w, "stare/m": self.m}
 
-    def load_state_dict(self, state):
-        missing, unknown = set(self._STATE_KEYS) - set(state), set(state) - set(self._STATE_KEYS)
-        if missing or unknown:
-            raise KeyError(f"EntropyGate state: missing keys {sorted(missing)}, unknown keys "
-                           f"{sorted(unknown)}")
-        for key in self._STATE_KEYS:
-            setattr(self, key, state[key])
-
-    def __repr__(self):
-        return "EntropyGate(" + ", ".join(f"{k}={v!r}" for k, v in self.state_dict().items()) + ")"
+    def carried(self):
+        # its settings come from the resumed run's config; w and m too, unless they adapt
+        return ("gate_on", "current_entropy") + (("w", "m") if self.adaptive else ())
 
 
 # ==================================================================================================

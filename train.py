@@ -38,7 +38,6 @@ import plan
 import rollout
 import runs
 import sandbox
-import stare
 import tool_use
 
 
@@ -244,10 +243,9 @@ class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    gate: stare.EntropyGate
+    # name -> stare.MethodState: what the method carries across steps (baselines.method_states)
+    states: dict
     checkpoint: Path | None
-    # EntroPIC's controller (Eq. 26); None unless algorithm.method is entropic
-    controller: "baselines.EntropyPIController | None" = None
 
 
 @dataclasses.dataclass
@@ -297,8 +295,7 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
                   out_dir=Path(cfg.train.out_dir), tokenizer=tokenizer, task=task,
                   benchmarks=benchmarks, engine=engine, model=model, optimizer=optimizer,
                   scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_lambda(cfg)),
-                  gate=stare.EntropyGate(**vars(cfg.gate)), checkpoint=checkpoint,
-                  controller=entropy_controller(cfg))
+                  states=baselines.method_states(cfg), checkpoint=checkpoint)
         if export_only:
             return run, None
         state = resume(run, checkpoint) if checkpoint is not None else TrainerState()
@@ -418,7 +415,7 @@ def load_task(cfg, tokenizer, rank):
 
 
 def resume(run, checkpoint):
-    """Model, optimizer, scheduler, gate, EntroPIC's controller and trainer state from a checkpoint;
+    """Model, optimizer, scheduler, the method's states and trainer state from a checkpoint;
     the engine gets the weights by the step's own sync, probed. With sleep mode the engine sleeps
     while the checkpoint loads: DCP initialises AdamW's state on zero gradients first (plan.py,
     "resume")."""
@@ -435,18 +432,11 @@ def resume(run, checkpoint):
         group.update(
             initial_lr=cfg.optim.lr, lr=cfg.optim.lr * factor, betas=tuple(cfg.optim.betas),
             weight_decay=cfg.optim.weight_decay)
-    # the gate's state; its settings come from this run's config (w and m too, unless they adapt)
-    carried = ("gate_on", "current_entropy") + (("w", "m") if run.gate.adaptive else ())
-    run.gate.load_state_dict(
-        {**run.gate.state_dict(), **{key: saved["gate"][key] for key in carried}})
-    # EntroPIC's controller: its integral and last error carry over (the reference's restart at 0);
-    # gains, bounds and target come from this run's config. A run that had none starts at 0.
-    if run.controller is not None and saved.get("entropic") is not None:
-        carried = ("integral", "error", "coef", "current_entropy", "started")
-        # a checkpoint from before "started" ran the reference's law, which starts at step 1
-        controller_state = {"started": True, **saved["entropic"]}
-        run.controller.load_state_dict(
-            {**run.controller.state_dict(), **{key: controller_state[key] for key in carried}})
+    # each method state takes what it carries from the checkpoint, the rest from this run's config;
+    # one the checkpoint's run did not have starts afresh
+    for name, method_state in run.states.items():
+        if saved.get(name) is not None:
+            method_state.resume(saved[name])
     state = TrainerState(
         **{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved})
     if isinstance(state.scaler, dict):
@@ -474,19 +464,8 @@ def trainer_state(run, state):
     return {
         **dataclasses.asdict(state),
         "scheduler": run.scheduler.state_dict(),
-        "gate": run.gate.state_dict(),
-        "entropic": run.controller.state_dict() if run.controller is not None else None,
+        **{name: method_state.state_dict() for name, method_state in run.states.items()},
     }
-
-
-def entropy_controller(cfg):
-    """EntroPIC's PI controller (Eq. 26) when algorithm.method is entropic, else None; its target
-    defaults to the gate's, so both hold the same entropy."""
-    if cfg.algorithm.method != "entropic":
-        return None
-    target = cfg.entropic.target_entropy
-    target = cfg.gate.target_entropy if target is None else target
-    return baselines.EntropyPIController(**{**vars(cfg.entropic), "target_entropy": target})
 
 
 def evaluation(run):

@@ -21,7 +21,6 @@ import checkpoints  # noqa: E402
 import config  # noqa: E402
 import grpo  # noqa: E402
 import modeling  # noqa: E402
-import stare  # noqa: E402
 
 DEVICE = torch.device("cpu")
 ADVANTAGE_SCALE = 1e-5  # a token mean over ~10^7 tokens instead of this batch's few hundred
@@ -76,12 +75,12 @@ def update(model_dir, param_dtype, scaler, nan_loss=False):
     before = [full(p).detach().clone() for p in model.parameters()]
     rows = responses(cfg)
     grpo.old_policy_pass(model, rows, cfg, DEVICE)
-    gate = stare.EntropyGate(cfg.gate.target_entropy)
-    grpo.update_gate(gate, rows, DEVICE)
+    states = baselines.method_states(cfg)
+    grpo.update_states(states, rows, DEVICE)
     baselines.policy_loss = nan_policy_loss if nan_loss else REAL_POLICY_LOSS
     try:
         metrics = grpo.policy_update(
-            model, torch.optim.SGD(model.parameters(), lr=1.0), rows, cfg, gate, 1, DEVICE, scaler)
+            model, torch.optim.SGD(model.parameters(), lr=1.0), rows, cfg, states, 1, DEVICE, scaler)
     finally:
         baselines.policy_loss = REAL_POLICY_LOSS
     change = torch.cat(

@@ -23,9 +23,11 @@ def make_batch(seed=0, batch_size=6, width=9, vocab=12, on_policy=False):
     mask = torch.rand(batch_size, width, generator=generator) < 0.85
     mask[2, 5:] = False
     rewards = (torch.rand(batch_size, generator=generator) < 0.5).float()
-    advantages = stare.group_advantages(rewards + 0.1 * torch.arange(batch_size), group_size=2)
+    rewards = rewards + 0.1 * torch.arange(batch_size)
+    advantages = stare.group_advantages(rewards, group_size=2)
     return {"logits": logits, "tokens": tokens, "logprobs": logprobs, "old_logprobs": old_logprobs,
-            "advantages": advantages, "mask": mask, "entropy": entropy,
+            "advantages": advantages, "mask": mask, "entropy": entropy, "rewards": rewards,
+            "groups": torch.arange(batch_size) // 2,
             "proxy_logprobs": baselines.minp_proxy_logprobs(logits, tokens, kappa=1e-3),  # uniform
             "sensitivity": stare.entropy_sensitivity(logits, tokens)}
 
@@ -573,6 +575,9 @@ NEUTRAL = {
 # EntroPIC's coefficient alpha, for the tests that run every method (the others ignore it)
 CONTROLLER = baselines.EntropyPIController()
 CONTROLLER.coef = 0.5
+ADAPTIVE = baselines.AdaptiveEntropyCoefficient()
+ADAPTIVE.applied = 0.02
+STATES = {"entropic": CONTROLLER, "adaptive_entropy": ADAPTIVE}
 
 
 @pytest.mark.parametrize("method", sorted(NEUTRAL))
@@ -584,7 +589,7 @@ def test_neutral_setting_reproduces_grpo_exactly(method):
     grpo_loss, _ = baselines.policy_loss("grpo", batch, cfg)
     (grpo_grad,) = torch.autograd.grad(grpo_loss, batch["logprobs"])
     loss, metrics = baselines.policy_loss(
-        method, batch, cfg, generator=torch.Generator().manual_seed(0), controller=CONTROLLER)
+        method, batch, cfg, generator=torch.Generator().manual_seed(0), states=STATES)
     (grad,) = torch.autograd.grad(loss, batch["logprobs"])
     assert torch.equal(loss, grpo_loss) and torch.equal(grad, grpo_grad)
     assert metrics["touched_frac"] == 0
@@ -592,7 +597,7 @@ def test_neutral_setting_reproduces_grpo_exactly(method):
     if method == "stare":
         ones = dataclasses.replace(cfg, stare_top_ratio=0.3, stare_variant="C2")
         gate = stare.EntropyGate(w=1.0, m=1.0)
-        assert torch.equal(baselines.policy_loss("stare", batch, ones, gate=gate)[0], grpo_loss)
+        assert torch.equal(baselines.policy_loss("stare", batch, ones, states={"gate": gate})[0], grpo_loss)
     if method == "steer":  # weights 1 are neutral for the linear map and the sensitivity too
         for linear, estimate in ((True, "steer"), (False, "sensitivity"), (True, "sensitivity")):
             other = dataclasses.replace(cfg, steer_linear=linear, steer_estimate=estimate)
@@ -613,28 +618,34 @@ ACTIVE = {
     "steer": {},
     "w_reinforce": {},
     "entropic": {"entropic_prob_threshold": 0.3},
+    "adaptive_entropy": {},  # its coefficient: STATES'
+    "grpo_dropout": {},
 }
 
 
 @pytest.mark.parametrize("method", baselines.METHODS)
 @pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
-def test_step_selection_makes_micro_batches_add_up(method, agg_mode):
+@pytest.mark.parametrize("policy_loss", baselines.POLICY_LOSSES)
+def test_step_selection_makes_micro_batches_add_up(method, agg_mode, policy_loss):
     # Select once on the whole step, then run the loss per micro-batch with the step's counts: the
-    # sum of the micro-batch losses and gradients equals the full-batch loss and gradient.
+    # sum of the micro-batch losses and gradients equals the full-batch loss and gradient, under
+    # every policy loss the method composes with.
+    if baselines.refused_combination(method, policy_loss):
+        pytest.skip(f"{method} composes with ppo_clip only")
     batch = make_batch(seed=13, batch_size=8, width=10)
-    cfg = config.LossConfig(agg_mode=agg_mode, **ACTIVE[method])
+    cfg = config.LossConfig(agg_mode=agg_mode, policy_loss=policy_loss, **ACTIVE[method])
     selection, _ = baselines.token_selection(
         method, batch, cfg, generator=torch.Generator().manual_seed(0))
     # the selection is not trivial (not constant over the batch), so the test can tell the scopes
     # apart
-    assert method in ("grpo", "entropy_bonus", "w_reinforce") or any(
+    assert method not in baselines.SELECTING or any(
         (m != m.flatten()[0]).any() for m in selection.values())
     denominator = baselines.loss_mask(method, batch["mask"], selection, cfg)
     num_tokens, num_sequences = denominator.sum(), (denominator.sum(-1) > 0).sum()
     control = baselines.control_mask(method, batch["mask"], selection)  # EntroPIC's own counts
     counts = {} if control is None else {"num_control_tokens": control.sum(),
                                          "num_control_sequences": (control.sum(-1) > 0).sum()}
-    full, _ = baselines.policy_loss(method, batch, cfg, selection=selection, controller=CONTROLLER)
+    full, _ = baselines.policy_loss(method, batch, cfg, selection=selection, states=STATES)
     (full_grad,) = torch.autograd.grad(full, batch["logprobs"])
 
     accumulated = 0.0
@@ -642,8 +653,8 @@ def test_step_selection_makes_micro_batches_add_up(method, agg_mode):
         micro = {key: value[rows] for key, value in batch.items()}
         micro_selection = {key: value[rows] for key, value in selection.items()}
         loss, _ = baselines.policy_loss(
-            method, micro, cfg, selection=micro_selection, num_tokens=num_tokens,
-            num_sequences=num_sequences, controller=CONTROLLER, **counts)
+            method, micro, cfg, selection=micro_selection, states=STATES,
+            counts={"num_tokens": num_tokens, "num_sequences": num_sequences, **counts})
         accumulated = accumulated + loss
     (accumulated_grad,) = torch.autograd.grad(accumulated, batch["logprobs"])
     torch.testing.assert_close(accumulated, full, atol=1e-6, rtol=1e-5)
@@ -658,7 +669,7 @@ def test_every_method_reports_the_same_touched_key_and_one_switch_selects_it():
         selection, _ = baselines.token_selection(
             method, batch, cfg, generator=torch.Generator().manual_seed(0))
         loss, metrics = baselines.policy_loss(method, batch, cfg, selection=selection,
-                                              controller=CONTROLLER)
+                                              states=STATES)
         assert torch.isfinite(loss) and loss.dim() == 0
         keys = keys or set(metrics)
         assert set(metrics) == keys and "touched_frac" in keys
@@ -674,21 +685,21 @@ def test_token_advantages_bf16_and_empty_batches(method):
     generator = torch.Generator().manual_seed(0)
     selection, _ = baselines.token_selection(method, batch, cfg, generator=generator)
     # [B, T] advantages (the broadcast of [B]) give the same loss
-    loss, _ = baselines.policy_loss(method, batch, cfg, selection=selection, controller=CONTROLLER)
+    loss, _ = baselines.policy_loss(method, batch, cfg, selection=selection, states=STATES)
     token_batch = dict(batch, advantages=batch["advantages"][:, None].expand(6, 9))
     assert torch.equal(baselines.policy_loss(method, token_batch, cfg, selection=selection,
-                                             controller=CONTROLLER)[0], loss)
+                                             states=STATES)[0], loss)
     # bf16 log-probs run and stay close to float32
     bf16_batch = {k: (v.detach().bfloat16() if v.is_floating_point() and k != "advantages" else v)
                   for k, v in batch.items()}
     bf16_loss, _ = baselines.policy_loss(method, bf16_batch, cfg, selection=selection,
-                                         controller=CONTROLLER)
+                                         states=STATES)
     assert bf16_loss.dtype == torch.float32 and bf16_loss.item() == pytest.approx(
         loss.item(), abs=0.05)
     # a batch with no rows gives 0, not an error
     empty = {k: v[:0] for k, v in batch.items()}
     assert baselines.policy_loss(method, empty, cfg, generator=generator,
-                                 controller=CONTROLLER)[0].item() == 0.0
+                                 states=STATES)[0].item() == 0.0
 
 
 def test_selections_make_no_host_sync():
@@ -703,11 +714,12 @@ def test_selections_make_no_host_sync():
         "sensitivity": torch.empty(4, 8, device="meta"),
     }
     for method in baselines.METHODS:
-        # torch.rand has no meta generator; its selection is select_top_k, checked here
-        if method == "clip_cov":
+        # torch.rand has no meta generator; its selection is select_top_k, checked here.
+        # GRPODropout decides per group on the host, once a step (step scope only, CPU tensors)
+        if method in ("clip_cov", "grpo_dropout"):
             continue
         loss, metrics = baselines.policy_loss(method, batch, config.LossConfig(**ACTIVE[method]),
-                                              controller=CONTROLLER)
+                                              states=STATES)
         assert loss.device.type == "meta"
 
 

@@ -80,7 +80,8 @@ def test_entropic_matches_the_reference_loss_and_gradient(alpha, agg_mode):
     batch = peaked_batch(seed=40)
     cfg = config.LossConfig(agg_mode=agg_mode, dual_clip=3.0)  # verl's clip_ratio_c default
     # micro scope, as the reference: the high-probability tokens are chosen on the current log-probs
-    loss, metrics = baselines.policy_loss("entropic", batch, cfg, controller=controller_with(alpha))
+    loss, metrics = baselines.policy_loss("entropic", batch, cfg,
+                                          states={"entropic": controller_with(alpha)})
     (grad,) = torch.autograd.grad(loss, batch["logprobs"])
     expected = reference_entropic_loss(
         batch["logprobs"], batch["old_logprobs"], batch["advantages"], batch["mask"], alpha,
@@ -113,7 +114,8 @@ def test_alpha_above_zero_sharpens_and_below_zero_flattens():
         step = {**batch, "logprobs": logprobs, "old_logprobs": logprobs.detach(),
                 "mask": batch["mask"][:, :1], "entropy": batch["entropy"][:, :1]}
         cfg = config.LossConfig()
-        term = (baselines.policy_loss("entropic", step, cfg, controller=controller_with(alpha))[0]
+        term = (baselines.policy_loss("entropic", step, cfg,
+                                      states={"entropic": controller_with(alpha)})[0]
                 - baselines.policy_loss("grpo", step, cfg)[0])
         (grad,) = torch.autograd.grad(term, logits)
         after = row_entropy(logits.detach() - 0.1 * grad)
@@ -187,7 +189,7 @@ def test_the_controllers_deviations_match_a_hand_computation():
 
 
 def test_the_controller_reads_the_gates_entropy_once_per_step():
-    # update_gate: the step's token-mean entropy under pi_old drives both, once
+    # update_states: the step's token-mean entropy under pi_old drives both, once
     generator = torch.Generator().manual_seed(42)
     responses = []
     for length in (3, 7, 5):
@@ -198,7 +200,8 @@ def test_the_controller_reads_the_gates_entropy_once_per_step():
             policy_mask=torch.arange(length) != 1, old_logprobs=-entropy, entropy=entropy))
     gate = stare.EntropyGate(target_entropy=0.4)
     controller = baselines.EntropyPIController(target_entropy=0.4, kp=2.0, ki=0.1)
-    _, metrics = grpo.update_gate(gate, responses, torch.device("cpu"), controller)
+    _, metrics = grpo.update_states({"gate": gate, "entropic": controller}, responses,
+                                    torch.device("cpu"))
     token_mean = torch.cat([r.entropy[r.policy_mask] for r in responses]).mean().item()
     assert controller.current_entropy == gate.current_entropy == metrics["train/entropy"]
     assert metrics["train/entropy"] == pytest.approx(token_mean, rel=1e-6)
@@ -207,23 +210,22 @@ def test_the_controller_reads_the_gates_entropy_once_per_step():
     assert metrics["entropic/integral"] == metrics["entropic/error"]
     assert metrics["entropic/update_accepted"] == 1.0
     # no controller (any other method): no entropic/ metric
-    _, metrics = grpo.update_gate(gate, responses, torch.device("cpu"))
+    _, metrics = grpo.update_states({"gate": gate}, responses, torch.device("cpu"))
     assert not any(key.startswith("entropic/") for key in metrics)
 
 
 def test_the_controller_holds_the_gates_target_unless_given_its_own():
-    import train
+    def controller_of(cfg):
+        return baselines.method_states(cfg).get("entropic")
 
     cfg = config.load("configs/tiny.yaml", ["algorithm.method=entropic", "gate.target_entropy=0.7"])
-    controller = train.entropy_controller(cfg)
+    controller = controller_of(cfg)
     assert (controller.target_entropy, controller.kp, controller.ki) == (0.7, 1.0, 0.01)
     assert (controller.coef_min, controller.coef_max) == (-1.0, 1.0)
     own = config.load("configs/tiny.yaml", ["algorithm.method=entropic",
                                             "entropic.target_entropy=0.2", "entropic.ki=0.05"])
-    assert (train.entropy_controller(own).target_entropy, train.entropy_controller(own).ki) == (
-        0.2, 0.05)
-    assert train.entropy_controller(config.load("configs/tiny.yaml", ["algorithm.method=grpo"])) \
-        is None
+    assert (controller_of(own).target_entropy, controller_of(own).ki) == (0.2, 0.05)
+    assert controller_of(config.load("configs/tiny.yaml", ["algorithm.method=grpo"])) is None
     with pytest.raises(config.ConfigError, match="entropic.coef_max"):
         config.load("configs/tiny.yaml", ["entropic.coef_min=0.5", "entropic.coef_max=0.1"])
     with pytest.raises(config.ConfigError, match="entropic.ki"):

@@ -8,8 +8,6 @@ import itertools
 import json
 import math
 import os
-import subprocess
-import sys
 from fractions import Fraction
 from pathlib import Path
 

@@ -5,8 +5,6 @@ exactly its rows of the checkpoint without ever holding the whole model."""
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 import baselines
 import checkpoints
+import config
 import forked
 import rollout
 import runs
@@ -111,28 +112,46 @@ def one_rank_gen16(tiny_dir, tmp_path_factory):
     return out, check_finished(run_train(tiny_dir, out, "algorithm.gen_batch_size=16"), out)
 
 
-@pytest.fixture(scope="session")  # once per worker: other modules may run between its tests
-def every_method(tiny_dir, tmp_path_factory):
-    """tests/methods_two_ranks.py on two torchrun ranks: each method's steps' metrics, and the
-    run's directory (its HF export)."""
+# 8 prompts a step: every method's steps on two ranks, at half the tiny default's batch
+SMALL_STEPS = ("train.train_batch_size=8", "train.mini_batch_size=8", "algorithm.gen_batch_size=16")
+
+
+def methods_on_two_ranks(part, tiny_dir, tmp_path_factory, *overrides):
+    """tests/methods_two_ranks.py's `part` on two torchrun ranks: each setting's steps' metrics,
+    and the run's directory (its HF export)."""
     out_dir = tmp_path_factory.mktemp("methods")
-    _, *config_and_overrides = train_args(tiny_dir, out_dir / "run", "rollout.sync_check_every=1")
+    _, *config_and_overrides = train_args(tiny_dir, out_dir / "run", *overrides)
     completed = forked.run(REPO / "tests" / "methods_two_ranks.py",
-                           [out_dir / "metrics.json", *config_and_overrides], env=train_env(2),
-                           nproc=2)
+                           [part, out_dir / "metrics.json", *config_and_overrides],
+                           env=train_env(2), nproc=2)
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
     return json.loads((out_dir / "metrics.json").read_text()), out_dir / "run"
+
+
+@pytest.fixture(scope="session")  # once per worker: other modules may run between its tests
+def every_method(tiny_dir, tmp_path_factory):
+    """Every method on PPO-clip (and methods_two_ranks.VARIANTS), 2 steps on 2 ranks, the sync
+    probed at every step."""
+    return methods_on_two_ranks("ppo_clip", tiny_dir, tmp_path_factory,
+                                "rollout.sync_check_every=1", *SMALL_STEPS)
+
+
+@pytest.fixture(scope="session")
+def every_loss(tiny_dir, tmp_path_factory):
+    """Every allowed method on GSPO, CISPO and SAPO, 2 steps on 2 ranks (its own process pair),
+    4 prompts a step, no sync probe (every_method's probes): the mean sampler/trainer gap."""
+    return methods_on_two_ranks("other_losses", tiny_dir, tmp_path_factory,
+                                "rollout.sync_check_every=0", "train.train_batch_size=4",
+                                "train.mini_batch_size=4", "algorithm.gen_batch_size=8")
 
 
 @pytest.mark.parametrize("method", baselines.METHODS)
 def test_every_method_trains_end_to_end(method, every_method):
     """Each method's steps on two ranks through train.py's stages (one process pair for all:
     tests/methods_two_ranks.py)."""
-    from methods_two_ranks import TWO_STEPS
-
     results, run_dir = every_method
     metrics = results[method]
-    assert [m["step"] for m in metrics] == ([1, 2] if method in TWO_STEPS else [1])
+    assert [m["step"] for m in metrics] == [1, 2]
     for record in metrics:
         bad = {k: v for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, bad
@@ -158,6 +177,28 @@ def test_every_method_trains_end_to_end(method, every_method):
         assert not any(key.startswith("entropic/") for key in metrics[0])
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32)
     assert torch.isfinite(exported(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
+
+
+@pytest.mark.parametrize("policy_loss", [loss for loss in baselines.POLICY_LOSSES
+                                         if loss != "ppo_clip"])
+def test_every_method_trains_on_every_policy_loss_it_composes_with(policy_loss, every_loss):
+    # 2 steps of each allowed method on GSPO, CISPO and SAPO, finite gradients that move the
+    # weights the engine then holds; the refused ones are refused
+    results, _ = every_loss
+    for method in baselines.METHODS:
+        name = f"{method}+{policy_loss}"
+        if baselines.refused_combination(method, policy_loss):
+            assert name not in results
+            continue
+        metrics = results[name]
+        assert [m["step"] for m in metrics] == [1, 2], name
+        for record in metrics:
+            bad = {k: v for k, v in record.items()
+                   if isinstance(v, float) and not math.isfinite(v)}
+            assert not bad, (name, bad)
+            assert record["train/grad_norm"] > 0 and record["train/skipped_updates"] == 0, name
+            # the engine holds the weights just trained: the mean sampler/trainer gap
+            assert record["rollout/logprob_mismatch_max"] < 1e-3, name
 
 
 def test_two_ranks_match_one_and_export_loads(tiny_dir, tmp_path, one_rank_gen16):
@@ -769,13 +810,14 @@ def test_tool_tokens_get_no_gradient_no_selection_and_no_denominator():
     gate = stare.EntropyGate(target_entropy=10.0)  # on
     for method in ("stare", "kl_cov", "high_entropy"):
         selection, _ = baselines.token_selection(
-            method, batch, cfg.loss, gate=gate, generator=generator)
+            method, batch, cfg.loss, states={"gate": gate}, generator=generator)
         for name, chosen in selection.items():
             if chosen.dtype == torch.bool and name != "kept":
                 assert not (chosen & tool).any(), (method, name)  # never a tool token
         loss, _ = baselines.policy_loss(
-            method, batch, cfg.loss, selection=selection, gate=gate, generator=generator,
-            num_tokens=float(tensors["mask"].sum()), num_sequences=3.0)
+            method, batch, cfg.loss, selection=selection, states={"gate": gate},
+            counts={"num_tokens": float(tensors["mask"].sum()), "num_sequences": 3.0},
+            generator=generator)
         (gradient,) = torch.autograd.grad(loss, logprobs)
         assert (gradient[tool] == 0).all() and (gradient[tensors["mask"]] != 0).any(), method
 
@@ -829,7 +871,6 @@ def test_stages_give_the_log_probs_and_the_update_of_an_independent_computation(
     # grad log pi / N_tokens
     import config
     import grpo
-    import stare
 
     cfg = config.load(
         "configs/tiny.yaml",
@@ -854,15 +895,15 @@ def test_stages_give_the_log_probs_and_the_update_of_an_independent_computation(
         reference_loss = reference_loss - r.advantage * logprobs.sum()
     (reference_loss / sum(len(r.tokens) for r in responses)).backward()
 
-    gate = stare.EntropyGate(cfg.gate.target_entropy)
-    num_tokens, gate_metrics = grpo.update_gate(gate, responses, torch.device("cpu"))
+    states = baselines.method_states(cfg)
+    num_tokens, gate_metrics = grpo.update_states(states, responses, torch.device("cpu"))
     assert num_tokens == sum(len(r.tokens) for r in responses)
     assert gate_metrics["train/entropy"] == pytest.approx(
         float(torch.cat([r.entropy for r in responses]).mean()), rel=1e-6)
     before = [p.detach().clone() for p in model.parameters()]
     # the parameter change is minus the gradient
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    metrics = grpo.policy_update(model, optimizer, responses, cfg, gate, 1, torch.device("cpu"))
+    metrics = grpo.policy_update(model, optimizer, responses, cfg, states, 1, torch.device("cpu"))
     assert metrics["train/skipped_updates"] == 0 and (metrics["train/micro_batches"] > 1) == (
         budget == 8)
     for old, new, ref in zip(before, model.parameters(), reference.parameters()):
@@ -924,24 +965,34 @@ def test_a_changed_learning_rate_takes_effect_on_resume(tiny_dir, tmp_path, defa
     assert "lr: 0.0001" in (out / "config.yaml").read_text()
 
 
-def test_a_resumed_entropic_run_continues_its_controller_exactly(tiny_dir, tmp_path):
-    # 2 steps with a checkpoint after each, against the same run resumed from step 1's checkpoint:
-    # the integral (step 1's error carried), alpha and every other metric of step 2 bitwise
-    import itertools
+# each stateful method's settings that make its state move from step to step
+STATEFUL_SETTINGS = {"entropic": ["entropic.ki=0.5"],
+                     "adaptive_entropy": ["loss.adaptive_entropy_target=10"]}
 
-    settings = ["algorithm.method=entropic", "train.total_steps=2", "train.save_every=1",
-                "train.keep_last=2", "entropic.ki=0.5"]
+
+@pytest.mark.parametrize("method", sorted(baselines.STATEFUL))
+def test_a_resumed_run_continues_every_stateful_methods_state_exactly(method, tiny_dir, tmp_path):
+    # 2 steps with a checkpoint after each, against the same run resumed from step 1's checkpoint:
+    # the state carried (EntroPIC: step 1's error in the integral) and every metric of step 2
+    # bitwise
+    settings = [f"algorithm.method={method}", "train.total_steps=2", "train.save_every=1",
+                "train.keep_last=2", *STATEFUL_SETTINGS[method]]
     full = check_finished(run_train(tiny_dir, tmp_path / "full", *settings), tmp_path / "full", 2)
     out = copy_run(tmp_path / "full", tmp_path / "resumed", steps=1)
     resumed = check_finished(run_train(tiny_dir, out, *settings), out, 2)
     for record in resumed + full:  # the resumed run probes the sync at its first step
         pop_probe(record)
     assert comparable(resumed) == comparable(full)
-    integrals = [m["entropic/integral"] for m in full if m["step"] > 0]
-    errors = [m["entropic/error"] for m in full if m["step"] > 0]
-    # metrics.jsonl rounds to 6 digits
-    assert integrals == pytest.approx(list(itertools.accumulate(errors)), abs=3e-6)
-    assert len(set(integrals)) == 2 and all(m["entropic/coef"] != 0 for m in full if m["step"])
+    # the state moved: a resume that restarted it would differ
+    name = baselines.STATEFUL[method](config.load(REPO / "configs" / "tiny.yaml", settings)).name
+    state_metrics = [{k: v for k, v in m.items() if k.startswith(f"{name}/")}
+                     for m in full if m["step"] > 0]
+    assert state_metrics[0] and state_metrics[0] != state_metrics[1]
+    if method == "entropic":
+        integrals = [m["entropic/integral"] for m in full if m["step"] > 0]
+        errors = [m["entropic/error"] for m in full if m["step"] > 0]
+        # metrics.jsonl rounds to 6 digits
+        assert integrals[1] == pytest.approx(errors[0] + errors[1], abs=3e-6)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+import baselines
 import stare
 
 REPO = Path(__file__).resolve().parents[1]  # the repository root: configs/, tests/, train.py
@@ -133,7 +134,6 @@ def bench_logprob_time(args):
     bandwidth floor."""
     from unittest import mock
 
-    import baselines
     import kernels
 
     device = torch.device("cuda")
@@ -287,7 +287,7 @@ def synthetic_responses(lengths, vocab_size, seed, group_size=8):
 
 
 def bench_update(args):
-    """The no-grad pass and the update through train.py's own stages (old_policy_pass, update_gate,
+    """The no-grad pass and the update through train.py's own stages (old_policy_pass, update_states,
     select_tokens, policy_update) on a random-init Qwen2.5 shape, FSDP2 with world size 1; methods
     interleaved, median times."""
     import config
@@ -334,12 +334,12 @@ def bench_update(args):
 
     def one_step(method, step):
         cfg = cfg_for(method)
-        gate = stare.EntropyGate(**vars(cfg.gate))
+        states = baselines.method_states(cfg)
         no_grad = timed(lambda: grpo.old_policy_pass(model, responses, cfg, device))
-        grpo.update_gate(gate, responses, device)
-        select = timed(lambda: grpo.select_tokens(responses, cfg, gate, step, device))
+        grpo.update_states(states, responses, device)
+        select = timed(lambda: grpo.select_tokens(responses, cfg, states, step, device))
         update = timed(
-            lambda: grpo.policy_update(model, optimizer, responses, cfg, gate, step, device))
+            lambda: grpo.policy_update(model, optimizer, responses, cfg, states, step, device))
         return {"no_grad": no_grad, "select": select, "update": update}
 
     for method in methods:  # warm-up: kernel compilation, the allocator, cuDNN/cuBLAS heuristics

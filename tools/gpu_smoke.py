@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-import stare
+import baselines
 from tools.bench import QWEN25, REPO
 
 SMOKE_SHAPE = dict(QWEN25["0.5b"], max_position_embeddings=4096)
@@ -121,16 +121,16 @@ def probe_memory(model, probe, device):
                 resharded=all(hasattr(p, "to_local") for p in model.parameters()))
 
 
-def update_on(model, optimizer, gate, groups, cfg, cycle, device):
-    """train.py's no-grad pass, gate and update on the groups -> (responses, record)."""
+def update_on(model, optimizer, states, groups, cfg, cycle, device):
+    """train.py's no-grad pass, method states and update on the groups -> (responses, record)."""
     import grpo
 
     responses = grpo.group_responses(groups, cfg, 0, 1)
     grpo.old_policy_pass(model, responses, cfg, device)
     mismatch = torch.cat(
         [(torch.tensor(r.rollout_logprobs) - r.old_logprobs).abs() for r in responses])
-    grpo.update_gate(gate, responses, device)
-    metrics = grpo.policy_update(model, optimizer, responses, cfg, gate, cycle, device)
+    grpo.update_states(states, responses, device)
+    metrics = grpo.policy_update(model, optimizer, responses, cfg, states, cycle, device)
     return responses, dict(
         logprob_mismatch_mean=float(mismatch.mean()), grad_norm=metrics["train/grad_norm"],
         skipped=metrics["train/skipped_updates"], free_gib_update=free_gib(device))
@@ -150,12 +150,11 @@ def trainer_cycles(model_dir, device, cycles=2, prompts=16, max_tokens=128):
     import types
 
     import modeling
-    import stare
 
     cfg = smoke_config(model_dir, device, prompts, max_tokens)
     model = modeling.build_model(cfg, device, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
-    gate = stare.EntropyGate(cfg.gate.target_entropy)
+    states = baselines.method_states(cfg)
     report = {"cycles": [], "failures": [], "free_gib_trainer": free_gib(device)}
     generator = torch.Generator().manual_seed(0)
     prompt_ids = [torch.randint(3, 259, (64,), generator=generator).tolist()
@@ -168,7 +167,7 @@ def trainer_cycles(model_dir, device, cycles=2, prompts=16, max_tokens=128):
             logprobs=[[0.0] * n for n in lengths], finish_reasons=["stop"] * (4 * prompts))
         groups = smoke_groups(prompt_ids, out, generator)
         record = {"cycle": cycle, **gather_memory(groups, device)}
-        responses, update = update_on(model, optimizer, gate, groups, cfg, cycle, device)
+        responses, update = update_on(model, optimizer, states, groups, cfg, cycle, device)
         record.update(update)
         del record["logprob_mismatch_mean"]  # random tokens: no sampler to compare with
         probe = (responses[0].prompt + responses[0].tokens, len(responses[0].prompt))
@@ -234,7 +233,7 @@ def engine_cycles(model_dir, device, cycles=3, runner="v1", sleep_level=2, sleep
             cuda_graph_gib=graph_gib[-1] if graph_gib else None, free_gib_engine=free_gib(device))
         model = modeling.build_model(cfg, device, 1)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
-        gate = stare.EntropyGate(cfg.gate.target_entropy)
+        states = baselines.method_states(cfg)
         report["free_gib_trainer"] = free_gib(device)
         generator = torch.Generator().manual_seed(0)
         prompt_ids = [torch.randint(3, 259, (64,), generator=generator).tolist()
@@ -248,7 +247,7 @@ def engine_cycles(model_dir, device, cycles=3, runner="v1", sleep_level=2, sleep
             if sleep:
                 rollout.release_memory(engine, sleep_level)
             record["free_gib_asleep"] = free_gib(device)
-            responses, update = update_on(model, optimizer, gate, groups, cfg, cycle, device)
+            responses, update = update_on(model, optimizer, states, groups, cfg, cycle, device)
             record.update(update)
             probe, checks = rollout.sync_engine(engine, model, sync_cfg.rollout, responses, cycle,
                                                 None, first=True)

@@ -28,7 +28,7 @@ Parts, under --out:
 Each run writes metrics.jsonl with train.py's metric names (tools/plots.py draws them), heldout.jsonl and its config.yaml;
 a complete run is not rerun.
 
-Training goes through train.py's stages (group_responses, old_policy_pass, update_gate,
+Training goes through train.py's stages (group_responses, old_policy_pass, update_states,
 select_tokens, policy_update, batch_metrics) in one process; only sampling differs: a batched
 KV-cache loop over the same transformers model instead of a vLLM engine (whose start-up and weight
 sync dominate a step at this size), on-policy. Dynamic sampling drops groups whose answers were all
@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+import baselines
 import config
 import data
 import evaluate
@@ -57,7 +58,6 @@ import grpo
 import modeling
 import rewards
 import stare
-import train
 from tools import plots
 
 TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -73,6 +73,12 @@ COMPARE_RUNS = {
         method="stare", stare_variant="C2", stare_w=4.0, stare_m=0.5, stare_top_ratio=0.05),
     "stapo": dict(method="stapo"),
     "lp_reg": dict(method="lp_reg"),
+    "adaptive_entropy": dict(method="adaptive_entropy"),
+    "grpo_dropout": dict(method="grpo_dropout"),
+    # the other policy losses under GRPO's advantages, no entropy method
+    "gspo": dict(method="grpo", policy_loss="gspo"),
+    "cispo": dict(method="grpo", policy_loss="cispo"),
+    "sapo": dict(method="grpo", policy_loss="sapo"),
 }
 
 
@@ -342,8 +348,7 @@ def train_run(spec, tiny_dir, out_dir):
     model = load_model(tiny_dir, spec.task, cfg.model.attn_implementation)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
-    gate = stare.EntropyGate(**vars(cfg.gate))
-    controller = train.entropy_controller(cfg)  # EntroPIC's, else None
+    states = baselines.method_states(cfg)  # STARE's gate, and EntroPIC's controller
     sampler = torch.Generator().manual_seed(data.derive_seed(spec.seed, "repro", "responses"))
     # the prompt order: the same for every method of a seed
     order = torch.Generator().manual_seed(data.derive_seed(spec.seed, "repro", "prompts"))
@@ -421,14 +426,14 @@ def train_run(spec, tiny_dir, out_dir):
                 # train.py's stages, in its order
                 responses = grpo.group_responses(kept, cfg, rank=0, world=1)
                 grpo.old_policy_pass(model, responses, cfg, cpu)
-                num_tokens, gate_metrics = grpo.update_gate(gate, responses, cpu, controller)
-                metrics.update(gate_metrics)
-                metrics.update(grpo.select_tokens(responses, cfg, gate, step, cpu))
-                metrics.update(grpo.policy_update(model, optimizer, responses, cfg, gate, step, cpu,
-                                                  controller=controller))
+                num_tokens, state_metrics = grpo.update_states(states, responses, cpu)
+                metrics.update(state_metrics)
+                metrics.update(grpo.select_tokens(responses, cfg, states, step, cpu))
+                metrics.update(grpo.policy_update(model, optimizer, responses, cfg, states, step,
+                                                  cpu))
                 metrics.update(grpo.batch_metrics(responses, num_tokens, cpu))
                 metrics.update(critical_w_metrics(responses, spec.predict_ps))
-            metrics["stare/gate_on"] = float(gate.gate_on)
+            metrics["stare/gate_on"] = float(states["gate"].gate_on)
             metrics["time/step"] = time.time() - start
             records.append(metrics)
             log.write(json.dumps(metrics) + "\n")
