@@ -20,7 +20,6 @@ A complete run is not rerun: an interrupted stage resumes (an unfinished run fro
 """
 
 import argparse
-import gzip
 import json
 import math
 import os
@@ -317,22 +316,13 @@ def export(path, out, jobs):
         record = json.loads((out / f"{stage}.json").read_text())
         names = (record["runs"] if stage == "checks"
                  else [r for c in record["candidates"] for r in c["runs"]])
-        write_runs(path / f"{stage}_runs.jsonl.gz", [out / stage / name for name in names])
+        target_compare.write_runs(path / f"{stage}_runs.jsonl.gz",
+                                  [out / stage / name for name in names], KEEP)
     if jobs:
-        write_runs(path / "runs.jsonl.gz", [Path(d) for _, _, d in jobs])
+        target_compare.write_runs(path / "runs.jsonl.gz", [Path(d) for _, _, d in jobs], KEEP)
     for name in ("screen.json", "checks.json", "summary.json"):
         if (out / name).exists():
             (path / name).write_text((out / name).read_text())
-
-
-def write_runs(path, run_dirs):
-    with gzip.open(path, "wt") as f:
-        for run_dir in run_dirs:
-            f.write(json.dumps({
-                "run": run_dir.name, "spec": json.loads((run_dir / "repro.json").read_text()),
-                "steps": [{k: r[k] for k in KEEP if k in r}
-                          for r in repro.read_records(run_dir / "metrics.jsonl")],
-                "evaluations": repro.read_records(run_dir / "heldout.jsonl")}) + "\n")
 
 
 def write(args, name, record):

@@ -291,13 +291,15 @@ def main_jobs(args, pilot):
             for seed in args.seeds for name in SETTINGS]
 
 
-def write_runs(path, run_dirs):
+# the per-step metrics an export keeps
+KEEP = ("step", "train/entropy", "stare/gate_on", "stare/gate_update_accepted", "entropic/coef",
+        "entropic/integral", "entropic/error", "rollout/acc_before_filter", "train/kept_groups",
+        "rollout/distinct_correct_frac", "train/touched_frac", "rollout/response_length_mean")
+
+
+def write_runs(path, run_dirs, keep=KEEP):
     """One line per run directory: its spec (repro.json), per-step record and every evaluation
     with its per-prompt correct counts, gzip-compressed."""
-    keep = ("step", "train/entropy", "stare/gate_on", "stare/gate_update_accepted",
-            "entropic/coef", "entropic/integral", "entropic/error", "rollout/acc_before_filter",
-            "train/kept_groups", "rollout/distinct_correct_frac", "train/touched_frac",
-            "rollout/response_length_mean")
     with gzip.open(path, "wt") as f:
         for run_dir in run_dirs:
             f.write(json.dumps({
