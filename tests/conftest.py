@@ -40,7 +40,7 @@ def tool_dir(tiny_dir):
 
 # pytest-xdist (pytest.ini: --dist loadgroup) spreads the tests over workers, but keeps on one
 # worker the tests that share a fixture costing an engine or a run, so that it is made once.
-SHARED_FIXTURES = {"every_method", "every_loss", "default_run", "one_rank_gen16", "one_process",
+SHARED_FIXTURES = {"every_method", "default_run", "one_rank_gen16", "one_process",
                    "engine"}
 
 

@@ -116,33 +116,19 @@ def one_rank_gen16(tiny_dir, tmp_path_factory):
 SMALL_STEPS = ("train.train_batch_size=8", "train.mini_batch_size=8", "algorithm.gen_batch_size=16")
 
 
-def methods_on_two_ranks(part, tiny_dir, tmp_path_factory, *overrides):
-    """tests/methods_two_ranks.py's `part` on two torchrun ranks: each setting's steps' metrics,
-    and the run's directory (its HF export)."""
+@pytest.fixture(scope="session")  # once per worker: other modules may run between its tests
+def every_method(tiny_dir, tmp_path_factory):
+    """tests/methods_two_ranks.py on two torchrun ranks: every allowed method x loss (and its
+    VARIANTS), 2 steps each, the sync probed at every step on PPO-clip -> (each setting's steps'
+    metrics, the run's directory with its HF export)."""
     out_dir = tmp_path_factory.mktemp("methods")
-    _, *config_and_overrides = train_args(tiny_dir, out_dir / "run", *overrides)
+    _, *config_and_overrides = train_args(tiny_dir, out_dir / "run", "rollout.sync_check_every=1",
+                                          *SMALL_STEPS)
     completed = forked.run(REPO / "tests" / "methods_two_ranks.py",
-                           [part, out_dir / "metrics.json", *config_and_overrides],
+                           [out_dir / "metrics.json", *config_and_overrides],
                            env=train_env(2), nproc=2)
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
     return json.loads((out_dir / "metrics.json").read_text()), out_dir / "run"
-
-
-@pytest.fixture(scope="session")  # once per worker: other modules may run between its tests
-def every_method(tiny_dir, tmp_path_factory):
-    """Every method on PPO-clip (and methods_two_ranks.VARIANTS), 2 steps on 2 ranks, the sync
-    probed at every step."""
-    return methods_on_two_ranks("ppo_clip", tiny_dir, tmp_path_factory,
-                                "rollout.sync_check_every=1", *SMALL_STEPS)
-
-
-@pytest.fixture(scope="session")
-def every_loss(tiny_dir, tmp_path_factory):
-    """Every allowed method on GSPO, CISPO and SAPO, 2 steps on 2 ranks (its own process pair),
-    4 prompts a step, no sync probe (every_method's probes): the mean sampler/trainer gap."""
-    return methods_on_two_ranks("other_losses", tiny_dir, tmp_path_factory,
-                                "rollout.sync_check_every=0", "train.train_batch_size=4",
-                                "train.mini_batch_size=4", "algorithm.gen_batch_size=8")
 
 
 @pytest.mark.parametrize("method", baselines.METHODS)
@@ -181,10 +167,10 @@ def test_every_method_trains_end_to_end(method, every_method):
 
 @pytest.mark.parametrize("policy_loss", [loss for loss in baselines.POLICY_LOSSES
                                          if loss != "ppo_clip"])
-def test_every_method_trains_on_every_policy_loss_it_composes_with(policy_loss, every_loss):
+def test_every_method_trains_on_every_policy_loss_it_composes_with(policy_loss, every_method):
     # 2 steps of each allowed method on GSPO, CISPO and SAPO, finite gradients that move the
     # weights the engine then holds; the refused ones are refused
-    results, _ = every_loss
+    results, _ = every_method
     for method in baselines.METHODS:
         name = f"{method}+{policy_loss}"
         if baselines.refused_combination(method, policy_loss):
