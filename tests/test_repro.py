@@ -3,9 +3,11 @@ softmax), the first-order critical W against entropy_dynamics, and a short run e
 train.py's stages."""
 
 import copy
+import dataclasses
 import hashlib
 import json
 import math
+import shutil
 import statistics
 
 import pytest
@@ -198,6 +200,45 @@ def test_refill_rounds_fill_the_batch_and_min_kept_groups_withholds_the_update(t
     assert "refill_rounds" not in repro.spec_record(repro.RunSpec("plain", **base), tiny_dir)
     assert repro.spec_record(repro.RunSpec("x", refill_rounds=3, **base), tiny_dir)[
         "refill_rounds"] == 3
+
+
+def test_a_killed_run_goes_on_from_its_resume_point_bit_exactly(tiny_dir, tmp_path, monkeypatch):
+    """A run killed while saving its resume point at step 2 goes on from step 1's: every step's
+    metrics and held-out evaluation are the uninterrupted run's (step 2's, written before the kill,
+    are dropped and redone), and the resume file is gone once the run is complete."""
+    monkeypatch.setattr(repro, "RESUME_EVERY", 1)
+    spec = repro.RunSpec("stare", loss={"method": "stare"}, seed=3, steps=3, prompts_per_step=4,
+                         target_entropy=10.0, eval_every=1, eval_n=2)
+    whole = repro.train_run(spec, tiny_dir, tmp_path / "whole")
+    save, saves = torch.save, []
+
+    def killed_at_the_second_save(*args):
+        saves.append(1)
+        if len(saves) == 2:
+            raise KeyboardInterrupt
+        return save(*args)
+
+    monkeypatch.setattr(torch, "save", killed_at_the_second_save)
+    with pytest.raises(KeyboardInterrupt):
+        repro.train_run(spec, tiny_dir, tmp_path / "killed")
+    monkeypatch.setattr(torch, "save", save)
+    assert sorted(repro.read_heldout(tmp_path / "killed")) == [0, 1, 2]
+
+    def timeless(records):  # as JSON: NaN (an undefined first-order W) equals NaN
+        return json.dumps([{k: v for k, v in r.items() if k != "time/step"} for r in records])
+
+    # another spec in that directory starts over rather than going on from this run's state
+    shutil.copytree(tmp_path / "killed", tmp_path / "renamed")
+    renamed = dataclasses.replace(spec, name="renamed")
+    assert timeless(repro.train_run(renamed, tiny_dir, tmp_path / "renamed")) == timeless(whole)
+    resumed = repro.train_run(spec, tiny_dir, tmp_path / "killed")
+    on_disk = repro.read_records(tmp_path / "killed" / "metrics.jsonl")
+    assert timeless(resumed) == timeless(on_disk) == timeless(whole) and len(whole) == 3
+    assert whole[-1]["stare/gate_on"] == 1.0 and "train/loss" in whole[-1]
+    assert repro.read_heldout(tmp_path / "killed") == repro.read_heldout(tmp_path / "whole")
+    assert sorted(repro.read_heldout(tmp_path / "whole")) == [0, 1, 2, 3]
+    assert not (tmp_path / "killed" / repro.RESUME_FILE).exists()
+    assert repro.is_complete(spec, tiny_dir, tmp_path / "killed")
 
 
 def test_heldout_summary_against_subset_enumeration():

@@ -9,7 +9,7 @@ every setting), each through tools/repro.py's train_run: GRPO for --grpo-steps (
 decides the comparison's step, and the baseline), the others for --steps. Every 25 steps 64 samples
 per prompt of split A (countdown_test), with per-prompt correct counts kept; split B
 (countdown_fresh) every 100 steps. A run that is complete is not rerun, so an interrupted
-invocation resumes where it stopped (an unfinished run restarts from its first step).
+invocation resumes where it stopped (an unfinished run from its last resume point).
 
 The analysis (analyze), under --out:
   summary.json   the plateau decision, the primary tests (H1-H6: paired pass@1 on split A at the

@@ -16,7 +16,8 @@ main     the arms over seeds 0..n-1 (n from the screen).
 analyze  the primary family, the secondary measures and the figure once every run is complete;
          --export writes the screen's, the checks' and the main runs' records and summary.json.
 
-A complete run is not rerun: an interrupted stage resumes (an unfinished run from its first step).
+A complete run is not rerun: an interrupted stage resumes (an unfinished run from its last
+resume point, tools/repro.py RESUME_EVERY).
 """
 
 import argparse

@@ -26,7 +26,7 @@ Parts, under --out:
              then STARE at the W that the GRPO runs' batches predict; payoff/summary.json (final held-out pass@k per
              setting, and its paired difference from GRPO with standard errors), payoff/payoff.png.
 Each run writes metrics.jsonl with train.py's metric names (tools/plots.py draws them), heldout.jsonl and its config.yaml;
-a complete run is not rerun.
+a complete run is not rerun, an unfinished one goes on from its last resume point (RESUME_EVERY).
 
 Training goes through train.py's stages (group_responses, old_policy_pass, update_states,
 select_tokens, policy_update, batch_metrics) in one process; only sampling differs: a batched
@@ -43,6 +43,7 @@ import dataclasses
 import json
 import math
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -111,6 +112,10 @@ class RunSpec:
     min_kept_groups: int = 1  # fewer varied groups than this: no update
     max_tokens: int | None = None  # response limit, training and held-out; None: tiny.yaml's (16)
 
+
+# a run saves what it needs to go on (model, optimizer, method states, generators) every
+# RESUME_EVERY steps to RESUME_FILE in its directory, removed once it is complete
+RESUME_EVERY, RESUME_FILE = 25, "resume.pt"
 
 # RunSpec fields added after runs were recorded: in a run's record only when not at this default,
 # so that the runs recorded before them stay complete (is_complete)
@@ -354,12 +359,17 @@ def train_run(spec, tiny_dir, out_dir):
     order = torch.Generator().manual_seed(data.derive_seed(spec.seed, "repro", "prompts"))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    record, resume_path = spec_record(spec, tiny_dir), out_dir / RESUME_FILE
+    # an unfinished run of this very spec goes on from its last resume point
+    same_run = (out_dir / "repro.json").exists() and json.loads(
+        (out_dir / "repro.json").read_text()) == record
+    saved = (torch.load(resume_path, weights_only=False) if same_run and resume_path.exists()
+             else None)
     # the objective's settings (tools/plots.py reads the target)
     (out_dir / "config.yaml").write_text(config.to_yaml(cfg))
     # the run's own: batch, steps, swept P, the starting model's sha256
-    (out_dir / "repro.json").write_text(json.dumps(spec_record(spec, tiny_dir)))
+    (out_dir / "repro.json").write_text(json.dumps(record))
     heldout_log = out_dir / "heldout.jsonl"
-    heldout_log.unlink(missing_ok=True)
 
     # the same samples' seed for every method of a seed: paired comparisons
     def evaluate_heldout(step):
@@ -387,10 +397,27 @@ def train_run(spec, tiny_dir, out_dir):
             with open(heldout_log, "a") as log:
                 log.write(json.dumps(record) + "\n")
 
-    records, zero_signal_steps = [], 0
-    evaluate_heldout(0)
+    generators = {"sampler": sampler, "order": order}
+    if saved is None:
+        heldout_log.unlink(missing_ok=True)
+        records, zero_signal_steps, first_step = [], 0, 1
+        evaluate_heldout(0)
+    else:
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        for name, state in states.items():
+            state.load_state_dict(saved["states"][name])
+        for name, generator in generators.items():
+            generator.set_state(saved[name])
+        torch.set_rng_state(saved["torch"])
+        records = read_records(out_dir / "metrics.jsonl")[:saved["step"]]
+        zero_signal_steps, first_step = saved["zero_signal_steps"], saved["step"] + 1
+        evaluations = read_records(heldout_log) if heldout_log.exists() else []
+        heldout_log.write_text("".join(json.dumps(e) + "\n" for e in evaluations
+                                       if e["step"] <= saved["step"]))
     with open(out_dir / "metrics.jsonl", "w") as log:
-        for step in range(1, spec.steps + 1):
+        log.write("".join(json.dumps(r) + "\n" for r in records))
+        for step in range(first_step, spec.steps + 1):
             start = time.time()
             model.eval()
             # train.py's filter; rounds of new prompts while the batch is short (refill_rounds)
@@ -439,6 +466,15 @@ def train_run(spec, tiny_dir, out_dir):
             log.write(json.dumps(metrics) + "\n")
             log.flush()
             evaluate_heldout(step)
+            if step % RESUME_EVERY == 0 and step < spec.steps:
+                torch.save({"step": step, "model": model.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "states": {name: state.state_dict() for name, state in states.items()},
+                            **{name: g.get_state() for name, g in generators.items()},
+                            "torch": torch.get_rng_state(), "zero_signal_steps": zero_signal_steps},
+                           resume_path.with_suffix(".tmp"))
+                os.replace(resume_path.with_suffix(".tmp"), resume_path)  # never half-written
+    resume_path.unlink(missing_ok=True)
     return records
 
 
@@ -507,9 +543,9 @@ def is_complete(spec, tiny_dir, out_dir):
 
 def run_all(jobs, workers):
     """Run every (spec, tiny_dir, out_dir) job that out_dir does not already hold complete, with the
-    same RunSpec (so an interrupted `tools/repro.py` reruns only the unfinished runs, each from its
-    first step; changed settings rerun everything they touch), `workers` at a time; returns
-    {out_dir: the first spec.steps records}."""
+    same RunSpec (so an interrupted `tools/repro.py` goes on with only the unfinished runs, each
+    from its last resume point; changed settings rerun everything they touch), `workers` at a
+    time; returns {out_dir: the first spec.steps records}."""
     from tqdm import tqdm
 
     todo = [job for job in jobs if not is_complete(*job)]
@@ -843,8 +879,6 @@ def parse_args(argv):
 
 
 def main(argv):
-    import os
-
     from tools import tiny
 
     args = parse_args(argv)

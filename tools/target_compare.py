@@ -21,7 +21,7 @@ analyze  the primary tests (HYPOTHESES), the secondary measures and the figure f
          counts (runs.jsonl.gz) and summary.json, from which every number recomputes.
 
 A run that is complete is not rerun, so an interrupted invocation resumes where it stopped (an
-unfinished run restarts from its first step).
+unfinished run goes on from its last resume point).
 """
 
 import argparse
