@@ -3,18 +3,12 @@ and edit to change the algorithm. train.py runs the steps (start-up, resume, eva
 checkpoints); equation numbers refer to docs/method.md.
 
 `train_step` calls, in order:
-  sample_groups    n responses per prompt from the local engine, scored by the verifier (Eq. 21);
-                   dynamic sampling keeps the groups whose rewards differ, over all ranks, until the
-                   batch is full
+  sample_groups    n scored responses per prompt (Eq. 21), dynamic sampling over all ranks
   group_responses  group-normalised advantages, this rank's share of the groups (Eq. 1)
-  old_policy_pass  one no-grad forward: old log-probs, entropies, sensitivities S, and what the
-                   method needs besides (Eqs. 4-5, 13)
-  update_states    the batch's token-mean entropy over all ranks drives the methods' states:
-                   STARE's gate (Eq. 10), EntroPIC's controller (Eq. 26)
-  select_tokens    every method's token selection (Eqs. 7, 12-18, 23, 25, 31), once over the whole
-                   step
-  policy_update    the chosen method's loss over token-budget micro-batches (Eqs. 2-3, 8-9, 11-19,
-                   23-30)
+  old_policy_pass  no-grad: old log-probs, entropies, sensitivities S, method inputs (Eqs. 4-5, 13)
+  update_states    the batch's entropy drives STARE's gate (Eq. 10), EntroPIC's controller (Eq. 26)
+  select_tokens    every method's token selection, once per step (Eqs. 7, 12-18, 23, 25, 31)
+  policy_update    the method's loss over token-budget micro-batches (Eqs. 2-3, 8-9, 11-19, 23-30)
   rollout.sync_engine  the new weights into the engine (and a log-prob probe)
   batch_metrics    the batch's statistics and the predicted entropy change by quadrant (Eq. 6)
 
@@ -56,7 +50,8 @@ REWARD_FRACTIONS = ("rollout/no_answer_frac", "rollout/parse_error_frac", "rollo
 
 @dataclasses.dataclass
 class Response:
-    """One sampled response: a row of the training batch. The passes of a step fill the fields after `advantage`."""
+    """One sampled response, a row of the training batch; a step's passes fill the fields after
+    `advantage`."""
 
     prompt: list[int]  # prompt token ids
     tokens: list[int]  # response token ids, T of them (model and tool-result tokens)
@@ -65,8 +60,7 @@ class Response:
     accuracy: float  # 1.0 if the verifier judged the answer right
     truncated: bool  # stopped by the token budget
     reflection: tuple[int, int]  # (reflection words, words)
-    # [T] bool: True at tokens the policy sampled, False at tool-result tokens
-    policy_mask: torch.Tensor
+    policy_mask: torch.Tensor  # [T] bool: True at tokens the policy sampled (policy_token_mask)
     advantage: float = 0.0
     group: int = 0  # the index of its group (prompt) in the step, over all ranks
     old_logprobs: torch.Tensor | None = None  # [T] log pi_old, from old_policy_pass
@@ -108,18 +102,18 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
     while len(kept) < cfg.train.train_batch_size:
         if cfg.algorithm.max_num_gen_batches and rounds >= cfg.algorithm.max_num_gen_batches:
             raise runs.RunError(
-                f"error: dynamic sampling kept {len(kept)} of the {cfg.train.train_batch_size} groups needed after "
-                f"{rounds} rounds (algorithm.max_num_gen_batches); the task is too easy or too hard for the model: "
-                f"raise the limit or turn algorithm.dynamic_sampling off")
+                f"error: dynamic sampling kept {len(kept)} of the {cfg.train.train_batch_size} "
+                f"groups needed after {rounds} rounds (algorithm.max_num_gen_batches); the task is "
+                f"too easy or too hard for the model: raise the limit or turn "
+                f"algorithm.dynamic_sampling off")
         # the ranks of one engine sample the same prompts together
         tp = cfg.rollout.tensor_parallel_size
         global_indices = round_prompts(data_position, cfg.algorithm.gen_batch_size, rank, world, tp)
         data_position += cfg.algorithm.gen_batch_size
         groups, round_sums = generate_round(engine, tokenizer, task, cfg, global_indices)
         leader = rank % tp == 0  # one rank per engine speaks for its samples
-        runs.add_sums(
-            local_sums,
-            {k: v if leader or k.startswith("time/") else 0 for k, v in round_sums.items()})
+        runs.add_sums(local_sums, {k: v if leader or k.startswith("time/") else 0
+                                   for k, v in round_sums.items()})
         # what every rank sampled in two numbers a group, then only the groups the step keeps, the
         # same on all ranks (the ranks of one engine hold the same groups: the first sends them)
         mine = groups if leader else []
@@ -153,8 +147,7 @@ def round_prompts(data_position, gen_batch_size, rank, world, tensor_parallel_si
     """The positions in the prompt stream that this rank's engine samples in one generation round:
     the round's gen_batch_size prompts split evenly over the world / tensor_parallel_size engines
     (ranks rank // tp)."""
-    engines = world // tensor_parallel_size
-    share = gen_batch_size // engines
+    share = gen_batch_size // (world // tensor_parallel_size)
     return [data_position + (rank // tensor_parallel_size) * share + i for i in range(share)]
 
 
@@ -195,7 +188,7 @@ def generate_round(engine, tokenizer, task, cfg, global_indices):
 
 
 def group_responses(groups, cfg, rank, world):
-    """Group-normalised advantages (Eq. 1); this rank's share of the groups, as one list of responses."""
+    """Group-normalised advantages (Eq. 1) of this rank's share of the groups, as one list."""
     per_rank = len(groups) // world
     mine = []
     for index in range(rank * per_rank, (rank + 1) * per_rank):
@@ -209,9 +202,8 @@ def group_responses(groups, cfg, rank, world):
 
 @torch.no_grad()
 def old_policy_pass(model, responses, cfg, device):
-    """One no-grad forward per micro-batch: each response's old log-probs, entropies and entropy
-    sensitivities (and the method's own inputs, Response.extra). Fills those fields of
-    `responses`."""
+    """One no-grad forward per micro-batch fills each response's old log-probs, entropies, entropy
+    sensitivities and the method's own inputs (Response.extra)."""
     model.eval()
     temperature = cfg.rollout.temperature
     for indices in modeling.equal_count_micro_batches(responses, cfg.train.micro_token_budget, device):
@@ -238,13 +230,10 @@ def update_states(states, responses, device):
     """The batch's token-mean entropy under pi_old, over all ranks, drives every method state once
     per step (baselines.method_states: STARE's gate, Eq. 10; EntroPIC's controller, Eq. 26): the
     same signal for all."""
-    sums = runs.all_reduce(
-        {
-            "tokens": sum(float(r.policy_mask.sum()) for r in responses),
-            "entropy": sum(float(r.entropy[r.policy_mask].sum()) for r in responses),
-            "surprisal": sum(float(-r.old_logprobs[r.policy_mask].sum()) for r in responses),
-        },
-        device)
+    sums = runs.all_reduce({
+        "tokens": sum(float(r.policy_mask.sum()) for r in responses),
+        "entropy": sum(float(r.entropy[r.policy_mask].sum()) for r in responses),
+        "surprisal": sum(float(-r.old_logprobs[r.policy_mask].sum()) for r in responses)}, device)
     tokens = max(sums["tokens"], 1)
     metrics = {"train/entropy": sums["entropy"] / tokens,
                "train/surprisal": sums["surprisal"] / tokens}
@@ -344,8 +333,7 @@ def policy_update(model, optimizer, responses, cfg, states, step, device, scaler
     return {"train/loss": totals.pop("loss") / num_mini / (1 if step_scope else runs.world_size()),
             "train/grad_norm": float(grad_norms.mean()),
             "train/grad_norm_max": float(grad_norms.max()),
-            "train/micro_batches": micro_batch_count,
-            "train/skipped_updates": skipped,
+            "train/micro_batches": micro_batch_count, "train/skipped_updates": skipped,
             "train/nonfinite_updates": nonfinite,
             **({"train/loss_scale": loss_scale} if scaler is not None else {}),
             **{key: value / max(totals["stats_weight"], 1) for key, value in totals.items()
@@ -418,26 +406,18 @@ def batch_metrics(responses, num_tokens, device):
     entropy change of its update by quadrant (Eq. 6), over all ranks."""
     mismatch = [
         (torch.tensor(r.rollout_logprobs) - r.old_logprobs).abs()[r.policy_mask] for r in responses]
-    sums = runs.all_reduce(
-        {
-            "responses": len(responses),
-            "correct": sum(r.accuracy for r in responses),
-            "reward": sum(r.reward for r in responses),
-            "length": sum(len(r.tokens) for r in responses),
-            "zero_advantage": sum(r.advantage == 0 for r in responses),
-            "truncated": sum(r.truncated for r in responses),
-            "mismatch": sum(float(m.sum()) for m in mismatch),
-            "reflection_words": sum(r.reflection[0] for r in responses),
-            "words": sum(r.reflection[1] for r in responses),
-        },
-        device)
-    maxima = runs.all_reduce(
-        {
-            "length": max((len(r.tokens) for r in responses), default=0),
-            "mismatch": max((float(m.max()) for m in mismatch if m.numel()), default=0.0),
-        },
-        device,
-        op=dist.ReduceOp.MAX)
+    sums = runs.all_reduce({
+        "responses": len(responses), "correct": sum(r.accuracy for r in responses),
+        "reward": sum(r.reward for r in responses), "length": sum(len(r.tokens) for r in responses),
+        "zero_advantage": sum(r.advantage == 0 for r in responses),
+        "truncated": sum(r.truncated for r in responses),
+        "mismatch": sum(float(m.sum()) for m in mismatch),
+        "reflection_words": sum(r.reflection[0] for r in responses),
+        "words": sum(r.reflection[1] for r in responses)}, device)
+    maxima = runs.all_reduce({
+        "length": max((len(r.tokens) for r in responses), default=0),
+        "mismatch": max((float(m.max()) for m in mismatch if m.numel()), default=0.0)},
+        device, op=dist.ReduceOp.MAX)
     dynamics = stare.entropy_dynamics(
         torch.tensor([r.advantage for r in responses]),
         modeling.pad_rows([r.sensitivity for r in responses]),

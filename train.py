@@ -54,10 +54,9 @@ def nonfinite_guard(metrics, state, cfg, step):
 
 def sandbox_guard(metrics, state, cfg, step):
     """One line when the sandbox itself failed (rollout/sandbox_failures: the code never ran, or
-    its result was lost; not the code's own errors) in more than sandbox.max_failure_frac of this
-    step's tool calls, or sandbox.max_window_failure_frac of the calls of the last
-    sandbox.window_steps steps (state.sandbox_window), else None. Such a step's rewards were computed
-    without the tool's output: RL with tools silently becomes RL without them."""
+    its result was lost) in more of this step's tool calls, or of the last sandbox.window_steps
+    steps' (state.sandbox_window), than its bounds allow (config.SandboxConfig), else None. Rewards
+    computed without the tool's output make RL with tools silently RL without them."""
     if "rollout/sandbox_failures" not in metrics:  # no tools
         return None
     box = cfg.sandbox
@@ -81,12 +80,10 @@ def sandbox_guard(metrics, state, cfg, step):
 
 
 def zero_signal_guard(metrics, in_a_row, cfg, step):
-    """The zero-signal guard: a step whose share of sampled groups with answers judged differently,
-    or of responses the reward could read, is at or below train.min_varied_group_frac or
-    train.min_answered_frac trains on (almost) no signal and raises no error. -> (consecutive steps
-    without signal up to this one, given in_a_row before it; the line when their count reaches
-    train.zero_signal_warn_steps or train.zero_signal_stop_steps, else None). A step with signal
-    resets the count."""
+    """The zero-signal guard: a step at or below train.min_varied_group_frac or
+    train.min_answered_frac (shares defined in config.py) trains on (almost) no signal and raises no
+    error. -> (consecutive steps without signal up to this one, given in_a_row before it; the line
+    when their count reaches train.zero_signal_warn_steps or zero_signal_stop_steps, else None)."""
     t = cfg.train
     answered = 1 - metrics["rollout/no_answer_frac"] - metrics["rollout/parse_error_frac"]
     lacking = [
@@ -127,8 +124,7 @@ def sync_guard(metrics, cfg, step):
 
 
 def main(argv):
-    # write an HF export of the checkpoint train.resume names, then stop
-    export_only = "--export" in argv
+    export_only = "--export" in argv  # an HF export of the checkpoint train.resume names, then stop
     planning = "--plan" in argv  # print the memory plan of the config on its hardware, then stop
     argv = [a for a in argv if a not in ("--export", "--plan")]
     if len(argv) < 2 or argv[0] != "--config":
@@ -229,7 +225,7 @@ def train(run, state):
 
 @dataclasses.dataclass
 class Run:
-    """What every step uses and no step changes (the model and optimizer change only through their own methods)."""
+    """What every step uses and no step reassigns (the model and optimizer change in place)."""
 
     cfg: config.Config
     rank: int
@@ -275,8 +271,7 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
         checkpoints.check_shapes(checkpoint, modeling.checkpoint_index(cfg.model.path),
                                  shared_only=True)
     if cfg.loss.agg_mode == "seq-mean-token-sum-norm" and cfg.loss.loss_scale_factor is None:
-        # Dr.GRPO's constant must not be the padded width of each micro-batch: use the response
-        # budget (Eq. 3)
+        # Dr.GRPO's constant: the response budget, not each micro-batch's padded width (Eq. 3)
         cfg.loss = dataclasses.replace(cfg.loss, loss_scale_factor=float(cfg.rollout.max_tokens))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     task, benchmarks, engine = None, {}, None
@@ -343,10 +338,8 @@ def start_sampling(cfg, tokenizer, rank, lock):
             problem = f"error: {error}"
         runs.agree(problem)
     task, benchmarks = load_task(cfg, tokenizer, rank)
-    say(rank, "building the vLLM engine (on a GPU the first start compiles and captures CUDA "
-        "graphs)")
-    # one seed per engine, or every engine samples alike (vLLM #15980); the ranks of one engine
-    # share it
+    say(rank, "building the vLLM engine (on GPU, a first start compiles and captures CUDA graphs)")
+    # one seed per engine, or every engine samples alike (vLLM #15980; rollout.build_engine)
     engine = rollout.build_engine(
         cfg.rollout, cfg.model.path, max_model_len=plan.max_model_len(cfg),
         seed=cfg.train.seed + rank // cfg.rollout.tensor_parallel_size)
@@ -476,7 +469,7 @@ def evaluation(run):
 
 
 def export_checkpoint(run):
-    """`train.py --config C --export`: the checkpoint train.resume names as an HF model in out_dir/hf_step_N."""
+    """`--export`: the checkpoint train.resume names as an HF model in out_dir/hf_step_N."""
     if run.checkpoint is None:
         raise runs.RunError(f"--export: no checkpoint under {run.out_dir}/checkpoints "
                             f"(train.resume={run.cfg.train.resume!r})")
@@ -490,7 +483,7 @@ def export_checkpoint(run):
 
 
 def learning_rate_lambda(cfg):
-    """The learning-rate factor of each step: linear warm-up, then constant or cosine to min_lr_ratio."""
+    """A step's learning-rate factor: linear warm-up, then constant or cosine to min_lr_ratio."""
 
     def factor(step):
         if step < cfg.optim.warmup_steps:
