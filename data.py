@@ -181,8 +181,7 @@ def _ground_truth(value, field, origin):
         value = float(value)
         if not math.isfinite(value):
             raise ValueError(f"{origin}: field '{field}' must be finite, got {value}")
-        # plain positional digits: repr would give "2.5e-07", which math-verify reads as 2.5*e - 7
-        # (Euler's e)
+        # positional digits: math-verify reads repr's "2.5e-07" as 2.5*e - 7 (Euler's e)
         return str(int(value)) if value.is_integer() else format(decimal.Decimal(repr(value)), "f")
     raise ValueError(
         f"{origin}: field '{field}' must be a string or a number, got {type(value).__name__}")
@@ -220,13 +219,10 @@ PLAIN_FIELDS = ("problem", "answer", "data_source")
 
 
 def save_jsonl(rows, path) -> int:
-    """Write plain-format rows ({"problem", "answer", optional "data_source"}) as JSONL; returns the
-    row count.
-
-    Every row is validated as load_examples would read it, so whatever is written loads back; an
-    unknown key is an error rather than silently dropped. The file appears only when all rows are
-    valid (written to a temporary file, then renamed), and missing parent directories are created.
-    """
+    """Write plain-format rows ({"problem", "answer", optional "data_source"}) as JSONL -> the row
+    count. Every row is validated as load_examples would read it, so whatever is written loads
+    back; an unknown key is an error rather than silently dropped. The file appears only when all
+    rows are valid (a temporary file, renamed), with any missing parent directories."""
     path = Path(path)
     lines = []
     for number, row in enumerate(rows, start=1):
@@ -259,13 +255,9 @@ def save_jsonl(rows, path) -> int:
 def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str = "left_truncate",
                      tools=None):
     """Chat-template each example's messages (with the generation prompt) into token ids and enforce
-    the length cap.
-
-    Returns (prompt_ids, kept_examples, stats): prompt_ids[i] belongs to kept_examples[i], in input
-    order; overflow as in the module docstring. stats: num_prompts (input count), num_truncated,
-    num_skipped, and max_tokens / mean_tokens over the kept prompts after truncation (0 and 0.0
-    when none is kept).
-    """
+    the length cap (overflow: the module docstring) -> (prompt_ids, kept_examples, stats), in input
+    order. stats: num_prompts (input count), num_truncated, num_skipped, and max_tokens /
+    mean_tokens over the kept prompts after truncation (0 and 0.0 when none is kept)."""
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
     if (isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int)

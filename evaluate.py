@@ -256,19 +256,14 @@ def _overall(per_benchmark):
 
 
 def evaluate(engine, tokenizer, benchmarks, cfg, return_samples=False, use_tqdm=False):
-    """Sample and score every benchmark on an already built engine; -> result dict (docs/usage.md,
-    "Evaluation metrics": the keys of --out's JSON).
-
-    benchmarks: {name: [data.Example]} (e.g. from load_benchmarks). cfg: a config.Config, of which
-    this reads eval (n, temperature, top_p, max_tokens), data (max_prompt_tokens, overflow), reward,
-    train.seed and rollout.tensor_parallel_size; cfg.eval.n None: `default_n` of each benchmark.
-    The engine's max_model_len must be >= max_prompt_tokens + max_tokens. Under an initialised
-    torch.distributed group every rank must call this with the same arguments: each engine (the
-    tensor_parallel_size consecutive ranks that share one) samples prompts e, e + engines, ... of
-    each benchmark, the per-prompt records are all-gathered, and every rank returns the same full
-    result. return_samples: also gather the responses, as result["samples"] (a list of dicts in
-    benchmark, prompt, sample order).
-    """
+    """Sample and score every benchmark on an already built engine -> the result dict (its keys:
+    docs/usage.md, "Evaluation metrics"). benchmarks: {name: [data.Example]} (load_benchmarks);
+    cfg.eval.n None: `default_n` of each. The engine's max_model_len must be >= max_prompt_tokens +
+    max_tokens. Under an initialised torch.distributed group every rank must call this with the
+    same arguments: each engine (the tensor_parallel_size consecutive ranks that share one) samples
+    prompts e, e + engines, ... of each benchmark, the per-prompt records are all-gathered, and
+    every rank returns the same full result. return_samples: also result["samples"], the responses
+    as dicts in benchmark, prompt, sample order."""
     if not benchmarks:
         raise ValueError("no benchmarks to evaluate")
     distributed = dist.is_available() and dist.is_initialized()
@@ -343,7 +338,7 @@ def flatten_metrics(result, prefix="eval") -> dict:
 
 
 # ==================================================================================================
-# The console table
+# Command line: the console table, the arguments, main
 # ==================================================================================================
 
 
@@ -376,11 +371,6 @@ def format_table(result) -> str:
             label = f"{name if kind == 'pass' else '':<{width}}{kind + '@k%':<8}"
             lines.append(label + "".join(f"{pct(m.get(f'{kind}@{k}')):>7}" for k in ks))
     return "\n".join(lines)
-
-
-# ==================================================================================================
-# Command line
-# ==================================================================================================
 
 
 # The flags that are config keys, as short aliases: `--top-p 0.5` is the override `eval.top_p=0.5`,

@@ -30,6 +30,7 @@ host-device sync per forward) and drops a padding `attention_mask`: under "varle
 unpadded rows only. "sdpa", "eager" or "flash_attention_2" keep packed rows exact too (they detect
 packing from the restarting position ids or read cu_seq_lens), only slower.
 """
+
 import contextlib
 import dataclasses
 import inspect

@@ -15,15 +15,13 @@ status), status one of "ok", "no_answer", "parse_error", "timeout", and the frac
 logged.
 
 Timeouts: sympy can run for minutes on a pathological answer, so one deadline of timeout_s bounds
-each whole check ("the deadline" below says how and why). It needs signals, so it works only in the
-main thread: call compute_rewards from there, as the trainer does, or from a process pool with your
-own outer limit.
+each whole check ("the deadline" below). It needs signals, so call compute_rewards from the main
+thread, as the trainer does, or from a process pool with your own outer limit.
 
 Simplified relative to the STARE reference's reward, which finds the answer heuristically and
 accepts it if any of three checkers does: one strict extraction (the last \\boxed{}, which STARE's
 prompt asks for) and one checker (math-verify), so "correct" has one meaning. An answer stated only
-in prose scores 0 here but may score 1 there; answer_format="any" is more lenient. Overlong shaping
-and format_weight default to off, leaving acc, as in STARE.
+in prose scores 0 here but may score 1 there; answer_format="any" is more lenient.
 """
 
 import functools
