@@ -341,7 +341,8 @@ def format_ok(response: str) -> bool:
     required. Otherwise the response passes if it matches ^<think>X</think>Y$, if it contains
     "</think>", or if it contains "boxed" (the first implies the second: not tested apart)."""
     if "<think>" in response and "<answer>" in response:
-        return re.search(r"<think>.*?</think>\n<answer>.*?</answer>", response, re.DOTALL) is not None
+        block = r"<think>.*?</think>\n<answer>.*?</answer>"
+        return re.search(block, response, re.DOTALL) is not None
     return "</think>" in response or "boxed" in response
 
 
