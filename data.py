@@ -1,10 +1,10 @@
 """data.py: prompt sets. Load examples from JSONL or Parquet, write synthetic splits, tokenize
 prompts.
 
-    examples = data.load_examples("data/train.parquet")          # plain rows get STARE's instruction appended
+    examples = data.load_examples("data/train.parquet")  # plain rows get STARE's instruction
     prompt_ids, kept, stats = data.tokenize_prompts(examples, tokenizer, max_prompt_tokens=1024)
     data.save_jsonl([{"problem": "Find x if 2x = 84.", "answer": 42}], "data/toy.jsonl")
-    seed = data.derive_seed(base_seed, "prompt", index)   # a prompt's sampling seed, and the like
+    seed = data.derive_seed(base_seed, "prompt", index)  # a prompt's sampling seed, and the like
 
 Pure Python plus pyarrow: no vLLM, no torch, no torch.distributed. Files are chosen by extension:
 .jsonl (one JSON object per line, blank lines skipped) or .parquet (one row per example). Every
@@ -13,13 +13,13 @@ row 5: ..."): a missing file, an unknown extension, no examples, invalid JSON, a
 field, a ground truth of the wrong type.
 
 Row formats, detected per row:
-  verl   {"prompt": [{"role": "user", "content": "..."}], "reward_model": {"ground_truth": "42"}, "data_source": ...}
-         The messages are used exactly as given (verl data carry their own instruction, so NO suffix is added).
-  plain  {"problem": "Find x if 2x = 84.", "answer": 42, "data_source": "toy"}
-         Becomes one user message: problem + "\\n" + prompt_suffix. The default suffix is STARE's instruction
-         (STARE_SUFFIX; docs/method.md, "The reference release"); None or "" gives the problem alone.
-Ground truths are strings, or numbers written as the verifier reads them (`_ground_truth`: 42.0 -> "42",
-2.5e-07 -> "0.00000025"). data_source: the row's own, else `default_data_source`, else the file's stem.
+  verl   {"prompt": [{"role": "user", "content": "..."}], "reward_model": {"ground_truth": "42"},
+          "data_source": ...}: the messages as given (verl data carry their own instruction: NO
+         suffix is added).
+  plain  {"problem": "Find x if 2x = 84.", "answer": 42, "data_source": "toy"}: one user message,
+         problem + "\\n" + prompt_suffix (default STARE_SUFFIX; None or "": the problem alone).
+Ground truths are strings, or numbers as the verifier reads them (`_ground_truth`). data_source: the
+row's own, else `default_data_source`, else the file's stem.
 
 Tokenization applies the tokenizer's chat template with the generation prompt. A prompt longer than
 max_prompt_tokens is handled by `overflow`: "left_truncate" keeps the LAST max_prompt_tokens ids
@@ -82,7 +82,7 @@ def load_examples(path, default_data_source: str | None = None,
 
 
 def _read_jsonl_rows(path):
-    """Yield (origin, parsed row) for each non-blank line; origin is "path:LINE" with 1-based LINE."""
+    """Yield (origin, parsed row) for each non-blank line; origin is "path:LINE" (1-based)."""
     data = path.read_bytes()
     try:
         text = data.decode("utf-8-sig")  # -sig: tolerate a byte-order mark some editors write
@@ -118,7 +118,7 @@ def _read_parquet_rows(path):
 
 
 def _example_from_row(row, origin, fallback_source, prompt_suffix):
-    """Validate one row (verl or plain format) and turn it into an Example; ValueError names origin and field."""
+    """One row (verl or plain format), validated, as an Example; ValueError names origin, field."""
     if not isinstance(row, Mapping):
         raise ValueError(f"{origin}: row must be a JSON object, got {type(row).__name__}")
     if "prompt" in row:
@@ -137,7 +137,7 @@ def _example_from_row(row, origin, fallback_source, prompt_suffix):
 
 
 def _verl_messages(prompt, origin):
-    """verl's "prompt": a non-empty list of {role, content} dicts (a numpy array of dicts when read via pandas)."""
+    """verl's "prompt": a non-empty list of {role, content} dicts (numpy array via pandas)."""
     if hasattr(prompt, "tolist") and not isinstance(prompt, (str, bytes)):
         prompt = prompt.tolist()  # numpy object array -> list, without importing numpy
     if not isinstance(prompt, (list, tuple)) or not prompt or not all(
@@ -181,8 +181,7 @@ def _ground_truth(value, field, origin):
         value = float(value)
         if not math.isfinite(value):
             raise ValueError(f"{origin}: field '{field}' must be finite, got {value}")
-        # plain positional digits: repr would give "2.5e-07", which math-verify reads as 2.5*e - 7
-        # (Euler's e)
+        # positional digits: math-verify reads repr's "2.5e-07" as 2.5*e - 7 (Euler's e)
         return str(int(value)) if value.is_integer() else format(decimal.Decimal(repr(value)), "f")
     raise ValueError(
         f"{origin}: field '{field}' must be a string or a number, got {type(value).__name__}")
@@ -220,13 +219,10 @@ PLAIN_FIELDS = ("problem", "answer", "data_source")
 
 
 def save_jsonl(rows, path) -> int:
-    """Write plain-format rows ({"problem", "answer", optional "data_source"}) as JSONL; returns the
-    row count.
-
-    Every row is validated as load_examples would read it, so whatever is written loads back; an
-    unknown key is an error rather than silently dropped. The file appears only when all rows are
-    valid (written to a temporary file, then renamed), and missing parent directories are created.
-    """
+    """Write plain-format rows ({"problem", "answer", optional "data_source"}) as JSONL -> the row
+    count. Every row is validated as load_examples would read it, so whatever is written loads
+    back; an unknown key is an error rather than silently dropped. The file appears only when all
+    rows are valid (a temporary file, renamed), with any missing parent directories."""
     path = Path(path)
     lines = []
     for number, row in enumerate(rows, start=1):
@@ -259,13 +255,9 @@ def save_jsonl(rows, path) -> int:
 def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str = "left_truncate",
                      tools=None):
     """Chat-template each example's messages (with the generation prompt) into token ids and enforce
-    the length cap.
-
-    Returns (prompt_ids, kept_examples, stats): prompt_ids[i] belongs to kept_examples[i], in input
-    order; overflow as in the module docstring. stats: num_prompts (input count), num_truncated,
-    num_skipped, and max_tokens / mean_tokens over the kept prompts after truncation (0 and 0.0
-    when none is kept).
-    """
+    the length cap (overflow: the module docstring) -> (prompt_ids, kept_examples, stats), in input
+    order. stats: num_prompts (input count), num_truncated, num_skipped, and max_tokens /
+    mean_tokens over the kept prompts after truncation (0 and 0.0 when none is kept)."""
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
     if (isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int)
@@ -287,26 +279,17 @@ def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str 
         prompt_ids.append(ids)
         kept.append(example)
     lengths = [len(ids) for ids in prompt_ids]
-    stats = {
-        "num_prompts": num_prompts,
-        "num_truncated": num_truncated,
-        "num_skipped": num_skipped,
-        "max_tokens": max(lengths, default=0),
-        "mean_tokens": sum(lengths) / len(lengths) if lengths else 0.0,
-    }
+    stats = {"num_prompts": num_prompts, "num_truncated": num_truncated, "num_skipped": num_skipped,
+             "max_tokens": max(lengths, default=0),
+             "mean_tokens": sum(lengths) / len(lengths) if lengths else 0.0}
     return prompt_ids, kept, stats
 
 
 def chat_template_ids(tokenizer, messages, tools=None) -> list[int]:
     """Token ids of `messages` under the tokenizer's chat template, ending with the assistant
-    generation prompt.
-
-    transformers 5.x returns a BatchEncoding ({"input_ids", "attention_mask"}) from
-    apply_chat_template(..., tokenize=True), where 4.x returned a plain list; accept either, and
-    tensors/arrays too.
-    """
-    # tools: JSON schemas the template lists for the model (Qwen's "# Tools" block), e.g.
-    # tool_use.CODE_INTERPRETER_TOOL
+    generation prompt. tools: JSON schemas the template lists for the model (Qwen's "# Tools"
+    block), e.g. tool_use.CODE_INTERPRETER_TOOL. apply_chat_template(..., tokenize=True) returns a
+    BatchEncoding in transformers 5.x, a plain list in 4.x: either is accepted, tensors too."""
     extra = {"tools": tools} if tools else {}
     encoded = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, **extra)
@@ -344,7 +327,7 @@ class Task:
     metrics: dict = dataclasses.field(default_factory=dict)
 
     def prompt_at(self, position):
-        """The prompt index at a position of the stream: epoch after epoch, each shuffled from (seed, epoch)."""
+        """The prompt index at a position of the stream: epochs, each shuffled by (seed, epoch)."""
         epoch, offset = divmod(position, len(self.prompt_ids))
         return epoch_order(len(self.prompt_ids), self.seed, self.shuffle, epoch)[offset]
 

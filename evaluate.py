@@ -1,30 +1,24 @@
 """evaluate.py: score a checkpoint on math benchmarks with the training sampler and the training
 verifier.
 
-    python evaluate.py --model runs/x/hf --data data/aime24.jsonl data/math500.jsonl --out runs/x/eval.json
-    python evaluate.py --model runs/x/hf --data data/aime24.jsonl --n 32 --temperature 1.0 --top-p 0.7 \\
-        --max-tokens 3072 --out eval.json --samples eval_samples.jsonl --seed 0
-    torchrun --nproc_per_node 8 evaluate.py --model runs/x/hf --data data/*.jsonl --out eval.json   # 8 engines
-    python evaluate.py --model runs/tiny/model --data runs/tiny/data/sum_test.jsonl --prompt-suffix "" \\
-        --max-tokens 16 --max-prompt-tokens 64 --dtype float32 --out /tmp/tiny_eval.json                # CPU demo
+    python evaluate.py --model runs/x/hf --data data/aime24.jsonl data/math500.jsonl --out e.json
+    torchrun --nproc_per_node 8 evaluate.py --model runs/x/hf --data data/*.jsonl --out e.json
     python evaluate.py --config configs/tiny.yaml eval.n=4 --model runs/tiny-stare/hf --out e.json
+    python evaluate.py --model runs/tiny/model --data runs/tiny/data/sum_test.jsonl --out e.json \\
+        --prompt-suffix "" --max-tokens 16 --max-prompt-tokens 64 --dtype float32  # CPU demo
 
 Benchmark files are what data.load_examples reads (`python -m tools.benchmarks` converts the public
 downloads); each file is one benchmark, named by its stem ("data/aime24.jsonl" -> "aime24").
 Sampling is rollout.generate and scoring rewards.compute_rewards: exactly the code that trains, so
-"correct" means here what it meant for the reward. Under torchrun each rank takes every
-world_size-th prompt of each benchmark and rank 0 prints and writes. In a training run, train.py
-calls `evaluate(engine, tokenizer, benchmarks, cfg)` on its own engine and logs
-`flatten_metrics(result)` ("eval/aime24/avg@n", "eval/overall/pass@1", ...).
+"correct" means here what it meant for the reward. Under torchrun the engines share each
+benchmark's prompts (`evaluate`) and rank 0 prints and writes. train.py calls `evaluate` on its own
+engine and logs `flatten_metrics(result)` ("eval/aime24/avg@n", "eval/overall/pass@1", ...).
 
-Settings are config.py's keys, as for train.py: `--config` (else config.py's defaults), then the
+Settings are config.py's keys, as for train.py: `--config` (else config.py's defaults, the paper's
+validation settings; without --config also `load_config`'s engine settings), then the
 `section.key=value` overrides, then the flags, short aliases of keys (`--top-p` is eval.top_p;
-ALIASES). The defaults are the paper's validation settings (docs/method.md, "The reference
-release"): temperature 1.0, top-p 0.7, top-k off, 3072 response tokens, 1024 prompt tokens
-(left-truncated), STARE's prompt suffix, n from the benchmark's name (`default_n`); without
---config, also 0.9 of the GPU and eager mode on CPU only (`load_config`). Reported per benchmark
-and overall: avg@n (the paper's avg@32) with a bootstrap SE, unbiased pass@k and maj@k, lengths and
-fractions, defined in docs/usage.md ("Evaluation metrics") and in the functions below.
+ALIASES). n comes from the benchmark's name (`default_n`). The metrics (avg@n with a bootstrap SE,
+unbiased pass@k, maj@k, lengths and fractions) are defined in docs/usage.md ("Evaluation metrics").
 
 Simplified relative to the reference (verl's validation): verl logs mean@n, best@k/worst@k and maj@k
 from bootstrap resamples of the n responses; here pass@k is the closed-form unbiased estimator and
@@ -53,8 +47,7 @@ import rollout
 import runs
 
 # The paper's n per benchmark (avg@32 on the small competition sets, avg@4 on the larger ones),
-# matched against the benchmark name lower-cased with everything but letters and digits removed
-# ("MATH-500" -> "math500").
+# matched against the name lower-cased, letters and digits only ("MATH-500" -> "math500")
 PAPER_N = (
     (r"aime(20)?24", 32), (r"aime(20)?25", 32), (r"amc(20)?23", 32), (r"math500", 4),
     (r"minerva", 4), (r"olympiad", 4))
@@ -69,8 +62,8 @@ BOOTSTRAP_RESAMPLES = 1000
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021, eq. 1): 1 - C(n-c, k) / C(n,
-    k), as the numerically stable product 1 - prod_{i=n-c+1}^{n} (1 - k/i) (no huge binomials)."""
+    """Unbiased pass@k from n samples with c correct (docs/usage.md, "Evaluation metrics"), as the
+    numerically stable product 1 - prod_{i=n-c+1}^{n} (1 - k/i) (no huge binomials)."""
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:  # every k-subset holds a correct sample
@@ -105,7 +98,8 @@ def canonical_answer(text: str) -> str | None:
 
 
 def answer_key(response: str, data_source: str) -> str | None:
-    """The answer a response votes for: its last \\boxed{} canonicalised; None (abstain) without a box."""
+    """The answer a response votes for: its last \\boxed{} canonicalised; None (abstain) without
+    one."""
     boxed = rewards.extract_boxed(response) if isinstance(response, str) else None
     if boxed is None:
         return None
@@ -139,11 +133,9 @@ def maj_at_k(keys, correct, k: int) -> float:
     if not 1 <= k <= len(keys):
         raise ValueError(f"need 1 <= k <= {len(keys)}, got k={k}")
     blocks = len(keys) // k
-    return (
-        sum(
-            majority_vote(keys[b * k : (b + 1) * k], correct[b * k : (b + 1) * k])
-            for b in range(blocks))
-        / blocks)
+    votes = (majority_vote(keys[b * k:(b + 1) * k], correct[b * k:(b + 1) * k])
+             for b in range(blocks))
+    return sum(votes) / blocks
 
 
 def bootstrap_se(values, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> float:
@@ -159,10 +151,9 @@ def bootstrap_se(values, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) ->
 
 
 def default_n(name: str, num_prompts: int) -> int:
-    """The paper's n for a benchmark recognised by name (32 for AIME24, AIME25 and AMC23, 4 for
-    MATH-500, Minerva and OlympiadBench; stems such as aime2024, AIME_2025, MATH-500, minerva_math
-    match), else the paper's rule behind those numbers (small sets need more samples for a stable
-    average): 32 for at most 100 prompts, 4 above."""
+    """The paper's n for a benchmark PAPER_N recognises (aime2024, AIME_2025, minerva_math, ...),
+    else the rule behind it (small sets need more samples for a stable average): FALLBACK_SMALL_N
+    up to FALLBACK_SMALL_MAX_PROMPTS prompts, FALLBACK_LARGE_N above."""
     key = re.sub(r"[^a-z0-9]", "", name.lower())
     for pattern, n in PAPER_N:
         if re.search(pattern, key):
@@ -199,39 +190,25 @@ def load_benchmarks(files, prompt_suffix=data.STARE_SUFFIX, limit=None) -> dict:
 
 def _prompt_record(name, index, example, texts, lengths, finish_reasons, accuracies, ks,
                    return_samples):
-    """Everything the aggregate needs from one prompt's n samples (small: this is what ranks exchange)."""
+    """Everything the aggregate needs from one prompt's n samples (small: what ranks exchange)."""
     n = len(texts)
     keys = [answer_key(text, example.data_source) for text in texts]
     correct = [bool(a) for a in accuracies]
     hits_words = [rewards.reflection_counts(text) for text in texts]
     record = {
-        "benchmark": name,
-        "index": index,
-        "correct": sum(correct),
+        "benchmark": name, "index": index, "correct": sum(correct),
         "pass": [pass_at_k(n, sum(correct), k) for k in ks],
         "maj": [maj_at_k(keys, correct, k) for k in ks],
-        "length_sum": sum(lengths),
-        "length_max": max(lengths, default=0),
+        "length_sum": sum(lengths), "length_max": max(lengths, default=0),
         "truncated": sum(reason == "length" for reason in finish_reasons),
         "no_answer": sum(key is None for key in keys),
-        "reflections": sum(h for h, _ in hits_words),
-        "words": sum(w for _, w in hits_words),
-    }
+        "reflections": sum(h for h, _ in hits_words), "words": sum(w for _, w in hits_words)}
     if return_samples:
         record["samples"] = [
-            {
-                "benchmark": name,
-                "index": index,
-                "sample": j,
-                "origin": example.origin,
-                "ground_truth": example.ground_truth,
-                "prompt": example.messages[-1]["content"],
-                "response": texts[j],
-                "answer": keys[j],
-                "correct": correct[j],
-                "length": lengths[j],
-                "finish_reason": finish_reasons[j],
-            }
+            {"benchmark": name, "index": index, "sample": j, "origin": example.origin,
+             "ground_truth": example.ground_truth, "prompt": example.messages[-1]["content"],
+             "response": texts[j], "answer": keys[j], "correct": correct[j],
+             "length": lengths[j], "finish_reason": finish_reasons[j]}
             for j in range(n)]
     return record
 
@@ -267,12 +244,9 @@ def _overall(per_benchmark):
     def mean(key):
         return sum(v[key] for v in values) / count
 
-    overall = {
-        "benchmarks": count,
-        "prompts": sum(v["prompts"] for v in values),
-        "avg@n": mean("avg@n"),
-        "avg@n_se": math.sqrt(sum(v["avg@n_se"] ** 2 for v in values)) / count,
-    }
+    overall = {"benchmarks": count, "prompts": sum(v["prompts"] for v in values),
+               "avg@n": mean("avg@n"),
+               "avg@n_se": math.sqrt(sum(v["avg@n_se"] ** 2 for v in values)) / count}
     common = [key for key in values[0]
               if key.startswith(("pass@", "maj@")) and all(key in v for v in values)]
     means = ("response_length_mean", "truncated_frac", "no_answer_frac", "reflection_per_1k_words")
@@ -282,19 +256,14 @@ def _overall(per_benchmark):
 
 
 def evaluate(engine, tokenizer, benchmarks, cfg, return_samples=False, use_tqdm=False):
-    """Sample and score every benchmark on an already built engine; -> result dict (docs/usage.md,
-    "Evaluation metrics": the keys of --out's JSON).
-
-    benchmarks: {name: [data.Example]} (e.g. from load_benchmarks). cfg: a config.Config, of which
-    this reads eval (n, temperature, top_p, max_tokens), data (max_prompt_tokens, overflow), reward,
-    train.seed and rollout.tensor_parallel_size; cfg.eval.n None: `default_n` of each benchmark.
-    The engine's max_model_len must be >= max_prompt_tokens + max_tokens. Under an initialised
-    torch.distributed group every rank must call this with the same arguments: each engine (the
-    tensor_parallel_size consecutive ranks that share one) samples prompts e, e + engines, ... of
-    each benchmark, the per-prompt records are all-gathered, and every rank returns the same full
-    result. return_samples: also gather the responses, as result["samples"] (a list of dicts in
-    benchmark, prompt, sample order).
-    """
+    """Sample and score every benchmark on an already built engine -> the result dict (its keys:
+    docs/usage.md, "Evaluation metrics"). benchmarks: {name: [data.Example]} (load_benchmarks);
+    cfg.eval.n None: `default_n` of each. The engine's max_model_len must be >= max_prompt_tokens +
+    max_tokens. Under an initialised torch.distributed group every rank must call this with the
+    same arguments: each engine (the tensor_parallel_size consecutive ranks that share one) samples
+    prompts e, e + engines, ... of each benchmark, the per-prompt records are all-gathered, and
+    every rank returns the same full result. return_samples: also result["samples"], the responses
+    as dicts in benchmark, prompt, sample order."""
     if not benchmarks:
         raise ValueError("no benchmarks to evaluate")
     distributed = dist.is_available() and dist.is_initialized()
@@ -326,23 +295,13 @@ def evaluate(engine, tokenizer, benchmarks, cfg, return_samples=False, use_tqdm=
         name: _aggregate([r for r in records if r["benchmark"] == name], ns[name], kss[name],
                          stats[name], cfg.train.seed)
         for name in benchmarks}
-    result = {
-        "sampling": {
-            "n": ns,
-            "temperature": cfg.eval.temperature,
-            "top_p": cfg.eval.top_p,
-            "top_k": 0,
-            "max_tokens": cfg.eval.max_tokens,
-            "max_prompt_tokens": cfg.data.max_prompt_tokens,
-            "overflow": overflow,
-            "seed": cfg.train.seed,
-            "answer_format": cfg.reward.answer_format,
-            "world_size": world,
-        },
-        "benchmarks": per_benchmark,
-        "overall": _overall(per_benchmark),
-        "seconds": time.time() - started,
-    }
+    sampling = {
+        "n": ns, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p, "top_k": 0,
+        "max_tokens": cfg.eval.max_tokens, "max_prompt_tokens": cfg.data.max_prompt_tokens,
+        "overflow": overflow, "seed": cfg.train.seed, "answer_format": cfg.reward.answer_format,
+        "world_size": world}
+    result = {"sampling": sampling, "benchmarks": per_benchmark, "overall": _overall(per_benchmark),
+              "seconds": time.time() - started}
     if return_samples:
         result["samples"] = [sample for r in records for sample in r["samples"]]
     return result
@@ -379,12 +338,13 @@ def flatten_metrics(result, prefix="eval") -> dict:
 
 
 # ==================================================================================================
-# The console table
+# Command line: the console table, the arguments, main
 # ==================================================================================================
 
 
 def format_table(result) -> str:
-    """Two plain-text tables: the headline metrics per benchmark, then pass@k and maj@k by k (accuracies in %)."""
+    """Two plain-text tables: the headline metrics per benchmark, then pass@k and maj@k by k
+    (accuracies in %)."""
     rows = [*result["benchmarks"].items(), ("overall", result["overall"])]
     width = max(12, *(len(name) for name, _ in rows)) + 2
 
@@ -411,11 +371,6 @@ def format_table(result) -> str:
             label = f"{name if kind == 'pass' else '':<{width}}{kind + '@k%':<8}"
             lines.append(label + "".join(f"{pct(m.get(f'{kind}@{k}')):>7}" for k in ks))
     return "\n".join(lines)
-
-
-# ==================================================================================================
-# Command line
-# ==================================================================================================
 
 
 # The flags that are config keys, as short aliases: `--top-p 0.5` is the override `eval.top_p=0.5`,

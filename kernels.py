@@ -3,9 +3,9 @@
 The chunked PyTorch code in stare.py reads each row of logits several times and makes float32
 temporaries per chunk; on a GPU that is an order of magnitude above the memory-bandwidth floor of
 one read of the [N, V] logits. Here one program handles one row and streams it once, keeping running
-sums rescaled to the running maximum m:
+sums rescaled to the running maximum m (x = logits / T):
 
-    s = sum e^(x-m),  t = sum e^(x-m) (x-m),  u = sum e^(2(x-m)),  w = sum e^(2(x-m)) (x-m)       (x = logits / T)
+    s = sum e^(x-m),  t = sum e^(x-m) (x-m),  u = sum e^(2(x-m)),  w = sum e^(2(x-m)) (x-m)
     lse = m + log s,   H = log s - t/s,   B = sum pi^2 (s_a - H) = -(u/s^2) (w/u - t/s)
 
 Both terms of H are non-negative (x - m <= 0), so H has no cancellation even for peaked rows.
@@ -34,7 +34,7 @@ NUM_WARPS = 8
 
 
 def supported(logits_2d):
-    """Whether the kernels can run on this [N, V] tensor (CUDA, or Triton's interpreter, and unit stride in V)."""
+    """Can the kernels run on this [N, V] tensor (CUDA or Triton's interpreter, V unit-strided)?"""
     return triton is not None and (logits_2d.is_cuda or INTERPRET) and logits_2d.stride(-1) == 1
 
 
@@ -109,7 +109,6 @@ if triton is not None:
             grad = tl.where(start + cols == token, grad + g_lp, grad) * inv_temp
             tl.store(out_ptr + start + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_range)
 
-
     @triton.jit
     def _minp_proxy_kernel(logits_ptr, row_stride, tokens_ptr, proxy_ptr, inv_temp, log_kappa,
                            hard_value, vocab_size, SOFT: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -169,7 +168,7 @@ def row_stats(logits_2d, tokens_1d, temperature, with_cov_b=False):
 
 
 class LogprobEntropy(torch.autograd.Function):
-    """(log pi(token), H) [N] float32 from logits_2d [N, V]; saves the logits and two floats per row."""
+    """(log pi(token), H) [N] float32 from logits_2d [N, V]; saves the logits, two floats a row."""
 
     @staticmethod
     def forward(ctx, logits_2d, tokens_1d, temperature):

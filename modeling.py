@@ -1,41 +1,34 @@
-"""modeling.py: the policy model as the trainer uses it: sharded with FSDP2 from the start, and run
-on padding-free micro-batches of (prompt, response) rows with the LM head only at response
-positions.
+"""modeling.py: the policy model as the trainer uses it: sharded with FSDP2 from the start
+(`build_model`: no rank ever holds the whole model), and run on padding-free micro-batches of
+(prompt, response) rows with the LM head only at response positions.
 
     model = modeling.build_model(cfg, device, world_size)
-    for indices in modeling.micro_batches(lengths, token_budget):          # lengths: prompt + response tokens per row
-        packed = modeling.pack_rows([prompts[i] for i in indices], [responses[i] for i in indices], device)
-        logits = modeling.response_logits(model, packed)                    # [N, V], N = response tokens of the batch
-        logprobs_bt = packed.to_rows(stare.token_logprobs_and_entropy(logits, packed.response_ids)[0])   # [b, R]
-
-Start-up (`build_model`): the model is built with its parameters on the meta device, sharded per
-decoder layer and at the root, and each rank reads only its own rows of every weight from the
-safetensors files (a byte range per block, no memory map) into its float32 shard: no rank ever holds
-the whole model, on the GPU or the host.
+    for idx in modeling.micro_batches(lengths, token_budget):  # lengths: prompt + response tokens
+        packed = modeling.pack_rows([prompts[i] for i in idx], [responses[i] for i in idx], device)
+        logits = modeling.response_logits(model, packed)  # [N, V], N = the rows' response tokens
+        logprobs = packed.to_rows(stare.token_logprobs_and_entropy(logits, packed.response_ids)[0])
 
 Packing: the rows of a micro-batch are concatenated into one [1, L] sequence (L = the sum of their
 lengths, no padding token anywhere), RoPE position ids restart at 0 at each row, and attention is
 confined to each row by the row boundaries `cu_seq_lens` ([b + 1] cumulative lengths), which reach
 the attention function through the model's keyword arguments. The head runs only at the N positions
 that predict a response token (`logits_to_keep` given as an index tensor), so the model returns [1,
-N, V] directly.
+N, V] directly. Per-token values come out flat ([N], row after row); `Packed.to_rows` lays them out
+as the [b, R] zero-padded rows that the losses of stare.py and baselines.py take.
 
-Attention ("varlen", registered with transformers' AttentionInterface and the default of model.attn_implementation):
-  * CUDA, bf16/fp16: PyTorch's `torch.nn.attention.varlen.varlen_attn` (FlashAttention over cu_seq_lens, causal):
-    no mask tensor, no query that attends to nothing, no work across rows. Grouped-query attention is native
-    (`enable_gqa`); KV heads are repeated only for an older varlen wrapper that takes equal head counts.
-  * otherwise (CPU, float32, PyTorch without varlen_attn): one causal SDPA call per row, exact by construction.
-    transformers' own sdpa path would detect packing from the position ids and build an [L, L] block mask; the
-    per-row loop needs no mask and costs nothing on the tiny CPU model.
-  * a call without cu_seq_lens (one unpadded sequence, as in rollout.trainer_logprobs) is plain causal SDPA.
-No mask function is registered, so transformers builds no mask (its packing detection would cost a host-device
-sync per forward) and drops a padding `attention_mask`: under "varlen", pass packed or unpadded rows only.
-model.attn_implementation may still name "sdpa", "eager" or "flash_attention_2": packed rows stay exact under each
-(they detect packing from the restarting position ids or read cu_seq_lens), only slower.
-
-Per-token values come out flat ([N], one per response token, row after row) and `Packed.to_rows`
-lays them out as the [b, R] zero-padded rows that the loss functions of stare.py and baselines.py
-take, with `Packed.mask` marking the real tokens.
+Attention ("varlen", registered with transformers' AttentionInterface, the default of
+model.attn_implementation):
+  * CUDA, bf16/fp16: PyTorch's `torch.nn.attention.varlen.varlen_attn` (FlashAttention over
+    cu_seq_lens, causal): no mask tensor, no query that attends to nothing, no work across rows.
+  * otherwise (CPU, float32, PyTorch without varlen_attn): one causal SDPA call per row, exact by
+    construction. transformers' own sdpa path would detect packing from the position ids and build
+    an [L, L] block mask; the per-row loop needs no mask and costs nothing on the tiny CPU model.
+  * a call without cu_seq_lens (one unpadded sequence, as in rollout.trainer_logprobs) is plain
+    causal SDPA.
+No mask function is registered, so transformers builds no mask (its packing detection would cost a
+host-device sync per forward) and drops a padding `attention_mask`: under "varlen", pass packed or
+unpadded rows only. "sdpa", "eager" or "flash_attention_2" keep packed rows exact too (they detect
+packing from the restarting position ids or read cu_seq_lens), only slower.
 """
 
 import contextlib
@@ -189,22 +182,14 @@ def _persistent(model, name):
 
 
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool}
 
 
 @dataclasses.dataclass
 class StoredTensor:
-    """One tensor of a checkpoint file, read a row range at a time without mapping or reading the rest."""
+    """One tensor of a checkpoint file, read a row range at a time (nothing mapped or read else)."""
 
     file: Path
     dtype: torch.dtype
@@ -224,7 +209,7 @@ class StoredTensor:
             out[first - start:last - start].copy_(self.rows(first, last).view(last - first, -1))
 
     def rows(self, start, end):
-        """Rows start:end of dim 0 (a 0-dim tensor counts as one row) -> a new CPU tensor [end - start, ...]."""
+        """Rows start:end of dim 0 (0-dim: one row) -> a new CPU tensor [end - start, ...]."""
         if self.tensor is not None:
             return self.tensor.reshape(-1, *self.shape[1:])[start:end].clone()
         row_numel = math.prod(self.shape[1:])
@@ -268,7 +253,7 @@ def checkpoint_index(path):
 
 
 def shard_model(model, cfg, device, world_size):
-    """Gradient checkpointing (if configured) and FSDP2 on an HF causal LM on `device` or on the meta device."""
+    """Gradient checkpointing (if configured) and FSDP2 on an HF causal LM (on device or meta)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -345,19 +330,12 @@ def pack_rows(prompts, responses, device):
     widths = [len(r) for r in responses]
     mask = torch.arange(max(1, *widths))[None, :] < torch.tensor(widths)[:, None]  # [b, R]
     cu_seq_lens = cu_seq_lens.to(device=device, dtype=torch.int32)
-    return Packed(
-        model_inputs={
-            "input_ids": input_ids[None].to(device),
-            "position_ids": position_ids[None].to(device),
-            "logits_to_keep": keep.to(device),
-            "cu_seq_lens_q": cu_seq_lens,
-            "cu_seq_lens_k": cu_seq_lens,
-            "max_length_q": max(lengths),
-            "max_length_k": max(lengths),
-        },
-        response_ids=input_ids[keep + 1].to(device),
-        mask=mask.to(device),
-        num_tokens=sum(lengths))
+    model_inputs = {
+        "input_ids": input_ids[None].to(device), "position_ids": position_ids[None].to(device),
+        "logits_to_keep": keep.to(device), "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens, "max_length_q": max(lengths), "max_length_k": max(lengths)}
+    return Packed(model_inputs, response_ids=input_ids[keep + 1].to(device), mask=mask.to(device),
+                  num_tokens=sum(lengths))
 
 
 def response_logits(model, packed):
@@ -397,8 +375,7 @@ class LossScaler:
 
     def after_step(self, finite_loss, finite_grad):
         """The scale after a mini-batch's step -> whether a skip was the scale's to fix: a gradient
-        overflow under a scale > 1. A non-finite loss (the forward overflowed) is not, whatever the
-        scale: it keeps the scale."""
+        overflow under a scale > 1 (a non-finite loss is not, whatever the scale; see above)."""
         overflow = finite_loss and self.scale > 1
         if finite_loss:
             self.update(finite_grad)
@@ -415,7 +392,7 @@ def equal_count_micro_batches(responses, token_budget, device):
 
 
 def pad_rows(values):
-    """Per-row 1-D tensors -> [len(values), max length (at least 1)], right-padded with zeros (False)."""
+    """Per-row 1-D tensors -> [len(values), longest (at least 1)], right-padded with 0 (False)."""
     out = values[0].new_zeros((len(values), max(1, max(len(v) for v in values))))
     for i, row in enumerate(values):
         out[i, :len(row)] = row

@@ -1,32 +1,27 @@
 """rewards.py: verifiable rewards. Checks math answers with math-verify and the tiny "sum" task with
 plain integers. Pure Python: no vLLM, no torch, no torch.distributed, no file I/O.
 
-    import rewards
-    cfg = config.RewardConfig()                           # acc only, as in STARE
-    scores, accs, metrics = rewards.compute_rewards(responses, ground_truths, data_sources, response_lengths, cfg)
+    cfg = config.RewardConfig()                         # acc only, as in STARE
+    scores, accs, metrics = rewards.compute_rewards(responses, ground_truths, data_sources,
+                                                    response_lengths, cfg)
     rewards.verify_math(r"... so the answer is \\boxed{\\frac{3}{4}}", "0.75")      # (True, "ok")
     rewards.verify_sum(r"\\boxed{3+4}", "7")                                        # (True, "ok")
     rewards.reflection_counts(response)                 # ("aha" words, words): logged, not rewarded
-    python -m tools.bench reward-throughput                     # responses per second on this machine
+    python -m tools.bench reward-throughput             # responses per second on this machine
 
-The reward of a response (docs/method.md, Eq. 21): reward = acc + overlong_penalty + format_weight *
-format_ok. acc ∈ {0, 1} comes from the data source's verifier: "tiny_sum" uses verify_sum, every
-other source verify_math (the last \\boxed{} against the ground truth, symbolically and numerically;
-its docstring has the rules). DAPO's overlong shaping applies only when overlong_buffer_len > 0;
-STARE's format check is always logged and enters the reward only when format_weight != 0. Every
-check returns (correct, status), status one of "ok", "no_answer", "parse_error", "timeout", and the
-fraction of each is logged.
+The reward of a response is docs/method.md's Eq. 21 (`compute_rewards`); acc comes from the data
+source's verifier (verify_math's docstring has the rules for math). Every check returns (correct,
+status), status one of "ok", "no_answer", "parse_error", "timeout", and the fraction of each is
+logged.
 
 Timeouts: sympy can run for minutes on a pathological answer, so one deadline of timeout_s bounds
-each whole check (`_call_with_deadline` says how and why). It needs signals, so it works only in the
-main thread: call compute_rewards from there, as the trainer does, or from a process pool with your
-own outer limit.
+each whole check ("the deadline" below). It needs signals, so call compute_rewards from the main
+thread, as the trainer does, or from a process pool with your own outer limit.
 
 Simplified relative to the STARE reference's reward, which finds the answer heuristically and
 accepts it if any of three checkers does: one strict extraction (the last \\boxed{}, which STARE's
 prompt asks for) and one checker (math-verify), so "correct" has one meaning. An answer stated only
-in prose scores 0 here but may score 1 there; answer_format="any" is more lenient. Overlong shaping
-and format_weight default to off, leaving acc, as in STARE.
+in prose scores 0 here but may score 1 there; answer_format="any" is more lenient.
 """
 
 import functools
@@ -49,8 +44,7 @@ COUNTDOWN_TASK_SOURCE = "tiny_countdown"
 ANSWER_FORMATS = ("boxed", "any")
 
 # The gold and a boxed prediction are parsed with the same config, so two identical strings parse
-# identically. boxed_match_priority=0: a \boxed{} match wins over any other LaTeX match in the same
-# text.
+# identically. boxed_match_priority=0: a \boxed{} match wins over any other LaTeX match.
 @functools.cache
 def _math_verify():
     """math-verify, imported at the first score (config.py, and the tools that read configs only,
@@ -107,12 +101,11 @@ def extract_boxed(text: str) -> str | None:
 
 
 class _Timeout(BaseException):
-    """Raised by the SIGALRM handler. It derives from BaseException so that the `except Exception`
-    blocks in math-verify and sympy let it through to verify_math."""
+    """Raised by the SIGALRM handler; a BaseException, so math-verify and sympy let it through."""
 
 
 def _call_with_deadline(seconds: float, fn, *args):
-    """fn(*args), interrupted by _Timeout after `seconds`, if this is the main thread. Elsewhere, fn runs unbounded."""
+    """fn(*args), cut off by _Timeout after `seconds` in the main thread; elsewhere unbounded."""
     if (seconds is None or seconds <= 0 or not hasattr(signal, "setitimer")
             or threading.current_thread() is not threading.main_thread()):
         return fn(*args)
@@ -132,8 +125,7 @@ def _call_with_deadline(seconds: float, fn, *args):
     previous_handler = signal.signal(signal.SIGALRM, raise_timeout)
     previous_timer = (0.0, 0.0)
     try:
-        # at the deadline, then every 10 ms: a _Timeout that Python dropped (raised inside a weakref
-        # callback or a __del__, "Exception ignored in ...") is raised again at the next tick
+        # at the deadline, then every 10 ms: a _Timeout that Python dropped is raised again
         previous_timer = signal.setitimer(signal.ITIMER_REAL, seconds, 0.01)
         try:
             result = fn(*args)
@@ -146,8 +138,7 @@ def _call_with_deadline(seconds: float, fn, *args):
     finally:
         # again: a tick may have interrupted the first call before it stopped the timer
         stop_timer()
-        # None means the handler was not installed from Python; the default is the closest
-        # equivalent
+        # None: the handler was not installed from Python; the default is the closest equivalent
         signal.signal(
             signal.SIGALRM, signal.SIG_DFL if previous_handler is None else previous_handler)
         left, interval = previous_timer
@@ -172,7 +163,7 @@ _PLAIN_NUMBER = re.compile(
 
 
 def _plain_number(text: str) -> Fraction | None:
-    """The exact value of a plain number ("-12", "0.75", "\\frac{3}{4}", "3/4"), or None for anything else."""
+    """The exact value of a plain number ("-12", "0.75", "\\frac{3}{4}", "3/4"); else None."""
     match = _PLAIN_NUMBER.fullmatch(text.strip())
     if match is None:
         return None
@@ -209,16 +200,14 @@ def _plain_numbers_verdict(ground_truth: str, answer: str) -> bool | None:
 
 @functools.lru_cache(maxsize=4096)
 def _parse_gold(ground_truth: str) -> list:
-    # The box makes plain "42", "\frac{1}{2}" and "x^2+1" a LaTeX match; math-verify keeps the
-    # string form too.
+    # the box makes plain "42", "\frac{1}{2}", "x^2+1" a LaTeX match (the string form is kept too)
     parse, _, boxed = _math_verify()
     return parse("\\boxed{" + ground_truth + "}", extraction_config=boxed, parsing_timeout=None)
 
 
 @functools.lru_cache(maxsize=65536)
 def _boxed_answer_matches(ground_truth: str, answer: str) -> tuple[bool, str]:
-    # Cached, because a group of n samples often repeats an answer. A _Timeout leaves the cache
-    # untouched.
+    # cached: a group of n samples often repeats an answer (a _Timeout leaves the cache untouched)
     parse, verify, boxed = _math_verify()
     gold = _parse_gold(ground_truth)
     prediction = parse("\\boxed{" + answer + "}", extraction_config=boxed, parsing_timeout=None)
@@ -252,25 +241,23 @@ def _check_math(response: str, ground_truth: str, answer_format: str) -> tuple[b
 
 def verify_math(response: str, ground_truth: str, answer_format: str = "boxed",
                 timeout_s: float = 5.0) -> tuple[bool, str]:
-    """Is the response's final answer mathematically equal to ground_truth? Returns (correct,
-    status).
+    """Is the response's final answer mathematically equal to ground_truth? -> (correct, status).
 
-    Prediction: with answer_format "boxed" (the default) the content of the last \\boxed{...} (braces balanced,
-    escaped \\{ \\} ignored) and nothing else; without one, (False, "no_answer"). With "any", math-verify's own
-    extraction searches the whole response (LaTeX environments, boxes, "final answer is", bare expressions): more
-    lenient, it also accepts a bare "answer 42".
-    Gold: parsed from "\\boxed{" + ground_truth + "}", so "42", "\\frac{1}{2}", "x^2+1" and "[1,2)" all parse.
-    Comparison: math_verify.verify(gold, prediction), gold first (verify is asymmetric); symbolic and numeric (6
-    decimal places), sets, intervals and equations too. math-verify's leniencies are kept: 10\\% equals both 10 and
-    0.1, the gold 5 accepts x=5, the gold "1,2" is the set {1, 2} but "1,000" is 1000, and a space between digits
-    multiplies ("1 000" equals 0).
-    Shortcuts in boxed mode, none of which can turn a wrong answer into a right one: a string identical to the
-    ground truth is correct; two plain numbers (integers, decimals, \\frac{p}{q}, p/q) are decided by exact
-    arithmetic where that is certain (`_plain_numbers_verdict`, ~50x faster than parsing LaTeX); parsed golds and
-    (ground truth, answer) results are cached (a timed-out check never is).
-    status: "ok" (compared), "no_answer", "parse_error" (math-verify understood nothing, or an error),
-    "timeout" (the whole check exceeded timeout_s; enforced only in the main thread, see `_call_with_deadline`).
-    Never raises on any response or ground truth. An unknown answer_format is a programming error: ValueError.
+    Prediction: with answer_format "boxed" (the default) the content of the last \\boxed{...}
+    (`extract_boxed`) and nothing else; without one, (False, "no_answer"). With "any",
+    math-verify's own extraction searches the whole response (LaTeX environments, boxes, "final
+    answer is", bare expressions): more lenient, it also accepts a bare "answer 42".
+    Gold: parsed from "\\boxed{" + ground_truth + "}", so "42", "\\frac{1}{2}", "x^2+1" and "[1,2)"
+    all parse. Comparison: math_verify.verify(gold, prediction), gold first (it is asymmetric);
+    symbolic and numeric (6 decimal places), sets, intervals and equations too. math-verify's
+    leniencies are kept: 10\\% equals both 10 and 0.1, the gold 5 accepts x=5, the gold "1,2" is
+    the set {1, 2} but "1,000" is 1000, and a space between digits multiplies ("1 000" equals 0).
+    Shortcuts in boxed mode, none of which can turn a wrong answer into a right one: a string
+    identical to the ground truth; two plain numbers decided by exact arithmetic where that is
+    certain (`_plain_numbers_verdict`); cached golds and verdicts (a timed-out check never is).
+    status: "ok" (compared), "no_answer", "parse_error" (math-verify understood nothing, or an
+    error), "timeout" (the whole check exceeded timeout_s; main thread only). Never raises on any
+    response or ground truth; an unknown answer_format is a programming error: ValueError.
     """
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
@@ -287,14 +274,10 @@ _SUM_ANSWER = re.compile(r"([0-9]+)\+([0-9]+)")
 
 
 def verify_sum(response: str, ground_truth: str) -> tuple[bool, str]:
-    """The tiny "sum" task's verifier: is the last \\boxed{} exactly "a+b", with a, b > 0 and a + b
-    == ground_truth?
-
-    Whitespace anywhere in the box is ignored. a and b must be plain decimal digits: no sign, no
-    other symbol. Returns (correct, status): "no_answer" if there is no box, "parse_error" if the
-    box is not of the form a+b (or the ground truth is not an integer), else "ok". No sympy. Never
-    raises.
-    """
+    """The tiny "sum" task's verifier: is the last \\boxed{} exactly "a+b" (whitespace ignored, a
+    and b plain decimal digits: no sign, no other symbol), with a, b > 0 and a + b == ground_truth?
+    status: "no_answer" without a box, "parse_error" if the box is not of the form a+b (or the
+    ground truth is not an integer), else "ok". No sympy. Never raises."""
     try:
         answer = extract_boxed(response)
         if answer is None:
@@ -318,8 +301,8 @@ _COUNTDOWN_TRUTH = re.compile(r"([0-9]+(?:,[0-9]+)*)=([0-9]+)")
 
 
 def countdown_value(expression: str) -> int:
-    """Value of a digits-and-operators expression such as "8*4-3" ([-+*] between plain numbers, no parentheses,
-    * before + and -), read term by term without eval. The caller has checked the form."""
+    """Value of a digits-and-operators expression such as "8*4-3" ([-+*] between plain numbers, no
+    parentheses, * before + and -), read term by term without eval. The caller checked the form."""
     value = 0
     for sign, term in re.findall(r"([-+]?)([0-9*]+)", expression):
         product = math.prod(int(factor) for factor in term.split("*"))
@@ -328,14 +311,11 @@ def countdown_value(expression: str) -> int:
 
 
 def verify_countdown(response: str, ground_truth: str) -> tuple[bool, str]:
-    """The tiny "countdown" task's verifier: does the last \\boxed{} combine exactly the given
-    numbers, each once, with + - * (no parentheses, usual precedence), into the target?
-    ground_truth: "3,4,8=20" (the numbers, then the target).
-
-    Whitespace in the box is ignored. Returns (correct, status): "no_answer" if there is no box,
-    "parse_error" if the box is not numbers joined by + - * (or the ground truth is malformed), else
-    "ok". Never raises.
-    """
+    """The tiny "countdown" task's verifier: does the last \\boxed{} (whitespace ignored) combine
+    exactly the given numbers, each once, with + - * (no parentheses, usual precedence), into the
+    target? ground_truth: "3,4,8=20" (the numbers, then the target). status: "no_answer" without a
+    box, "parse_error" if the box is not numbers joined by + - * (or the ground truth is
+    malformed), else "ok". Never raises."""
     try:
         answer = extract_boxed(response)
         if answer is None:
@@ -359,23 +339,18 @@ def format_ok(response: str) -> bool:
 
     If both <think> and <answer> appear, a "<think>...</think>\\n<answer>...</answer>" block is
     required. Otherwise the response passes if it matches ^<think>X</think>Y$, if it contains
-    "</think>", or if it contains "boxed". The first of these three implies the second, so it is not
-    tested separately.
-    """
+    "</think>", or if it contains "boxed" (the first implies the second: not tested apart)."""
     if "<think>" in response and "<answer>" in response:
-        return re.search(r"<think>.*?</think>\n<answer>.*?</answer>", response, re.DOTALL) is not None
+        block = r"<think>.*?</think>\n<answer>.*?</answer>"
+        return re.search(block, response, re.DOTALL) is not None
     return "</think>" in response or "boxed" in response
 
 
 def overlong_penalty(
     length: int, max_response_len: int, buffer_len: int, factor: float = 1.0) -> float:
-    """DAPO's overlong reward shaping (docs/method.md, Eq. 21): 0 up to expected = max_response_len
-    - buffer_len, then linear down to -factor at max_response_len: min(-(length - expected) /
-    buffer_len * factor, 0).
-
-    Like DAPO, it does not clip below -factor. A length beyond max_response_len (which the sampler
-    never produces) gets a larger penalty.
-    """
+    """DAPO's overlong reward shaping (docs/method.md, Eq. 21): 0 up to max_response_len -
+    buffer_len, then linear down to -factor at max_response_len. Like DAPO, it does not clip below
+    -factor: a length beyond max_response_len (which the sampler never produces) costs more."""
     if buffer_len <= 0:
         raise ValueError(f"buffer_len must be > 0, got {buffer_len}")
     expected = max_response_len - buffer_len
@@ -391,12 +366,9 @@ def compute_rewards(
     responses: list[str], ground_truths: list[str], data_sources: list[str],
     response_lengths: list[int], cfg) -> tuple[list[float], list[float], dict[str, float]]:
     """Score a batch -> (rewards, accuracies, rollout/ metrics: batch means, 0.0 for an empty batch,
-    and verify_seconds, the wall time of the call). An accuracy is 0.0 or 1.0, and reward =
-    accuracy + overlong penalty (if on) + cfg.format_weight * format_ok. data_source "tiny_sum" is
-    checked by verify_sum, "tiny_countdown" by verify_countdown, any other by verify_math;
+    and verify_seconds, the wall time of the call). An accuracy is 0.0 or 1.0, the reward Eq. 21;
     response_lengths (token counts) serve the overlong penalty only. Raises ValueError if the lists
-    differ in length; never on response content.
-    """
+    differ in length; never on response content."""
     sizes = {len(responses), len(ground_truths), len(data_sources), len(response_lengths)}
     if len(sizes) != 1:
         raise ValueError(

@@ -1,10 +1,10 @@
 """runs.py: the plumbing of one run (used by train.py): its errors, its lock on out_dir, its metrics
 log, the stop signals, and what a resume keeps of the metrics and checks of the config.
 
-    lock = runs.RunLock(out_dir); lock.acquire()       # one run per out_dir (a killed run's lock is taken over)
-    log = runs.MetricsLog(out_dir, cfg, rank)          # metrics.jsonl, the console line, wandb / TensorBoard
-    stop = runs.StopSignals()                          # SIGTERM / SIGUSR1 / SIGINT: finish the step, save, exit
-    raise runs.RunError("error: ...")                  # a run that cannot start or go on: one line, exit 2
+    lock = runs.RunLock(out_dir)       # lock.acquire(): one run per out_dir (a stale lock is taken)
+    log = runs.MetricsLog(out_dir, cfg, rank)  # metrics.jsonl, console line, wandb / TensorBoard
+    stop = runs.StopSignals()          # SIGTERM / SIGUSR1 / SIGINT: finish the step, save, exit
+    raise runs.RunError("error: ...")  # a run that cannot start or go on: one line, exit 2
 """
 
 import atexit
@@ -167,8 +167,7 @@ class MetricsLog:
                 dir=str(out_dir), config=dataclasses.asdict(cfg))
         if rank == 0 and cfg.train.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            # purge_step: events of the steps a resume recomputes are dropped from the old event
-            # files
+            # purge_step: the old events of the steps a resume recomputes are dropped
             self.tensorboard = SummaryWriter(
                 str(Path(out_dir) / "tensorboard"), purge_step=first_step)
 
@@ -285,7 +284,7 @@ def world_size():
 
 
 def all_reduce(values, device, op=dist.ReduceOp.SUM):
-    """A dict of numbers (floats or 0-dim tensors) reduced over ranks in one collective -> dict of floats."""
+    """Numbers (floats or 0-dim tensors) by key, reduced over ranks in one collective -> floats."""
     keys = sorted(values)
     stacked = torch.stack(
         [torch.as_tensor(values[k], dtype=torch.float64, device=device) for k in keys])
@@ -295,7 +294,7 @@ def all_reduce(values, device, op=dist.ReduceOp.SUM):
 
 
 def agree(problem):
-    """Raise RunError on every rank when any rank found a problem (a collective: every rank calls it)."""
+    """Raise RunError on every rank when any rank found a problem (a collective: all ranks call)."""
     problems = [p for p in all_gather(problem) if p is not None]
     if problems:
         raise RunError(problems[0])
@@ -338,11 +337,11 @@ def align_timeouts():
 
 @functools.cache
 def host_group(world_group):
-    """A gloo group of the ranks of `world_group` (the default group), made once, with its timeout:
+    """A gloo group of `world_group`'s ranks (the default group), made once, with its timeout:
     objects exchanged while the engine holds the GPU (a step's sampled groups) go through host
-    memory, where on NCCL all_gather_object stages world x the largest pickle on the GPU
-    (distributed_c10d.py). None: the group is gloo already. A collective the first time: every rank
-    calls it at the same point."""
+    memory, where NCCL's all_gather_object stages world x the largest pickle on the GPU
+    (distributed_c10d.py). None: the group is gloo already. A collective the first time: all ranks
+    call it at the same point."""
     if dist.get_backend(world_group) == "gloo":
         return None
     return dist.new_group(backend="gloo", timeout=group_timeout(world_group))
