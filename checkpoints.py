@@ -10,11 +10,11 @@ A checkpoint is written under a hidden .tmp name and renamed once every rank has
 run killed mid-save never leaves a half checkpoint that looks complete; the newest step_* is the
 latest. Its checksums are checked before anything of it loads (resume, --export, `python -m
 tools.checkpoint verify`): bytes changed by a disk error or a bad copy of the right size are
-found, not trained on. The rule: a checkpoint without checksums.sha256 loads (its files' sizes
-checked, with a warning) only if its run never had them, i.e. its trainer.pt does not record
-"checksums": True (every checkpoint saved since does) and no checkpoint beside it carries one;
-otherwise it is refused like a corrupt one. With several nodes, out_dir must be on a shared file
-system (every rank writes its own shard).
+found, not trained on. Removing checksums.sha256 does not turn this off (the rule): a checkpoint
+without one loads (its files' sizes checked, with a warning) only if its run never had them, i.e.
+its trainer.pt does not record "checksums": True (every checkpoint saved since does) and no
+checkpoint beside it carries one; otherwise it is refused like a corrupt one. With several nodes,
+out_dir must be on a shared file system (every rank writes its own shard).
 """
 
 import hashlib
@@ -78,8 +78,7 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
     root = Path(out_dir) / "checkpoints"
     final, partial = root / f"step_{step:08d}", root / f".step_{step:08d}.tmp"
     if rank == 0:
-        # of runs killed while saving or pruning (possibly huge)
-        for leftover in root.glob(".step_*"):
+        for leftover in root.glob(".step_*"):  # of runs killed saving or pruning (maybe huge)
             shutil.rmtree(leftover, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
@@ -280,7 +279,6 @@ def load_checkpoint(path, model, optimizer, rank):
         else:
             set_model_state_dict(model, shards["model"])
         rng_file = path / f"rng_rank{rank}.pt"
-        # fewer ranks wrote this checkpoint: the stream of random numbers will differ
         if not rng_file.exists():
             print(
                 f"warning: {rng_file} missing (checkpoint written by {trainer_state['world_size']} "

@@ -876,12 +876,11 @@ def check_paths(cfg, config_path=None):
 
 
 def check_outputs(outputs, inputs=()):
-    """That a command's outputs can be written and clobber nothing, before anything loads; creates
-    nothing. outputs: (key, path, "file" | "dir"); inputs: (key, path) of the files and directories
-    the command reads. An output must be of its kind where it exists, writable (or its nearest
-    existing parent a writable directory), and must not be an input file, hold an input (a
-    directory output), be an existing file of an input directory (a file output), or overlap
-    another output. ConfigError naming the keys."""
+    """That a command's outputs can be written and clobber nothing, before anything loads (creates
+    nothing). outputs: (key, path, "file" | "dir"); inputs: (key, path) the command reads. An
+    output must be of its kind where it exists, writable (or its nearest existing parent a writable
+    directory), and not an input file, hold an input (a directory), be an existing file of an
+    input directory (a file), or overlap another output. ConfigError naming the keys."""
     def inside(path, folder):  # path is folder or lies under it (links resolved)
         return path.resolve() == folder.resolve() or folder.resolve() in path.resolve().parents
 

@@ -66,19 +66,15 @@ from pathlib import Path
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# per process, outside PyTorch's allocator: CUDA context, cuBLAS and NCCL workspaces
-CUDA_CONTEXT_GIB = 1.5
+CUDA_CONTEXT_GIB = 1.5  # per process, outside PyTorch's allocator: CUDA context, cuBLAS, NCCL
 ENGINE_NON_TORCH_GIB = 0.5  # vLLM's own non-torch memory, taken from its budget before the KV cache
-# vLLM's captured CUDA graphs (not with enforce_eager); kept while the engine sleeps
-CUDA_GRAPH_GIB = 1.0
+CUDA_GRAPH_GIB = 1.0  # vLLM's CUDA graphs (not with enforce_eager); kept while the engine sleeps
 # vLLM's runtime state (the KV cache's bookkeeping), copied to pinned host memory with the CUDA
 # graphs at every sleep level (vllm/device_allocator/sleep_mode_backend.py); an estimate
 SLEEP_RUNTIME_GIB = 0.5
 HOST_PROCESS_GIB = 6.0  # host RAM of one rank: Python, PyTorch, CUDA libraries, vLLM
-# a phase fits when it leaves this share of the device free (allocator fragmentation)
-HEADROOM = 0.05
-# rollout.MAX_NUM_BATCHED_TOKENS: the engine's batch floor (its profiling batch)
-ENGINE_BATCH_TOKENS = 8192
+HEADROOM = 0.05  # a phase fits when it leaves this share of the device free (fragmentation)
+ENGINE_BATCH_TOKENS = 8192  # rollout.MAX_NUM_BATCHED_TOKENS: the engine's (profiling) batch floor
 # a sampled token on the host: its id and log-prob as Python int and float in lists, and its mask
 # (measured: 75 bytes), and pickled for the gather (14)
 PYTHON_TOKEN_BYTES, PICKLED_TOKEN_BYTES = 76, 14
@@ -253,7 +249,6 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
         parts["context"] = CUDA_CONTEXT_GIB if cfg.rollout.kv_cache_gib is None else 0.0
     ranks_per_node = min(world, hw.gpus_per_node)
     host_rank = host_plan(cfg, engine)
-    # rank 0 gathers the model in the compute dtype for the export
     host = ranks_per_node * sum(host_rank.values()) + compute_bytes * n / GIB
     result = {
         "model": arch.name, "parameters_b": round(n / 1e9, 3),
