@@ -1,20 +1,20 @@
 """checkpoints.py: sharded, atomic checkpoints for exact resume, and the Hugging Face export (used
 by train.py).
 
-out_dir/checkpoints/step_00000010/   sharded/ (model + optimizer, one file per rank: torch.distributed.checkpoint),
-                                     trainer.pt (step, data position, scheduler, gate, probe), rng_rank{r}.pt (every
-                                     RNG of rank r), config.yaml (the resolved config of the run that wrote it)
-                                     checksums.sha256 (the sha256 of every other file)
-A checkpoint is written under a hidden .tmp name and renamed once every rank has finished, so a run killed mid-save
-never leaves a half checkpoint that looks complete; the newest step_* directory is the latest. Its
-checksums are written once its files are, before the rename, and checked before anything of it
-loads (resume, --export, `python -m tools.checkpoint verify`): bytes changed by a disk error or a
-bad copy of the right size are found, not trained on. Removing checksums.sha256 does not turn the
-check off: a checkpoint without one loads (its files' sizes checked, with a warning) only if its run
-never had them, i.e. its trainer.pt does not record that it was saved with one ("checksums": True,
-in every checkpoint saved since) and no checkpoint beside it carries one; otherwise it is refused
-like a corrupt one. With several nodes, out_dir must be on a shared file system (every rank writes
-its own shard).
+out_dir/checkpoints/step_00000010/ holds sharded/ (model + optimizer, one file per rank:
+torch.distributed.checkpoint), trainer.pt (step, data position, scheduler, gate, probe),
+rng_rank{r}.pt (every RNG of rank r), config.yaml (the resolved config of the run that wrote it)
+and checksums.sha256 (the sha256 of every other file, written once they are).
+
+A checkpoint is written under a hidden .tmp name and renamed once every rank has finished, so a
+run killed mid-save never leaves a half checkpoint that looks complete; the newest step_* is the
+latest. Its checksums are checked before anything of it loads (resume, --export, `python -m
+tools.checkpoint verify`): bytes changed by a disk error or a bad copy of the right size are
+found, not trained on. Removing checksums.sha256 does not turn this off (the rule): a checkpoint
+without one loads (its files' sizes checked, with a warning) only if its run never had them, i.e.
+its trainer.pt does not record "checksums": True (every checkpoint saved since does) and no
+checkpoint beside it carries one; otherwise it is refused like a corrupt one. With several nodes,
+out_dir must be on a shared file system (every rank writes its own shard).
 """
 
 import hashlib
@@ -39,12 +39,9 @@ RANK_FILE = re.compile(r"(?:sharded/__|rng_rank)(\d+)(?:_\d+\.distcp|\.pt)")
 
 
 def list_checkpoints(out_dir):
-    """Complete checkpoints under out_dir/checkpoints, oldest first (hidden .tmp / .deleting ones never count)."""
-    root = Path(out_dir) / "checkpoints"
-    found = [
-        p
-        for p in root.glob("step_*")
-        if CHECKPOINT_NAME.fullmatch(p.name) and (p / "trainer.pt").exists()]
+    """Complete checkpoints under out_dir/checkpoints, oldest first (no hidden .tmp / .deleting)."""
+    found = [p for p in (Path(out_dir) / "checkpoints").glob("step_*")
+             if CHECKPOINT_NAME.fullmatch(p.name) and (p / "trainer.pt").exists()]
     return sorted(found, key=checkpoint_step)
 
 
@@ -81,14 +78,12 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
     root = Path(out_dir) / "checkpoints"
     final, partial = root / f"step_{step:08d}", root / f".step_{step:08d}.tmp"
     if rank == 0:
-        # of runs killed while saving or pruning (possibly huge)
-        for leftover in root.glob(".step_*"):
+        for leftover in root.glob(".step_*"):  # of runs killed saving or pruning (maybe huge)
             shutil.rmtree(leftover, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    # an optimizer that has not stepped yet has no state; get_state_dict would create it with a
-    # zero-lr step, and the next real update would then use the wrong bias correction: save the
-    # model alone
+    # an optimizer that has not stepped has no state; get_state_dict would create it with a zero-lr
+    # step, and the next real update would use the wrong bias correction: save the model alone
     has_optimizer_state = bool(optimizer.state)
     shards = _state(model, optimizer if has_optimizer_state else None)
 
@@ -102,8 +97,6 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
                 partial / "trainer.pt")
             (partial / "config.yaml").write_text(config.to_yaml(cfg))
 
-    # every shard is on disk, or every rank learns which one is not; then each rank hashes what it
-    # wrote, and rank 0 records every hash
     _, failure = _on_every_rank(write, rank)
     if failure is None:
         hashes, failure = _on_every_rank(lambda: hash_files(partial, rank, world), rank)
@@ -121,11 +114,10 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
         raise RunError(
             f"error: saving the checkpoint of step {step} to {root} failed ({failure}; "
             f"{free:.0f} MiB free there{full}); its partial files were removed, and "
-            f"{previous[-1] if previous else 'no earlier checkpoint'} and metrics.jsonl are as they "
-            f"were")
+            f"{previous[-1] if previous else 'no earlier checkpoint'} and metrics.jsonl are as "
+            f"they were")
     if rank == 0:
-        # a checkpoint of the same step from an earlier attempt
-        shutil.rmtree(final, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)  # the same step's, from an earlier attempt
         os.replace(partial, final)  # the atomic step: from here on this checkpoint counts
         for old in list_checkpoints(out_dir)[:-cfg.train.keep_last]:
             # hidden first, so a half-deleted one never counts
@@ -177,10 +169,8 @@ def file_sha256(path):
 def checkpoint_files(checkpoint):
     """Every file of a checkpoint but its checksums: sorted relative paths ('sharded/.metadata')."""
     checkpoint = Path(checkpoint)
-    return sorted(
-        p.relative_to(checkpoint).as_posix()
-        for p in checkpoint.rglob("*")
-        if p.is_file() and p.name != CHECKSUMS)
+    return sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*")
+                  if p.is_file() and p.name != CHECKSUMS)
 
 
 def files_of_rank(names, rank, world):
@@ -228,10 +218,9 @@ def read_checksums(checkpoint):
 
 
 def verify_checksums(checkpoint, rank=0, world=1):
-    """RunError naming the first file of this rank's share that is missing or whose bytes differ
-    from those hashed at save, or the checksums file when it is missing from a run that had them
-    (the rule: the docstring above); -> False when the checkpoint has none and its run never had
-    them (nothing verified), True when every file of the share matches."""
+    """RunError naming the first file of this rank's share that is missing or changed since the
+    save, or checksums.sha256 when the module docstring's rule needs it; -> False when the rule
+    lets the checkpoint go without (nothing verified), True when every file of the share matches."""
     expected = read_checksums(checkpoint)
     if expected is None:
         had = _run_had_checksums(checkpoint)
@@ -290,7 +279,6 @@ def load_checkpoint(path, model, optimizer, rank):
         else:
             set_model_state_dict(model, shards["model"])
         rng_file = path / f"rng_rank{rank}.pt"
-        # fewer ranks wrote this checkpoint: the stream of random numbers will differ
         if not rng_file.exists():
             print(
                 f"warning: {rng_file} missing (checkpoint written by {trainer_state['world_size']} "
@@ -351,9 +339,8 @@ def check_files(checkpoint):
     (a save cut short, a truncated copy): DCP's metadata lists every tensor's file, offset and
     length, so this reads no data."""
     sharded = Path(checkpoint) / "sharded"
-    metadata = read_index(checkpoint)
     needed = {}
-    for info in metadata.storage_data.values():
+    for info in read_index(checkpoint).storage_data.values():
         needed[info.relative_path] = max(
             needed.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(needed.items()):
@@ -368,13 +355,12 @@ def check_files(checkpoint):
 
 
 def resume_checkpoint(cfg, check_later=True, rank=0):
-    """The checkpoint train.resume names (auto: out_dir's latest usable one, None when there is
-    none; never: None; else that path), its checksums verified (over the ranks of a process group,
-    each its share). With auto, a checkpoint that fails a check is skipped with a warning naming
-    the file, for the one before it. Raises RunError when a named checkpoint cannot be used, or
-    (check_later) when out_dir holds checkpoints after the step this run would start at: they belong
-    to another trajectory, which pruning and `resume: auto` would mix with this one; and with auto
-    when every checkpoint fails its checks, unless train.start_over_if_unusable."""
+    """The checkpoint train.resume names (auto: out_dir's latest that passes usable_step, None
+    when there is none; never: None; else that path); with auto, one that fails is skipped with a
+    warning naming the file. RunError when a named checkpoint cannot be used, with auto when every
+    one fails (unless train.start_over_if_unusable), or (check_later) when out_dir holds
+    checkpoints after the start step: another trajectory, which pruning and `resume: auto` would
+    mix with this one."""
     out_dir, resume = Path(cfg.train.out_dir), cfg.train.resume
     checkpoint, start_step, unreadable = None, 0, {}
     if resume == "auto":
@@ -403,14 +389,12 @@ def resume_checkpoint(cfg, check_later=True, rank=0):
             start_step = usable_step(checkpoint, rank)
         except RunError as error:
             raise RunError(f"{error} (train.resume={resume!r})") from None
-    later = [
-        p.name
-        for p in list_checkpoints(out_dir)
-        if checkpoint_step(p) > start_step and p not in unreadable]
+    later = [p.name for p in list_checkpoints(out_dir)
+             if checkpoint_step(p) > start_step and p not in unreadable]
     if check_later and later:
         raise RunError(
-            f"error: {out_dir}/checkpoints holds checkpoints after step {start_step}, where this run "
-            f"starts (train.resume={resume!r}): {', '.join(later)}; use another train.out_dir "
+            f"error: {out_dir}/checkpoints holds checkpoints after step {start_step}, where this "
+            f"run starts (train.resume={resume!r}): {', '.join(later)}; use another train.out_dir "
             f"or delete them")
     return checkpoint
 

@@ -1,18 +1,13 @@
 """config.py: the one typed configuration of a run, loaded from YAML, overridable from the command
-line.
+line (docs/usage.md, "Configs").
 
     cfg = config.load("configs/tiny.yaml", ["train.total_steps=20", "gate.target_entropy=0.2"])
-    print(config.to_yaml(cfg))          # the resolved config: logged, saved next to the metrics and in checkpoints
+    print(config.to_yaml(cfg))  # the resolved config: logged, saved with metrics and checkpoints
 
-Every field has a type and a comment; every value a run uses is visible in its YAML file or here. A
-config is checked completely before anything heavy (a model, an engine) is built, and a bad one
-fails with a ConfigError that names the key: an unknown key (with the nearest valid one suggested),
-a value of the wrong type, a value outside its range, or an impossible combination. Overrides are
-`section.key=value`; the value is read as YAML (`3`, `0.5`, `true`, `null`, `[a, b]`, or a bare
-string).
-
-Every section is defined here, with its comments and checks; the modules that use one take it as an
-argument.
+Every field has a type and a comment, the reference of its meaning. A config is checked completely
+before anything heavy is built; a bad one fails with a ConfigError naming the key (an unknown one
+with the nearest valid one suggested). An override's value is read as YAML (`3`, `0.5`, `true`,
+`null`, `[a, b]`, or a bare string). The modules that use a section take it as an argument.
 """
 
 import dataclasses
@@ -51,8 +46,7 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    # .jsonl / .parquet (see data.py)
-    train_files: list[str] = dataclasses.field(default_factory=list)
+    train_files: list[str] = dataclasses.field(default_factory=list)  # .jsonl / .parquet (data.py)
     # appended to plain {"problem", "answer"} rows; null = none
     prompt_suffix: str | None = data.STARE_SUFFIX
     max_prompt_tokens: int = 1024  # longer prompts are handled by `overflow`
@@ -68,10 +62,8 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off, for the same reason
     max_tokens: int = 3072  # max response tokens
-    # vLLM weights dtype; auto = vLLM's choice (a float32 checkpoint runs in bfloat16)
-    dtype: str = "auto"
-    # GPU: fraction of the GPU for vLLM (weights + KV cache); leave room for FSDP
-    gpu_memory_utilization: float = 0.3
+    dtype: str = "auto"  # vLLM weights dtype; auto = vLLM's choice (float32 runs in bfloat16)
+    gpu_memory_utilization: float = 0.3  # GPU: vLLM's share (weights + KV cache); leave FSDP room
     kv_cache_gib: float | None = None  # CPU: the KV cache size in GiB (required there); GPU: null
     tensor_parallel_size: int = 1  # GPUs per vLLM engine: consecutive ranks share one
     max_num_seqs: int = 256  # concurrent sequences per engine
@@ -79,56 +71,43 @@ class RolloutConfig:
     # 2: drop the weights (the sync rewrites them); 1: keep a host copy (vLLM #29341)
     sleep_level: int = 2
     enforce_eager: bool = False  # no CUDA graphs / compilation (faster start-up, slower sampling)
-    # vLLM's GPU model runner: v1 (the CPU runner's sibling) | v2 (0.32's GPU default)
-    model_runner: str = "v1"
-    # steps between checks of the weight-sync probe (and the first step); 0 = never
-    sync_check_every: int = 10
-    # stop when the probe's max |engine - trainer| log-prob exceeds this
-    max_sync_probe_error: float = 2.0
+    model_runner: str = "v1"  # vLLM's GPU runner: v1 (the CPU one's sibling) | v2 (0.32's default)
+    sync_check_every: int = 10  # steps between weight-sync probes (and the first step); 0 = never
+    max_sync_probe_error: float = 2.0  # stop past this max |engine - trainer| log-prob of the probe
     # the probe also compares the next-token distributions over the engine's k most likely tokens
     # (rollout.topk_divergence); 0 = the probe's own tokens only
     sync_check_topk: int = 20
-    # stop when the probe's largest total variation over those k (and the rest) exceeds this
-    max_sync_probe_tv: float = 0.5
-    # stop when a step's mean |rollout - trainer| log-prob exceeds this
-    max_logprob_mismatch: float = 0.25
+    max_sync_probe_tv: float = 0.5  # stop past this largest total variation over those k (+ rest)
+    max_logprob_mismatch: float = 0.25  # stop past this step mean |rollout - trainer| log-prob
     # multi-turn code-interpreter rollouts (tool_use.generate_with_tools; sandbox section)
     tools: bool = False
-    # tools: model turns per response; max_tokens bounds model + tool tokens together
-    max_turns: int = 4
-    # tools: tokens of one tool output shown to the model (head and tail)
-    max_tool_response_tokens: int = 512
+    max_turns: int = 4  # tools: model turns per response; max_tokens bounds model + tool tokens
+    max_tool_response_tokens: int = 512  # tools: tokens of one tool output shown (head and tail)
 
 
 @dataclasses.dataclass
 class AlgorithmConfig:
     method: str = "stare"  # one of baselines.METHODS
-    # GRPO advantages (r - mean) / std; false = Dr.GRPO's mean-centering only
-    normalize_std: bool = True
+    normalize_std: bool = True  # GRPO advantages (r - mean) / std; false = Dr.GRPO's (r - mean)
     dynamic_sampling: bool = True  # DAPO: drop groups whose rewards are all equal, refill the batch
-    # give up (with an error) after this many rounds per step; 0 = no limit
-    max_num_gen_batches: int = 10
-    # prompts per generation round (across ranks); >= train.train_batch_size
-    gen_batch_size: int = 192
-    # where every method picks its tokens (L+/L-, ranked or masked tokens):
+    max_num_gen_batches: int = 10  # rounds per step before giving up with an error; 0 = no limit
+    gen_batch_size: int = 192  # prompts a generation round, all ranks; >= train.train_batch_size
+    # where every method picks its tokens (L+/L-, ranked or masked): step (once per optimizer step,
+    # whole batch, all ranks: the same whatever the micro-batch and world sizes) | micro (in each
+    # micro-batch on current log-probs, exactly as the references do)
     selection_scope: str = "step"
-    #   step: once per optimizer step over the whole batch across ranks, so the update does not depend on
-    #         the micro-batch size or the world size;
-    #   micro: inside each micro-batch on current log-probs, exactly as the references do
-    # multiply the token loss by min(pi_old / pi_rollout, is_cap) (opt-in)
-    importance_sampling: bool = False
+    importance_sampling: bool = False  # token loss times min(pi_old / pi_rollout, is_cap) (opt-in)
     is_cap: float = 2.0
 
 
 @dataclasses.dataclass
 class GateConfig:
-    """STARE's closed-loop entropy gate and its weights (Eqs. 8, 10): the arguments of stare.EntropyGate."""
+    """STARE's closed-loop entropy gate and weights (Eqs. 8, 10): stare.EntropyGate's arguments."""
 
     target_entropy: float = 0.3  # reweight only while the batch entropy is below this
     w: float = 1.1  # weight on L+ (the most surprising positive-advantage tokens)
     m: float = 0.9  # weight on L- (variant C2)
-    # move w and m by alpha per step towards stronger reweighting below the target
-    adaptive: bool = False
+    adaptive: bool = False  # move w and m by alpha a step towards stronger reweighting below target
     alpha: float = 0.01
     w_max: float = 1.5  # adaptive: w stays in [1, w_max]
     m_min: float = 0.5  # adaptive: m stays in [m_min, 1]
@@ -139,8 +118,7 @@ class EntropicConfig:
     """EntroPIC's PI controller of its coefficient alpha (Eq. 26): the arguments of
     baselines.EntropyPIController. Defaults: the reference's script (yk7333/EntroPIC)."""
 
-    # the entropy it holds; null = gate.target_entropy (both controllers hold the same target)
-    target_entropy: float | None = None
+    target_entropy: float | None = None  # the entropy it holds; null = gate.target_entropy
     kp: float = 1.0  # proportional gain on H - target
     ki: float = 0.01  # integral gain on the sum of the earlier steps' errors
     coef_min: float = -1.0  # alpha is clipped to [coef_min, coef_max]; the integral is not
@@ -154,15 +132,13 @@ class EntropicConfig:
 
 @dataclasses.dataclass
 class LossConfig:
-    """Hyperparameters of the policy loss. Each method's own knobs default to its paper's reference
-    scripts (Eqs. 12-19, 22-24). The policy loss (policy_loss; PPO-clip by default) is shared by
-    every method (a controlled comparison: only the token-level change differs), with the
-    STARE/DAPO settings; the references of Lp-Reg, Clip-Cov and W-REINFORCE use no dual clip and
-    other clip ranges (Lp-Reg clip_low=1.0, clip_high=9.0; Clip-Cov 1.0/1.0; W-REINFORCE 0.2/0.2):
-    set those here to reproduce them exactly."""
+    """The policy loss, shared by every method (a controlled comparison: only the token-level
+    change differs), with STARE/DAPO's clip settings, and each method's knobs, defaulting to its
+    paper's reference scripts (Eqs. 12-19, 22-24). The Lp-Reg, Clip-Cov and W-REINFORCE references
+    use no dual clip and clip_low/clip_high 1.0/9.0, 1.0/1.0, 0.2/0.2: set those to match them."""
 
-    # --- the policy loss under every method: ppo_clip (Eq. 2, verl's "vanilla"), gspo, cispo or
-    # sapo (Eqs. 27-29, verl's loss_mode names); their knobs' defaults are their papers' ---
+    # --- the policy loss: ppo_clip (Eq. 2, verl's "vanilla"), gspo, cispo, sapo (Eqs. 27-29; verl's
+    # loss_mode names; their knobs' defaults are their papers') ---
     policy_loss: str = "ppo_clip"
     gspo_clip_low: float = 3e-4  # GSPO's sequence-ratio clip (its Sec. 5.1)
     gspo_clip_high: float = 4e-4
@@ -173,25 +149,19 @@ class LossConfig:
     # --- PPO-clip and the aggregation of every loss (Eqs. 2, 3) ---
     clip_low: float = 0.2  # ratio clip below 1 - clip_low
     clip_high: float = 0.28  # ratio clip above 1 + clip_high (DAPO's clip-higher)
-    # dual-clip bound c for A < 0 (STARE/DAPO scripts: 10); None = off
-    dual_clip: float | None = 10.0
+    dual_clip: float | None = 10.0  # dual-clip bound c for A < 0 (STARE/DAPO scripts); None = off
     agg_mode: str = "token-mean"  # one of stare.LOSS_AGG_MODES; Dr.GRPO: seq-mean-token-sum-norm
     # Dr.GRPO's constant (e.g. the max response length); None = padded width
     loss_scale_factor: float | None = None
-    # --- STARE's selection (Eqs. 7, 8); its weights w, m and the gate are the `gate` section
-    # (GateConfig) ---
+    # --- STARE's selection (Eqs. 7, 8); its weights and gate: the `gate` section ---
     stare_variant: str = "O1"  # O1: amplify L+ only; C2: also damp L-
-    # P: fraction of A > 0 (and A < 0) tokens with the highest surprisal
-    stare_top_ratio: float = 0.1
-    # --- STAPO (Eq. 12). No public code: tau_p and tau_h are from a secondary source (a DiDi tech
-    # article) ---
+    stare_top_ratio: float = 0.1  # P: fraction of A > 0 (and A < 0) tokens of highest surprisal
+    # --- STAPO (Eq. 12); no public code: tau_p, tau_h from a secondary source (a DiDi article) ---
     stapo_prob_threshold: float = 0.01  # tau_p: spurious tokens have pi < tau_p ...
-    # ... and H below this quantile of the batch's valid-token entropies
-    stapo_entropy_quantile: float = 0.05
+    stapo_entropy_quantile: float = 0.05  # ... and H below this quantile of the batch's valid H
     # --- Lp-Reg (Eqs. 13, 14) ---
     lp_reg_kappa: float = 0.02  # min-p proxy keeps tokens with p >= kappa * max p
-    # filtered tokens get the row's minimum logit instead of -1e4 (minp_soft)
-    lp_reg_soft: bool = False
+    lp_reg_soft: bool = False  # filtered tokens get the row's minimum logit, not -1e4 (minp_soft)
     # rho-: fraction of A < 0 tokens (lowest pi) regularised; 0.005 for 32B
     lp_reg_neg_ratio: float = 0.01
     lp_reg_coef: float = 1.0  # beta on the k3 term (ppo_kl_coef)
@@ -199,15 +169,13 @@ class LossConfig:
     clip_cov_ratio: float = 0.0002  # fraction of valid tokens detached
     clip_cov_lb: float = 1.0  # covariance window (lb, ub) for Clip-Cov candidates
     clip_cov_ub: float = 5.0
-    # fraction of valid tokens with the highest covariance penalised (7B script)
-    kl_cov_ratio: float = 0.002
+    kl_cov_ratio: float = 0.002  # fraction of valid tokens of highest covariance penalised (7B)
     kl_cov_coef: float = 1.0  # beta on |log pi - log pi_old|
     # --- 80/20 high-entropy tokens (Eq. 18) ---
-    # rho: fraction of valid tokens (highest entropy) that keep their gradient
-    high_entropy_ratio: float = 0.2
-    # paper: ceil(rho N) kept, all valid tokens in the denominator;
+    high_entropy_ratio: float = 0.2  # rho: fraction of valid tokens (highest H) keeping gradient
+    # paper: ceil(rho N) kept, all valid tokens in the denominator; lp_reg_dev: max(1, int(rho N))
+    # kept, only kept tokens in the denominator
     high_entropy_convention: str = "paper"
-    #                                          lp_reg_dev: max(1, int(rho N)) kept, only kept tokens in the denominator
     # --- entropy bonus (Eq. 19) ---
     entropy_coef: float = 0.001  # beta in loss - beta * H
     # --- STEER (Eqs. 22, 23) and W-REINFORCE (Eq. 24); defaults from their reference scripts ---
@@ -231,39 +199,29 @@ class LossConfig:
     grpo_dropout_basis: str = "avg"  # l: the mean ("avg") or sum ("sum") of a response's log-probs
 
     def __post_init__(self):
+        positive = ("clip_low", "clip_high", "gspo_clip_low", "gspo_clip_high", "cispo_clip_low",
+                    "cispo_clip_high", "sapo_tau_pos", "sapo_tau_neg")
+        fractions = ("stare_top_ratio", "stapo_prob_threshold", "stapo_entropy_quantile",
+                     "lp_reg_neg_ratio", "clip_cov_ratio", "kl_cov_ratio", "high_entropy_ratio",
+                     "entropic_prob_threshold")
         checks = {
-            "clip_low": self.clip_low > 0,
-            "clip_high": self.clip_high > 0,
+            **{name: getattr(self, name) > 0 for name in positive},
+            **{name: 0 <= getattr(self, name) <= 1 for name in fractions},
             "dual_clip": self.dual_clip is None or self.dual_clip > 1,
-            "gspo_clip_low": self.gspo_clip_low > 0,
-            "gspo_clip_high": self.gspo_clip_high > 0,
-            "cispo_clip_low": self.cispo_clip_low > 0,
-            "cispo_clip_high": self.cispo_clip_high > 0,
-            "sapo_tau_pos": self.sapo_tau_pos > 0,
-            "sapo_tau_neg": self.sapo_tau_neg > 0,
             "agg_mode": self.agg_mode in stare.LOSS_AGG_MODES,
             "stare_variant": self.stare_variant.upper() in ("O1", "C2"),
-            "stare_top_ratio": 0 <= self.stare_top_ratio <= 1,
-            "stapo_prob_threshold": 0 <= self.stapo_prob_threshold <= 1,
-            "stapo_entropy_quantile": 0 <= self.stapo_entropy_quantile <= 1,
             "lp_reg_kappa": 0 < self.lp_reg_kappa <= 1,
-            "lp_reg_neg_ratio": 0 <= self.lp_reg_neg_ratio <= 1,
-            "clip_cov_ratio": 0 <= self.clip_cov_ratio <= 1,
             "clip_cov_ub": self.clip_cov_ub > self.clip_cov_lb,
-            "kl_cov_ratio": 0 <= self.kl_cov_ratio <= 1,
-            "high_entropy_ratio": 0 <= self.high_entropy_ratio <= 1,
             "high_entropy_convention": self.high_entropy_convention in ("paper", "lp_reg_dev"),
             "steer_weight_min": 0 < self.steer_weight_min <= min(1.0, self.steer_weight_max),
             "steer_estimate": self.steer_estimate in ("steer", "sensitivity"),
             "w_reinforce_lambda": self.w_reinforce_lambda >= 0,
-            "entropic_prob_threshold": 0 <= self.entropic_prob_threshold <= 1,
             "adaptive_entropy_target": (self.adaptive_entropy_target is None
                                         or self.adaptive_entropy_target > 0),
             "adaptive_entropy_coef_max": (0 <= self.adaptive_entropy_coef_min
                                           <= self.adaptive_entropy_coef_max),
             "adaptive_entropy_delta": self.adaptive_entropy_delta >= 0,
-            "grpo_dropout_basis": self.grpo_dropout_basis in ("avg", "sum"),
-        }
+            "grpo_dropout_basis": self.grpo_dropout_basis in ("avg", "sum")}
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError("invalid loss config: "
@@ -274,13 +232,11 @@ class LossConfig:
 class RewardConfig:
     # "boxed": only the last \boxed{} counts; "any": math-verify searches the whole text
     answer_format: str = "boxed"
-    # deadline for checking one response (main thread only; see _call_with_deadline)
-    timeout_s: float = 5.0
+    timeout_s: float = 5.0  # deadline for checking one response (main thread only; rewards.py)
     # DAPO overlong shaping over the last this-many tokens; 0 = off (STARE's default)
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0  # the penalty at max_response_len, which is -factor
-    # the sampler's max new tokens; it must be > overlong_buffer_len when shaping is on
-    max_response_len: int = 0
+    max_response_len: int = 0  # the sampler's max new tokens; > overlong_buffer_len when shaping
     # reward += format_weight * format_ok; 0 = format is logged, not rewarded (reference)
     format_weight: float = 0.0
 
@@ -313,17 +269,17 @@ class SandboxConfig:
     timeout_s: float = 10.0  # wall clock per execution; then the code and all it started are killed
     cpu_s: int = 10  # CPU seconds per process (RLIMIT_CPU)
     memory_mb: int = 1024  # address space per process (RLIMIT_AS); numpy + sympy need ~170 MB
-    max_processes: int = 8  # processes + threads, the code's own included (RLIMIT_NPROC in its user namespace)
-    max_file_mb: int = 32  # largest file (RLIMIT_FSIZE); in "namespaces" mode also the whole private tmpfs
-    max_output_bytes: int = 8192  # stdout+stderr kept: the first and the last half, the middle dropped
+    max_processes: int = 8  # processes + threads, its own too (RLIMIT_NPROC in its user namespace)
+    max_file_mb: int = 32  # largest file (RLIMIT_FSIZE); "namespaces" mode: the private tmpfs too
+    max_output_bytes: int = 8192  # stdout+stderr kept: the first and last half, the middle dropped
     max_workers: int = 8  # concurrent executions in run_batch
     network: bool = False  # True: the code shares the host network
     python: str = ""  # interpreter for the code; "" = the trainer's own (sys.executable)
     isolation: str = "auto"  # auto | namespaces | process (docs/sandbox.md)
     # "auto" where user namespaces fail (twice): true = run the code in "process" mode, false = stop
     allow_process_fallback: bool = False
-    tmp_root: str = ""  # "process" mode: where private directories are made; "" = tempfile.gettempdir()
-    # failures of the sandbox itself (not of the code) that stop a run (train.sandbox_guard): a share
+    tmp_root: str = ""  # "process" mode: where private directories go; "" = tempfile.gettempdir()
+    # failures of the sandbox itself (not the code's) that stop a run (train.sandbox_guard): a share
     # of one step's tool calls, and of the calls over the last window_steps steps; 1 = never
     max_failure_frac: float = 0.25
     max_window_failure_frac: float = 0.02
@@ -331,9 +287,10 @@ class SandboxConfig:
 
     def __post_init__(self):
         if self.isolation not in ("auto", "namespaces", "process"):
-            raise ValueError(f"isolation must be auto, namespaces or process, not {self.isolation!r}")
-        for name in ("timeout_s", "cpu_s", "memory_mb", "max_processes", "max_file_mb", "max_output_bytes",
-                     "max_workers", "window_steps"):
+            raise ValueError(
+                f"isolation must be auto, namespaces or process, not {self.isolation!r}")
+        for name in ("timeout_s", "cpu_s", "memory_mb", "max_processes", "max_file_mb",
+                     "max_output_bytes", "max_workers", "window_steps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)!r}")
         for name in ("max_failure_frac", "max_window_failure_frac"):
@@ -353,52 +310,42 @@ class OptimConfig:
     # consecutive skipped steps (non-finite loss or grad norm) before the run stops
     max_nonfinite_steps: int = 3
     loss_scale_init: float = 65536.0  # float16 compute only: dynamic loss scaling's first scale
-    # float16: optimizer steps without overflow before the scale doubles
-    loss_scale_window: int = 1000
+    loss_scale_window: int = 1000  # float16: optimizer steps without overflow before it doubles
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    # prompts per step, across all ranks (each brings rollout.n responses)
-    train_batch_size: int = 64
-    # prompts per optimizer step; == train_batch_size: one update per step (on-policy)
-    mini_batch_size: int = 64
-    # tokens per micro-batch per rank: prompt + response, summed over its rows
-    micro_token_budget: int = 8192
+    train_batch_size: int = 64  # prompts per step, all ranks (each brings rollout.n responses)
+    mini_batch_size: int = 64  # prompts an optimizer step; = train_batch_size: 1 update, on-policy
+    micro_token_budget: int = 8192  # tokens per micro-batch per rank (prompt + response, all rows)
     total_steps: int = 1000
     seed: int = 0  # everything random derives from it (data order, sampling, Clip-Cov)
     out_dir: str = "runs/default"  # config.yaml, metrics.jsonl, checkpoints/, hf/ go here
     save_every: int = 10  # steps between checkpoints; 0 = only at the end
     keep_last: int = 3  # checkpoints kept (>= 1)
-    # auto: continue from out_dir's latest checkpoint if any | never | a checkpoint path
-    resume: str = "auto"
+    resume: str = "auto"  # auto: out_dir's latest checkpoint, if any | never | a checkpoint path
     # resume: auto, and no checkpoint in out_dir passes its checks: true = train from step 0
     # (replacing them), false = stop in one line with all of them intact
     start_over_if_unusable: bool = False
     log_every: int = 1  # steps between console lines (metrics.jsonl gets every step)
     wandb: bool = False  # also log to Weights & Biases (needs `pip install wandb`)
     wandb_project: str = "stare"  # the W&B project; the run is named after out_dir
-    # collectives wait this long for a slow rank (long rollouts, first compile)
-    nccl_timeout_minutes: int = 60
-    # also log to TensorBoard under out_dir/tensorboard (needs `pip install tensorboard`)
-    tensorboard: bool = False
-    # The zero-signal guard (train.py): a step has no learning signal when the share of sampled
-    # groups whose answers were judged differently (rollout/varied_group_frac), or the share of
-    # responses with an answer the reward could read (1 - rollout/no_answer_frac -
-    # rollout/parse_error_frac), is at or below its floor; 0.0 = none at all
+    nccl_timeout_minutes: int = 60  # how long collectives wait for a slow rank (rollouts, compiles)
+    tensorboard: bool = False  # also log to out_dir/tensorboard (needs `pip install tensorboard`)
+    # zero-signal guard (train.py): a step has no learning signal when the share of groups judged
+    # differently (rollout/varied_group_frac), or of responses with a readable answer (1 -
+    # rollout/no_answer_frac - rollout/parse_error_frac), is at or below its floor; 0 = none at all
     min_varied_group_frac: float = 0.0
     min_answered_frac: float = 0.0
     zero_signal_warn_steps: int = 3  # consecutive steps without signal before a warning; 0 = never
-    # consecutive steps without signal before the run stops after a checkpoint; 0 = never
-    zero_signal_stop_steps: int = 10
+    zero_signal_stop_steps: int = 10  # ... before the run stops after a checkpoint; 0 = never
 
 
 @dataclasses.dataclass
 class EvalConfig:
     every: int = 10  # steps between evaluations (and after the last step); 0 = never
     before_train: bool = True  # also evaluate the starting model (logged as step 0; not on resume)
-    # benchmark files (data.py formats; see evaluate.py)
-    files: list[str] = dataclasses.field(default_factory=list)
+    files: list[str] = dataclasses.field(default_factory=list)  # benchmarks (data.py formats)
     # samples per prompt (avg@n, pass@k); null = the paper's per benchmark (evaluate.default_n)
     n: int | None = None
     temperature: float = 1.0
@@ -408,14 +355,12 @@ class EvalConfig:
 
 @dataclasses.dataclass
 class HardwareConfig:
-    """What the run is planned for: `train.py --plan` checks every phase's memory against it
-    (plan.py), and a GPU run checks the same plan against its own device before it loads
-    anything."""
+    """What the run is planned for: `train.py --plan` and a GPU run, before it loads anything,
+    check every phase's memory against it (plan.py)."""
 
     nodes: int = 1
     gpus_per_node: int = 1  # ranks per node: one per GPU
-    # memory per GPU as PyTorch reports it (H100 80GB: ~79 GiB; H200: ~139 GiB)
-    gpu_gib: float = 79.0
+    gpu_gib: float = 79.0  # memory per GPU as PyTorch reports it (H100 80GB: ~79 GiB; H200: ~139)
     host_gib: float | None = None  # RAM per node; null = not checked
 
 
@@ -432,8 +377,7 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
-    # used with rollout.tools
-    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)  # rollout.tools
     hardware: HardwareConfig = dataclasses.field(default_factory=HardwareConfig)
 
 
@@ -445,8 +389,7 @@ RENAMED = {  # old key -> its name now: an old config fails in one line that nam
     "algorithm.gate_w_max": "gate.w_max",
     "algorithm.gate_m_min": "gate.m_min",
     "loss.stare_w": "gate.w",
-    "loss.stare_m": "gate.m",
-}
+    "loss.stare_m": "gate.m"}
 
 CHOICES = {  # fields with a fixed set of values
     "model.param_dtype": ("bfloat16", "float16", "float32"),
@@ -459,8 +402,7 @@ CHOICES = {  # fields with a fixed set of values
     "loss.policy_loss": baselines.POLICY_LOSSES,
     "algorithm.selection_scope": ("step", "micro"),
     "entropic.start": ("first_step", "crossing"),
-    "optim.schedule": ("constant", "cosine"),
-}
+    "optim.schedule": ("constant", "cosine")}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -469,7 +411,8 @@ CHOICES = {  # fields with a fixed set of values
 
 
 def load(path=None, overrides=()):
-    """The Config of a YAML file (None: the defaults) with `section.key=value` overrides applied, fully checked."""
+    """The Config of a YAML file (None: the defaults) with `section.key=value` overrides applied,
+    fully checked."""
     raw = {}
     if path is not None:
         if Path(path).exists() and not Path(path).is_file():  # a FIFO would block the read
@@ -552,7 +495,7 @@ def _apply_override(raw, override):
 
 
 def _build(cls, raw, prefix):
-    """Instantiate dataclass `cls` from a dict, checking every key and type; nested dataclasses recurse."""
+    """Dataclass `cls` from a dict, every key and type checked; nested dataclasses recurse."""
     if not isinstance(raw, dict):
         raise ConfigError(
             f"config key {prefix.rstrip('.') or '<root>'!r} must be a mapping, got {raw!r}")
@@ -569,11 +512,9 @@ def _build(cls, raw, prefix):
             raise ConfigError(f"config key {prefix + str(key)!r}: unknown key{hint}")
     values = {}
     for name, value in raw.items():
-        key = prefix + name
-        if dataclasses.is_dataclass(hints[name]):
-            values[name] = _build(hints[name], value, key + ".")
-        else:
-            values[name] = _coerce(value, hints[name], key)
+        hint = hints[name]
+        values[name] = (_build(hint, value, f"{prefix}{name}.") if dataclasses.is_dataclass(hint)
+                        else _coerce(value, hint, prefix + name))
     try:
         return cls(**values)
     except ValueError as error:  # a section's own checks (LossConfig, RewardConfig, SandboxConfig)
@@ -622,8 +563,9 @@ POSITIVE = (
     "train.keep_last", "rollout.max_num_seqs", "optim.lr", "eval.temperature", "eval.max_tokens",
     "rollout.max_turns", "rollout.max_tool_response_tokens", "hardware.nodes",
     "hardware.gpus_per_node", "hardware.gpu_gib", "rollout.max_sync_probe_error",
-    "rollout.max_sync_probe_tv", "rollout.max_logprob_mismatch", "optim.loss_scale_init", "optim.loss_scale_window",
-    "train.nccl_timeout_minutes", "train.log_every", "gate.target_entropy")
+    "rollout.max_sync_probe_tv", "rollout.max_logprob_mismatch", "optim.loss_scale_init",
+    "optim.loss_scale_window", "train.nccl_timeout_minutes", "train.log_every",
+    "gate.target_entropy", "gate.w", "gate.m")
 NON_NEGATIVE = (
     "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.min_lr_ratio",
     "train.save_every", "eval.every", "rollout.sync_check_every", "algorithm.max_num_gen_batches",
@@ -632,7 +574,7 @@ NON_NEGATIVE = (
 
 
 def check(cfg, world_size=None):
-    """Ranges, choices and combinations; with world_size, also what the number of ranks must divide."""
+    """Ranges, choices and combinations; with world_size, also what the ranks must divide."""
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
@@ -662,7 +604,6 @@ def _rules(cfg, world_size):
     r, a, t, hw = cfg.rollout, cfg.algorithm, cfg.train, cfg.hardware
     rules = [
         ("rollout.top_p", 0 < r.top_p <= 1, "must be in (0, 1]"),
-        # GRPODropout chooses among a whole group's responses and recomputes Eq. 1 with std
         ("algorithm.selection_scope", a.method != "grpo_dropout" or a.selection_scope == "step",
          "must be step for grpo_dropout (it chooses among whole groups)"),
         ("algorithm.normalize_std", a.method != "grpo_dropout" or a.normalize_std,
@@ -691,11 +632,10 @@ def _rules(cfg, world_size):
         ("train.min_varied_group_frac", 0 <= t.min_varied_group_frac < 1, "must be in [0, 1)"),
         ("train.min_answered_frac", 0 <= t.min_answered_frac < 1, "must be in [0, 1)"),
         ("rollout.gpu_memory_utilization", 0 < r.gpu_memory_utilization <= 1, "must be in (0, 1]"),
-        ("rollout.kv_cache_gib", r.kv_cache_gib is None or r.kv_cache_gib > 0, "must be > 0 or null"),
+        ("rollout.kv_cache_gib", r.kv_cache_gib is None or r.kv_cache_gib > 0,
+         "must be > 0 or null"),
         ("hardware.host_gib", hw.host_gib is None or hw.host_gib > 0, "must be > 0 or null"),
         ("algorithm.is_cap", a.is_cap >= 1, "must be >= 1"),
-        ("gate.w", cfg.gate.w > 0, "must be > 0"),
-        ("gate.m", cfg.gate.m > 0, "must be > 0"),
         ("gate.w_max", cfg.gate.w_max >= 1, "must be >= 1"),
         ("gate.m_min", 0 <= cfg.gate.m_min <= 1, "must be in [0, 1]"),
         ("entropic.target_entropy",
@@ -703,10 +643,8 @@ def _rules(cfg, world_size):
          "must be > 0 or null (gate.target_entropy)"),
         ("entropic.coef_max", cfg.entropic.coef_min <= cfg.entropic.coef_max,
          f"must be >= entropic.coef_min ({cfg.entropic.coef_min})"),
-        ("train.wandb", not t.wandb or importlib.util.find_spec("wandb") is not None,
-         "needs the wandb package (pip install wandb)"),
-        ("train.tensorboard", not t.tensorboard or importlib.util.find_spec("tensorboard") is not None,
-         "needs the tensorboard package (pip install tensorboard)"),
+        *((f"train.{name}", not getattr(t, name) or importlib.util.find_spec(name) is not None,
+           f"needs the {name} package (pip install {name})") for name in ("wandb", "tensorboard")),
         ("reward.max_response_len",
          cfg.reward.overlong_buffer_len == 0 or cfg.reward.max_response_len == r.max_tokens,
          f"must equal rollout.max_tokens ({r.max_tokens}) when overlong shaping is on")]
@@ -741,7 +679,7 @@ def to_yaml(cfg):
 
 
 def describe_path(path):
-    """A path as an error message should show it: relative paths with the directory they are read from."""
+    """A path as an error message should show it: a relative one with the working directory."""
     path = Path(path)
     return str(path) if path.is_absolute() else (
         f"{path} (relative to the working directory {Path.cwd()})")
@@ -757,9 +695,9 @@ def check_model_path(path, key="model.path"):
     ConfigError naming what is missing and where to get it."""
     path, key = Path(path), _named(key)
     where = describe_path(path)
-    get_it = (
-        f"nothing is downloaded at run time: fetch it first, e.g. `huggingface-cli download <org>/{path.name} "
-        f'--local-dir {path}` (docs/usage.md, "Models and data for GPU runs")')
+    get_it = (f"nothing is downloaded at run time: fetch it first, e.g. `huggingface-cli download "
+              f"<org>/{path.name} --local-dir {path}` (docs/usage.md, "
+              f'"Models and data for GPU runs")')
     if not path.exists():
         raise ConfigError(f"{key}: {where} does not exist; {get_it}")
     if not path.is_dir():
@@ -843,7 +781,8 @@ def check_write_limit(model_path):
 
 
 def check_model_config(path, key="model.path"):
-    """The config.json of a model directory (all that a memory plan reads) -> the directory. Raises ConfigError."""
+    """The config.json of a model directory (all that a memory plan reads) -> the directory;
+    ConfigError without it."""
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(
             f"{_named(key)}: {describe_path(path)} holds no config.json (a memory plan needs only "
@@ -937,12 +876,11 @@ def check_paths(cfg, config_path=None):
 
 
 def check_outputs(outputs, inputs=()):
-    """That a command's outputs can be written and clobber nothing, before anything loads; creates
-    nothing. outputs: (key, path, "file" | "dir"); inputs: (key, path) of the files and directories
-    the command reads. An output must be of its kind where it exists, writable (or its nearest
-    existing parent a writable directory), and must not be an input file, hold an input (a
-    directory output), be an existing file of an input directory (a file output), or overlap
-    another output. ConfigError naming the keys."""
+    """That a command's outputs can be written and clobber nothing, before anything loads (creates
+    nothing). outputs: (key, path, "file" | "dir"); inputs: (key, path) the command reads. An
+    output must be of its kind where it exists, writable (or its nearest existing parent a writable
+    directory), and not an input file, hold an input (a directory), be an existing file of an
+    input directory (a file), or overlap another output. ConfigError naming the keys."""
     def inside(path, folder):  # path is folder or lies under it (links resolved)
         return path.resolve() == folder.resolve() or folder.resolve() in path.resolve().parents
 

@@ -1,23 +1,17 @@
-"""plan.py: the memory plan of a run, computed from its config and the model's config.json alone (no
+"""plan.py: the memory plan of a run, from its config and the model's config.json alone (no
 weights, tokenizer, engine, process group or GPU).
 
     python train.py --config configs/qwen7b_long.yaml --plan [section.key=value ...]
 
-prints, per GPU, the peak of each phase of a run (start-up, rollout, update, sync probe, export),
-the host memory per node, the engine's KV cache and how many full-length sequences it holds against
-the requests of one generation round, and last one JSON line. Exit 0 when the run fits the
-hardware its config names (the `hardware` section), 2 when not, with the change of one knob that
-would fit. A GPU run checks the same plan against its own device before it loads anything
-(train.py, `device_problem`).
+prints per GPU the peak of each phase (below), the host memory per node, the engine's KV cache
+and how many full-length sequences it holds against one generation round's requests, and last one
+JSON line (sizes in GiB, 2^30 bytes, per GPU). Exit 0 when the run fits the hardware its config
+names (the `hardware` section), 2 when not, with a change of one knob that would fit. A GPU run
+checks the same plan against its own device before it loads anything (`device_problem`).
 
-Every number is a formula of the architecture and the config, below; how the formulas were
-calibrated against measured peaks: docs/benchmarks.md, "Memory plan". What only a GPU settles
-(CUDA-graph memory, the engine's non-torch memory, the CUDA context) is a named constant here,
-measured by `tools/bench.py gpu-smoke`.
-
-The JSON line holds `fits`, `phases`, `kv_cache_gib`, `kv_full_length_sequences`,
-`requests_per_round`, `host_gib_per_node`, `problems` and `suggestion`; sizes are GiB (2^30
-bytes) per GPU.
+Every number is a formula below, calibrated against measured peaks (docs/benchmarks.md, "Memory
+plan"); what only a GPU settles (CUDA-graph memory, the engine's non-torch memory, the CUDA
+context) is a named constant here, measured by `tools/bench.py gpu-smoke`.
 
 Symbols: N parameters, W ranks, t = rollout.tensor_parallel_size, G the GPU's memory,
 u = rollout.gpu_memory_utilization, b_c / b_r / b_e the bytes of the compute, reduce and engine
@@ -32,12 +26,13 @@ Terms:
   KV cache        u G - engine weights - activations - CUDA_GRAPH_GIB (0 with enforce_eager)
                   - ENGINE_NON_TORCH_GIB; one full-length sequence takes
                   ctx 2 L ceil(KV heads / t) head_dim b_e
-  engine asleep   CUDA_GRAPH_GIB + 0.25
+  engine asleep   CUDA_GRAPH_GIB + 0.25 with sleep mode; the engine without
   trainer         4N/W parameters, + 8N/W AdamW moments, + 4N/W gradients during the update
   AdamW's step    foreach AdamW's sqrt temporary, 4N/W (torch/optim/adam.py, _foreach_sqrt)
   update batch    the larger of AdamW's step and a micro-batch (the step comes after the backward
                   freed it): the gathered root unit and 2 layers in b_c; a layer's gradient in
-                  b_c + b_r; activations T (L d b_c + A) with checkpointing, T L A without, where
+                  b_c + b_r before its reduce-scatter; activations T (L d b_c + A) with
+                  checkpointing (each layer's input, one layer recomputed), T L A without, where
                   A = b_c (5d + 4q + 3k + 4I) + 8d bytes per token and layer; logits and their
                   gradient 2 T V b_c
   resume          DCP's get_state_dict initialises AdamW's state on the fresh optimizer
@@ -48,22 +43,20 @@ Terms:
   export          the largest parameter gathered in b_c, V d b_c
   context         CUDA_CONTEXT_GIB per process (0 on CPU)
   host per rank   HOST_PROCESS_GIB; the step's groups, gathered on every rank (grpo.sample_groups):
-                  B n R PYTHON_TOKEN_BYTES (B = train.train_batch_size, R = rollout.max_tokens)
-                  + the gather's buffer, world x one rank's round of them pickled,
-                  engines min(B, gen_batch_size / engines) n R PICKLED_TOKEN_BYTES (one rank
-                  per engine sends them, runs.all_gather); with sleep mode, vLLM's pinned copy of
-                  its CUDA graphs and runtime state, CUDA_GRAPH_GIB + SLEEP_RUNTIME_GIB, and with
-                  rollout.sleep_level 1 of the engine's weights, N b_e / t
+                  B n R PYTHON_TOKEN_BYTES (B = train.train_batch_size, R = rollout.max_tokens),
+                  + the gather's buffer of every engine's round pickled (one rank per engine sends
+                  it, runs.all_gather), engines min(B, gen_batch_size / engines) n R
+                  PICKLED_TOKEN_BYTES; with sleep mode, vLLM's pinned copy of its CUDA graphs and
+                  runtime state, CUDA_GRAPH_GIB + SLEEP_RUNTIME_GIB, + N b_e / t at sleep_level 1
   host per node   ranks * host per rank, + b_c N on the first node (the export)
 
-Phases: startup = engine + 4N/W + context; resume = engine asleep (or engine) + 16N/W + AdamW's
-step + context (train.py sleeps the engine before the checkpoint loads); rollout = engine + 12N/W
-+ context; update = engine asleep (or engine) + 16N/W + update batch + context; sync_probe =
-engine weights + engine asleep (or engine) + 12N/W + sync probe batch + context; export = engine
-asleep (or engine) + 12N/W + export + context. The rollout holds no gathered root unit:
-modeling.reshard_root frees the one the probe's forward leaves. A phase fits below the free memory
-less HEADROOM of the GPU; the KV cache must hold one full-length sequence, and ctx must not exceed
-max_position_embeddings.
+Phases, each + context: startup = engine + 4N/W; resume = engine asleep + 16N/W + AdamW's step
+(train.py sleeps the engine before the checkpoint loads); rollout = engine + 12N/W; update =
+engine asleep + 16N/W + update batch; sync_probe = engine weights + engine asleep (the engine
+alone without sleep mode) + 12N/W + sync probe; export = engine asleep + 12N/W + export. The
+rollout holds no gathered root unit: modeling.reshard_root frees the one the probe's forward
+leaves. A phase fits below the free memory less HEADROOM of the GPU; the KV cache must hold one
+full-length sequence, and ctx must not exceed max_position_embeddings.
 """
 
 import dataclasses
@@ -73,19 +66,15 @@ from pathlib import Path
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# per process, outside PyTorch's allocator: CUDA context, cuBLAS and NCCL workspaces
-CUDA_CONTEXT_GIB = 1.5
+CUDA_CONTEXT_GIB = 1.5  # per process, outside PyTorch's allocator: CUDA context, cuBLAS, NCCL
 ENGINE_NON_TORCH_GIB = 0.5  # vLLM's own non-torch memory, taken from its budget before the KV cache
-# vLLM's captured CUDA graphs (not with enforce_eager); kept while the engine sleeps
-CUDA_GRAPH_GIB = 1.0
+CUDA_GRAPH_GIB = 1.0  # vLLM's CUDA graphs (not with enforce_eager); kept while the engine sleeps
 # vLLM's runtime state (the KV cache's bookkeeping), copied to pinned host memory with the CUDA
 # graphs at every sleep level (vllm/device_allocator/sleep_mode_backend.py); an estimate
 SLEEP_RUNTIME_GIB = 0.5
 HOST_PROCESS_GIB = 6.0  # host RAM of one rank: Python, PyTorch, CUDA libraries, vLLM
-# a phase fits when it leaves this share of the device free (allocator fragmentation)
-HEADROOM = 0.05
-# rollout.MAX_NUM_BATCHED_TOKENS: the engine's batch floor (its profiling batch)
-ENGINE_BATCH_TOKENS = 8192
+HEADROOM = 0.05  # a phase fits when it leaves this share of the device free (fragmentation)
+ENGINE_BATCH_TOKENS = 8192  # rollout.MAX_NUM_BATCHED_TOKENS: the engine's (profiling) batch floor
 # a sampled token on the host: its id and log-prob as Python int and float in lists, and its mask
 # (measured: 75 bytes), and pickled for the gather (14)
 PYTHON_TOKEN_BYTES, PICKLED_TOKEN_BYTES = 76, 14
@@ -93,7 +82,7 @@ PYTHON_TOKEN_BYTES, PICKLED_TOKEN_BYTES = 76, 14
 
 @dataclasses.dataclass
 class Architecture:
-    """The sizes of a decoder-only transformer that memory depends on (biases and norms' few weights aside)."""
+    """The sizes of a decoder-only transformer that memory depends on (biases and norms aside)."""
 
     name: str
     hidden: int
@@ -109,7 +98,7 @@ class Architecture:
 
     @classmethod
     def from_config_json(cls, path):
-        """The architecture of config.json at `path` (a model directory); nothing else there is read."""
+        """The architecture of `path`/config.json; nothing else in the directory is read."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path)
@@ -151,8 +140,7 @@ class Architecture:
         return self.layers * self.layer_parameters + self.root_parameters
 
     def gathered_bytes(self, compute_bytes):
-        """What FSDP2 holds unsharded in a forward or backward: the root unit and two layers (the
-        current and the prefetched one), in the compute dtype."""
+        """What FSDP2 holds unsharded: the root unit and two layers (current, prefetched) in b_c."""
         return compute_bytes * (self.root_parameters + 2 * self.layer_parameters)
 
     def layer_activation_bytes(self, compute_bytes):
@@ -167,23 +155,22 @@ class Architecture:
 
 
 def engine_dtype(cfg, arch):
-    """The dtype vLLM holds weights and KV cache in: rollout.dtype, or for "auto" the checkpoint's,
-    with float32 checkpoints run in bfloat16 (vLLM's choice on GPU and x86 CPU)."""
+    """vLLM's dtype of weights and KV cache: rollout.dtype; "auto": the checkpoint's, float32 run in
+    bfloat16 (vLLM's choice on GPU and x86 CPU)."""
     if cfg.rollout.dtype != "auto":
         return cfg.rollout.dtype
     return "bfloat16" if arch.dtype == "float32" else arch.dtype
 
 
 def max_model_len(cfg):
-    """The engine's context: the longest prompt plus the longest response it samples (training or evaluation)."""
+    """The engine's context: the longest prompt plus the longest response (training or eval)."""
     evaluating = cfg.eval.every and cfg.eval.files
     return cfg.data.max_prompt_tokens + max(
         cfg.rollout.max_tokens, cfg.eval.max_tokens if evaluating else 0)
 
 
 def engine_plan(cfg, arch, gpu_gib, world):
-    """The engine on one GPU (GiB): weights, its profiling forward's activations, CUDA graphs, then
-    the KV cache from what is left; what a sleeping engine keeps; the sequences the cache holds."""
+    """The engine's terms (module docstring) on one GPU, in GiB, and what its KV cache holds."""
     tp, on_gpu = cfg.rollout.tensor_parallel_size, cfg.rollout.kv_cache_gib is None
     e_dtype = engine_dtype(cfg, arch)
     engine_bytes, context = DTYPE_BYTES[e_dtype], max_model_len(cfg)
@@ -193,7 +180,6 @@ def engine_plan(cfg, arch, gpu_gib, world):
         batch_tokens * (arch.q_dim + 2 * arch.kv_dim + 2 * arch.intermediate + 2 * arch.hidden)
         * engine_bytes / tp + 2 * cfg.rollout.max_num_seqs * arch.vocab * 4) / GIB
     graphs = 0.0 if (cfg.rollout.enforce_eager or not on_gpu) else CUDA_GRAPH_GIB
-    # vLLM takes gpu_memory_utilization of the device and gives the KV cache what its own use leaves
     if on_gpu:
         total = cfg.rollout.gpu_memory_utilization * gpu_gib
         kv_cache = total - weights - activations - graphs - ENGINE_NON_TORCH_GIB
@@ -207,15 +193,13 @@ def engine_plan(cfg, arch, gpu_gib, world):
         dtype=e_dtype, bytes=engine_bytes, context=context, weights=weights,
         activations=activations, graphs=graphs, total=total, kv_cache=kv_cache,
         asleep=graphs + 0.25 if cfg.rollout.enable_sleep_mode else total,
-        sequence_gib=sequence_gib,
+        sequence_gib=sequence_gib, engines=engines,
         sequences=max(0, math.floor(kv_cache / sequence_gib)) if kv_cache > 0 else 0,
-        engines=engines,
         requests=math.ceil(cfg.algorithm.gen_batch_size / engines) * cfg.rollout.n)
 
 
-def host_plan(cfg, world, engine):
-    """Host memory of one rank (GiB): the process, the step's groups (and, while gathering, every
-    engine's round pickled), and with sleep mode what vLLM keeps in pinned memory."""
+def host_plan(cfg, engine):
+    """The `host per rank` term (module docstring), in GiB, by part."""
     response_tokens = cfg.train.train_batch_size * cfg.rollout.n * cfg.rollout.max_tokens
     per_engine = cfg.algorithm.gen_batch_size // engine["engines"]
     round_tokens = (min(cfg.train.train_batch_size, per_engine) * cfg.rollout.n
@@ -230,17 +214,14 @@ def host_plan(cfg, world, engine):
 
 
 def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
-    """The plan of `cfg` on world_size ranks of gpu_gib each (None: the hardware section's), of which
-    free_gib are free (None: all) -> dict of GiB, described key by key in the module docstring."""
+    """The plan of `cfg` on world_size ranks of gpu_gib each (None: the hardware section's), of
+    which free_gib are free (None: all) -> dict of GiB (the module docstring's terms)."""
     hw = cfg.hardware
     world = world_size or hw.nodes * hw.gpus_per_node
     gpu_gib = hw.gpu_gib if gpu_gib is None else gpu_gib
     n, compute_bytes = arch.parameters, DTYPE_BYTES[cfg.model.param_dtype]
     engine = engine_plan(cfg, arch, gpu_gib, world)
     sleeping = cfg.rollout.enable_sleep_mode
-
-    # the trainer: float32 shards of parameters and AdamW's two moments, then the update of one
-    # micro-batch
     master, adam = 4 * n / world / GIB, 8 * n / world / GIB
     gathered = arch.gathered_bytes(compute_bytes) / GIB
     row = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
@@ -251,25 +232,23 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
     probe = (gathered + probe_tokens * arch.layer_activation_bytes(compute_bytes) / GIB
              + 2 * 512 * arch.vocab * compute_bytes / GIB)
     sync = arch.vocab * arch.hidden * engine["bytes"] / GIB  # the largest parameter, engine dtype
-    context_gib = CUDA_CONTEXT_GIB if cfg.rollout.kv_cache_gib is None else 0.0
     phases = {
-        "startup": {"engine": engine["total"], "trainer": master, "context": context_gib},
-        # the engine sleeps first (train.resume); AdamW's state initialised, then loaded in place
-        "resume": {"engine": engine["asleep"], "trainer": update["state"],
-                   "batch": update["step"], "context": context_gib},
-        "rollout": {"engine": engine["total"], "trainer": master + adam, "context": context_gib},
+        "startup": {"engine": engine["total"], "trainer": master},
+        "resume": {"engine": engine["asleep"], "trainer": update["state"], "batch": update["step"]},
+        "rollout": {"engine": engine["total"], "trainer": master + adam},
         "update": {"engine": engine["asleep"], "trainer": update["state"],
-                   "batch": update["batch"], "context": context_gib},
+                   "batch": update["batch"]},
         # with sleep mode the engine's weights are back, its KV cache not yet (rollout.sync_engine)
         "sync_probe": {
             "engine": engine["weights"] + engine["asleep"] if sleeping else engine["total"],
-            "trainer": master + adam, "batch": max(sync, probe), "context": context_gib},
-        # the engine sleeps first (train.train); the largest parameter gathered in b_c
+            "trainer": master + adam, "batch": max(sync, probe)},
+        # the engine sleeps first (train.train)
         "export": {"engine": engine["asleep"], "trainer": master + adam,
-                   "batch": arch.vocab * arch.hidden * compute_bytes / GIB, "context": context_gib}}
+                   "batch": arch.vocab * arch.hidden * compute_bytes / GIB}}
+    for parts in phases.values():  # last: the sums keep their order
+        parts["context"] = CUDA_CONTEXT_GIB if cfg.rollout.kv_cache_gib is None else 0.0
     ranks_per_node = min(world, hw.gpus_per_node)
-    host_rank = host_plan(cfg, world, engine)
-    # rank 0 gathers the model in the compute dtype for the export
+    host_rank = host_plan(cfg, engine)
     host = ranks_per_node * sum(host_rank.values()) + compute_bytes * n / GIB
     result = {
         "model": arch.name, "parameters_b": round(n / 1e9, 3),
@@ -295,15 +274,10 @@ def compute(cfg, arch, world_size=None, gpu_gib=None, free_gib=None):
 
 
 def update_gib(arch, world, compute_bytes, reduce_bytes, checkpointing, tokens, response_tokens):
-    """The trainer's memory at the peak of an update, per rank, in GiB: {"state": float32 shards of
-    the parameters, their gradients and AdamW's two moments (16 bytes per parameter / world),
-    "batch": the larger of a micro-batch's memory and "step", foreach AdamW's sqrt temporary (4
-    bytes per parameter / world, allocated once the backward has freed the micro-batch's)}. The
-    micro-batch: FSDP2's gathered units (Architecture.gathered_bytes), a layer's unsharded gradient
-    before its reduce-scatter, and `tokens` tokens (`response_tokens` of them scored): each layer's
-    input with gradient checkpointing plus one layer recomputed, or every layer's activations
-    without, and the logits at the response positions with their gradient (never a float32 copy of
-    them: stare.token_logprobs_and_entropy)."""
+    """The trainer's peak in an update, per rank, in GiB: {"state": 16N/W, "step": AdamW's step,
+    "batch": the update batch} (the module docstring's terms) for a micro-batch of `tokens` tokens,
+    `response_tokens` of them scored (their logits never copied in float32:
+    stare.token_logprobs_and_entropy)."""
     per_layer = arch.layer_activation_bytes(compute_bytes)
     body = tokens * (arch.layers * arch.hidden * compute_bytes + per_layer if checkpointing
                      else arch.layers * per_layer)
@@ -327,8 +301,9 @@ def problems(plan, cfg, arch):
             f"{plan['max_model_len']} ({plan['kv_sequence_gib']:.2f} GiB): vLLM refuses to start")
     if plan["max_model_len"] > arch.max_positions:
         found.append(
-            f"max_model_len {plan['max_model_len']} (data.max_prompt_tokens + the longest response) "
-            f"exceeds the model's context, max_position_embeddings = {arch.max_positions}")
+            f"max_model_len {plan['max_model_len']} (data.max_prompt_tokens + the longest "
+            f"response) exceeds the model's context, max_position_embeddings = "
+            f"{arch.max_positions}")
     if plan["host_gib"] is not None and plan["host_gib_per_node"] > plan["host_gib"]:
         found.append(
             f"host memory {plan['host_gib_per_node']:.0f} GiB per node exceeds hardware.host_gib "
@@ -341,8 +316,9 @@ def problems(plan, cfg, arch):
 
 
 def suggestions(cfg, arch):
-    """Changes of one knob (or the engine's memory with it) that make the plan fit, as override strings, best
-    first: the engine's share of the GPU, sleep mode, checkpointing, the micro-batch, GPUs per engine, nodes."""
+    """The first change of one knob (and the engine's share of the GPU with it) that makes the plan
+    fit, as overrides: that share, sleep mode, checkpointing, the micro-batch, GPUs per engine,
+    nodes; [] when none does."""
     import config
 
     def fits(overrides):
@@ -375,8 +351,7 @@ def suggestions(cfg, arch):
 
 def report(plan, cfg_path, suggestion=()):
     """The plan as text lines for a person, then the JSON line."""
-    phases, breakdown = plan["phases"], plan["breakdown"]
-    engine = plan["engine"]
+    phases, breakdown, engine = plan["phases"], plan["breakdown"], plan["engine"]
     lines = [
         f"memory plan of {cfg_path}: {plan['model']} ({plan['parameters_b']:.2f}B parameters) on "
         f"{plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s) of {plan['gpu_gib']:g} GiB "
@@ -386,8 +361,8 @@ def report(plan, cfg_path, suggestion=()):
     for name, total in phases.items():
         parts = breakdown[name]
         lines.append(
-            f"  {name:<12}{parts['engine']:>8.1f}{parts['trainer']:>9.1f}{parts.get('batch', 0):>8.1f}"
-            f"{parts['context']:>9.1f}{total:>8.1f}")
+            f"  {name:<12}{parts['engine']:>8.1f}{parts['trainer']:>9.1f}"
+            f"{parts.get('batch', 0):>8.1f}{parts['context']:>9.1f}{total:>8.1f}")
     lines.append(
         f"engine ({engine['dtype']}): weights {engine['weights_gib']:.1f} GiB, activations "
         f"{engine['activations_gib']:.1f}, CUDA graphs {engine['cuda_graphs_gib']:.1f}; KV cache "
@@ -395,9 +370,9 @@ def report(plan, cfg_path, suggestion=()):
         f"{plan['max_model_len']} tokens ({plan['kv_sequence_gib']:.2f} GiB each) for the "
         f"{plan['requests_per_round']} requests of one generation round")
     lines.append(
-        f"host: {plan['host_gib_per_node']:.0f} GiB on the first node ({plan['gpus_per_node']} ranks x "
-        f"({' + '.join(f'{v:.1f} {k}' for k, v in plan['host_gib_per_rank'].items())}) + the "
-        f"final export's full model)"
+        f"host: {plan['host_gib_per_node']:.0f} GiB on the first node ({plan['gpus_per_node']} "
+        f"ranks x ({' + '.join(f'{v:.1f} {k}' for k, v in plan['host_gib_per_rank'].items())})"
+        f" + the final export's full model)"
         + (f" of {plan['host_gib']:g}" if plan["host_gib"] is not None else ""))
     if plan["fits"]:
         lines.append("fits")
@@ -412,7 +387,7 @@ def report(plan, cfg_path, suggestion=()):
 
 
 def main(cfg_path, overrides):
-    """`train.py --config C --plan [overrides]` -> exit code (0 fits, 2 does not or cannot be planned)."""
+    """`train.py --config C --plan [overrides]` -> exit code (0 fits, 2 does not or cannot plan)."""
     import config
 
     try:
@@ -431,12 +406,10 @@ def device_problem(cfg, arch, world_size, total_gib, free_gib):
     """On a GPU, before anything loads: the plan on this device (the engine takes its share of the
     total, every phase must fit in what is free) -> one line, or None if it fits."""
     plan = compute(cfg, arch, world_size=world_size, gpu_gib=total_gib, free_gib=free_gib)
-    device_problems = [p for p in plan["problems"] if "host memory" not in p]
-    if not device_problems:
-        return None
-    return (
-        f"error: the memory plan does not fit this GPU ({free_gib:.1f} GiB free): {device_problems[0]}; "
-        f"`python train.py --config ... --plan` shows every phase and a change that fits")
+    found = [p for p in plan["problems"] if "host memory" not in p]
+    return (f"error: the memory plan does not fit this GPU ({free_gib:.1f} GiB free): {found[0]}; "
+            f"`python train.py --config ... --plan` shows every phase and a change that fits"
+            if found else None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -447,7 +420,7 @@ REQUIREMENTS = Path(__file__).resolve().parent / "requirements.txt"
 
 
 def pinned_versions(requirements=REQUIREMENTS):
-    """{package: version} of the `name==version` lines of requirements.txt, and torch as vLLM pins it."""
+    """{package: version} of requirements.txt's `name==version` lines, and torch as vLLM pins it."""
     import importlib.metadata
 
     pins = {}
@@ -499,11 +472,10 @@ def cuda_version(number):
 
 
 def no_cuda_problem(cfg, cfg_path):
-    """Where CUDA is unavailable, before anything loads: a config planned for a GPU
-    (rollout.kv_cache_gib null: the engine takes a share of a GPU) or asking for sleep mode (CUDA
-    only in vLLM) -> one line naming why CUDA may be missing and the overrides that run the config
-    on CPU; else None. torch.cuda.is_available() is False with a driver too old for PyTorch's CUDA
-    build too, so the driver's version is read here, where `preflight` never runs."""
+    """Where CUDA is unavailable, before anything loads: a config planned for a GPU (a null
+    rollout.kv_cache_gib) or asking for sleep mode (CUDA only in vLLM) -> one line naming why CUDA
+    may be missing (a driver too old for PyTorch's build among them: `preflight` never runs here)
+    and the overrides that run it on CPU; else None."""
     import os
 
     import torch
@@ -555,7 +527,7 @@ def driver_cuda_version():
 
 
 def machine_problems(installed):
-    """environment_problems of this CUDA machine: its driver, PyTorch's CUDA build, `installed` against the pins."""
+    """environment_problems of this CUDA machine: its driver and PyTorch's build, `installed`."""
     import torch
 
     major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
@@ -564,9 +536,8 @@ def machine_problems(installed):
 
 
 def preflight(cfg, world_size, device):
-    """On a GPU, before anything loads: the driver against PyTorch's CUDA build, the packages
-    against their pins, and the memory plan against this device -> (errors, warnings), one line
-    each."""
+    """On a GPU, before anything loads: machine_problems and the memory plan against this device
+    -> (errors, warnings), one line each."""
     import torch
 
     errors, warnings = machine_problems(installed_versions())
