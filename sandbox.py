@@ -9,12 +9,9 @@ runs it, and the text the model sees in its tool turn comes back.
 
     echo 'import os; print(os.getppid())' | python sandbox.py   # prints "0" under "namespaces"
 
-run_code never raises and returns within about timeout_s; nothing a run started outlives it. Each
-execution is a fresh interpreter in a private directory, isolated by Linux user namespaces
-("namespaces") or, where those are forbidden, best effort ("process", with Landlock where the
-kernel has it), under config.SandboxConfig's limits, and with network=False a seccomp filter takes
-every socket away. Not a virtual machine. What each mode guarantees and what it does not, every
-limit and every Result.error value: docs/sandbox.md.
+Each execution is a fresh interpreter in a private directory, isolated by Linux user namespaces
+("namespaces") or, where those are forbidden, best effort ("process"); not a virtual machine. What
+each mode guarantees, the limits and the Result.error values: docs/sandbox.md.
 """
 
 import contextlib
@@ -41,12 +38,10 @@ import warnings
 
 _THIS_FILE = os.path.abspath(__file__)
 _NOBODY = 65534  # the identity code runs under when the trainer is root
-# the runner's reserved exit codes
-_EXIT_SYNTAX, _EXIT_EXCEPTION, _EXIT_MEMORY, _EXIT_SETUP = 211, 212, 213, 214
-# after a timeout, how long the launcher gets to clean up before it is SIGKILLed
-_STOP_GRACE_S = 2.0
-# how long a clean-up (the launcher's, then the trainer's if the launcher did not finish) keeps
-# killing the run's processes; then the run ends as a "sandbox" failure
+_EXIT_SYNTAX, _EXIT_EXCEPTION, _EXIT_MEMORY, _EXIT_SETUP = 211, 212, 213, 214  # the runner's
+_STOP_GRACE_S = 2.0  # after a timeout, the launcher's time to clean up before it is SIGKILLed
+# how long each clean-up (the launcher's, then the trainer's) kills the run's processes; then the
+# run ends as a "sandbox" failure
 _KILL_S = 1.5
 
 
@@ -76,9 +71,8 @@ def format_result(result: Result) -> str:
 
 
 def _default_config():
-    """config.SandboxConfig(): imported only here, since this file also runs alone as the launcher
-    and the runner (`python -I -S sandbox.py`), where the project and its packages are out of
-    reach."""
+    """config.SandboxConfig(), imported here: this file also runs alone as the launcher and the
+    runner (`python -I -S sandbox.py`), out of the project's reach."""
     from config import SandboxConfig
 
     return SandboxConfig()
@@ -99,16 +93,14 @@ def run_batch(codes: list[str], config=None) -> list[Result]:
 
 
 def run_code(code: str, config=None) -> Result:
-    """Run one piece of code in a fresh sandbox. Never raises, returns within about
-    config.timeout_s."""
+    """Run one piece of code in a fresh sandbox; never raises, returns within about timeout_s."""
     global _last_failure
     config = config or _default_config()
     try:
         result = _run(code, config, isolation(config))
     except Exception as e:  # a sandbox bug or a machine problem; the trainer carries on
-        result = Result(
-            "", False, "sandbox", f"Error: sandbox failure ({type(e).__name__}: {e})", None, 0.0,
-            False, 0)
+        result = Result("", False, "sandbox", f"Error: sandbox failure ({type(e).__name__}: {e})",
+                        None, 0.0, False, 0)
     if result.error == "sandbox":
         _last_failure = result.message
     return result
@@ -134,11 +126,10 @@ _PROBE_RETRY_S = 1.0  # between the two probes of "auto"
 
 
 def isolation(config=None) -> str:
-    """The mode run_code uses for this config: "namespaces" or "process", decided once per
-    process and kept. "auto" probes "namespaces" and, if that fails, probes again: two failures
-    raise Unavailable with the probe's reason, unless config.allow_process_fallback allows
-    "process". "process" under a root trainer raises Unavailable if the unprivileged user the code
-    runs as cannot reach the interpreter. Nothing is kept after a raise."""
+    """The mode run_code uses for this config: "namespaces" or "process", decided once per process
+    and kept ("auto": docs/sandbox.md, "Modes"). Unavailable, and nothing kept, where the mode
+    cannot run here: two failed probes without allow_process_fallback, or (_out_of_reach) a
+    "process" mode whose unprivileged user cannot reach the interpreter."""
     config = config or _default_config()
     key = (config.isolation, _python(config), config.network, config.allow_process_fallback,
            config.tmp_root)
@@ -155,18 +146,17 @@ def _choose_mode(config):
         if said is not None:  # one transient failure must not decide a whole run
             time.sleep(_PROBE_RETRY_S)
             said = _probe(config)
+        failed = f"sandbox: user namespaces failed twice here (the probe said: {said}); "
         if said is None:
             mode = "namespaces"
         elif not config.allow_process_fallback:
-            raise Unavailable(
-                f"sandbox: user namespaces failed twice here (the probe said: {said}); set "
-                "sandbox.allow_process_fallback=true (or sandbox.isolation=process) to run tool "
-                "code in the weaker 'process' mode (docs/sandbox.md)")
+            raise Unavailable(failed + "set sandbox.allow_process_fallback=true (or sandbox."
+                              "isolation=process) to run tool code in the weaker 'process' mode "
+                              "(docs/sandbox.md)")
         else:
             mode = "process"
-            warnings.warn(f"sandbox: user namespaces failed twice here (the probe said: {said}); "
-                          "as sandbox.allow_process_fallback allows, tool code runs in the "
-                          "weaker 'process' mode (docs/sandbox.md)", stacklevel=3)
+            warnings.warn(failed + "as sandbox.allow_process_fallback allows, tool code runs in "
+                          "the weaker 'process' mode (docs/sandbox.md)", stacklevel=3)
     if mode == "process" and os.geteuid() == 0:
         problem = _out_of_reach(_python(config), _view(_python(config), config.network),
                                 config.tmp_root or tempfile.gettempdir())
@@ -212,8 +202,7 @@ def _out_of_reach(python, view, tmp_root):
 # --------------------------------------------------------------------------------------------------
 
 def _python(config):
-    python = shutil.which(config.python or sys.executable) or config.python
-    return os.path.abspath(python)
+    return os.path.abspath(shutil.which(config.python or sys.executable) or config.python)
 
 
 _RUNNER = "/sandbox/sandbox.py"  # "namespaces" mode: the runner's path inside (a copy of this file)
@@ -507,10 +496,8 @@ def _cgroup_parent():
     sleeper = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(60)"],
                                stdin=subprocess.DEVNULL)
     try:
-        with open(f"{probe}/cgroup.procs", "w") as f:
-            f.write(str(sleeper.pid))
-        with open(f"{probe}/cgroup.kill", "w") as f:
-            f.write("1")
+        _write(f"{probe}/cgroup.procs", str(sleeper.pid))
+        _write(f"{probe}/cgroup.kill", "1")
         sleeper.wait(timeout=10)
         return parent
     except (OSError, subprocess.TimeoutExpired):
@@ -526,11 +513,10 @@ _RUN_IDS = 0x70000000  # "process" mode, root trainer: the code's uid and gid, +
 
 
 def _run_user(launcher_pid):
-    """"process" mode: the uid (also the gid) the code runs as. Under a root trainer one of its own
-    per run, _RUN_IDS + the launcher's pid (unique among live runs; a range no distribution
-    allocates), so that nothing a run leaves under its user (a file in /dev/shm, a process, a
-    key) is another run's, and its files can be found and removed; `nobody` where this machine's
-    user namespace maps no such id. None under a non-root trainer: the code keeps its user."""
+    """"process" mode: the uid (also the gid) the code runs as. Under a root trainer one of the
+    run's own, _RUN_IDS + the launcher's pid (a range no distribution allocates), or `nobody` where
+    the user namespace maps no such id (docs/sandbox.md, "Modes"); None under a non-root trainer:
+    the code keeps its user."""
     if os.geteuid() != 0:
         return None
     run_id = _RUN_IDS + launcher_pid
@@ -561,17 +547,11 @@ _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
 _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE = (
     1 << 10, 1 << 11, 1 << 12, 1 << 14, 1 << 18)
 _MS_RELATIME, _MS_STRICTATIME = 1 << 21, 1 << 24
-_MOUNT_OPTION_FLAGS = {
-    "nosuid": _MS_NOSUID,
-    "nodev": _MS_NODEV,
-    "noexec": _MS_NOEXEC,
-    "noatime": _MS_NOATIME,
-    "nodiratime": _MS_NODIRATIME,
-    "relatime": _MS_RELATIME,
-}
-(
-    _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECCOMP, _PR_SET_CHILD_SUBREAPER,
-    _PR_SET_NO_NEW_PRIVS) = 1, 24, 22, 36, 38
+_MOUNT_OPTION_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC,
+                       "noatime": _MS_NOATIME, "nodiratime": _MS_NODIRATIME,
+                       "relatime": _MS_RELATIME}
+_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECCOMP = 1, 24, 22
+_PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 36, 38
 # The seccomp filter of every run (docs/sandbox.md, "The seccomp filter"). Per machine:
 # the AUDIT_ARCH value the kernel reports for its native 64-bit calls; the numbers of socket,
 # socketpair, clone, clone3 and keyctl; and those of the calls that always fail with EPERM: the
@@ -596,10 +576,12 @@ _AF_UNIX, _SOCK_STREAM, _SOCK_NONBLOCK, _SOCK_CLOEXEC = 1, 1, 0o4000, 0o2000000
 
 
 def _libc(name, *args):
-    function = getattr(ctypes.CDLL(None, use_errno=True), name)
-    if function(*args) != 0:
+    """Call the C library's `name`; its result, or OSError if it is negative (-1: failed)."""
+    result = getattr(ctypes.CDLL(None, use_errno=True), name)(*args)
+    if result < 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"{name}{args}: {os.strerror(errno)}")
+    return result
 
 
 def _prctl(option, value):
@@ -612,12 +594,17 @@ def _mount(source, target, fstype, flags, data=None):
           encode(data))
 
 
+def _write(path, data):
+    """Write a str or bytes to the file at `path`, made or emptied first."""
+    with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+
+
 def _launch(spec):
     """The launcher L: the trainer's child and session leader. Start the code, wait for it, kill
     (_kill_run) whatever it left, exit as it did. SIGTERM (the trainer's deadline, or the trainer's
     death) kills the run's processes, so the wait ends."""
-    # a SIGINT from the code is a plain death, not a traceback here
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a SIGINT from the code: a death, no traceback
     code = sys.stdin.buffer.read()
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     with open(_THIS_FILE, "rb") as f:  # as the trainer's user: "namespaces" mode copies it inside
@@ -626,12 +613,10 @@ def _launch(spec):
     user = _own(_run_user(os.getpid())) if spec["mode"] == "process" else None
     try:
         signal.signal(signal.SIGTERM, _stop)
-        # if the trainer dies, the run dies (and the chain below)
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # if the trainer dies, the run dies (and below)
         if os.getppid() != spec["trainer_pid"]:
             raise RuntimeError("the trainer is gone")
-        # orphans of the run, setsid() or not, become our children
-        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # orphans of the run, setsid() or not, become ours
         # what an earlier run of this user left (none should) must not meet this one
         if user is not None and not _kill_run(None, user, time.monotonic() + _KILL_S):
             raise RuntimeError(f"processes of an earlier run under uid {user} survive")
@@ -659,13 +644,10 @@ def _stop(signum, frame):
 
 def _kill_run(cgroup, user, deadline, launcher=True):
     """SIGKILL every process of the run until none is left: True, or False if some still live at
-    the deadline. The run's processes are its cgroup's where it has one (the kernel kills them all
-    at once, forks in flight included, then the cgroup is removed); else those of its own user
-    (the launcher kills them all at once with kill(-1) as that user, and each one found in /proc as
-    root); else (a non-root trainer, `nobody`) the launcher's children: as a subreaper it inherits
-    every orphan. Never blocks on a process: a zombie only its tracer may reap is released when the
-    tracer dies. The trainer (launcher=False) calls it after the launcher, neither forking nor
-    reaping: normally nothing is left to do."""
+    the deadline. The run's processes: its cgroup's, else its own user's, else the launcher's
+    children (docs/sandbox.md, "Nothing outlives a run"); a cgroup is removed once empty. Never
+    blocks on a process: a zombie only its tracer may reap is released when the tracer dies. The
+    trainer (launcher=False) calls it after the launcher, neither forking nor reaping."""
     helpers = set()  # until reaped: one still root when /proc is read must not be missed
     while True:
         helpers |= _kill_once(cgroup, user, launcher)
@@ -694,21 +676,19 @@ def _kill_run(cgroup, user, deadline, launcher=True):
 
 def _kill_once(cgroup, user, launcher):
     """One round of _kill_run's SIGKILLs; returns the pids of the helpers it started."""
-    helpers = set()
+    helpers, found = set(), []
     if cgroup is not None:
-        with contextlib.suppress(FileNotFoundError), open(f"{cgroup}/cgroup.kill", "w") as f:
-            f.write("1")
+        with contextlib.suppress(FileNotFoundError):
+            _write(f"{cgroup}/cgroup.kill", "1")
     elif user is not None:
         found = _processes_of(user)
         if found and launcher:
             helpers.add(_kill_all_as(user))
-        for pid in found:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
     elif launcher:
-        for pid in _children_of(os.getpid()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        found = _children_of(os.getpid())
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     return helpers
 
 
@@ -737,35 +717,32 @@ def _populated(cgroup):
         return False
 
 
-_STATUS = re.compile(rb"\nState:\s*(\S).*?\nUid:([^\n]*).*?\nThreads:\s*(\d+)", re.DOTALL)
+_STATUS = re.compile(rb"\nState:\s*(\S).*?\nPPid:\s*(\d+).*?\nUid:([^\n]*).*?\nThreads:\s*(\d+)",
+                     re.DOTALL)
+
+
+def _processes():
+    """(pid, state, parent's pid, uids: [real, effective, saved, file-system], threads) of every
+    process in /proc."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status", "rb") as f:
+                state, ppid, uids, threads = _STATUS.search(f.read()).groups()
+        except (OSError, AttributeError):  # gone meanwhile
+            continue
+        yield int(pid), state, int(ppid), [int(uid) for uid in uids.split()], int(threads)
 
 
 def _processes_of(uid):
     """Pids of the live processes with uid as their real, effective, saved or file-system uid (a
     zombie is not live, unless its threads are)."""
-    found, wanted = [], str(uid).encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status", "rb") as f:
-                state, uids, threads = _STATUS.search(f.read()).groups()
-        except (OSError, AttributeError):  # gone meanwhile
-            continue
-        if wanted in uids.split() and (state != b"Z" or int(threads) > 1):
-            found.append(int(pid))
-    return found
+    return [pid for pid, state, _, uids, threads in _processes()
+            if uid in uids and (state != b"Z" or threads > 1)]
 
 
 def _children_of(parent):
     """Pids of the processes whose parent is `parent`, zombies included."""
-    found, wanted = [], str(parent).encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[1] == wanted:
-                    found.append(int(pid))
-        except (OSError, IndexError):
-            continue
-    return found
+    return [pid for pid, _, ppid, _, _ in _processes() if ppid == parent]
 
 
 def _exit_like(status):
@@ -797,8 +774,7 @@ def _child(function, *args):
 def _start_as_process(code, spec):
     """ "process" mode: the code process P is L's child, in L's process group; returns its pid."""
     os.chdir(spec["workdir"])  # in the trainer's 0711 directory, made for this run
-    with open("main.py", "wb") as f:
-        f.write(code)
+    _write("main.py", code)
     user = _run_user(os.getpid())
     spec = {**spec, "run_user": user}
     if user is not None:
@@ -807,17 +783,14 @@ def _start_as_process(code, spec):
 
     def code_process():
         if spec["cgroup"]:  # all it starts stays there: its user cannot write the cgroup's files
-            with open(f"{spec['cgroup']}/cgroup.procs", "w") as f:
-                f.write(str(os.getpid()))
+            _write(f"{spec['cgroup']}/cgroup.procs", str(os.getpid()))
         if user is not None:  # root is exempt from RLIMIT_NPROC and can write anywhere
             os.setgroups([])
             os.setresgid(user, user, user)
             os.setresuid(user, user, user)
         os.umask(0o077)  # what it writes to /dev/shm is not another run's to read
-        # if L dies (the code can clear this: best effort)
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        # setuid binaries grant nothing; lets an unprivileged user add a filter
-        _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # if L dies (the code can clear this)
+        _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # setuid grants nothing; a non-root user may add a filter
         _set_limits(spec, nproc=_count_tasks(os.getuid()) + spec["max_processes"])
         _restrict_files(spec)
         _exec_runner(spec, spec["python"], _THIS_FILE)
@@ -842,11 +815,8 @@ def _landlock_abi():
 
 
 def _restrict_files(spec):
-    """ "process" mode, where Landlock exists: the code may open for reading only the interpreter's
-    files (those "namespaces" mode binds) and the runner, for writing only its directory, a few
-    devices and, if the run has a user of its own (whose files there are removed after it),
-    /dev/shm. The rest (the checkout, home directories, /proc, /sys, other runs) is EACCES
-    whatever its permissions; stat() still works: Landlock checks opening, not looking up."""
+    """ "process" mode, where Landlock exists: the code may open only what docs/sandbox.md lists
+    ("Modes", Landlock); the rest is EACCES whatever its permissions."""
     abi = spec["landlock_abi"]  # the trainer's reading
     if abi == 0:
         return  # best effort: the mode's documented fallback
@@ -876,27 +846,13 @@ def _restrict_files(spec):
 
 
 def _landlock(nr, *args):
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    result = libc.syscall(ctypes.c_long(nr), *args)
-    if result < 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"landlock syscall {nr}: {os.strerror(errno)}")
-    return result
+    return _libc("syscall", ctypes.c_long(nr), *args)
 
 
 def _count_tasks(uid):
     """Processes + threads of this real uid now (what RLIMIT_NPROC counts in the initial user
     namespace)."""
-    count = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-            count += int(fields["Threads"]) if int(fields["Uid"].split()[0]) == uid else 0
-        except (OSError, KeyError, ValueError):
-            continue
-    return count
+    return sum(threads for _, _, _, uids, threads in _processes() if uids[0] == uid)
 
 
 def _start_in_namespaces(code, runner, spec):
@@ -911,8 +867,7 @@ def _start_in_namespaces(code, runner, spec):
         os.close(ready_r)
         os.close(go_w)
         os.setpgid(0, 0)  # a group of its own: kill(0, ...) from the code cannot reach L
-        if uid == 0:
-            # no supplementary groups (a non-root user cannot drop them; they stay)
+        if uid == 0:  # no supplementary groups (a non-root user cannot drop them; they stay)
             os.setgroups([])
         flags = (_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
                  | _CLONE_NEWCGROUP)
@@ -939,8 +894,7 @@ def _start_in_namespaces(code, runner, spec):
             else:
                 maps = {"setgroups": "deny", "uid_map": f"0 {uid} 1\n", "gid_map": f"0 {gid} 1\n"}
             for name, text in maps.items():
-                with open(f"/proc/{pid}/{name}", "w") as f:
-                    f.write(text)
+                _write(f"/proc/{pid}/{name}", text)
             os.write(go_w, b"m")
         except OSError as e:
             print(f"sandbox launcher: {e}", flush=True)
@@ -985,20 +939,16 @@ def _inside_namespaces(code, runner, spec):
         os.symlink(f"/proc/self/fd/{fd}", f"{root}/dev/{name}")
     os.symlink("/proc/self/fd", f"{root}/dev/fd")
     os.makedirs(f"{root}/etc", exist_ok=True)
-    with open(f"{root}/etc/passwd", "w") as f:  # who uid 0 is (getpass, ~); no user of the host
-        f.write("root:x:0:0:root:/tmp:/usr/sbin/nologin\n"
-                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
-    with open(f"{root}/etc/group", "w") as f:
-        f.write("root:x:0:\nnogroup:x:65534:\n")
-    with open(f"{root}/etc/hostname", "w") as f:
-        f.write("sandbox\n")
+    # who uid 0 is (getpass, ~); no user of the host
+    _write(f"{root}/etc/passwd", "root:x:0:0:root:/tmp:/usr/sbin/nologin\n"
+           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+    _write(f"{root}/etc/group", "root:x:0:\nnogroup:x:65534:\n")
+    _write(f"{root}/etc/hostname", "sandbox\n")
     _libc("sethostname", b"sandbox", ctypes.c_size_t(7))  # its own UTS namespace, not the host's
     os.mkdir(f"{root}/proc")
     os.mkdir(f"{root}/sandbox")
-    with open(f"{root}{_RUNNER}", "wb") as f:
-        f.write(runner)
-    with open(f"{root}/tmp/main.py", "wb") as f:
-        f.write(code)
+    _write(f"{root}{_RUNNER}", runner)
+    _write(f"{root}/tmp/main.py", code)
 
     _blank_command_line()  # C's, so PID 1's
     init = _child(_reap_forever)  # the first child of an unshare(CLONE_NEWPID) process is PID 1
@@ -1020,8 +970,8 @@ def _mount_proc(target):
     try:
         _mount("proc", target, "proc", flags)
         try:
-            with open(f"{target}/sys/user/max_user_namespaces", "w") as f:  # this namespace's limit
-                f.write("0")  # no nested user namespaces, a kernel exploit's usual first step
+            # this namespace's limit: no nested user namespaces, a kernel exploit's usual first step
+            _write(f"{target}/sys/user/max_user_namespaces", "0")
         finally:
             _libc("umount2", target.encode(), 0)
         _mount("proc", target, "proc", flags, "subset=pid")
@@ -1129,11 +1079,8 @@ def _exec_runner(spec, python, runner):
 
 def _seccomp_filter(machine, network):
     """The seccomp BPF program of a run on this machine (os.uname().machine), or None if there is
-    none. Always: the calls listed with _SECCOMP_SYSCALLS fail with EPERM, clone() with a namespace
-    flag too, clone3() with ENOSYS (its flags are out of the filter's reach; the C library then
-    falls back on clone()), every call of a foreign ABI (x86's int 0x80, x32) with EPERM. With
-    network=False also: socket() fails with EPERM, socketpair() gets only an AF_UNIX stream pair.
-    Everything else is allowed."""
+    none; what it refuses: docs/sandbox.md, "The seccomp filter". clone3() gets ENOSYS as its flags
+    are out of the filter's reach (the C library then falls back on clone())."""
     # a 32-bit interpreter would make foreign calls
     if machine not in _SECCOMP_SYSCALLS or sys.maxsize < 2**32:
         return None
@@ -1192,16 +1139,14 @@ def _install_filter(machine, network):
 
     instructions = ctypes.create_string_buffer(program, len(program))
     fprog = SockFprog(len(program) // 8, ctypes.addressof(instructions))
-    _libc(
-        "prctl", _PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(fprog),
-        ctypes.c_ulong(0), ctypes.c_ulong(0))
+    _libc("prctl", _PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(fprog),
+          ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
 def _run_user_code():
     """The runner, in the sandboxed interpreter: compile main.py, run it as __main__, report how it
     ended."""
-    # prints reach the trainer even if the code is killed later
-    sys.stdout.reconfigure(line_buffering=True)
+    sys.stdout.reconfigure(line_buffering=True)  # prints reach the trainer even if killed later
     with open("main.py", "rb") as f:
         source = f.read()
     try:
@@ -1220,8 +1165,7 @@ def _run_user_code():
         raise
     except BaseException as e:  # noqa: B036 - report every uncaught exception, as Python does
         sys.stdout.flush()
-        # without this runner's frame
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # not the runner's frame
         sys.exit(_EXIT_MEMORY if isinstance(e, MemoryError) else _EXIT_EXCEPTION)
 
 

@@ -3,19 +3,17 @@ tool calls, sandbox.py runs it, the output comes back as a tool turn, and the mo
 
     batch = tool_use.generate_with_tools(engine, tokenizer, prompt_token_ids, seeds, cfg.rollout,
                                          cfg.sandbox)
-    # batch.tool_mask[i][t]: token t of response i is tool output (context, not an action): keep
-    # it out of the loss
-    python -m tools.sample --model runs/tiny/tool_model --data runs/tiny/data/mul_test.jsonl \\
-        --prompt-suffix "" --max-turns 3 --max-tokens 400 --max-prompt-tokens 64  # a demo
+    # batch.tool_mask[i][t]: token t of response i is tool output, context kept out of the loss
 
-Each turn is one rollout engine call (rollout.py: the engine, seeded sampling with the sampler's
-log-probs); this file adds the conversation around it: call parsing, the tool turns and their mask,
-per-turn seeds and the tool statistics. The reference release has only configuration stubs for tool
-use (docs/method.md, "The reference release"), so its format is this project's choice: Hermes-style
-calls of one function, code_interpreter, in Qwen2.5's chat format, run by sandbox.py.
+Each turn is one rollout engine call (rollout.py); this file adds the conversation around it: call
+parsing, the tool turns and their mask, per-turn seeds and the tool statistics (a demo:
+`python -m tools.sample --max-turns 3`). The reference release has only configuration stubs for
+tool use (docs/method.md, "The reference release"), so the format is this project's choice:
+Hermes-style calls of one function, code_interpreter, in Qwen2.5's chat format.
 """
 
 import dataclasses
+import json
 
 import data
 import rollout
@@ -23,43 +21,32 @@ import rollout
 # the one function the model may call (the reference's function_name)
 CODE_INTERPRETER = "code_interpreter"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-# The tool turn as Qwen2.5's chat template renders it (the "tool" branch of tokenizer_config.json's
-# chat_template, Qwen2.5-*-Instruct; Qwen3's writes the same): after an assistant message that ends
-# in a call,
-#     ...</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n
-# followed by the generation prompt <|im_start|>assistant\n. The model stops on </tool_call>, so the
-# <|im_end|>\n that closes its message is part of the tool turn here. (prefix, suffix) around the
-# content; a model family with another template needs another pair. The tiny tokenizer has
-# <|im_start|> and <|im_end|> as single ids and spells the rest out character by character, so the
-# same pair serves it.
+# (prefix, suffix) around a tool turn's content, as the "tool" branch of Qwen2.5-*-Instruct's chat
+# template renders it (Qwen3's is the same), then the generation prompt. The model stops on
+# </tool_call>, so the <|im_end|>\n that closes its message opens the tool turn. Another template
+# needs another pair; the tiny tokenizer (<|im_start|> and <|im_end|> single ids, the rest character
+# by character) uses this one.
 QWEN_TOOL_TURN = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n",
                   "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
 # The function as a JSON schema, for the prompt's tool list (apply_chat_template(...,
 # tools=[CODE_INTERPRETER_TOOL]) renders Qwen's "# Tools" system block with it)
-CODE_INTERPRETER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": CODE_INTERPRETER,
-        "description": "Run Python code and return what it prints.",
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string", "description": "the Python code"}},
-            "required": ["code"],
-        },
-    },
-}
+CODE_INTERPRETER_TOOL = {"type": "function", "function": {
+    "name": CODE_INTERPRETER, "description": "Run Python code and return what it prints.",
+    "parameters": {"type": "object",
+                   "properties": {"code": {"type": "string", "description": "the Python code"}},
+                   "required": ["code"]}}}
 
 
 @dataclasses.dataclass
 class ToolRollouts(rollout.Rollouts):
-    """Rollouts of multi-turn tool use. token_ids is the whole response: model turns and tool turns interleaved,
-    exactly the ids the model saw after the prompt, so prompt ids + token_ids is the sequence a trainer rebuilds.
-    Tool tokens are context, not actions: a trainer leaves them (tool_mask) out of the loss, the entropy statistics
-    and the log-prob mismatch.
-    texts holds what the verifier scores: the model's last turn only (the text after the last tool turn, or the call
-    that ended the response), so that an answer printed by the code earns nothing; full_texts holds everything.
-    finish_reasons: "stop" (the model answered without a call), "length" (the token budget ran out, in a model turn
-    or a tool turn) or "max_turns" (the last allowed turn still made a call; that call is not executed)."""
+    """Rollouts of multi-turn tool use. token_ids is the whole response, model and tool turns
+    interleaved: exactly the ids the model saw after the prompt. Tool tokens are context, not
+    actions: a trainer leaves them (tool_mask) out of the loss, the entropy statistics and the
+    log-prob mismatch. texts holds what the verifier scores: the model's last turn only (after the
+    last tool turn, or the call that ended the response), so an answer printed by the code earns
+    nothing; full_texts holds everything. finish_reasons: "stop" (answered without a call),
+    "length" (out of tokens, in a model or a tool turn) or "max_turns" (the last allowed turn still
+    made a call, which is not run)."""
 
     # [N] per response token: True = a tool-turn token (not sampled: its logprobs entry is 0.0)
     tool_mask: list
@@ -96,31 +83,21 @@ class _Conversation:
 
 
 def generate_with_tools(engine, tokenizer, prompt_token_ids, seeds, cfg, sandbox_cfg):
-    """cfg.n multi-turn responses per prompt: the model may call the code interpreter, sees the
-    output, and goes on. cfg: config.RolloutConfig (sampling as in `generate`, max_turns,
-    max_tool_response_tokens); sandbox_cfg: config.SandboxConfig; tokenizer: the engine's (for the
-    tool turns and full_texts).
+    """cfg.n multi-turn responses per prompt -> ToolRollouts, prompt-major like `generate`. cfg:
+    config.RolloutConfig (sampling as in `generate`, max_turns, max_tool_response_tokens);
+    sandbox_cfg: config.SandboxConfig; tokenizer: the engine's (for the tool turns and full_texts).
 
-    Every turn is one engine.generate call over all unfinished conversations, stopping at
-    </tool_call>. A turn that ends in a call gets a tool turn: the call is parsed
-    (`parse_tool_call`), all valid calls of the turn run in one sandbox.run_batch (bounded by
-    sandbox_cfg.max_workers), an invalid one gets an error message instead, and each result is
-    tokenised once (`tool_turn_ids`) and appended. A conversation ends when the model answers
-    without a call ("stop"), when its turn number max_turns ends in a call ("max_turns"), or when
-    the response reaches max_tokens, model and tool tokens counted together ("length"; each model
-    turn may use what is left, and a tool turn that does not fit is cut to the budget). A call is
-    executed only if its result can be shown.
+    Each turn is one engine.generate call over the unfinished conversations, stopping at
+    </tool_call>; the valid calls of a turn run in one sandbox.run_batch, an invalid one gets an
+    error message instead. max_tokens bounds the whole response, model and tool tokens together: a
+    tool turn that does not fit is cut to it, and a call runs only if its result can be shown.
 
-    seeds: one per prompt, in [0, 2**56); sample j of a prompt with seed s uses `turn_seed(s, n, j,
-    turn)` at each turn, so a response depends on its own seed only, not on the batch or on when
-    the other conversations finish (on CPU; GPU kernels may vary with batch composition).
-    -> ToolRollouts, prompt-major like `generate`. The call tags must reach vLLM's detokenized
-    text: plain text, or added tokens not marked special (as <tool_call> is in Qwen2.5).
-
-    A prompt may end inside the assistant's message (a prefill): if it leaves a <tool_call> open,
-    the first turn's call is read from the prefill and the sampled text together; a prefill of
-    '<tool_call>\\n{"name": "code_interpreter", "arguments": {"code": "' thus asks every first turn
-    for a call.
+    seeds: one per prompt, in [0, 2**56); each turn samples with `turn_seed`, so a response depends
+    on its own seed only, not on the batch or on when the other conversations finish (on CPU; GPU
+    kernels may vary with batch composition). The call tags must reach vLLM's detokenized text:
+    plain text, or added tokens not marked special (as <tool_call> is in Qwen2.5). A prompt may end
+    inside the assistant's message: a <tool_call> it leaves open (`_open_call`) is read with the
+    first turn's text, so such a prefill asks every first turn for a call.
     """
     rollout.check_seeds(seeds, prompt_token_ids)
     if cfg.max_turns < 1 or cfg.max_tokens < 1:
@@ -149,13 +126,11 @@ def _sample_turn(engine, active, seeds, cfg):
     turn processed), with what is left of the budget. -> one CompletionOutput per conversation."""
     from vllm import SamplingParams
 
-    params = [
-        SamplingParams(
-            n=1, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            max_tokens=cfg.max_tokens - len(c.token_ids), stop=[TOOL_CALL_CLOSE],
-            include_stop_str_in_output=True, logprobs=0, flat_logprobs=True,
-            seed=None if seeds is None else seeds[k])
-        for k, c in enumerate(active)]
+    params = [SamplingParams(n=1, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                             max_tokens=cfg.max_tokens - len(c.token_ids), stop=[TOOL_CALL_CLOSE],
+                             include_stop_str_in_output=True, logprobs=0, flat_logprobs=True,
+                             seed=None if seeds is None else seeds[k])
+              for k, c in enumerate(active)]
     outputs = engine.generate(
         [{"prompt_token_ids": c.prompt_ids + c.token_ids} for c in active], params, use_tqdm=False)
     return [request.outputs[0] for request in outputs]
@@ -169,17 +144,14 @@ def _model_turn(conversation, completion, turn, cfg, tokenizer):
     conversation.num_turns += 1
     conversation.answer_text = completion.text
     if completion.finish_reason != "stop" or completion.stop_reason != TOOL_CALL_CLOSE:
-        # an answer ("stop"), or out of budget ("length")
-        conversation.finish_reason = completion.finish_reason
-    elif turn + 1 == cfg.max_turns:
-        # no turn left to read the result: the call is not run
+        conversation.finish_reason = completion.finish_reason  # an answer, or out of budget
+    elif turn + 1 == cfg.max_turns:  # no turn left to read the result: the call is not run
         conversation.finish_reason = "max_turns"
     elif len(conversation.token_ids) == cfg.max_tokens:
         conversation.finish_reason = "length"  # no room left for the result: the call is not run
     else:
         text = completion.text
-        # the call may have begun in the prompt (a prefill)
-        if turn == 0 and TOOL_CALL_OPEN not in text:
+        if turn == 0 and TOOL_CALL_OPEN not in text:  # the call may have begun in a prefill
             text = _open_call(tokenizer, conversation.prompt_ids) + text
         return (conversation, *parse_tool_call(text))
     return None
@@ -204,13 +176,10 @@ def _tool_turns(calls, tokenizer, wrapper, cfg, sandbox_cfg):
 
 
 def turn_seed(seed, n, sample, turn):
-    """The sampling seed of sample `sample` (0 .. n-1) of the prompt with seed `seed`, at model turn
-    `turn`.
-
-    Turn 0 uses seed * n + sample, the seed vLLM gives that sample in `generate` (child j of a
-    request seeded seed * n gets seed * n + j), so a first turn is exactly what `generate` samples.
-    Later turns derive a seed from (seed, sample, turn): independent of which other conversations
-    are still running."""
+    """The sampling seed of sample `sample` (0 .. n-1) of the prompt seeded `seed`, at model turn
+    `turn`. Turn 0's is seed * n + sample, the seed vLLM gives that sample in `generate` (child j
+    of a request seeded seed * n gets seed * n + j), so a first turn is exactly what `generate`
+    samples; later turns derive one from (seed, sample, turn), whatever other conversations run."""
     if turn == 0:
         return seed * n + sample
     return data.derive_seed(seed, "turn", sample, turn)
@@ -224,8 +193,6 @@ def parse_tool_call(text):
     "code_interpreter", "arguments": {"code": "..."}} (whitespace around it is allowed, as Qwen's
     template writes it on its own lines). The arguments may also be a JSON string holding that
     object (OpenAI's style)."""
-    import json
-
     body = text[:text.rindex(TOOL_CALL_CLOSE)] if TOOL_CALL_CLOSE in text else text
     if TOOL_CALL_OPEN not in body:
         return None, f"Error: {TOOL_CALL_CLOSE} without {TOOL_CALL_OPEN}; write " + _CALL_EXAMPLE
@@ -255,17 +222,14 @@ _CALL_EXAMPLE = (
 
 
 def tool_turn_ids(tokenizer, content, wrapper, max_content_tokens):
-    """The ids of one tool turn: prefix ids + content ids + suffix ids. wrapper: the (prefix,
-    suffix) id lists, from QWEN_TOOL_TURN tokenised once. The content (the sandbox's output and
-    error line) loses its trailing newlines (the template puts one before </tool_response>) and is
-    tokenised with special tokens split: a program printing "<|im_end|>" shows the model those
-    characters, not the control token. Longer than max_content_tokens, it keeps the first and the
-    last half with a marker between them, as sandbox.py does with bytes (the error line is last).
-
-    Tokenising the three parts separately, rather than the rendered text at once, can differ from
-    apply_chat_template at the two seams when the content starts or ends with whitespace that BPE
-    would merge with the template's newline. The model sees these ids whatever they are, and the
-    trainer the same ones."""
+    """The ids of one tool turn: prefix + content + suffix ids (wrapper: QWEN_TOOL_TURN tokenised).
+    The content (the sandbox's output and error line) loses its trailing newlines (the template
+    puts one before </tool_response>) and is tokenised with special tokens split: a program
+    printing "<|im_end|>" shows the model those characters, not the control token. Longer than
+    max_content_tokens, it keeps the first and the last half with a marker between them, as
+    sandbox.py does with bytes (the error line is last). Tokenising the parts apart can differ from
+    apply_chat_template at the seams, where BPE would merge the content's edge whitespace with the
+    template's newline; the model sees these ids whatever they are, and the trainer the same."""
     ids = tokenizer.encode(
         content.rstrip("\n"), add_special_tokens=False, split_special_tokens=True)
     if len(ids) > max_content_tokens:
@@ -302,16 +266,13 @@ def _count_call(conversation, result):
 
 
 def _tool_rollouts(conversations, tokenizer):
+    shared_fields = ("prompt_index", "token_ids", "logprobs", "tool_mask", "num_turns", "num_calls",
+                     "num_errors", "num_timeouts", "num_sandbox_failures", "num_invalid")
     cs = conversations
     return ToolRollouts(
-        prompt_index=[c.prompt_index for c in cs], token_ids=[c.token_ids for c in cs],
-        logprobs=[c.logprobs for c in cs], finish_reasons=[c.finish_reason for c in cs],
-        texts=[c.answer_text for c in cs], tool_mask=[c.tool_mask for c in cs],
-        full_texts=[tokenizer.decode(c.token_ids, skip_special_tokens=False) for c in cs],
-        num_turns=[c.num_turns for c in cs], num_calls=[c.num_calls for c in cs],
-        num_errors=[c.num_errors for c in cs], num_timeouts=[c.num_timeouts for c in cs],
-        num_sandbox_failures=[c.num_sandbox_failures for c in cs],
-        num_invalid=[c.num_invalid for c in cs])
+        **{name: [getattr(c, name) for c in cs] for name in shared_fields},
+        finish_reasons=[c.finish_reason for c in cs], texts=[c.answer_text for c in cs],
+        full_texts=[tokenizer.decode(c.token_ids, skip_special_tokens=False) for c in cs])
 
 
 def tool_sums(out):
