@@ -2,18 +2,11 @@
 
     loss, metrics = baselines.policy_loss(method, batch, cfg)     # method in METHODS, cfg a config.LossConfig
 
-runs any of: grpo, stare, stapo, lp_reg, clip_cov, kl_cov, high_entropy, entropy_bonus, steer,
-w_reinforce, entropic, adaptive_entropy, grpo_dropout, on the same tensors, on top of one of the policy losses POLICY_LOSSES
-(`cfg.policy_loss`): PPO-clip (`stare.clipped_surrogate`), or verl's GSPO, CISPO and SAPO
-(`gspo_surrogate`, `cispo_surrogate`, `sapo_surrogate`); `refused_combination` says which pairs
-have no meaning. GRPO, DAPO (clip-higher, dual clip, token-mean) and Dr.GRPO (advantages without
-std, `seq-mean-token-sum-norm`) are settings of `config.LossConfig` and
-`stare.group_advantages`, not separate methods. "Eq. N" refers to docs/method.md.
-
-A new method is an edit of this file and config.py (docs/method.md, "Methods", lists the places):
-its name in METHODS, its selection in `token_selection`, its token loss in `method_token_loss`,
-its inputs in EXTRA_INPUTS / `old_policy_inputs`, and, if it carries state across steps, a
-stare.MethodState subclass registered in STATEFUL.
+runs any method of METHODS on the same tensors, on top of one of POLICY_LOSSES (`cfg.policy_loss`):
+PPO-clip (`stare.clipped_surrogate`) or verl's GSPO, CISPO, SAPO; `refused_combination` says which
+pairs have no meaning. GRPO, DAPO and Dr.GRPO are settings of `config.LossConfig` and
+`stare.group_advantages`. "Eq. N" refers to docs/method.md, whose "Methods" lists the edit sites
+of a new method (this file and config.py only).
 
 `batch` is a dict of [B, T] tensors (advantages may be [B]):
     logprobs        log pi_theta of the sampled tokens, current policy, with grad
