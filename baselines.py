@@ -1,12 +1,12 @@
 """baselines.py: the token-level entropy controls STARE is compared with, behind one switch.
 
-    loss, metrics = baselines.policy_loss(method, batch, cfg)     # method in METHODS, cfg a config.LossConfig
+    loss, metrics = baselines.policy_loss(method, batch, cfg)  # cfg: a config.LossConfig
 
-runs any method of METHODS on the same tensors, on top of one of POLICY_LOSSES (`cfg.policy_loss`):
-PPO-clip (`stare.clipped_surrogate`) or verl's GSPO, CISPO, SAPO; `refused_combination` says which
-pairs have no meaning. GRPO, DAPO and Dr.GRPO are settings of `config.LossConfig` and
-`stare.group_advantages`. "Eq. N" refers to docs/method.md, whose "Methods" lists the edit sites
-of a new method (this file and config.py only).
+runs any of METHODS on the same tensors, on top of one of POLICY_LOSSES (`cfg.policy_loss`):
+PPO-clip (`stare.clipped_surrogate`) or verl's GSPO, CISPO and SAPO; `refused_combination` says
+which pairs have no meaning. GRPO, DAPO and Dr.GRPO are settings of `config.LossConfig`, not
+methods. "Eq. N" refers to docs/method.md; its "Methods" lists the sources, the knobs, and the
+places a new method edits.
 
 `batch` is a dict of [B, T] tensors (advantages may be [B]):
     logprobs        log pi_theta of the sampled tokens, current policy, with grad
@@ -14,22 +14,19 @@ of a new method (this file and config.py only).
     advantages      [B] or [B, T]
     rewards, groups [B]: each response's reward and its group's id (grpo_dropout)
     mask            1 = a response token that counts
-    entropy         next-token entropy (stapo, high_entropy: detached is fine; entropy_bonus: with grad)
+    entropy         next-token entropy (stapo, high_entropy: may be detached; entropy_bonus: grad)
     old_entropy     H under pi_old, for STEER's weights (optional: `entropy` when absent)
-    proxy_logprobs  Lp-Reg's min-p proxy log-prob of the sampled token (`minp_proxy_logprobs`, old policy)
+    proxy_logprobs  Lp-Reg's proxy log-prob of the sampled token (`minp_proxy_logprobs`, pi_old)
     sensitivity     STEER's steer_estimate="sensitivity": stare.entropy_sensitivity, pi_old
 
 Each method first decides per token what to change (`token_selection`), then the loss applies it.
-Selections that rank or average over tokens depend on which tokens they see: `policy_loss` alone
-selects within the batch it is given (the references' per-micro-batch behaviour); the trainer
-instead calls `token_selection` once on the whole optimizer step and passes each micro-batch its
-slice (`selection=`), so the update does not depend on the micro-batch size. The token-mean's
-denominator is `loss_mask(...)`'s count, summed over the step.
+`policy_loss` alone selects within the batch it is given (the references' per-micro-batch
+behaviour); the trainer selects once over the optimizer step and passes each micro-batch its slice
+(`selection=`), so the update does not depend on the micro-batch size (Eq. 7).
 
-Pure functions of tensors: no I/O, no torch.distributed, no global state. Randomness (Clip-Cov)
-comes from a torch.Generator passed in. State across steps (STARE's gate, EntroPIC's controller)
-lives in stare.MethodState objects that `method_states` builds and the trainer updates once per
-step; `policy_loss` reads them (`states=`).
+Pure functions of tensors: no I/O, no torch.distributed, no global state. Randomness comes from a
+torch.Generator passed in; state across steps lives in the stare.MethodState objects that
+`method_states` builds, the trainer updates once per step and `policy_loss` reads (`states=`).
 """
 
 import difflib
@@ -43,9 +40,7 @@ METHODS = ("grpo", "stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entro
            "entropy_bonus", "steer", "w_reinforce", "entropic", "adaptive_entropy",
            "grpo_dropout")
 # What the trainer gives each method: the per-token inputs of pi_old it needs beyond logprobs,
-# old_logprobs, advantages, mask and entropy; and whether `token_selection` decides anything for it
-# (then the trainer selects once over the whole step, all ranks, and hands each micro-batch its
-# slice).
+# old_logprobs, advantages, mask and entropy; and whether `token_selection` decides anything for it.
 EXTRA_INPUTS = {"lp_reg": ("proxy_logprobs",), "steer": ("sensitivity",)}
 SELECTING = ("stare", "stapo", "lp_reg", "clip_cov", "kl_cov", "high_entropy", "steer", "entropic",
              "grpo_dropout")
@@ -91,11 +86,9 @@ def old_policy_inputs(method, logits, ids, temperature, cfg):
 
 
 def _count_k(ratio, n, rule):
-    """k from a fraction of n (a 0-dim device tensor), the two counting rules of Eqs. 14, 16-18:
-    'ceil' = ceil(ratio n); 'floor1' = max(1, int(ratio n)), the int() of the verl ports. Both give
-    0 when ratio = 0 (the references' max(1, .) would still pick one token), so every method has a
-    neutral setting. Both allow 1e-9 of floating-point slack: 0.29 * 100 = 28.999999999999996 gives
-    29 here and 28 with the reference's int(); the two differ only at such products."""
+    """k from a fraction of n (a 0-dim device tensor) by the counting rules of Eqs. 14, 16-18 (see
+    the note after Eq. 11): 'ceil' = ceil(ratio n), 'floor1' = max(1, int(ratio n)); 0 at ratio 0.
+    The 1e-9 of slack makes 0.29 * 100 = 28.999999999999996 give 29 (the reference's int(): 28)."""
     if ratio == 0:
         return torch.zeros((), dtype=torch.int32, device=n.device)
     x = ratio * n.double()
@@ -119,14 +112,11 @@ def _masked_quantile(values, mask, q):
 
 def stapo_spurious_mask(logprobs, entropy, advantages, mask, prob_threshold=0.01,
                         entropy_quantile=0.05):
-    """STAPO's spurious tokens (Liu et al. 2026, arXiv 2602.15620; Eq. 12): positive advantage, low probability and low
-    entropy: A > 0, pi < prob_threshold and H < the `entropy_quantile` quantile of the valid tokens' entropies.
+    """STAPO's spurious tokens (Liu et al. 2026, arXiv 2602.15620; Eq. 12): the valid tokens with
+    A > 0, pi < prob_threshold and H below the `entropy_quantile` of the valid tokens' entropies.
 
-    logprobs, entropy, mask [B, T]; advantages [B] or [B, T] -> (spurious bool [B, T], entropy
-    threshold 0-dim). The paper releases no code; the thresholds (tau_p = 0.01, tau_h = 5th
-    percentile) are from a secondary source and configurable. The probabilities and entropies are
-    whatever the caller passes (old policy in step scope). Comparisons are in float32 (a bf16
-    threshold would be rounded).
+    logprobs, entropy, mask [B, T] (old policy in step scope); advantages [B] or [B, T] ->
+    (spurious bool [B, T], entropy threshold 0-dim). Compared in float32 (bf16 would round).
     """
     valid = mask.bool()
     entropy = entropy.detach().float()
@@ -141,16 +131,13 @@ def stapo_spurious_mask(logprobs, entropy, advantages, mask, prob_threshold=0.01
 
 @torch.no_grad()
 def minp_proxy_logprobs(logits, tokens, temperature=1.0, kappa=0.02, soft=False, chunk_size=None):
-    """Lp-Reg's proxy log-prob of the sampled token (Huang et al. 2025, arXiv 2510.03222; Eq. 13).
+    """Lp-Reg's proxy log-prob of the sampled token (Huang et al. 2025, arXiv 2510.03222; Eq. 13):
+    the min-p filter on p = softmax(logits), without temperature; other logits set to -1e4 (soft:
+    the row's minimum logit), then the temperature and a softmax. (The reference's `fixed` variant,
+    p_a >= kappa, is not implemented.)
 
-    logits [..., T, V] of the *old* policy (the same tensor that gives the old log-probs and
-    entropies: no second forward pass), tokens [..., T] -> log pi_proxy(token) [..., T] float32,
-    computed in row chunks like `stare.token_logprobs_and_entropy`.
-
-    The min-p filter uses temperature-free probabilities p = softmax(logits): it keeps V = {a : p_a
-    >= kappa max p}, sets every other logit to -1e4 (soft: to the row's minimum logit), then applies
-    the temperature and a softmax. So pi_proxy(o) = pi(o) / sum_{a in V} pi(a) for o in V (at T =
-    1), and ~0 otherwise. (The reference's `fixed` variant, p_a >= kappa, is not implemented.)
+    logits [..., T, V] of the *old* policy (the pass that gives the old log-probs), tokens [..., T]
+    -> log pi_proxy(token) [..., T] float32, in row chunks like `stare.token_logprobs_and_entropy`.
     """
     import kernels
 
@@ -203,11 +190,10 @@ def advantage_logprob_covariance(logprobs, advantages, mask):
 
 def clip_cov_mask(logprobs, old_logprobs, advantages, mask, ratio, lb, ub, clip_low, clip_high,
                   generator=None):
-    """Clip-Cov's detached tokens (Cui et al. 2025, arXiv 2505.22617; Eq. 16): candidates are valid
-    tokens not already clipped by the surrogate with lb < Cov < ub; min(k, #candidates) of them, k =
-    max(1, int(ratio N_valid)), are drawn uniformly at random with `generator` (required: a
-    torch.Generator on the tensors' device, so runs are reproducible and no global RNG state is
-    touched). -> bool [B, T]."""
+    """Clip-Cov's detached tokens (Cui et al. 2025, arXiv 2505.22617; Eq. 16): of the valid tokens
+    not already clipped with lb < Cov < ub, min(k, n) drawn uniformly with `generator` (required, on
+    the tensors' device: reproducible, no global RNG state), k = max(1, int(ratio N_valid)).
+    logprobs, old_logprobs, mask [B, T], advantages [B] or [B, T] -> bool [B, T]."""
     valid = mask.bool()
     if ratio == 0:
         return torch.zeros_like(valid)
@@ -234,8 +220,7 @@ def kl_cov_mask(logprobs, advantages, mask, ratio):
     if valid.numel() == 0:
         return valid
     covariance = advantage_logprob_covariance(logprobs, advantages, mask)  # [B, T], of either sign
-    # signed: the covariances ranked exactly as they are (shifting them to >= 0 in float32 would
-    # merge near-ties)
+    # signed: ranked exactly as they are (shifted to >= 0 in float32, near-ties would merge)
     return stare.select_top_k(
         covariance, valid, _count_k(ratio, valid.sum(), "floor1"), signed=True)
 
@@ -255,12 +240,10 @@ def steer_entropy_change(logprobs, old_logprobs, advantages, entropy, mask, sens
     arXiv 2510.10150; Eq. 22). logprobs, old_logprobs, entropy, mask [B, T], advantages [B] or
     [B, T] -> |Omega| [B, T] float32, 0 off the mask. No grad.
 
-    The reference's estimate (sensitivity=None): |Omega| = |A (pi / pi_old)(1 - pi)(log pi + H)|,
-    pi from `logprobs` (the current policy in micro scope; pi_old in step scope: ratio 1) clamped
-    to [1e-8, 1 - 1e-8], pi_old clamped to [1e-8, 1], as there. H is the entropy passed in (the
-    reference's is pi_old's). It is Eq. 5's sampled-logit term divided by pi (Eq. 22).
-    With `sensitivity` (S of Eq. 5 under pi_old): |Omega| = |A (pi / pi_old) S|, the whole
-    first-order change of Eq. 6 instead of that one term.
+    pi is from `logprobs` (pi_theta in micro scope, pi_old in step scope: ratio 1), clamped to
+    [1e-8, 1 - 1e-8], pi_old to [1e-8, 1], as in the reference; H is the entropy passed in. Omega is
+    Eq. 5's sampled-logit term divided by pi; with `sensitivity` (S of Eq. 5 under pi_old) it is
+    A (pi / pi_old) S, Eq. 6's whole first-order change.
     """
     valid = mask.bool()
     logprobs, old_logprobs = logprobs.detach().float(), old_logprobs.detach().float()
@@ -278,16 +261,12 @@ def steer_entropy_change(logprobs, old_logprobs, advantages, entropy, mask, sens
 
 def steer_weights(omega, mask, weight_min=0.8, weight_max=1.2, linear=False):
     """STEER's token weights lambda from |Omega| (Eq. 23): the larger a token's estimated entropy
-    change, either way, the smaller its weight. omega [B, T] (>= 0, `steer_entropy_change`), mask
-    [B, T] -> (weights [B, T] float32, 1 off the mask; the batch's largest |Omega|, 0-dim).
+    change, either way, the smaller its weight: exponential (default) or `linear`, max and min over
+    the valid tokens passed in (the trainer's: the whole step). All |Omega| equal, linear: the
+    midpoint. weight_min = weight_max = 1 gives lambda = 1 exactly (GRPO).
 
-    exponential (default): lambda = clamp(exp(-k |Omega|), weight_min, 1) with
-    k = -log(weight_min) / max(max |Omega|, 0.02): the largest |Omega| gets weight_min; the floor
-    0.02 keeps a batch of tiny changes near 1. linear: lambda = weight_max - (|Omega| - min)
-    (weight_max - weight_min) / (max - min), clamped to [weight_min, weight_max]; all equal: the
-    midpoint. max and min are over the valid tokens of the batch passed in, so the trainer computes
-    the weights once per step (`token_selection`). weight_min = weight_max = 1 gives lambda = 1
-    exactly (GRPO).
+    omega [B, T] (>= 0, `steer_entropy_change`), mask [B, T] -> (weights [B, T] float32, 1 off the
+    mask; the batch's largest |Omega|, 0-dim).
     """
     valid = mask.bool()
     empty = omega.numel() == 0
@@ -315,21 +294,14 @@ def entropic_high_prob_mask(logprobs, mask, prob_threshold=0.95):
 
 
 class EntropyPIController(stare.MethodState):
-    """EntroPIC's proportional-integral controller of the coefficient alpha (Eq. 26).
+    """EntroPIC's proportional-integral controller of the coefficient alpha (Eq. 26), fed the
+    gate's entropy: alpha = clip(kp e + ki I, coef_min, coef_max), e = H - target, I the sum of the
+    earlier steps' errors (the reference adds this step's after using it); alpha > 0 sharpens
+    (Eq. 25). Starts at alpha = 0 (the GRPO loss).
 
-    Once per optimizer step, before the update, `update(batch_entropy)` with the same signal as
-    STARE's gate (stare.EntropyGate): the step's token-mean entropy under pi_old, all ranks. The
-    error is H - target (positive: too much entropy), alpha = clip(kp e + ki I, coef_min, coef_max)
-    with I the sum of the earlier steps' errors (the reference adds this step's error after using
-    it), so alpha > 0 sharpens (Eq. 25) and alpha < 0 flattens. The integral is not bounded (no
-    anti-windup), as in the reference; only alpha is clipped. A non-finite entropy leaves the state
-    unchanged and `update` returns False. Starts at alpha = 0 (the GRPO loss).
-
-    Two deviations from the reference, off by default (Eq. 26's notes): start="crossing" holds
-    alpha and the integral at 0 until the first step whose entropy is at or below the target
-    (a target below the starting entropy is then not first approached by sharpening), and
-    anti_windup=True adds no error to the integral at a step whose alpha is clipped at a bound
-    that the error pushes against (conditional integration).
+    Off by default, two deviations from the reference (Eq. 26): start="crossing" holds alpha and I
+    at 0 until the entropy first reaches the target (so a target below the starting entropy is not
+    approached by sharpening first); anti_windup=True (conditional integration).
     """
 
     def __init__(self, target_entropy=0.3, kp=1.0, ki=0.01, coef_min=-1.0, coef_max=1.0,
@@ -348,16 +320,11 @@ class EntropyPIController(stare.MethodState):
         self.coef = 0.0  # alpha for this step's update
         self.current_entropy = float("nan")  # last accepted batch entropy
 
-    def update(self, batch_entropy):
-        """Feed the batch-mean entropy (float or 0-dim tensor); Eq. 26. Returns False (state
-        unchanged) if it is not finite."""
-        entropy = float(batch_entropy)  # one host read per optimizer step
-        if not math.isfinite(entropy):
-            return False
-        self.current_entropy, self.error = entropy, entropy - self.target_entropy
+    def step(self, entropy):  # Eq. 26
+        self.error = entropy - self.target_entropy
         self.started = self.started or self.error <= 0
         if not self.started:
-            return True
+            return
         unclipped = self.kp * self.error + self.ki * self.integral
         self.coef = min(max(unclipped, self.coef_min), self.coef_max)
         # at a bound, an error of the sign that pushes past it would only wind the integral up
@@ -365,7 +332,6 @@ class EntropyPIController(stare.MethodState):
                 or (unclipped < self.coef_min and self.error < 0))
         if not (self.anti_windup and held):
             self.integral += self.error
-        return True
 
     name = "entropic"
     STATE_KEYS = ("target_entropy", "kp", "ki", "coef_min", "coef_max", "integral", "error",
@@ -391,15 +357,11 @@ def _entropic_controller(cfg):
 
 
 class AdaptiveEntropyCoefficient(stare.MethodState):
-    """The entropy bonus's coefficient following a target entropy (Eq. 30; Skywork-OR1's
-    EntController, SkyworkAI/Skywork-OR1 @64e96af, verl/trainer/ppo/core_algos.py; the rule of TRL
-    PR #6140).
-
-    `update(batch_entropy)` once per step, before the update: the bonus this step applies, `applied`,
-    is the one the earlier steps set (the reference moves its controller after the update, so a
-    step's entropy acts from the next step), then H < target raises the coefficient by delta, else
-    lowers it, within [coef_min, coef_max], and enables the bonus for the next step only while H <
-    target. Starts at coef_init, enabled. A non-finite entropy leaves the state unchanged.
+    """The entropy bonus's coefficient following a target entropy (Eq. 30: Skywork-OR1's
+    EntController, TRL PR #6140's rule). At each `update` the bonus applied this step, `applied`, is
+    the one the earlier steps set (a step's entropy acts from the next step, as there); then H <
+    target raises the coefficient by delta, else lowers it, within [coef_min, coef_max], and enables
+    the next step's bonus only while H < target.
     """
 
     name = "adaptive_entropy"
@@ -417,17 +379,12 @@ class AdaptiveEntropyCoefficient(stare.MethodState):
         self.applied = 0.0  # the coefficient of this step's bonus
         self.current_entropy = float("nan")  # last accepted batch entropy
 
-    def update(self, batch_entropy):
-        entropy = float(batch_entropy)  # one host read per optimizer step
-        if not math.isfinite(entropy):
-            return False
+    def step(self, entropy):  # Eq. 30
         self.applied = self.coef if self.enabled else 0.0
-        self.current_entropy = entropy
         below = entropy < self.target_entropy
-        step = self.delta if below else -self.delta
-        self.coef = min(max(self.coef + step, self.coef_min), self.coef_max)
+        change = self.delta if below else -self.delta
+        self.coef = min(max(self.coef + change, self.coef_min), self.coef_max)
         self.enabled = below
-        return True
 
     def metrics(self, accepted):
         return {"adaptive_entropy/update_accepted": float(accepted),
@@ -452,23 +409,17 @@ STATEFUL = {"entropic": _entropic_controller, "adaptive_entropy": _adaptive_entr
 
 def token_selection(method, batch, cfg, states=None, generator=None):
     """What `method` changes, per token, decided on `batch` -> (selection dict of [B, T] tensors,
-    metrics dict). The sets of Eqs. 7-8 (stare), 12-18 (the baselines) and STEER's weights (Eqs. 22,
-    23), EntroPIC's high-probability tokens (Eq. 25); W-REINFORCE's weight (Eq. 24) needs no
-    batch-level decision.
-
-    Call it on a micro-batch (the references' behaviour) or once on the whole optimizer step, then
-    slice the tensors per micro-batch for `policy_loss(..., selection=...)`. Uses batch["logprobs"]
-    detached: in step scope pass the old log-probs there. `states`: `method_states`'s; STARE uses
-    the gate's gate_on, w and m (no gate: EntropyGate()'s, on).
+    metrics dict): the sets of Eqs. 7-8, 12-18, 25, STEER's weights (Eqs. 22-23), GRPODropout's
+    responses (Eq. 31). On a micro-batch or the whole step (slice the result per micro-batch for
+    `policy_loss(..., selection=...)`); batch["logprobs"] is used detached: in step scope pass the
+    old log-probs there. STARE uses `states`' gate (none: EntropyGate()'s defaults, on).
     """
     _check_method(method)
     logprobs, advantages, mask = batch["logprobs"].detach(), batch["advantages"], batch["mask"]
-    # candidate counts: when a method touches nothing, they say why (no token of the right sign, too
-    # few for k)
+    # candidate counts: when a method touches nothing, they say why (no token of the sign, too few)
     signed = stare.broadcastable_advantages(advantages, logprobs)
     positive, negative = (mask.bool() & (signed > 0)).sum(), (mask.bool() & (signed < 0)).sum()
     if method == "stare":
-        # no gate given: on, default w and m
         gate = (states or {}).get("gate") or stare.EntropyGate()
         weights, stats = stare.stare_weights(
             logprobs, advantages, mask, cfg.stare_variant, cfg.stare_top_ratio, gate.w, gate.m,
@@ -526,14 +477,12 @@ def token_selection(method, batch, cfg, states=None, generator=None):
 
 
 def balanced_push_selection(push, generator=None, eps=1e-12):
-    """GRPODropout's choice of one group's rollouts (Eq. 31; hexuandeng/GRPODropout @4ad3b3b,
-    selector_methods.py: select_balanced_push_zero): push [G] float64, u_k = A_k (s_k - mean s) ->
-    kept [G] bool.
+    """GRPODropout's choice of one group's rollouts (Eq. 31; the reference's
+    select_balanced_push_zero): push [G] float64, u_k = A_k (s_k - mean s) -> kept [G] bool.
 
-    Every positive push is kept; the negative ones, least negative first, while the running sum
-    stays above eps; at least max(1, G // 4) rollouts (zero pushes first). A group of one sign only
-    keeps its positive pushes, padded by zero, then by the least negative ones. All pushes zero:
-    max(1, G // 4) rollouts drawn with `generator` (the reference seeds Python's random by group)."""
+    Kept as Eq. 31 says, padded to max(1, G // 4) by zero pushes first. A group of one sign keeps
+    its positive pushes, padded by zero, then by the least negative ones. All pushes zero: max(1,
+    G // 4) rollouts drawn with `generator` (the reference seeds Python's random by group)."""
     size = push.numel()
     minimum = max(1, size // 4)
     values = push.tolist()
@@ -559,14 +508,10 @@ def balanced_push_selection(push, generator=None, eps=1e-12):
 
 
 def grpo_dropout(logprobs, advantages, rewards, groups, mask, cfg, generator=None):
-    """GRPODropout (Eq. 31; hexuandeng/GRPODropout @4ad3b3b, its "balance" variant): which whole
-    responses update, and their new advantages. logprobs [B, T] (pi_old), advantages, rewards,
-    groups [B] (a group id per response), mask [B, T] -> (kept [B] bool, advantages [B]).
-
-    Per group: l_k the mean (or, grpo_dropout_basis "sum", the sum) of the response's log-probs,
-    push u_k = A_k (s_k - mean_j s_j) with s = -l (balanced_push_selection); the kept responses'
-    advantages recomputed by Eq. 1 over them alone, then shifted so that their softmax(l)-weighted
-    mean is 0. The dropped ones' are 0. grpo_dropout_drop / grpo_dropout_center off: GRPO's."""
+    """GRPODropout (Eq. 31, "balance" variant): which whole responses update, and their new
+    advantages (the dropped ones': 0). logprobs [B, T] (pi_old), advantages, rewards, groups [B] (a
+    group id per response), mask [B, T] -> (kept [B] bool, advantages [B]). l_k is the mean of the
+    response's log-probs (grpo_dropout_basis "sum": the sum)."""
     valid = mask.to(logprobs.dtype)
     ell = (logprobs.detach() * valid).sum(-1)  # [B]
     if cfg.grpo_dropout_basis == "avg":
@@ -585,7 +530,8 @@ def grpo_dropout(logprobs, advantages, rewards, groups, mask, cfg, generator=Non
             kept[chosen] = True
             if len(chosen) < len(rows):  # Eq. 1 over the kept responses
                 new_advantages[rows] = 0.0
-                new_advantages[chosen] = stare.group_advantages(rewards[chosen].float(), len(chosen))
+                new_advantages[chosen] = stare.group_advantages(
+                    rewards[chosen].float(), len(chosen))
         else:
             chosen = rows
         if cfg.grpo_dropout_center:
@@ -597,25 +543,20 @@ def grpo_dropout(logprobs, advantages, rewards, groups, mask, cfg, generator=Non
 # ==================================================================================================
 # Policy losses beside PPO-clip: GSPO, CISPO, SAPO (per-token losses for stare.aggregate_loss)
 # ==================================================================================================
-# Each matches verl's function at volcengine/verl@b178a3c (verl/trainer/ppo/core_algos.py) bit for
-# bit, values and gradients, when aggregated as verl's recipe does (tests/test_policy_losses.py).
+# Each matches verl's function bit for bit, values and gradients, when aggregated as verl's recipe
+# does (see the note after Eq. 29; tests/test_policy_losses.py).
 
 
 def gspo_surrogate(logprobs, old_logprobs, advantages, mask, clip_low=3e-4, clip_high=4e-4):
-    """GSPO's per-token loss (Zheng et al. 2025, arXiv 2507.18071; Eq. 27): PPO's clip applied to a
-    sequence-level, length-normalised ratio. verl: compute_policy_loss_gspo.
+    """GSPO's per-token loss (Zheng et al. 2025, arXiv 2507.18071; Eq. 27; verl's
+    compute_policy_loss_gspo): PPO's clip, without dual clip, of a sequence-level,
+    length-normalised ratio s_i (no +-20 clamp per token) whose gradient is s_i d log pi_{i,t} (0
+    where the clamp at 10 acts). Defaults: the paper's (Sec. 5.1) and verl's recipes' clip ranges.
 
-    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B] or [B, T], mask [B, T] ->
+    logprobs [B, T] (with grad), old_logprobs, mask [B, T], advantages [B] or [B, T] ->
     (token_loss [B, T], stats as stare.clipped_surrogate's).
-
-      log s_i   = sum_t m (log pi - log pi_old) / max(sum_t m, 1)      (no +-20 clamp per token)
-      s_{i,t}   = exp(min(sg[log s_i] + log pi_{i,t} - sg[log pi_{i,t}], 10))
-      loss      = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high))   (no dual clip)
-    The value of s_{i,t} is s_i; its gradient is s_i d log pi_{i,t} (zero where the clamp at 10
-    acts). verl aggregates it as seq-mean-token-mean whatever loss_agg_mode says; defaults: the
-    paper's (Sec. 5.1) and verl's GSPO recipes' clip ranges.
     """
-    _check_clip(clip_low, clip_high)
+    stare.check_clip(clip_low, clip_high)
     token_adv = stare.token_advantages(advantages, logprobs).to(logprobs.dtype)  # [B, T]
     log_ratio = logprobs - old_logprobs  # [B, T]
     seq_lengths = mask.sum(-1).clamp(min=1)  # [B], an integer count for bool masks
@@ -635,22 +576,15 @@ def gspo_surrogate(logprobs, old_logprobs, advantages, mask, clip_low=3e-4, clip
 
 
 def cispo_surrogate(logprobs, old_logprobs, advantages, mask, clip_low=10.0, clip_high=0.2):
-    """CISPO's per-token loss (MiniMax 2025, MiniMax-M1, arXiv 2506.13585; Eq. 28): REINFORCE on
-    every token, weighted by the clipped importance ratio with its gradient stopped. verl:
-    compute_policy_loss_cispo.
+    """CISPO's per-token loss (MiniMax-M1, arXiv 2506.13585; Eq. 28; verl's
+    compute_policy_loss_cispo): REINFORCE on every token, weighted by the clipped importance ratio
+    with its gradient stopped; the value holds log pi itself (on-policy -A log pi). A clipped ratio
+    only caps the weight. Defaults: verl's CISPO example (the paper gives no values).
 
-    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B] or [B, T], mask [B, T] ->
+    logprobs [B, T] (with grad), old_logprobs, mask [B, T], advantages [B] or [B, T] ->
     (token_loss [B, T], stats as stare.clipped_surrogate's).
-
-      r    = exp(clamp(log pi - log pi_old, -20, 20))
-      loss = -sg[clip(r, 1 - clip_low, 1 + clip_high)] A log pi
-    The value holds log pi itself (not r): on-policy it is -A log pi, and its gradient -A d log pi.
-    No token loses its gradient: a clipped ratio only caps the weight. The paper sets no lower
-    bound ("a large value") and publishes no upper one; the defaults are verl's CISPO example's
-    (clip_ratio_low 10, clip_ratio_high 0.2). verl aggregates it by loss_agg_mode (token-mean there,
-    as the paper's 1 / sum |o_i|).
     """
-    _check_clip(clip_low, clip_high)
+    stare.check_clip(clip_low, clip_high)
     token_adv = stare.token_advantages(advantages, logprobs).to(logprobs.dtype)  # [B, T]
     log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)  # [B, T]
     ratio = torch.exp(log_ratio)
@@ -663,19 +597,13 @@ def cispo_surrogate(logprobs, old_logprobs, advantages, mask, clip_low=10.0, cli
 
 
 def sapo_surrogate(logprobs, old_logprobs, advantages, mask, tau_pos=1.0, tau_neg=1.05):
-    """SAPO's per-token loss (Gao et al. 2025, arXiv 2511.20347; Eq. 29): a sigmoid gate of the
-    ratio in place of the hard clip, steeper (tau_neg > tau_pos) for negative advantages. verl:
-    compute_policy_loss_sapo.
+    """SAPO's per-token loss (Gao et al. 2025, arXiv 2511.20347; Eq. 29; verl's
+    compute_policy_loss_sapo): a sigmoid gate of the ratio in place of the clip, steeper (tau_neg >
+    tau_pos) for A < 0; on-policy the gradient is GRPO's. tau is a tensor of the loss's dtype, as in
+    verl, so that 4 / tau rounds as there. Defaults: the paper's and verl's.
 
-    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B] or [B, T], mask [B, T] ->
-    (token_loss [B, T], stats as stare.clipped_surrogate's; SAPO clips nothing, so its clip
-    fractions are 0).
-
-      r    = exp(clamp(log pi - log pi_old, -20, 20)),  tau = tau_pos if A > 0 else tau_neg
-      loss = -(4 / tau) sigmoid(tau (r - 1)) A
-    On-policy the gate is 2 / tau and its slope 1: the gradient is GRPO's, -A d log pi. tau is a
-    tensor of the loss's dtype, as in verl, so that 4 / tau rounds as there. verl aggregates it as
-    seq-mean-token-mean whatever loss_agg_mode says; defaults: the paper's and verl's.
+    logprobs [B, T] (with grad), old_logprobs, mask [B, T], advantages [B] or [B, T] ->
+    (token_loss [B, T], stats as stare.clipped_surrogate's; SAPO clips nothing: fractions 0).
     """
     if not (tau_pos > 0 and tau_neg > 0):
         raise ValueError(f"SAPO's tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
@@ -693,26 +621,12 @@ def sapo_surrogate(logprobs, old_logprobs, advantages, mask, tau_pos=1.0, tau_ne
     return token_loss, stats
 
 
-def _check_clip(clip_low, clip_high):
-    if not (clip_low > 0 and clip_high > 0):
-        raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low}, {clip_high}")
-
-
 def _surrogate_stats(log_ratio, mask, clipped, below, above):
-    """stare.clipped_surrogate's stats for a loss without dual clip: the fractions of valid tokens
-    whose clip acts / whose ratio lies below / above the band where that matters, and the KL
-    estimates of d = log_ratio. All [B, T] -> dict of 0-dim tensors."""
+    """stare.surrogate_stats without dual clip, over `mask` [B, T], with d = 0 on the padding
+    (GSPO's d is unclamped: padding may be inf)."""
     valid = mask.bool()
-    num_valid = valid.sum().clamp(min=1).float()
-    d = torch.where(valid, log_ratio.detach(), 0.0)  # GSPO's d is unclamped: padding may be inf
-
-    def frac(flags):
-        return (flags & valid).sum() / num_valid
-
-    return {"clip_frac": frac(clipped), "clip_low_frac": frac(below),
-            "clip_high_frac": frac(above), "dual_clip_frac": torch.zeros((), device=d.device),
-            "approx_kl": (-d * valid).sum() / num_valid,
-            "approx_kl_k3": ((torch.expm1(d) - d) * valid).sum() / num_valid}
+    return stare.surrogate_stats(torch.where(valid, log_ratio.detach(), 0.0), valid, clipped,
+                                 below, above)
 
 
 # ==================================================================================================
@@ -721,16 +635,15 @@ def _surrogate_stats(log_ratio, mask, clipped, below, above):
 
 
 def loss_mask(method, mask, selection, cfg):
-    """The tokens in the denominator of Eq. 3: the valid ones, except STAPO (spurious tokens removed
-    and the loss renormalised over the rest) and 80/20 under the lp_reg_dev convention (only the
-    kept tokens). The trainer sums this mask over the optimizer step to get `num_tokens`. mask [B,
-    T] -> bool [B, T]."""
+    """The tokens in the denominator of Eq. 3: the valid ones, except STAPO's spurious tokens
+    (Eq. 12), and only the kept ones for 80/20 under lp_reg_dev (Eq. 18) and GRPODropout (its
+    dropped responses leave the loss). The trainer sums this mask over the optimizer step to get
+    `num_tokens`. mask [B, T] -> bool [B, T]."""
     valid = mask.bool()
     if method == "stapo":
         return valid & ~selection["spurious"]
-    if method == "high_entropy" and cfg.high_entropy_convention == "lp_reg_dev":
-        return valid & selection["kept"]
-    if method == "grpo_dropout":  # the dropped responses leave the loss and its denominator
+    if method == "grpo_dropout" or (
+            method == "high_entropy" and cfg.high_entropy_convention == "lp_reg_dev"):
         return valid & selection["kept"]
     return valid
 
@@ -752,13 +665,12 @@ def method_token_loss(method, batch, cfg, selection, surrogate, unclipped, token
     if method in ("grpo", "stapo"):
         token_loss = surrogate
         touched = selection["spurious"] if method == "stapo" else torch.zeros_like(valid)
-    elif method == "stare":  # Eq. 9
+    elif method in ("stare", "steer"):  # Eqs. 9, 23: the weights multiply the clipped token loss
         token_loss = surrogate * selection["weights"]
         touched = selection["weights"] != 1
     elif method == "lp_reg":  # Eq. 14: -A r + beta k3(log pi_proxy - log pi) where selected
-        # verl's low_var_kl: the log-ratio clamped to +-20, the k3 value to [-10, 10] (k3 >= 0, so
-        # only the top bound acts: past pi_proxy / pi = 13.6 the regulariser is flat and its
-        # gradient 0)
+        # verl's low_var_kl: the log-ratio clamped to +-20, k3 (>= 0) to at most 10: past
+        # pi_proxy / pi = 13.6 the regulariser is flat and its gradient 0
         delta = torch.clamp(batch["proxy_logprobs"] - logprobs, -20.0, 20.0)
         # d/d log pi = 1 - pi_proxy / pi < 0 if pi < pi_proxy
         k3 = torch.clamp(torch.exp(delta) - delta - 1, max=10.0)
@@ -773,9 +685,6 @@ def method_token_loss(method, batch, cfg, selection, surrogate, unclipped, token
     elif method == "high_entropy":  # Eq. 18: gradient only through the high-entropy tokens
         touched = ~selection["kept"]
         token_loss = surrogate * selection["kept"]
-    elif method == "steer":  # Eq. 23: the weights multiply the clipped token loss, as STARE's do
-        token_loss = surrogate * selection["weights"]
-        touched = selection["weights"] != 1
     elif method == "w_reinforce":  # Eq. 24: lambda x the loss of A > 0 tokens (= lambda x their A)
         positive = token_adv > 0
         token_loss = torch.where(positive, cfg.w_reinforce_lambda * surrogate, surrogate)
@@ -815,26 +724,19 @@ def policy_loss(method, batch, cfg, selection=None, states=None, counts=None, to
                 generator=None):
     """The policy loss of `method` on `batch` -> (scalar loss to minimise, metrics of 0-dim
     tensors): the token loss of `cfg.policy_loss` (Eqs. 2, 27-29) changed by the method (Eqs. 9,
-    12-19, 23, 24), times token_weights (Eq. 11), aggregated by Eq. 3; EntroPIC adds its control
-    term (Eq. 25).
+    12-19, 23, 24, 30, 31), times token_weights (Eq. 11), aggregated by Eq. 3; EntroPIC adds its
+    control term (Eq. 25).
 
     selection: from `token_selection` (sliced to this batch); None = select within this batch.
-    states: `method_states`'s (STARE reads the gate, EntroPIC its controller's alpha; None: the
-    gate on at its defaults, alpha 0).
-    counts: the optimizer step's counts, so that micro-batch losses add up to the full-batch loss
-    (see stare.aggregate_loss): "num_tokens" / "num_sequences" of `loss_mask` tokens and non-empty
-    sequences, "num_control_tokens" / "num_control_sequences" of `control_mask`'s; None: this
-    batch's own.
-    token_weights: [B, T] constants multiplying every token's loss before aggregation (e.g.
-    truncated importance weights pi_old / pi_rollout, Eq. 11), or None.
+    states: `method_states`'s (None: the gate on at its defaults, controllers' coefficients 0).
+    counts: the optimizer step's "num_tokens" / "num_sequences" of `loss_mask` and
+    "num_control_tokens" / "num_control_sequences" of `control_mask`, so that micro-batch losses
+    add up to the full-batch loss (stare.aggregate_loss); None: this batch's own.
+    token_weights: [B, T] constants multiplying every token's loss (Eq. 11's), or None.
 
-    Every method returns "touched_frac", the fraction of valid tokens whose loss term differs from
-    GRPO's (STARE, STEER: reweighted; STAPO: silenced; Lp-Reg: regularised; Clip-Cov: detached;
-    KL-Cov: penalised; 80/20: gradient removed; entropy bonus: all, when its coefficient is not 0;
-    W-REINFORCE: the positive-advantage ones, when lambda is not 1; EntroPIC: the high-probability
-    ones, when alpha is not 0), and the policy loss's clip statistics.
-    When the selection is made here, its own metrics (stare/..., stapo/...) are included; with
-    `selection=` they come from the token_selection call that made it.
+    metrics: the policy loss's clip statistics, "touched_frac" (the fraction of valid tokens whose
+    loss term differs from GRPO's: `method_token_loss`'s `touched`) and, when the selection is made
+    here, its own metrics (stare/..., stapo/...).
     """
     _check_method(method)
     refused = refused_combination(method, cfg.policy_loss)
@@ -854,7 +756,7 @@ def policy_loss(method, batch, cfg, selection=None, states=None, counts=None, to
     # -A r without clipping: Lp-Reg's regularised tokens and KL-Cov's base loss
     unclipped = -token_adv * ratio
 
-    # ----------------------------------------------- ALGO LOGIC: one branch per method ----------------
+    # ----------------------------------------------- ALGO LOGIC: one branch per method -----------
     token_loss, touched = method_token_loss(method, batch, cfg, selection, surrogate, unclipped,
                                             token_adv, states)
 
@@ -871,9 +773,8 @@ def policy_loss(method, batch, cfg, selection=None, states=None, counts=None, to
             cfg.agg_mode, counts.get("num_control_tokens"), counts.get("num_control_sequences"),
             cfg.loss_scale_factor)
         loss = loss + _coef(states, "entropic", "coef") * control
-    num_valid = valid.sum().clamp(min=1)
     metrics.update(surrogate_stats)
-    metrics["touched_frac"] = (touched & valid).sum() / num_valid
+    metrics["touched_frac"] = (touched & valid).sum() / valid.sum().clamp(min=1)
     return loss, metrics
 
 

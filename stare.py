@@ -1,29 +1,25 @@
 """stare.py: STARE's math and the GRPO objective as pure tensor functions.
 
-STARE (Surprisal-guided Token-level Advantage Reweighting for policy Entropy stability, Luo et al.
-2026) keeps a GRPO policy's entropy from collapsing by reweighting a few tokens' advantages: among
-positive-advantage tokens it up-weights the most surprising ones (the set L+, weight w > 1); variant
-C2 also down-weights the most surprising negative-advantage tokens (L-, weight m < 1). A closed-loop
-gate switches the reweighting on only while the batch entropy is below a target. "Eq. N" refers to
-docs/method.md, which also lists where this code departs from the reference implementation
-(hp-luo/STARE) and why.
+STARE (Surprisal-guided Token-level Advantage Reweighting, Luo et al. 2026) keeps a GRPO policy's
+entropy from collapsing: it up-weights the most surprising positive-advantage tokens (L+, w > 1;
+variant C2 also down-weights the most surprising negative-advantage ones, L-, m < 1) while a gate
+sees the batch entropy below a target. "Eq. N" refers to docs/method.md, which also lists where
+this code departs from the reference (hp-luo/STARE) and why.
 
 Read top to bottom:
-  1. log-probs and entropy from logits, chunked over rows (never a float32 copy of the whole [N, V])    Eq. 4
-  2. first-order entropy dynamics: entropy sensitivity S of a token, the critical surprisal s0          Eq. 5
-  3. STARE proper: top-surprisal selection, the weights omega, the entropy gate                       Eqs. 7, 8, 10
-  4. the GRPO objective: group advantages, the clipped surrogate, loss aggregation                     Eqs. 1-3
-  5. diagnostics: per-quadrant predicted entropy change                                                 Eq. 6
-  6. shared helpers (row chunks, advantage broadcasting, exact top-k by radix select), also used by baselines.py
+  1. log-probs and entropy from logits, chunked over rows                          Eq. 4
+  2. first-order entropy dynamics: sensitivity S, the critical surprisal s0        Eq. 5
+  3. STARE proper: top-surprisal selection, the weights omega, the entropy gate    Eqs. 7, 8, 10
+  4. the GRPO objective: group advantages, the clipped surrogate, aggregation      Eqs. 1-3
+  5. diagnostics: per-quadrant predicted entropy change                            Eq. 6
+  6. shared helpers (row chunks, advantages, exact top-k), also used by baselines.py
 
     weights, stats = stare.stare_weights(old_logprobs, advantages, mask, "O1", top_ratio=0.1, w=1.1)
-    token_loss, clip_stats = stare.clipped_surrogate(logprobs, old_logprobs, advantages, 0.2, 0.28, 10.0, mask)
-    loss = stare.aggregate_loss(token_loss * weights, mask, "token-mean", num_tokens=step_token_count)
+    loss = stare.aggregate_loss(token_loss * weights, mask, "token-mean", num_tokens=step_tokens)
 
-Everything here is a pure function of tensors: no I/O, no torch.distributed, no config objects, no
-global state. The selection functions never synchronise host and device (no `.item()`, no
-data-dependent Python branches), so they cost a few kernels on a GPU. Shapes: B sequences, T
-response positions, V vocabulary, N = B*T flattened rows.
+Pure functions of tensors: no I/O, no torch.distributed, no config objects, no global state. The
+selections never synchronise host and device (no `.item()`, no data-dependent branches). Shapes:
+B sequences, T response positions, V vocabulary, N = B*T flattened rows.
 """
 
 import math
@@ -33,9 +29,8 @@ import torch
 # log pi is clamped here so that a -inf logit gives 0 * log 0 = 0
 _FLOAT32_MIN = torch.finfo(torch.float32).min
 
-# Rows per chunk are chosen so that one float32 chunk of logits stays under this many bytes (≈220
-# rows at Qwen2.5's V = 151,936). Each chunk makes ~3 float32 temporaries, so the extra memory stays
-# far below one full copy.
+# One float32 chunk of logits stays under this many bytes (≈220 rows at Qwen2.5's V = 151,936);
+# with ~3 float32 temporaries per chunk the extra memory stays far below one full copy.
 DEFAULT_CHUNK_BYTES = 128 * 2**20
 
 
@@ -54,17 +49,14 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_2d, tokens_1d, temperature, chunk_rows):
-        # logits_2d [N, V], tokens_1d [N] (int64)
-        num_rows = logits_2d.shape[0]
-        logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits_2d.device)  # [N]
-        entropy = torch.empty(num_rows, dtype=torch.float32, device=logits_2d.device)  # [N]
-        lse_all = torch.empty(num_rows, dtype=torch.float32, device=logits_2d.device)  # [N]
+        # logits_2d [N, V], tokens_1d [N] (int64) -> logprobs, entropy, lse_all: [N] float32
+        logprobs, entropy, lse_all = (torch.empty(
+            logits_2d.shape[0], dtype=torch.float32, device=logits_2d.device) for _ in range(3))
         for start, end, x in tempered_chunks(logits_2d, temperature, chunk_rows):
             lse = torch.logsumexp(x, dim=-1)  # [n]
             log_pi = (x - lse[:, None]).clamp_(min=_FLOAT32_MIN)  # [n, V]
             logprobs[start:end] = log_pi.gather(-1, tokens_1d[start:end, None]).squeeze(-1)
-            # H = -sum p log p, not lse - sum p x: the latter cancels catastrophically for peaked
-            # rows.
+            # H = -sum p log p, not lse - sum p x: that cancels catastrophically for peaked rows
             entropy[start:end] = -(log_pi.exp().mul_(log_pi)).sum(-1)
             lse_all[start:end] = lse
         ctx.save_for_backward(logits_2d, tokens_1d, lse_all, entropy)
@@ -95,19 +87,16 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
 
 
 def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None):
-    """log pi(token) and the full next-token entropy H of pi = softmax(logits / temperature).   (Eq. 4)
+    """log pi(token) and the full next-token entropy H of pi = softmax(logits / temperature), Eq. 4.
 
     logits [..., T, V] (any float dtype; position t scores token t), tokens [..., T] valid ids (pad
-    with any id and mask later) -> (logprobs [..., T], entropy [..., T]), both float32.
+    with any id and mask later) -> (logprobs [..., T], entropy [..., T]), both float32, both
+    differentiable w.r.t. the logits (an entropy bonus needs H's gradient).
 
-    Computed `chunk_size` rows at a time (default: ~128 MiB of float32 per chunk) in forward and
-    backward, so no float32 copy of the whole [N, V] is ever made; the results equal the unchunked
-    computation. On CUDA the same function runs as one Triton pass per row over the logits
-    (kernels.py; chunk_size is then unused), equal up to float32 rounding. Both outputs are
-    differentiable w.r.t. the logits (the entropy gradient is what an entropy bonus needs); under
-    torch.no_grad() nothing is saved. Pass contiguous logits: a strided view such as logits[:, :-1]
-    is first copied whole (in its own dtype) by the flattening reshape, and that copy is what
-    backward keeps. A -inf logit is fine (0 log 0 = 0).
+    `chunk_size` rows at a time (default DEFAULT_CHUNK_BYTES) in forward and backward, never a
+    float32 copy of the whole [N, V]; on CUDA one Triton pass per row (kernels.py), equal up to
+    float32 rounding. Pass contiguous logits: the flattening reshape copies a strided view such as
+    logits[:, :-1] whole, and backward keeps that copy. A -inf logit is fine (0 log 0 = 0).
     """
     import kernels
 
@@ -116,23 +105,20 @@ def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None)
     logits_2d, tokens_1d = flatten_logits(logits, tokens)
     if kernels.supported(logits_2d):
         logprobs, entropy = kernels.LogprobEntropy.apply(logits_2d, tokens_1d, float(temperature))
-        return logprobs.view(tokens.shape), entropy.view(tokens.shape)
-    chunk_rows = rows_per_chunk(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
-    logprobs, entropy = _ChunkedLogprobEntropy.apply(
-        logits_2d, tokens_1d, float(temperature), chunk_rows)
+    else:
+        chunk_rows = rows_per_chunk(logits_2d.shape[0], logits_2d.shape[1], chunk_size)
+        logprobs, entropy = _ChunkedLogprobEntropy.apply(
+            logits_2d, tokens_1d, float(temperature), chunk_rows)
     return logprobs.view(tokens.shape), entropy.view(tokens.shape)
 
 
 # ==================================================================================================
 # 2. First-order entropy dynamics (Eq. 5)
 # ==================================================================================================
-# A policy-gradient step on sampled token k with advantage A moves the (tempered) logits z by
-# eta*A*(e_k - pi). To first order the entropy changes by  dH = eta * A * S(pi, k)  with
-#     S(pi, k) = sum_a pi_a^2 (log pi_a + H) - pi_k (log pi_k + H) = pi_k (s_k - H) - B,   B = sum_a pi_a^2 (s_a - H) <= 0
-# where s = -log pi is the surprisal. S depends on k only through s_k, is negative at the mode,
-# crosses zero at one critical surprisal s0 <= H and averages to zero under k ~ pi. So: reinforcing
-# (A > 0) a token with s_k > s0 raises entropy, reinforcing one with s_k < s0 lowers it, and the
-# signs flip for A < 0 (the four quadrants).
+# A step eta*A*(e_k - pi) of the tempered logits changes H by eta * A * S(pi, k), to first order:
+#     S(pi, k) = pi_k (s_k - H) - B,   B = sum_a pi_a^2 (s_a - H) <= 0,   s = -log pi,
+# negative at the mode, zero at one critical surprisal s0 <= H: reinforcing a token with s_k > s0
+# raises the entropy, one with s_k < s0 lowers it; the signs flip for A < 0.
 
 
 @torch.no_grad()
@@ -162,22 +148,18 @@ def _entropy_geometry(logits, tokens, temperature, chunk_size):
         pi = log_pi.exp()  # [n, V]
         h = -(pi * log_pi).sum(-1)  # [n]
         entropy[start:end] = h
-        # B = sum pi^2 (s - H) = -sum pi^2 (log pi + H)   (in place: log_pi and pi are not needed
-        # afterwards)
+        # B = sum pi^2 (s - H) = -sum pi^2 (log pi + H), in place: log_pi and pi are done with
         cov_b[start:end] = -(pi.square_().mul_(log_pi.add_(h[:, None]))).sum(-1)
     return logprobs, entropy, cov_b, s_min
 
 
 def entropy_sensitivity(logits, tokens, temperature=1.0, chunk_size=None):
-    """S: first-order entropy change per unit eta*A of a logit-space policy-gradient step on the
-    sampled token. (Eq. 5)
+    """S: the first-order entropy change per unit eta*A of a policy-gradient step on the sampled
+    token, in the tempered logits z / T (Eq. 5; in the raw logits it is S / T^2).
 
     S = sum_a pi_a^2 (log pi_a + H) - pi_k (log pi_k + H),  pi = softmax(logits / temperature), k =
-    token. logits [..., T, V], tokens [..., T] -> S [..., T] float32. No gradient.
-
-    S > 0: reinforcing the token (A > 0) raises the entropy. The step is taken in the tempered
-    logits z / T (the tabular softmax of the sampling distribution); a step of eta*A*grad in the raw
-    logits changes H by eta * A * S / T^2.
+    token. logits [..., T, V], tokens [..., T] -> S [..., T] float32. No gradient. S > 0:
+    reinforcing the token (A > 0) raises the entropy.
     """
     logprobs, entropy, cov_b, _ = _entropy_geometry(logits, tokens, temperature, chunk_size)
     sensitivity = logprobs.exp() * (-logprobs - entropy) - cov_b  # pi_k (s_k - H) - B, [N]
@@ -185,13 +167,11 @@ def entropy_sensitivity(logits, tokens, temperature=1.0, chunk_size=None):
 
 
 def critical_surprisal(logits, temperature=1.0, chunk_size=None, iterations=60):
-    """s0: the surprisal at which S changes sign, i.e. the root of g(s) = e^{-s} (s - H) - B on
-    [s_min, H].  (Eq. 5)
+    """s0: the surprisal at which S changes sign, the root of g(s) = e^{-s} (s - H) - B (Eq. 5).
 
-    logits [..., T, V] -> s0 [..., T] float32. A token k has S > 0 iff its surprisal -log pi_k > s0.
-    g is increasing on [0, H + 1], negative at s_min (the mode) and equal to -B >= 0 at H, so
-    bisection on [s_min, H] converges to the unique root; 60 halvings reach float64 resolution. For
-    a uniform pi, s0 = H. For diagnostics only (the trainer's quadrants use the sign of S directly).
+    logits [..., T, V] -> s0 [..., T] float32. g is increasing on [0, H + 1], negative at s_min (the
+    mode) and -B >= 0 at H, so bisection on [s_min, H] finds the unique root; 60 halvings reach
+    float64 resolution. Diagnostics only: the trainer's quadrants use the sign of S.
     """
     _, entropy, cov_b, s_min = _entropy_geometry(logits, None, temperature, chunk_size)
     h, b = entropy.double(), cov_b.double()  # [N]
@@ -206,11 +186,10 @@ def critical_surprisal(logits, temperature=1.0, chunk_size=None, iterations=60):
 
 def quadrant_masks(advantages, surprisal, mask, threshold):
     """The advantage-sign x surprisal partition of the valid tokens (Eq. 6): (pos_high, pos_low,
-    neg_high, neg_low).
+    neg_high, neg_low), "high" meaning surprisal >= threshold; tokens with A = 0 are in none.
 
-    advantages [B] or [B, T]; surprisal [B, T] (= -log pi); mask [B, T] (1 = valid token); threshold
-    a scalar or a tensor broadcastable to [B, T] (e.g. the critical surprisal s0) -> four bool [B,
-    T]. "high" means surprisal >= threshold. Tokens with A = 0 are in no quadrant.
+    advantages [B] or [B, T]; surprisal [B, T] (= -log pi); mask [B, T]; threshold a scalar or a
+    tensor broadcastable to [B, T] (e.g. s0) -> four bool [B, T].
     """
     token_adv = token_advantages(advantages, surprisal)  # [B, T]
     valid = mask.bool()
@@ -225,16 +204,12 @@ def quadrant_masks(advantages, surprisal, mask, threshold):
 
 
 def select_top_surprisal(surprisal, candidates, top_ratio):
-    """Among the candidate tokens, exactly k = ceil(top_ratio * n) with the highest surprisal.   (Eq. 7)
+    """Among the n candidate tokens, exactly k = ceil(top_ratio * n) with the highest surprisal
+    (Eq. 7); k >= 1 when n > 0 and top_ratio > 0.
 
-    surprisal [...] float (= -log pi >= 0), candidates [...] bool (same shape, any shape: one
-    micro-batch or a whole batch gathered across ranks) -> bool mask [...]. n = number of
-    candidates; k >= 1 when n > 0 and top_ratio > 0; none when n = 0 or top_ratio = 0. Ties at the
-    k-th value are broken by position (first in flattened order), so the result is deterministic. A
-    slightly negative surprisal (log-prob rounding above 0) counts as 0.
-
-    n and k stay on the device and the selection is `select_top_k`'s radix select, so there is no
-    host-device sync.
+    surprisal [...] float (= -log pi; slightly negative counts as 0), candidates [...] bool of the
+    same, any, shape -> bool mask [...]. Ties go by position; n and k stay on the device
+    (`select_top_k`), so there is no host-device sync.
     """
     if not 0.0 <= top_ratio <= 1.0:  # also rejects NaN
         raise ValueError(f"top_ratio must be in [0, 1], got {top_ratio}")
@@ -248,17 +223,12 @@ def select_top_surprisal(surprisal, candidates, top_ratio):
 
 def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1, m=0.9,
                   gate_on=True):
-    """omega, STARE's token weights (Eq. 8), and selection statistics.
+    """omega, STARE's token weights (Eq. 8): w on L+, m on L- (C2 only), 1 elsewhere; all ones
+    with the gate off. L+ / L-: the top_ratio most surprising valid tokens with A > 0 / < 0 (Eq. 7).
 
-    logprobs [B, T] (of the sampled tokens; detached here, surprisal s = -logprob), advantages [B]
-    or [B, T], mask [B, T] -> (weights [B, T] float32, stats dict of 0-dim tensors).
-
-      L+ = the top-P% surprisal tokens among valid tokens with A > 0     (both variants)
-      L- = the top-P% surprisal tokens among valid tokens with A < 0     (C2 only)
-      omega = w on L+, m on L- (C2), 1 elsewhere; all ones when the gate is off (then the loss is exactly GRPO's).
-
-    P = top_ratio. gate_on may be a Python bool or a bool tensor (no sync either way). The selection
-    is computed even with the gate off, so the stats always show which tokens *would* be reweighted.
+    logprobs [B, T] (of the sampled tokens; detached here), advantages [B] or [B, T], mask [B, T] ->
+    (weights [B, T] float32, stats dict of 0-dim tensors). gate_on: a Python bool or a bool tensor
+    (no sync either way); the selection and its stats are computed with the gate off too.
     """
     variant = variant.upper()
     if variant not in ("O1", "C2"):
@@ -274,8 +244,7 @@ def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1
         gate = gate_on.to(device=surprisal.device, dtype=torch.float32, non_blocking=True)
     else:  # torch.full makes it on the device; torch.tensor(x, device=cuda) is a blocking copy
         gate = torch.full((), float(bool(gate_on)), device=surprisal.device)
-    # omega = 1 + gate * ((w - 1) [L+] + (m - 1) [L-]): arithmetic on the masks, cheaper than
-    # torch.where
+    # omega = 1 + gate * ((w - 1) [L+] + (m - 1) [L-]): arithmetic on masks, cheaper than where
     weights = pos_selected.float().mul_((w - 1.0) * gate)  # [B, T] float32
     if variant == "C2":
         neg_selected = select_top_surprisal(surprisal, neg_candidates, top_ratio)  # L-
@@ -285,8 +254,7 @@ def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1
         num_neg_selected = torch.zeros((), dtype=torch.int32, device=weights.device)
     weights.add_(1.0)
 
-    # Counts are reductions of masks we already have; the mean weight follows from them without
-    # another pass.
+    # the mean weight follows from the counts, without another pass
     num_valid = valid.sum(dtype=torch.int32).clamp(min=1).float()
     pos_selected_frac = pos_selected.sum(dtype=torch.int32) / num_valid
     neg_selected_frac = num_neg_selected / num_valid
@@ -308,17 +276,26 @@ class MethodState:
     controller; baselines.STATEFUL lists them): the trainer calls `update` once per optimizer step,
     before the update, with the step's token-mean entropy under pi_old over all ranks, logs
     `metrics(accepted)`, checkpoints `state_dict()` under `name` and, on resume, `resume(saved)`
-    restores the keys of `carried()` (the rest comes from the resumed run's config).
-
-    A subclass sets `name`, `STATE_KEYS` (its attributes, saved) and `ADDED_KEYS` (keys added after
-    checkpoints were written -> the value an older checkpoint means), and defines `update`,
-    `metrics` and `carried`."""
+    restores the keys of `carried()` (the rest comes from the resumed run's config). A subclass
+    sets `name`, `STATE_KEYS` (its attributes, saved) and `ADDED_KEYS` (keys added after
+    checkpoints were written -> the value an older checkpoint means), and defines `step` (the
+    update rule), `metrics` and `carried`."""
 
     name = ""
     STATE_KEYS = ()
     ADDED_KEYS = {}
 
-    def update(self, batch_entropy):  # -> bool: whether the entropy was accepted (finite)
+    def update(self, batch_entropy):
+        """Feed the batch-mean entropy (float or 0-dim tensor) -> whether it was accepted: a
+        non-finite one leaves the state unchanged; a finite one becomes `current_entropy`."""
+        entropy = float(batch_entropy)  # one host read per optimizer step
+        if not math.isfinite(entropy):
+            return False
+        self.current_entropy = entropy
+        self.step(entropy)
+        return True
+
+    def step(self, entropy):  # a finite entropy
         raise NotImplementedError
 
     def metrics(self, accepted):  # -> {"prefix/name": float}
@@ -352,13 +329,10 @@ class MethodState:
 class EntropyGate(MethodState):
     """The closed-loop entropy controller of STARE (Eq. 10; the reference's STAREController).
 
-    Once per optimizer step, before the update, call `update(batch_entropy)` with the token-mean
-    entropy of the step's batch under the pre-update policy. Then `gate_on` says whether to reweight
-    this step (H < target, strict), and `w`, `m` are the weights to use. With `adaptive`, w and m
-    move by alpha per step towards stronger reweighting while H < target and back towards 1 while H
-    > target, within [1, w_max] and [m_min, 1]; this happens whether or not the gate is on, exactly
-    as in the reference. A non-finite entropy leaves the state unchanged (and `update` returns False
-    so the caller can log it).
+    After `update`, `gate_on` says whether to reweight this step (H < target, strict) and `w`, `m`
+    are the weights to use. With `adaptive`, w and m move by alpha a step towards stronger
+    reweighting while H < target and back towards 1 while H > target, within [1, w_max] and
+    [m_min, 1], gate on or off, as in the reference.
     """
 
     def __init__(self, target_entropy=0.3, w=1.1, m=0.9, adaptive=False, alpha=0.01, w_max=1.5,
@@ -375,19 +349,13 @@ class EntropyGate(MethodState):
         self.gate_on = True  # the reference starts with the gate on
         self.current_entropy = float("nan")  # last accepted batch entropy
 
-    def update(self, batch_entropy):
-        """Feed the batch-mean entropy (float or 0-dim tensor). Returns False (state unchanged) if it is not finite."""
-        entropy = float(batch_entropy)  # one host read per optimizer step
-        if not math.isfinite(entropy):
-            return False
-        self.current_entropy = entropy
+    def step(self, entropy):
         self.gate_on = entropy < self.target_entropy
         if self.adaptive and self.alpha != 0.0:
             # sign(H_tgt - H)
             direction = float((self.target_entropy > entropy) - (self.target_entropy < entropy))
             self.w = min(max(self.w + self.alpha * direction, 1.0), self.w_max)
             self.m = min(max(self.m - self.alpha * direction, self.m_min), 1.0)
-        return True
 
     name = "gate"
     STATE_KEYS = (
@@ -412,10 +380,9 @@ def group_advantages(rewards, group_size, normalize_std=True, eps=1e-6):
     """GRPO advantages (Eq. 1): A_i = (r_i - mean_g) / (std_g + eps) within each group.
 
     rewards [B] float, in contiguous groups of `group_size` responses to the same prompt ->
-    advantages [B] float32. std is the unbiased (n - 1) standard deviation, as torch.std in verl.
-    normalize_std=False gives Dr.GRPO's mean-centering only. A group whose rewards are all equal
-    gets exactly 0 (not rounding noise / eps). A group of size 1 has no baseline: like verl, mean =
-    0 and std = 1, so A = r / (1 + eps).
+    advantages [B] float32. std unbiased (n - 1), as verl's torch.std; normalize_std=False: Dr.GRPO.
+    Equal rewards give exactly 0 (not rounding noise / eps); a group of size 1 has no baseline:
+    like verl, mean = 0 and std = 1, so A = r / (1 + eps).
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
@@ -437,22 +404,11 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=0.2, clip_hig
     """The per-token PPO/GRPO loss to minimise, with clip-higher and optional dual clip (Eq. 2).
 
     logprobs [B, T] (current policy, with grad), old_logprobs [B, T] (behaviour policy), advantages
-    [B] or [B, T] -> (token_loss [B, T], stats of 0-dim tensors over `mask` [B, T] if given, else
-    over all tokens).
-
-      r = exp(clamp(logprobs - old_logprobs, -20, 20))
-      loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
-      dual clip (c = dual_clip > 1): for A < 0, loss = min(loss, -A c)  -- bounds the loss of very off-policy tokens.
-    verl always applies the dual clip (c = 3 by default, 10 in the STARE and DAPO scripts); here it is off unless
-    dual_clip is given, and the trainer's config sets it.
-
-    stats: clip_frac (the clipped term is active), clip_low_frac / clip_high_frac (ratio below /
-    above the band where that matters; not verl's pg_clipfrac_lower, which is our dual_clip_frac),
-    dual_clip_frac, approx_kl (mean old - new log-prob, verl's ppo_kl) and approx_kl_k3 (mean e^d -
-    1 - d with d = new - old, Schulman's unbiased low-variance KL(old || new) estimate).
+    [B] or [B, T] -> (token_loss [B, T], `surrogate_stats` over `mask` [B, T] if given, else over
+    all tokens). The dual clip c = dual_clip > 1 bounds the loss of very off-policy A < 0 tokens;
+    verl always applies it (c = 3; 10 in the STARE and DAPO scripts), here only when given.
     """
-    if not (clip_low > 0 and clip_high > 0):
-        raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low}, {clip_high}")
+    check_clip(clip_low, clip_high)
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     token_adv = token_advantages(advantages, logprobs).to(logprobs.dtype)  # [B, T]
@@ -461,29 +417,41 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=0.2, clip_hig
     loss_unclipped = -token_adv * ratio
     loss_clipped = -token_adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     token_loss = torch.maximum(loss_unclipped, loss_clipped)
+    dual_bounded = None
     if dual_clip is not None:
         dual_bounded = (token_adv < 0) & (token_loss > -token_adv * dual_clip)
         token_loss = torch.where(
             token_adv < 0, torch.minimum(token_loss, -token_adv * dual_clip), token_loss)
-
     with torch.no_grad():
         valid = torch.ones_like(log_ratio, dtype=torch.bool) if mask is None else mask.bool()
-        num_valid = valid.sum().clamp(min=1).float()
-
-        def frac(flags):
-            return (flags & valid).sum() / num_valid
-
-        d = log_ratio.detach()
-        stats = {
-            "clip_frac": frac(loss_clipped > loss_unclipped),
-            "clip_low_frac": frac((token_adv < 0) & (ratio < 1.0 - clip_low)),
-            "clip_high_frac": frac((token_adv > 0) & (ratio > 1.0 + clip_high)),
-            "dual_clip_frac":
-                frac(dual_bounded) if dual_clip is not None else torch.zeros((), device=d.device),
-            "approx_kl": (-d * valid).sum() / num_valid,
-            "approx_kl_k3": ((torch.expm1(d) - d) * valid).sum() / num_valid,
-        }
+        stats = surrogate_stats(log_ratio, valid, loss_clipped > loss_unclipped,
+                                (token_adv < 0) & (ratio < 1.0 - clip_low),
+                                (token_adv > 0) & (ratio > 1.0 + clip_high), dual_bounded)
     return token_loss, stats
+
+
+def check_clip(clip_low, clip_high):
+    """Reject a clip range not > 0 on both sides (the clipped policy losses, Eqs. 2, 27, 28)."""
+    if not (clip_low > 0 and clip_high > 0):
+        raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low}, {clip_high}")
+
+
+def surrogate_stats(log_ratio, valid, clipped, below, above, dual=None):
+    """A policy loss's logged statistics over the `valid` tokens (Eq. 2): the fractions whose clip
+    acts (clip_frac), whose ratio lies below / above the band where that matters (clip_low_frac /
+    clip_high_frac; not verl's pg_clipfrac_lower, which is dual_clip_frac, 0 without `dual`), and
+    with d = log_ratio, approx_kl = mean -d (verl's ppo_kl) and approx_kl_k3 = mean e^d - 1 - d
+    (Schulman's low-variance KL(old || new)). All [B, T] -> dict of 0-dim tensors. No grad."""
+    num_valid = valid.sum().clamp(min=1).float()
+
+    def frac(flags):
+        return (flags & valid).sum() / num_valid
+
+    d = log_ratio.detach()
+    return {"clip_frac": frac(clipped), "clip_low_frac": frac(below), "clip_high_frac": frac(above),
+            "dual_clip_frac": torch.zeros((), device=d.device) if dual is None else frac(dual),
+            "approx_kl": (-d * valid).sum() / num_valid,
+            "approx_kl_k3": ((torch.expm1(d) - d) * valid).sum() / num_valid}
 
 
 LOSS_AGG_MODES = (
@@ -492,21 +460,16 @@ LOSS_AGG_MODES = (
 
 def aggregate_loss(token_loss, mask, mode="token-mean", num_tokens=None, num_sequences=None,
                    loss_scale_factor=None):
-    """Reduce per-token losses [B, T] over `mask` [B, T] to a scalar (Eq. 3).
-
-      token-mean               sum_{i,t} m L / N_tok                          (DAPO; the default)
-      seq-mean-token-mean      (1/N_seq) sum_i [ sum_t m L / sum_t m ]        (original GRPO)
-      seq-mean-token-sum       (1/N_seq) sum_i sum_t m L
-      seq-mean-token-sum-norm  (1/N_seq) sum_i sum_t m L / loss_scale_factor  (Dr.GRPO; factor default: T)
+    """Reduce per-token losses [B, T] over `mask` [B, T] to a scalar by one of LOSS_AGG_MODES
+    (Eq. 3); seq-mean-token-sum-norm divides by `loss_scale_factor` (default T: pass a constant,
+    e.g. the max response length, so it does not vary with each micro-batch's padded width).
 
     N_tok and N_seq (sequences with >= 1 valid token) default to this tensor's counts. Pass
-    `num_tokens` / `num_sequences` = the counts of the whole optimizer step (all micro-batches, all
-    ranks): each micro-batch then returns its share, and the shares add up to exactly the full-batch
-    value (and so do their gradients). Under data parallelism gradients are averaged over ranks, so
-    the caller multiplies by the world size. For Dr.GRPO pass a constant `loss_scale_factor` (e.g.
-    the max response length) so it does not vary with the padded width of each micro-batch. An empty
-    selection gives 0, not NaN. Sums and the result are float32, also for bf16/fp16 losses (a
-    half-precision count would round: bf16 holds 257 as 256).
+    `num_tokens` / `num_sequences` of the whole optimizer step (all micro-batches, all ranks): the
+    micro-batches' shares, and their gradients, then add up exactly to the full-batch value (under
+    data parallelism the caller multiplies by the world size, as gradients are averaged). An empty
+    selection gives 0, not NaN. Sums and result are float32 for any loss dtype (bf16 holds 257 as
+    256).
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(
@@ -536,20 +499,16 @@ QUADRANTS = ("pos_high", "pos_low", "neg_high", "neg_low")
 
 
 def entropy_dynamics(advantages, sensitivity, mask, weights=None, num_tokens=None):
-    """Per-quadrant token fractions and predicted first-order entropy change of one token-mean
-    update (Eq. 6).
+    """Per-quadrant token fractions and predicted first-order entropy change, per unit eta, of one
+    token-mean update with weights omega (Eq. 6).
 
-    advantages [B] or [B, T], sensitivity S [B, T] (from `entropy_sensitivity`), mask [B, T], optional STARE
-    weights omega [B, T] -> dict of 0-dim float32 tensors:
+    advantages [B] or [B, T], sensitivity S [B, T] (`entropy_sensitivity`), mask [B, T], optional
+    STARE weights omega [B, T] -> dict of 0-dim float32 tensors, for q in QUADRANTS:
       "{q}/frac"  fraction of valid tokens in quadrant q
       "{q}/dH"    sum_{tokens in q} omega A S / N_tok
       "total/dH"  the sum over all valid tokens (A = 0 tokens contribute nothing)
-    for q in pos_high, pos_low, neg_high, neg_low. "high" means surprisal at or above the critical surprisal s0,
-    which is the same as S >= 0 (Eq. 5), so no s0 needs computing. The sign of A*S is the sign of the quadrant's
-    entropy push: + for pos_high and neg_low, - for pos_low and neg_high. total/dH is the token mean of omega*A*S:
-    per unit eta, the mean first-order entropy change of the batch's contexts when each context's (tempered) logits
-    take the policy-gradient step eta*omega*A*(e_k - pi) (tabular-softmax approximation). Pass num_tokens = the
-    step's global valid-token count so that micro-batch values add up to the full-batch ones.
+    "high" is s >= s0, the same as S >= 0 (Eq. 5), so no s0 is computed. Pass num_tokens = the
+    step's valid-token count so that micro-batch values add up to the full-batch ones.
     """
     token_adv = token_advantages(advantages, sensitivity).float()  # [B, T]
     valid = mask.bool()
@@ -573,7 +532,7 @@ def entropy_dynamics(advantages, sensitivity, mask, weights=None, num_tokens=Non
 
 
 def rows_per_chunk(num_rows, vocab_size, chunk_size):
-    """Rows per chunk: `chunk_size` if given, else as many as fit in DEFAULT_CHUNK_BYTES of float32."""
+    """Rows per chunk: `chunk_size` if given, else as many as fit DEFAULT_CHUNK_BYTES of float32."""
     if chunk_size is None:
         chunk_size = DEFAULT_CHUNK_BYTES // (4 * max(vocab_size, 1))
     if chunk_size < 1:
@@ -582,8 +541,7 @@ def rows_per_chunk(num_rows, vocab_size, chunk_size):
 
 
 def tempered_chunks(logits_2d, temperature, chunk_rows):
-    """Yield (start, end, x) with x = logits_2d[start:end] / temperature in float32, one row chunk
-    at a time.
+    """Yield (start, end, x), x = logits_2d[start:end] / temperature in float32, a chunk at a time.
 
     logits_2d: [N, V] any float dtype -> x: [n, V] float32 (a view of the input when it is float32
     and T = 1, so callers must not modify x in place).
@@ -632,8 +590,7 @@ def select_top_k(values, candidates, k, signed=False):
     values [...] float, >= 0 (negative values count as 0, NaN as +inf; signed=True: every float32 in
     its own order, negatives included, -NaN lowest and NaN highest), candidates [...] bool of the
     same shape (any shape), k an int or a 0-dim integer tensor (it may live on the device) -> bool
-    mask [...]. n = number of candidates. The selection is deterministic: among equal values at the
-    k-th place, the first in flattened order win.
+    mask [...]. n = number of candidates; of equal values at the k-th place the first ones win.
 
     No host-device sync and no sort: the k-th largest value is found by radix select. Non-negative
     float32 numbers order like their bit patterns read as integers, so one histogram of the top 16
@@ -675,11 +632,9 @@ def select_top_k(values, candidates, k, signed=False):
 
 
 def _kth_largest_digit(bins, num_digits, k):
-    """One radix-select pass. bins [N] int32: digit + 1 for elements in play, 0 (or > num_digits)
-    for the rest.
-
-    Returns 0-dim tensors (digit, above): the digit of the k-th largest in-play element, and how
-    many in-play elements have a larger digit. One histogram and a cumulative count; no host sync.
+    """One radix-select pass: bins [N] int32 (digit + 1 for elements in play, 0 or > num_digits for
+    the rest) -> 0-dim tensors (digit, above): the digit of the k-th largest in-play element, and
+    how many in-play elements have a larger digit. One histogram and a cumulative count; no sync.
     """
     counts = torch.zeros(num_digits + 2, dtype=torch.int32, device=bins.device)  # [D + 2]
     counts.index_add_(
@@ -694,7 +649,7 @@ def _kth_largest_digit(bins, num_digits, k):
 
 
 def _divide_by_count(total, count):
-    """total / max(count, 1) in float32; count is a Python number or a tensor (never copied host -> device)."""
+    """total / max(count, 1) in float32; count: a Python number or a tensor (no host-device copy)"""
     if isinstance(count, torch.Tensor):
         return total / count.to(torch.float32).clamp(min=1)
     return total / max(float(count), 1.0)
