@@ -231,7 +231,17 @@ def test_a_killed_run_goes_on_from_its_resume_point_bit_exactly(tiny_dir, tmp_pa
     shutil.copytree(tmp_path / "killed", tmp_path / "renamed")
     renamed = dataclasses.replace(spec, name="renamed")
     assert timeless(repro.train_run(renamed, tiny_dir, tmp_path / "renamed")) == timeless(whole)
+    # it goes on from step 1's point: steps 2 and 3 sampled, not the run again (one round a step)
+    sample_groups, rounds = repro.sample_groups, []
+
+    def counted(*args):
+        rounds.append(1)
+        return sample_groups(*args)
+
+    monkeypatch.setattr(repro, "sample_groups", counted)
     resumed = repro.train_run(spec, tiny_dir, tmp_path / "killed")
+    monkeypatch.setattr(repro, "sample_groups", sample_groups)
+    assert len(rounds) == 2
     on_disk = repro.read_records(tmp_path / "killed" / "metrics.jsonl")
     assert timeless(resumed) == timeless(on_disk) == timeless(whole) and len(whole) == 3
     assert whole[-1]["stare/gate_on"] == 1.0 and "train/loss" in whole[-1]
