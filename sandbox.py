@@ -251,7 +251,6 @@ def _run(code, config, mode):
     python = _python(config)
     view = _view(python, config.network)
     workdir = outer = None
-    survived = False
     if mode == "process":
         # The code's directory inside one of the trainer's that the code cannot write (0711): it
         # cannot rename its directory and leave a symlink for the clean-up to follow.
@@ -286,7 +285,8 @@ def _run(code, config, mode):
         if timed_out:  # ask the launcher to kill and reap everything, then give it a moment
             os.kill(proc.pid, signal.SIGTERM)
             stop_deadline = time.monotonic() + _STOP_GRACE_S
-            while not _has_exited(proc.pid) and time.monotonic() < stop_deadline:
+            while (os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+                   and time.monotonic() < stop_deadline):  # exited, not reaped (see below)
                 time.sleep(0.01)
     finally:
         if proc is not None:
@@ -337,27 +337,19 @@ def _read_bounded(fd, deadline, limit):
             if not chunk:
                 return head, tail, total, False
             total += len(chunk)
-            if len(head) < limit:
-                head += chunk[:limit - len(head)]
+            head += chunk[:limit - len(head)]
             tail += chunk
             if len(tail) > 2 * half:
                 del tail[:len(tail) - half]
-
-
-def _has_exited(pid):
-    # without reaping it
-    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
 def _join_output(head, tail, total, limit):
     if total <= limit:
         return _text(head), False
     keep_tail = limit // 2
-    keep_head = limit - keep_tail
-    omitted = total - keep_head - keep_tail
-    text = (_text(head[:keep_head]) + f"\n[... {omitted} bytes of output omitted ...]\n"
-            + _text(bytes(tail[len(tail) - keep_tail:])))
-    return text, True
+    return (_text(head[:limit - keep_tail])
+            + f"\n[... {total - limit} bytes of output omitted ...]\n"
+            + _text(bytes(tail[len(tail) - keep_tail:]))), True
 
 
 # Terminal escape sequences: CSI (ESC [ or its one-byte form), strings (OSC, DCS, ...: to BEL, ST or
@@ -468,10 +460,8 @@ def _new_cgroup():
     """A new cgroup (v2) below the trainer's own, for one "process" run under a root trainer: its
     path, or None where this machine allows none (no cgroup2 mount, read-only, not root)."""
     parent = _cgroup_parent()
-    if parent is None:
-        return None
     try:  # a unique name, even beside one a killed trainer left
-        return tempfile.mkdtemp(prefix="stare-sandbox-", dir=parent)
+        return parent and tempfile.mkdtemp(prefix="stare-sandbox-", dir=parent)
     except OSError:
         return None
 
@@ -537,15 +527,14 @@ def _own(user):
 # The sandbox side: everything below runs in the launcher and its children, never in the trainer.
 # --------------------------------------------------------------------------------------------------
 
-_CLONE_NEWNS, _CLONE_NEWCGROUP, _CLONE_NEWUTS = 0x20000, 0x2000000, 0x4000000
-_CLONE_NEWIPC = 0x8000000
-_CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+# clone()'s flags that make namespaces (NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET):
+# C unshares them all (but NEWNET if network=True), the seccomp filter denies them to the code
+_CLONE_NAMESPACES, _CLONE_NEWNET = 0x7E020000, 0x40000000
 _MNT_DETACH = 2
 _NR_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41}  # glibc has no wrapper
 _NEW_ROOT = "/tmp"  # where C builds the sandbox's root, later PID 2's "/": any directory does
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
-_MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE = (
-    1 << 10, 1 << 11, 1 << 12, 1 << 14, 1 << 18)
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_NOATIME = 1, 2, 4, 8, 32, 1 << 10
+_MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE = 1 << 11, 1 << 12, 1 << 14, 1 << 18
 _MS_RELATIME, _MS_STRICTATIME = 1 << 21, 1 << 24
 _MOUNT_OPTION_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC,
                        "noatime": _MS_NOATIME, "nodiratime": _MS_NODIRATIME,
@@ -566,8 +555,6 @@ _SECCOMP_SYSCALLS = {
                 (217, 218, 219, 97, 268, 26, 262, 194, 190, 186, 180, 425)),
 }
 _SECCOMP_SYSCALLS["riscv64"] = (0xC00000F3, *_SECCOMP_SYSCALLS["aarch64"][1:])  # the same numbers
-# clone()'s flags that make namespaces (NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET)
-_CLONE_NAMESPACES = 0x7E020000
 _KEYCTL_JOIN_SESSION_KEYRING = 1
 _X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: native arch value, other numbers
 _SECCOMP_MODE_FILTER, _SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO, _EPERM, _ENOSYS = (
@@ -595,7 +582,6 @@ def _mount(source, target, fstype, flags, data=None):
 
 
 def _write(path, data):
-    """Write a str or bytes to the file at `path`, made or emptied first."""
     with open(path, "wb" if isinstance(data, bytes) else "w") as f:
         f.write(data)
 
@@ -609,7 +595,6 @@ def _launch(spec):
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     with open(_THIS_FILE, "rb") as f:  # as the trainer's user: "namespaces" mode copies it inside
         runner = f.read()
-    cgroup = spec["cgroup"]
     user = _own(_run_user(os.getpid())) if spec["mode"] == "process" else None
     try:
         signal.signal(signal.SIGTERM, _stop)
@@ -628,7 +613,7 @@ def _launch(spec):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print(f"sandbox launcher: {type(e).__name__}: {e}", flush=True)
         status = _EXIT_SETUP << 8
-    if not _kill_run(cgroup, user, time.monotonic() + _KILL_S):
+    if not _kill_run(spec["cgroup"], user, time.monotonic() + _KILL_S):
         print("sandbox launcher: processes of the run survived its clean-up", flush=True)
         status = _EXIT_SETUP << 8
     _exit_like(status)
@@ -650,16 +635,28 @@ def _kill_run(cgroup, user, deadline, launcher=True):
     trainer (launcher=False) calls it after the launcher, neither forking nor reaping."""
     helpers = set()  # until reaped: one still root when /proc is read must not be missed
     while True:
-        helpers |= _kill_once(cgroup, user, launcher)
-        while launcher:  # reap without waiting
-            with contextlib.suppress(ChildProcessError):
-                pid = os.waitpid(-1, os.WNOHANG)[0]
-                if pid:
-                    helpers.discard(pid)
-                    continue
-            break
+        found = []
         if cgroup is not None:
-            alive = _populated(cgroup)
+            with contextlib.suppress(FileNotFoundError):
+                _write(f"{cgroup}/cgroup.kill", "1")
+        elif user is not None:
+            found = _processes_of(user)
+            if found and launcher:
+                helpers.add(_kill_all_as(user))
+        elif launcher:
+            found = _children_of(os.getpid())
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            while launcher and (pid := os.waitpid(-1, os.WNOHANG)[0]):  # reap without waiting
+                helpers.discard(pid)
+        if cgroup is not None:
+            try:
+                with open(f"{cgroup}/cgroup.events") as f:
+                    alive = "populated 1" in f.read().splitlines()
+            except FileNotFoundError:  # removed: empty
+                alive = False
         elif user is not None:
             alive = bool(helpers) or _processes_of(user) != []
         else:  # a zombie child left is one its tracer holds
@@ -672,24 +669,6 @@ def _kill_run(cgroup, user, deadline, launcher=True):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.005)
-
-
-def _kill_once(cgroup, user, launcher):
-    """One round of _kill_run's SIGKILLs; returns the pids of the helpers it started."""
-    helpers, found = set(), []
-    if cgroup is not None:
-        with contextlib.suppress(FileNotFoundError):
-            _write(f"{cgroup}/cgroup.kill", "1")
-    elif user is not None:
-        found = _processes_of(user)
-        if found and launcher:
-            helpers.add(_kill_all_as(user))
-    elif launcher:
-        found = _children_of(os.getpid())
-    for pid in found:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return helpers
 
 
 def _kill_all_as(user):
@@ -707,14 +686,6 @@ def _kill_all_as(user):
         finally:
             os._exit(0)
     return helper
-
-
-def _populated(cgroup):
-    try:
-        with open(f"{cgroup}/cgroup.events") as f:
-            return "populated 1" in f.read().splitlines()
-    except FileNotFoundError:  # removed: empty
-        return False
 
 
 _STATUS = re.compile(rb"\nState:\s*(\S).*?\nPPid:\s*(\d+).*?\nUid:([^\n]*).*?\nThreads:\s*(\d+)",
@@ -791,7 +762,9 @@ def _start_as_process(code, spec):
         os.umask(0o077)  # what it writes to /dev/shm is not another run's to read
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # if L dies (the code can clear this)
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # setuid grants nothing; a non-root user may add a filter
-        _set_limits(spec, nproc=_count_tasks(os.getuid()) + spec["max_processes"])
+        # RLIMIT_NPROC counts the processes + threads of this real uid (initial user namespace)
+        tasks = sum(threads for _, _, _, uids, threads in _processes() if uids[0] == os.getuid())
+        _set_limits(spec, nproc=tasks + spec["max_processes"])
         _restrict_files(spec)
         _exec_runner(spec, spec["python"], _THIS_FILE)
     return _child(code_process)
@@ -849,12 +822,6 @@ def _landlock(nr, *args):
     return _libc("syscall", ctypes.c_long(nr), *args)
 
 
-def _count_tasks(uid):
-    """Processes + threads of this real uid now (what RLIMIT_NPROC counts in the initial user
-    namespace)."""
-    return sum(threads for _, _, _, uids, threads in _processes() if uids[0] == uid)
-
-
 def _start_in_namespaces(code, runner, spec):
     """"namespaces" mode: fork the namespace owner C and write its uid/gid maps from out here (only
     the parent namespace can map `nobody` for a root trainer); C does the rest in
@@ -869,9 +836,7 @@ def _start_in_namespaces(code, runner, spec):
         os.setpgid(0, 0)  # a group of its own: kill(0, ...) from the code cannot reach L
         if uid == 0:  # no supplementary groups (a non-root user cannot drop them; they stay)
             os.setgroups([])
-        flags = (_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
-                 | _CLONE_NEWCGROUP)
-        _libc("unshare", flags if spec["network"] else flags | _CLONE_NEWNET)
+        _libc("unshare", _CLONE_NAMESPACES & ~(_CLONE_NEWNET if spec["network"] else 0))
         os.write(ready_w, b"u")
         if os.read(go_r, 1) != b"m":
             raise RuntimeError("the launcher could not write the uid/gid maps")
@@ -889,10 +854,9 @@ def _start_in_namespaces(code, runner, spec):
             # 0 inside = nobody outside. Root mapped (as 1) only so that C can reach the
             # interpreter through root's directories (/root/.pyenv) to bind it; the code has no
             # capability at all.
-            if uid == 0:
-                maps = {"uid_map": f"0 {_NOBODY} 1\n1 0 1\n", "gid_map": f"0 {_NOBODY} 1\n1 0 1\n"}
-            else:
-                maps = {"setgroups": "deny", "uid_map": f"0 {uid} 1\n", "gid_map": f"0 {gid} 1\n"}
+            maps = ({"uid_map": f"0 {_NOBODY} 1\n1 0 1\n", "gid_map": f"0 {_NOBODY} 1\n1 0 1\n"}
+                    if uid == 0 else
+                    {"setgroups": "deny", "uid_map": f"0 {uid} 1\n", "gid_map": f"0 {gid} 1\n"})
             for name, text in maps.items():
                 _write(f"/proc/{pid}/{name}", text)
             os.write(go_w, b"m")
@@ -1070,9 +1034,8 @@ def _exec_runner(spec, python, runner):
     machine = os.uname().machine
     if machine in _SECCOMP_SYSCALLS:  # so no keyring of the trainer's is even possessed; where
         # keyctl is refused already (Docker's default profile), nothing is lost
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.syscall(ctypes.c_long(_SECCOMP_SYSCALLS[machine][1]["keyctl"]),
-                     ctypes.c_long(_KEYCTL_JOIN_SESSION_KEYRING), None)
+        ctypes.CDLL(None).syscall(ctypes.c_long(_SECCOMP_SYSCALLS[machine][1]["keyctl"]),
+                                  ctypes.c_long(_KEYCTL_JOIN_SESSION_KEYRING), None)
     _install_filter(machine, spec["network"])
     os.execve(python, [python, "-I", "-B", runner, "--run"], dict(os.environ))
 
