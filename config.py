@@ -67,7 +67,7 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # GPUs per vLLM engine: consecutive ranks share one
     max_num_seqs: int = 256  # concurrent sequences per engine
     enable_sleep_mode: bool = False  # GPU: release the KV cache and weights while training
-    sleep_level: int = 2  # 2: drop weights (the sync rewrites); 1: keep a host copy (vLLM #29341)
+    sleep_level: int = 2  # 2: drop weights (synced anew); 1: keep a host copy (vLLM #29341)
     enforce_eager: bool = False  # no CUDA graphs / compilation (faster start-up, slower sampling)
     model_runner: str = "v1"  # vLLM's GPU runner: v1 (the CPU one's sibling) | v2 (0.32's default)
     sync_check_every: int = 10  # steps between weight-sync probes (and the first step); 0 = never
@@ -298,7 +298,7 @@ class OptimConfig:
     schedule: str = "constant"  # constant | cosine (to min_lr_ratio * lr at train.total_steps)
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
-    max_nonfinite_steps: int = 3  # skipped steps in a row (non-finite loss, grad norm) to stop
+    max_nonfinite_steps: int = 3  # skipped steps in a row (non-finite loss or grad norm) stop a run
     loss_scale_init: float = 65536.0  # float16 compute only: dynamic loss scaling's first scale
     loss_scale_window: int = 1000  # float16: optimizer steps without overflow before it doubles
 
