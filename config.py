@@ -10,6 +10,7 @@ with the nearest valid one suggested). An override's value is read as YAML (`3`,
 `null`, `[a, b]`, or a bare string). The modules that use a section take it as an argument.
 """
 
+import contextlib
 import dataclasses
 import difflib
 import importlib.util
@@ -47,8 +48,7 @@ class ModelConfig:
 @dataclasses.dataclass
 class DataConfig:
     train_files: list[str] = dataclasses.field(default_factory=list)  # .jsonl / .parquet (data.py)
-    # appended to plain {"problem", "answer"} rows; null = none
-    prompt_suffix: str | None = data.STARE_SUFFIX
+    prompt_suffix: str | None = data.STARE_SUFFIX  # added to plain problem/answer rows; null: none
     max_prompt_tokens: int = 1024  # longer prompts are handled by `overflow`
     overflow: str = "left_truncate"  # left_truncate (verl's "left") | skip | error
     shuffle: bool = True  # reshuffle the prompts every epoch (deterministically from train.seed)
@@ -58,8 +58,7 @@ class DataConfig:
 class RolloutConfig:
     n: int = 8  # responses per prompt (the GRPO group size)
     temperature: float = 1.0  # the trainer divides its logits by the same value
-    # keep 1: truncated sampling makes sampler and trainer log-probs disagree (TRL #6789)
-    top_p: float = 1.0
+    top_p: float = 1.0  # keep 1: truncating makes sampler and trainer log-probs differ (TRL #6789)
     top_k: int = 0  # 0 = off, for the same reason
     max_tokens: int = 3072  # max response tokens
     dtype: str = "auto"  # vLLM weights dtype; auto = vLLM's choice (float32 runs in bfloat16)
@@ -68,19 +67,16 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # GPUs per vLLM engine: consecutive ranks share one
     max_num_seqs: int = 256  # concurrent sequences per engine
     enable_sleep_mode: bool = False  # GPU: release the KV cache and weights while training
-    # 2: drop the weights (the sync rewrites them); 1: keep a host copy (vLLM #29341)
-    sleep_level: int = 2
+    sleep_level: int = 2  # 2: drop weights (synced anew); 1: keep a host copy (vLLM #29341)
     enforce_eager: bool = False  # no CUDA graphs / compilation (faster start-up, slower sampling)
     model_runner: str = "v1"  # vLLM's GPU runner: v1 (the CPU one's sibling) | v2 (0.32's default)
     sync_check_every: int = 10  # steps between weight-sync probes (and the first step); 0 = never
     max_sync_probe_error: float = 2.0  # stop past this max |engine - trainer| log-prob of the probe
     # the probe also compares the next-token distributions over the engine's k most likely tokens
-    # (rollout.topk_divergence); 0 = the probe's own tokens only
-    sync_check_topk: int = 20
+    sync_check_topk: int = 20  # k (rollout.topk_divergence); 0 = the probe's own tokens only
     max_sync_probe_tv: float = 0.5  # stop past this largest total variation over those k (+ rest)
     max_logprob_mismatch: float = 0.25  # stop past this step mean |rollout - trainer| log-prob
-    # multi-turn code-interpreter rollouts (tool_use.generate_with_tools; sandbox section)
-    tools: bool = False
+    tools: bool = False  # multi-turn code-interpreter rollouts (tool_use.py; the sandbox section)
     max_turns: int = 4  # tools: model turns per response; max_tokens bounds model + tool tokens
     max_tool_response_tokens: int = 512  # tools: tokens of one tool output shown (head and tail)
 
@@ -162,8 +158,7 @@ class LossConfig:
     # --- Lp-Reg (Eqs. 13, 14) ---
     lp_reg_kappa: float = 0.02  # min-p proxy keeps tokens with p >= kappa * max p
     lp_reg_soft: bool = False  # filtered tokens get the row's minimum logit, not -1e4 (minp_soft)
-    # rho-: fraction of A < 0 tokens (lowest pi) regularised; 0.005 for 32B
-    lp_reg_neg_ratio: float = 0.01
+    lp_reg_neg_ratio: float = 0.01  # rho-: share of A<0 tokens (lowest pi) regularised; 32B: 0.005
     lp_reg_coef: float = 1.0  # beta on the k3 term (ppo_kl_coef)
     # --- Clip-Cov / KL-Cov (Eqs. 15-17); ratios are fractions, not the PRIME repo's percentages ---
     clip_cov_ratio: float = 0.0002  # fraction of valid tokens detached
@@ -186,9 +181,8 @@ class LossConfig:
     w_reinforce_lambda: float = 0.1  # lambda: weight of positive-advantage tokens (paper: 0.1)
     # --- EntroPIC (Eq. 25); its controller is the `entropic` section ---
     entropic_prob_threshold: float = 0.95  # its term acts on tokens with pi above this (reference)
-    # --- the adaptive entropy coefficient (Eq. 30): Skywork-OR1's paper runs' values ---
-    # the entropy it holds; null = gate.target_entropy (Skywork-OR1: 0.2)
-    adaptive_entropy_target: float | None = None
+    # --- adaptive entropy coefficient (Eq. 30): Skywork-OR1's paper runs' values (target 0.2) ---
+    adaptive_entropy_target: float | None = None  # the entropy it holds; null = gate.target_entropy
     adaptive_entropy_coef_init: float = 0.0
     adaptive_entropy_coef_min: float = 0.0
     adaptive_entropy_coef_max: float = 0.005
@@ -230,15 +224,12 @@ class LossConfig:
 
 @dataclasses.dataclass
 class RewardConfig:
-    # "boxed": only the last \boxed{} counts; "any": math-verify searches the whole text
-    answer_format: str = "boxed"
+    answer_format: str = "boxed"  # boxed: the last \boxed{} only; any: math-verify reads all text
     timeout_s: float = 5.0  # deadline for checking one response (main thread only; rewards.py)
-    # DAPO overlong shaping over the last this-many tokens; 0 = off (STARE's default)
-    overlong_buffer_len: int = 0
+    overlong_buffer_len: int = 0  # DAPO overlong shaping over the last N tokens; 0 = off (STARE's)
     overlong_penalty_factor: float = 1.0  # the penalty at max_response_len, which is -factor
     max_response_len: int = 0  # the sampler's max new tokens; > overlong_buffer_len when shaping
-    # reward += format_weight * format_ok; 0 = format is logged, not rewarded (reference)
-    format_weight: float = 0.0
+    format_weight: float = 0.0  # reward += it * format_ok; 0 = logged, not rewarded (the reference)
 
     def __post_init__(self):
         if self.answer_format not in rewards.ANSWER_FORMATS:
@@ -307,8 +298,7 @@ class OptimConfig:
     schedule: str = "constant"  # constant | cosine (to min_lr_ratio * lr at train.total_steps)
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
-    # consecutive skipped steps (non-finite loss or grad norm) before the run stops
-    max_nonfinite_steps: int = 3
+    max_nonfinite_steps: int = 3  # skipped steps in a row (non-finite loss or grad norm) stop a run
     loss_scale_init: float = 65536.0  # float16 compute only: dynamic loss scaling's first scale
     loss_scale_window: int = 1000  # float16: optimizer steps without overflow before it doubles
 
@@ -382,27 +372,18 @@ class Config:
 
 
 RENAMED = {  # old key -> its name now: an old config fails in one line that names the new key
-    "algorithm.stare_scope": "algorithm.selection_scope",
-    "algorithm.target_entropy": "gate.target_entropy",
-    "algorithm.gate_adaptive": "gate.adaptive",
-    "algorithm.gate_alpha": "gate.alpha",
-    "algorithm.gate_w_max": "gate.w_max",
-    "algorithm.gate_m_min": "gate.m_min",
-    "loss.stare_w": "gate.w",
-    "loss.stare_m": "gate.m"}
+    "algorithm.stare_scope": "algorithm.selection_scope", "loss.stare_w": "gate.w",
+    "loss.stare_m": "gate.m", "algorithm.target_entropy": "gate.target_entropy",
+    **{f"algorithm.gate_{k}": f"gate.{k}" for k in ("adaptive", "alpha", "w_max", "m_min")}}
 
 CHOICES = {  # fields with a fixed set of values
     "model.param_dtype": ("bfloat16", "float16", "float32"),
     "model.reduce_dtype": ("bfloat16", "float16", "float32"),
     "model.attn_implementation": ("varlen", "sdpa", "eager", "flash_attention_2"),
-    "rollout.sleep_level": (1, 2),
-    "rollout.model_runner": ("v1", "v2"),
-    "data.overflow": data.OVERFLOW_MODES,
-    "algorithm.method": baselines.METHODS,
-    "loss.policy_loss": baselines.POLICY_LOSSES,
-    "algorithm.selection_scope": ("step", "micro"),
-    "entropic.start": ("first_step", "crossing"),
-    "optim.schedule": ("constant", "cosine")}
+    "rollout.sleep_level": (1, 2), "rollout.model_runner": ("v1", "v2"),
+    "data.overflow": data.OVERFLOW_MODES, "algorithm.method": baselines.METHODS,
+    "loss.policy_loss": baselines.POLICY_LOSSES, "algorithm.selection_scope": ("step", "micro"),
+    "entropic.start": ("first_step", "crossing"), "optim.schedule": ("constant", "cosine")}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -411,8 +392,7 @@ CHOICES = {  # fields with a fixed set of values
 
 
 def load(path=None, overrides=()):
-    """The Config of a YAML file (None: the defaults) with `section.key=value` overrides applied,
-    fully checked."""
+    """The checked Config of a YAML file (None: the defaults) with `section.key=value` overrides."""
     raw = {}
     if path is not None:
         if Path(path).exists() and not Path(path).is_file():  # a FIFO would block the read
@@ -435,11 +415,7 @@ def load(path=None, overrides=()):
         if not isinstance(raw, dict):
             raise ConfigError(
                 f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
-    for override in overrides:
-        _apply_override(raw, override)
-    cfg = _build(Config, raw, "")
-    check(cfg)
-    return cfg
+    return _overridden(raw, overrides)
 
 
 def _not_utf8(path):
@@ -470,28 +446,28 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def apply_overrides(cfg, overrides):
     """A new Config: `cfg` with `section.key=value` overrides applied, fully checked."""
-    raw = to_dict(cfg)
+    return _overridden(to_dict(cfg), overrides)
+
+
+def _overridden(raw, overrides):
+    """The checked Config of a raw dict with `section.key=value` overrides applied to it."""
     for override in overrides:
-        _apply_override(raw, override)
-    built = _build(Config, raw, "")
-    check(built)
-    return built
-
-
-def _apply_override(raw, override):
-    key, sep, text = override.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"override {override!r} must look like section.key=value")
-    *sections, name = key.strip().split(".")
-    node = raw
-    for section in sections:
-        node = node.setdefault(section, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {override!r}: {section!r} is not a section")
-    try:
-        node[name] = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
-        node[name] = text  # not YAML: a bare string
+        key, sep, text = override.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {override!r} must look like section.key=value")
+        *sections, name = key.strip().split(".")
+        node = raw
+        for section in sections:
+            node = node.setdefault(section, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {override!r}: {section!r} is not a section")
+        try:
+            node[name] = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            node[name] = text  # not YAML: a bare string
+    cfg = _build(Config, raw, "")
+    check(cfg)
+    return cfg
 
 
 def _build(cls, raw, prefix):
@@ -499,22 +475,19 @@ def _build(cls, raw, prefix):
     if not isinstance(raw, dict):
         raise ConfigError(
             f"config key {prefix.rstrip('.') or '<root>'!r} must be a mapping, got {raw!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls)  # the fields, in order
     for key in raw:
         if prefix + str(key) in RENAMED:
             raise ConfigError(
                 f"config key {prefix + str(key)!r} is now {RENAMED[prefix + str(key)]!r}")
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), hints, n=1)
             hint = (f" (did you mean {prefix + close[0]!r}?)" if close
-                    else f" (valid: {', '.join(fields)})")
+                    else f" (valid: {', '.join(hints)})")
             raise ConfigError(f"config key {prefix + str(key)!r}: unknown key{hint}")
-    values = {}
-    for name, value in raw.items():
-        hint = hints[name]
-        values[name] = (_build(hint, value, f"{prefix}{name}.") if dataclasses.is_dataclass(hint)
-                        else _coerce(value, hint, prefix + name))
+    values = {name: _build(hints[name], value, f"{prefix}{name}.")
+              if dataclasses.is_dataclass(hints[name])
+              else _coerce(value, hints[name], prefix + name) for name, value in raw.items()}
     try:
         return cls(**values)
     except ValueError as error:  # a section's own checks (LossConfig, RewardConfig, SandboxConfig)
@@ -533,14 +506,9 @@ def _coerce(value, hint, key):
         if not isinstance(value, list):
             raise ConfigError(f"config key {key!r}: expected a list, got {value!r}")
         return [_coerce(item, args[0], f"{key}[{i}]") for i, item in enumerate(value)]
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    # YAML 1.1 reads 1e-6 (no dot) as a string: accept the number
-    if hint is float and isinstance(value, str):
-        try:
+    if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):  # YAML 1.1 reads 1e-6 (no dot) as a string
             value = float(value)
-        except ValueError:
-            pass
     if hint is float and isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"config key {key!r}: must be a finite number, got {value!r}")
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
@@ -584,12 +552,6 @@ def check(cfg, world_size=None):
     refused = baselines.refused_combination(cfg.algorithm.method, cfg.loss.policy_loss)
     if refused:
         raise ConfigError(f"config keys 'algorithm.method' and 'loss.policy_loss': {refused}")
-    for key in POSITIVE:
-        if not _get(cfg, key) > 0:
-            raise ConfigError(f"config key {key!r}: must be > 0, got {_get(cfg, key)!r}")
-    for key in NON_NEGATIVE:
-        if not _get(cfg, key) >= 0:
-            raise ConfigError(f"config key {key!r}: must be >= 0, got {_get(cfg, key)!r}")
     for key, ok, message in _rules(cfg, world_size):
         if not ok:
             raise ConfigError(f"config key {key!r}: {message}, got {_get(cfg, key)!r}")
@@ -600,9 +562,12 @@ VLLM_MAX_N = int(os.environ.get("VLLM_MAX_N_SEQUENCES", "16384"))
 
 
 def _rules(cfg, world_size):
-    """(key, whether it holds, what the value must be) for every rule beyond the ranges."""
+    """(key, whether it holds, what the value must be) for every rule, lazily: the ranges first
+    (the later rules divide by some of those values)."""
+    yield from ((key, _get(cfg, key) > 0, "must be > 0") for key in POSITIVE)
+    yield from ((key, _get(cfg, key) >= 0, "must be >= 0") for key in NON_NEGATIVE)
     r, a, t, hw = cfg.rollout, cfg.algorithm, cfg.train, cfg.hardware
-    rules = [
+    yield from [
         ("rollout.top_p", 0 < r.top_p <= 1, "must be in (0, 1]"),
         ("algorithm.selection_scope", a.method != "grpo_dropout" or a.selection_scope == "step",
          "must be step for grpo_dropout (it chooses among whole groups)"),
@@ -612,10 +577,9 @@ def _rules(cfg, world_size):
         ("eval.n", cfg.eval.n is None or cfg.eval.n >= 1, "must be >= 1 or null"),
         ("rollout.top_k", r.top_k >= -1, "must be >= -1 (0 or -1 = off)"),
         ("rollout.n", r.n >= 2, "must be >= 2: a group of one response has no baseline"),
-        ("rollout.n", r.n <= VLLM_MAX_N, f"must be <= {VLLM_MAX_N}, vLLM's limit "
-         "(VLLM_MAX_N_SEQUENCES)"),
-        ("eval.n", cfg.eval.n is None or cfg.eval.n <= VLLM_MAX_N,
-         f"must be <= {VLLM_MAX_N}, vLLM's limit (VLLM_MAX_N_SEQUENCES)"),
+        *((key, _get(cfg, key) is None or _get(cfg, key) <= VLLM_MAX_N,
+           f"must be <= {VLLM_MAX_N}, vLLM's limit (VLLM_MAX_N_SEQUENCES)")
+          for key in ("rollout.n", "eval.n")),
         ("train.out_dir", t.out_dir.strip() != "",
          "must name a directory (empty would write the run into the working directory)"),
         ("rollout.tensor_parallel_size", r.tensor_parallel_size == 1 or not r.tools,
@@ -632,9 +596,8 @@ def _rules(cfg, world_size):
         ("train.min_varied_group_frac", 0 <= t.min_varied_group_frac < 1, "must be in [0, 1)"),
         ("train.min_answered_frac", 0 <= t.min_answered_frac < 1, "must be in [0, 1)"),
         ("rollout.gpu_memory_utilization", 0 < r.gpu_memory_utilization <= 1, "must be in (0, 1]"),
-        ("rollout.kv_cache_gib", r.kv_cache_gib is None or r.kv_cache_gib > 0,
-         "must be > 0 or null"),
-        ("hardware.host_gib", hw.host_gib is None or hw.host_gib > 0, "must be > 0 or null"),
+        *((key, _get(cfg, key) is None or _get(cfg, key) > 0, "must be > 0 or null")
+          for key in ("rollout.kv_cache_gib", "hardware.host_gib")),
         ("algorithm.is_cap", a.is_cap >= 1, "must be >= 1"),
         ("gate.w_max", cfg.gate.w_max >= 1, "must be >= 1"),
         ("gate.m_min", 0 <= cfg.gate.m_min <= 1, "must be in [0, 1]"),
@@ -649,14 +612,12 @@ def _rules(cfg, world_size):
          cfg.reward.overlong_buffer_len == 0 or cfg.reward.max_response_len == r.max_tokens,
          f"must equal rollout.max_tokens ({r.max_tokens}) when overlong shaping is on")]
     if world_size is not None:
-        rules += [
-            ("train.mini_batch_size", t.mini_batch_size % world_size == 0,
-             f"must be divisible by the number of ranks ({world_size})"),
-            ("algorithm.gen_batch_size", a.gen_batch_size % world_size == 0,
-             f"must be divisible by the number of ranks ({world_size})"),
+        yield from [
+            *((key, _get(cfg, key) % world_size == 0,
+               f"must be divisible by the number of ranks ({world_size})")
+              for key in ("train.mini_batch_size", "algorithm.gen_batch_size")),
             ("rollout.tensor_parallel_size", world_size % r.tensor_parallel_size == 0,
              f"must divide the number of ranks ({world_size}): consecutive ranks share an engine")]
-    return rules
 
 
 def _get(cfg, key):
@@ -693,8 +654,7 @@ def _named(key):
 def check_model_path(path, key="model.path"):
     """A local Hugging Face model directory: config.json, a tokenizer and weights. Raises
     ConfigError naming what is missing and where to get it."""
-    path, key = Path(path), _named(key)
-    where = describe_path(path)
+    path, key, where = Path(path), _named(key), describe_path(path)
     get_it = (f"nothing is downloaded at run time: fetch it first, e.g. `huggingface-cli download "
               f"<org>/{path.name} --local-dir {path}` (docs/usage.md, "
               f'"Models and data for GPU runs")')
@@ -749,8 +709,7 @@ def check_model_path(path, key="model.path"):
 
 
 def _safetensors_problem(file):
-    """Why a .safetensors file cannot hold what its header lists (read: the header alone), or
-    None."""
+    """Why a .safetensors file cannot hold what its header lists (reading only that), or None."""
     size = file.stat().st_size
     try:
         with open(file, "rb") as f:
@@ -888,25 +847,23 @@ def check_outputs(outputs, inputs=()):
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
 
     for i, (key, path, kind) in enumerate(outputs):
-        path, where = Path(path), describe_path(path)
+        path, name, where = Path(path), _named(key), describe_path(path)
         for input_key, source in inputs:
             source = Path(source)
             if (same(path, source) or (kind == "dir" and inside(source, path)) or (
                     kind == "file" and source.is_dir() and path.exists() and inside(path, source))):
-                raise ConfigError(f"{_named(key)}: {where} would overwrite "
+                raise ConfigError(f"{name}: {where} would overwrite "
                                   f"{_named(input_key)} ({describe_path(source)}), which it reads")
         for other_key, other, other_kind in outputs[:i]:
             other = Path(other)
             if same(path, other) or (other_kind == "dir" and inside(path, other)) or (
                     kind == "dir" and inside(other, path)):
-                raise ConfigError(f"{_named(key)} and {_named(other_key)} both name {where}")
+                raise ConfigError(f"{name} and {_named(other_key)} both name {where}")
         existing = next(p for p in [path, *path.parents] if p.exists())
-        if existing == path and kind == "dir" and not path.is_dir():
-            raise ConfigError(f"{_named(key)}: {where} is a file, not a directory")
-        if existing == path and kind == "file" and path.is_dir():
-            raise ConfigError(f"{_named(key)}: {where} is a directory, not a file")
+        if existing == path and (kind == "dir") != path.is_dir():
+            raise ConfigError(f"{name}: {where} is a " + (
+                "file, not a directory" if kind == "dir" else "directory, not a file"))
         if existing != path and not existing.is_dir():
-            raise ConfigError(f"{_named(key)}: {where} cannot be created ({existing} is a file)")
+            raise ConfigError(f"{name}: {where} cannot be created ({existing} is a file)")
         if not os.access(existing, os.W_OK | (os.X_OK if existing.is_dir() else 0)):
-            raise ConfigError(f"{_named(key)}: {where} cannot be written ({existing} is not "
-                              f"writable)")
+            raise ConfigError(f"{name}: {where} cannot be written ({existing} is not writable)")

@@ -187,9 +187,8 @@ class MetricsLog:
             acc=metrics.get("rollout/acc_before_filter"), entropy=metrics.get("train/entropy"),
             gate=metrics.get("stare/gate_on"), refresh=False)
         if step % self.log_every == 0:
-            progress.write(
-                f"step {step}: "
-                + " ".join(f"{k}={metrics[k]:.4g}" for k in self.CONSOLE_KEYS if k in metrics))
+            progress.write(f"step {step}: " + " ".join(
+                f"{k}={metrics[k]:.4g}" for k in self.CONSOLE_KEYS if k in metrics))
 
     def _append(self, line, step):
         """One whole line or none: a write that fails (a full disk) is cut back off the file."""
@@ -270,12 +269,11 @@ def setup_distributed(timeout_minutes=60):
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
     use_cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if use_cuda else "cpu")
     if use_cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
-    device = (
-        torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu"))
     return dist.get_rank(), dist.get_world_size(), device
 
 
