@@ -217,8 +217,6 @@ def kl_cov_mask(logprobs, advantages, mask, ratio):
     """KL-Cov's penalised tokens (Cui et al. 2025; Eq. 17): the k = max(1, int(ratio N_valid)) valid
     tokens with the largest Cov. -> bool [B, T]."""
     valid = mask.bool()
-    if valid.numel() == 0:
-        return valid
     covariance = advantage_logprob_covariance(logprobs, advantages, mask)  # [B, T], of either sign
     # signed: ranked exactly as they are (shifted to >= 0 in float32, near-ties would merge)
     return stare.select_top_k(
@@ -318,7 +316,6 @@ class EntropyPIController(stare.MethodState):
         self.integral = 0.0  # sum of the errors of the steps so far
         self.error = 0.0  # this step's H - target
         self.coef = 0.0  # alpha for this step's update
-        self.current_entropy = float("nan")  # last accepted batch entropy
 
     def step(self, entropy):  # Eq. 26
         self.error = entropy - self.target_entropy
@@ -377,7 +374,6 @@ class AdaptiveEntropyCoefficient(stare.MethodState):
         self.coef_min, self.coef_max = float(coef_min), float(coef_max)
         self.coef, self.enabled = float(coef_init), True  # the reference's start
         self.applied = 0.0  # the coefficient of this step's bonus
-        self.current_entropy = float("nan")  # last accepted batch entropy
 
     def step(self, entropy):  # Eq. 30
         self.applied = self.coef if self.enabled else 0.0
@@ -417,8 +413,8 @@ def token_selection(method, batch, cfg, states=None, generator=None):
     _check_method(method)
     logprobs, advantages, mask = batch["logprobs"].detach(), batch["advantages"], batch["mask"]
     # candidate counts: when a method touches nothing, they say why (no token of the sign, too few)
-    signed = stare.broadcastable_advantages(advantages, logprobs)
-    positive, negative = (mask.bool() & (signed > 0)).sum(), (mask.bool() & (signed < 0)).sum()
+    signed, valid = stare.broadcastable_advantages(advantages, logprobs), mask.bool()
+    positive, negative = (valid & (signed > 0)).sum(), (valid & (signed < 0)).sum()
     if method == "stare":
         gate = (states or {}).get("gate") or stare.EntropyGate()
         weights, stats = stare.stare_weights(
@@ -457,13 +453,12 @@ def token_selection(method, batch, cfg, states=None, generator=None):
                                      sensitivity)
         weights, omega_max = steer_weights(omega, mask, cfg.steer_weight_min,
                                            cfg.steer_weight_max, cfg.steer_linear)
-        num_valid = mask.bool().sum().clamp(min=1)
-        return {"weights": weights}, {"steer/omega_max": omega_max,
-                                      "steer/weight_mean": (weights * mask).sum() / num_valid}
+        return {"weights": weights}, {"steer/omega_max": omega_max, "steer/weight_mean":
+                                      (weights * mask).sum() / valid.sum().clamp(min=1)}
     if method == "entropic":
         high_prob = entropic_high_prob_mask(logprobs, mask, cfg.entropic_prob_threshold)
         return {"high_prob": high_prob}, {
-            "entropic/high_prob_frac": high_prob.sum() / mask.bool().sum().clamp(min=1)}
+            "entropic/high_prob_frac": high_prob.sum() / valid.sum().clamp(min=1)}
     if method == "grpo_dropout":  # whole responses: their rows, broadcast over the tokens
         kept, new_advantages = grpo_dropout(logprobs, advantages, batch["rewards"], batch["groups"],
                                             mask, cfg, generator)
@@ -521,7 +516,7 @@ def grpo_dropout(logprobs, advantages, rewards, groups, mask, cfg, generator=Non
     kept = torch.ones(len(ell), dtype=torch.bool)
     new_advantages = advantages.detach().float().clone()
     for group in torch.unique(groups).tolist():
-        rows = (groups == group).nonzero().flatten()
+        chosen = rows = (groups == group).nonzero().flatten()
         if cfg.grpo_dropout_drop:
             surprisal = -ell[rows].double()
             push = advantages[rows].double() * (surprisal - surprisal.mean())
@@ -532,8 +527,6 @@ def grpo_dropout(logprobs, advantages, rewards, groups, mask, cfg, generator=Non
                 new_advantages[rows] = 0.0
                 new_advantages[chosen] = stare.group_advantages(
                     rewards[chosen].float(), len(chosen))
-        else:
-            chosen = rows
         if cfg.grpo_dropout_center:
             weights = torch.softmax(ell[chosen].float(), dim=0)
             new_advantages[chosen] -= (weights * new_advantages[chosen]).sum()
@@ -567,12 +560,9 @@ def gspo_surrogate(logprobs, old_logprobs, advantages, mask, clip_low=3e-4, clip
     loss_unclipped = -token_adv * seq_ratio
     loss_clipped = -token_adv * torch.clamp(seq_ratio, 1 - clip_low, 1 + clip_high)
     token_loss = torch.maximum(loss_unclipped, loss_clipped)
-    with torch.no_grad():
-        stats = _surrogate_stats(
-            log_ratio, mask, clipped=loss_clipped > loss_unclipped,
-            below=(token_adv < 0) & (seq_ratio < 1 - clip_low),
-            above=(token_adv > 0) & (seq_ratio > 1 + clip_high))
-    return token_loss, stats
+    return token_loss, _surrogate_stats(log_ratio, mask, clipped=loss_clipped > loss_unclipped,
+                                        below=(token_adv < 0) & (seq_ratio < 1 - clip_low),
+                                        above=(token_adv > 0) & (seq_ratio > 1 + clip_high))
 
 
 def cispo_surrogate(logprobs, old_logprobs, advantages, mask, clip_low=10.0, clip_high=0.2):
@@ -590,10 +580,8 @@ def cispo_surrogate(logprobs, old_logprobs, advantages, mask, clip_low=10.0, cli
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     token_loss = -clipped_ratio.detach() * token_adv * logprobs
-    with torch.no_grad():
-        stats = _surrogate_stats(log_ratio, mask, clipped=ratio != clipped_ratio,
-                                 below=ratio < 1 - clip_low, above=ratio > 1 + clip_high)
-    return token_loss, stats
+    return token_loss, _surrogate_stats(log_ratio, mask, clipped=ratio != clipped_ratio,
+                                        below=ratio < 1 - clip_low, above=ratio > 1 + clip_high)
 
 
 def sapo_surrogate(logprobs, old_logprobs, advantages, mask, tau_pos=1.0, tau_neg=1.05):
@@ -610,15 +598,11 @@ def sapo_surrogate(logprobs, old_logprobs, advantages, mask, tau_pos=1.0, tau_ne
     token_adv = stare.token_advantages(advantages, logprobs).to(logprobs.dtype)  # [B, T]
     log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)  # [B, T]
     ratio = torch.exp(log_ratio)
-    tau = torch.where(token_adv > 0,
-                      torch.as_tensor(tau_pos, dtype=token_adv.dtype, device=token_adv.device),
-                      torch.as_tensor(tau_neg, dtype=token_adv.dtype, device=token_adv.device))
+    tau = torch.where(token_adv > 0, token_adv.new_tensor(tau_pos), token_adv.new_tensor(tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # [B, T]
     token_loss = -gate * token_adv
-    with torch.no_grad():
-        never = torch.zeros_like(mask, dtype=torch.bool)
-        stats = _surrogate_stats(log_ratio, mask, clipped=never, below=never, above=never)
-    return token_loss, stats
+    never = torch.zeros_like(mask, dtype=torch.bool)
+    return token_loss, _surrogate_stats(log_ratio, mask, clipped=never, below=never, above=never)
 
 
 def _surrogate_stats(log_ratio, mask, clipped, below, above):
@@ -676,15 +660,13 @@ def method_token_loss(method, batch, cfg, selection, surrogate, unclipped, token
         k3 = torch.clamp(torch.exp(delta) - delta - 1, max=10.0)
         touched = selection["regularized"]
         token_loss = torch.where(touched, unclipped + cfg.lp_reg_coef * k3, surrogate)
-    elif method == "clip_cov":  # Eq. 16: the selected tokens' loss is zeroed, still counted
-        touched = selection["detached"]
+    elif method in ("clip_cov", "high_entropy"):  # Eq. 16: the selected tokens' loss is zeroed,
+        # still counted; Eq. 18: gradient only through the high-entropy tokens
+        touched = selection["detached"] if method == "clip_cov" else ~selection["kept"]
         token_loss = surrogate * ~touched
     elif method == "kl_cov":  # Eq. 17: unclipped -A r, + beta |log pi - log pi_old| on the top-Cov
         touched = selection["penalized"]
         token_loss = unclipped + cfg.kl_cov_coef * (logprobs - old_logprobs).abs() * touched
-    elif method == "high_entropy":  # Eq. 18: gradient only through the high-entropy tokens
-        touched = ~selection["kept"]
-        token_loss = surrogate * selection["kept"]
     elif method == "w_reinforce":  # Eq. 24: lambda x the loss of A > 0 tokens (= lambda x their A)
         positive = token_adv > 0
         token_loss = torch.where(positive, cfg.w_reinforce_lambda * surrogate, surrogate)
@@ -694,13 +676,12 @@ def method_token_loss(method, batch, cfg, selection, surrogate, unclipped, token
         touched = selection["high_prob"] & (_coef(states, "entropic", "coef") != 0)
     elif method == "grpo_dropout":  # Eq. 31: the selection's advantages, dropped rows masked
         token_loss, touched = surrogate, selection["changed"]
-    elif method == "adaptive_entropy":  # Eq. 30: Eq. 19 with the controller's coefficient
-        coef = _coef(states, "adaptive_entropy", "applied")
+    else:  # entropy_bonus, Eq. 19: -beta H per token, H with grad; adaptive_entropy, Eq. 30: with
+        # the controller's coefficient
+        coef = (_coef(states, "adaptive_entropy", "applied") if method == "adaptive_entropy"
+                else cfg.entropy_coef)
         token_loss = surrogate - coef * batch["entropy"]
         touched = torch.full_like(valid, coef != 0)
-    else:  # entropy_bonus, Eq. 19: -beta H per token, H with grad
-        token_loss = surrogate - cfg.entropy_coef * batch["entropy"]
-        touched = torch.full_like(valid, cfg.entropy_coef != 0)
     return token_loss, touched
 
 

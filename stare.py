@@ -100,9 +100,7 @@ def token_logprobs_and_entropy(logits, tokens, temperature=1.0, chunk_size=None)
     """
     import kernels
 
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    logits_2d, tokens_1d = flatten_logits(logits, tokens)
+    logits_2d, tokens_1d = flatten_logits(logits, tokens, temperature)
     if kernels.supported(logits_2d):
         logprobs, entropy = kernels.LogprobEntropy.apply(logits_2d, tokens_1d, float(temperature))
     else:
@@ -128,9 +126,7 @@ def _entropy_geometry(logits, tokens, temperature, chunk_size):
     float32 tensors [N]. One Triton pass per row on CUDA (kernels.py), row chunks elsewhere."""
     import kernels
 
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    logits_2d, tokens_1d = flatten_logits(logits, tokens)
+    logits_2d, tokens_1d = flatten_logits(logits, tokens, temperature)
     if kernels.supported(logits_2d):
         logprobs, entropy, _, cov_b, s_min = kernels.row_stats(
             logits_2d, tokens_1d, float(temperature), True)
@@ -179,8 +175,7 @@ def critical_surprisal(logits, temperature=1.0, chunk_size=None, iterations=60):
     for _ in range(iterations):
         mid = 0.5 * (lo + hi)
         below = torch.exp(-mid) * (mid - h) - b < 0  # g(mid) < 0: the root is above mid
-        lo = torch.where(below, mid, lo)
-        hi = torch.where(below, hi, mid)
+        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
     return (0.5 * (lo + hi)).to(torch.float32).view(logits.shape[:-1])
 
 
@@ -216,8 +211,7 @@ def select_top_surprisal(surprisal, candidates, top_ratio):
     if top_ratio == 0:
         return torch.zeros(candidates.shape, dtype=torch.bool, device=candidates.device)
     n = candidates.sum(dtype=torch.int32)  # 0-dim, on the device
-    # 0-dim; clamped to n in select_top_k
-    k = torch.ceil(top_ratio * n.double() - 1e-9).clamp(min=1)
+    k = torch.ceil(top_ratio * n.double() - 1e-9).clamp(min=1)  # 0-dim; select_top_k clamps it to n
     return select_top_k(surprisal, candidates, k)
 
 
@@ -259,16 +253,11 @@ def stare_weights(logprobs, advantages, mask, variant="O1", top_ratio=0.1, w=1.1
     pos_selected_frac = pos_selected.sum(dtype=torch.int32) / num_valid
     neg_selected_frac = num_neg_selected / num_valid
     mean_weight = 1.0 + ((w - 1.0) * pos_selected_frac + (m - 1.0) * neg_selected_frac) * gate
-    stats = {
-        # fractions of the valid tokens
-        "pos_candidate_frac": pos_candidates.sum(dtype=torch.int32) / num_valid,
-        "neg_candidate_frac": neg_candidates.sum(dtype=torch.int32) / num_valid,
-        "pos_selected_frac": pos_selected_frac,
-        "neg_selected_frac": neg_selected_frac,
-        "mean_weight": mean_weight,  # over valid tokens; 1 when the gate is off
-        "gate_on": gate.float(),
-    }
-    return weights, stats
+    # fractions of the valid tokens; the mean weight over them (1 when the gate is off)
+    return weights, {"pos_candidate_frac": pos_candidates.sum(dtype=torch.int32) / num_valid,
+                     "neg_candidate_frac": neg_candidates.sum(dtype=torch.int32) / num_valid,
+                     "pos_selected_frac": pos_selected_frac, "neg_selected_frac": neg_selected_frac,
+                     "mean_weight": mean_weight, "gate_on": gate.float()}
 
 
 class MethodState:
@@ -278,12 +267,14 @@ class MethodState:
     `metrics(accepted)`, checkpoints `state_dict()` under `name` and, on resume, `resume(saved)`
     restores the keys of `carried()` (the rest comes from the resumed run's config). A subclass
     sets `name`, `STATE_KEYS` (its attributes, saved) and `ADDED_KEYS` (keys added after
-    checkpoints were written -> the value an older checkpoint means), and defines `step` (the
-    update rule), `metrics` and `carried`."""
+    checkpoints were written -> the value an older checkpoint means), and defines `step(entropy)`
+    (the update rule, for a finite entropy), `metrics(accepted)` -> {"prefix/name": float} and
+    `carried()` -> the STATE_KEYS a resume restores."""
 
     name = ""
     STATE_KEYS = ()
     ADDED_KEYS = {}
+    current_entropy = float("nan")  # last accepted batch entropy
 
     def update(self, batch_entropy):
         """Feed the batch-mean entropy (float or 0-dim tensor) -> whether it was accepted: a
@@ -294,15 +285,6 @@ class MethodState:
         self.current_entropy = entropy
         self.step(entropy)
         return True
-
-    def step(self, entropy):  # a finite entropy
-        raise NotImplementedError
-
-    def metrics(self, accepted):  # -> {"prefix/name": float}
-        raise NotImplementedError
-
-    def carried(self):  # -> the STATE_KEYS a resume restores
-        raise NotImplementedError
 
     def state_dict(self):
         return {key: getattr(self, key) for key in self.STATE_KEYS}
@@ -347,7 +329,6 @@ class EntropyGate(MethodState):
         self.adaptive, self.alpha = bool(adaptive), float(alpha)
         self.w_max, self.m_min = float(w_max), float(m_min)
         self.gate_on = True  # the reference starts with the gate on
-        self.current_entropy = float("nan")  # last accepted batch entropy
 
     def step(self, entropy):
         self.gate_on = entropy < self.target_entropy
@@ -358,9 +339,8 @@ class EntropyGate(MethodState):
             self.m = min(max(self.m - self.alpha * direction, self.m_min), 1.0)
 
     name = "gate"
-    STATE_KEYS = (
-        "target_entropy", "w", "m", "adaptive", "alpha", "w_max", "m_min", "gate_on",
-        "current_entropy")
+    STATE_KEYS = ("target_entropy", "w", "m", "adaptive", "alpha", "w_max", "m_min", "gate_on",
+                  "current_entropy")
 
     def metrics(self, accepted):
         return {"stare/gate_update_accepted": float(accepted), "stare/gate_on": float(self.gate_on),
@@ -422,12 +402,10 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=0.2, clip_hig
         dual_bounded = (token_adv < 0) & (token_loss > -token_adv * dual_clip)
         token_loss = torch.where(
             token_adv < 0, torch.minimum(token_loss, -token_adv * dual_clip), token_loss)
-    with torch.no_grad():
-        valid = torch.ones_like(log_ratio, dtype=torch.bool) if mask is None else mask.bool()
-        stats = surrogate_stats(log_ratio, valid, loss_clipped > loss_unclipped,
-                                (token_adv < 0) & (ratio < 1.0 - clip_low),
-                                (token_adv > 0) & (ratio > 1.0 + clip_high), dual_bounded)
-    return token_loss, stats
+    valid = torch.ones_like(log_ratio, dtype=torch.bool) if mask is None else mask.bool()
+    return token_loss, surrogate_stats(log_ratio, valid, loss_clipped > loss_unclipped,
+                                       (token_adv < 0) & (ratio < 1.0 - clip_low),
+                                       (token_adv > 0) & (ratio > 1.0 + clip_high), dual_bounded)
 
 
 def check_clip(clip_low, clip_high):
@@ -436,6 +414,7 @@ def check_clip(clip_low, clip_high):
         raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low}, {clip_high}")
 
 
+@torch.no_grad()
 def surrogate_stats(log_ratio, valid, clipped, below, above, dual=None):
     """A policy loss's logged statistics over the `valid` tokens (Eq. 2): the fractions whose clip
     acts (clip_frac), whose ratio lies below / above the band where that matters (clip_low_frac /
@@ -554,8 +533,10 @@ def tempered_chunks(logits_2d, temperature, chunk_rows):
         yield start, end, x
 
 
-def flatten_logits(logits, tokens):
-    """Check shapes and flatten: logits [..., T, V] -> [N, V], tokens [..., T] -> [N] int64."""
+def flatten_logits(logits, tokens, temperature=1.0):
+    """Check temperature and shapes; logits [..., T, V] -> [N, V], tokens [..., T] -> [N] int64."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     if not torch.is_floating_point(logits):
         raise TypeError(f"logits must be a float tensor, got {logits.dtype}")
     if tokens is not None and tuple(logits.shape[:-1]) != tuple(tokens.shape):
