@@ -14,7 +14,7 @@ checkpoints); equation numbers refer to docs/method.md.
 
 Simplified relative to the reference (verl): no Ray, no reference model or KL term (STARE's runs
 use none), on-policy by default; old log-probs come from a separate no-grad pass (ratio 1 up to
-float noise); the kept groups are exchanged between ranks with all_gather_object (on the host);
+float noise); the kept groups are exchanged between ranks with runs.all_gather (on the host);
 step-scope selections are made once per step on the old log-probs even with several mini-batches;
 no balance_batch reordering. The stages also run in one process without a process group (tests,
 tools/repro.py, tools/bench.py): then "all ranks" is this one.
@@ -126,13 +126,10 @@ def sample_groups(engine, tokenizer, task, cfg, data_position, rank, world, devi
     timings = {key: local_sums.pop(key) for key in ("time/rollout", "time/reward")}
     totals = runs.all_reduce(local_sums, device)
     responses = max(totals["responses"], 1)
-    metrics = {
-        "rollout/gen_rounds": rounds,
-        "rollout/acc_before_filter": totals["sampled_correct"] / responses,
-        "rollout/varied_group_frac": sum(varied for varied, _ in sampled) / len(sampled),
-        **{key: totals[key] / responses for key in REWARD_FRACTIONS},
-        **timings,
-    }
+    metrics = {"rollout/gen_rounds": rounds,
+               "rollout/acc_before_filter": totals["sampled_correct"] / responses,
+               "rollout/varied_group_frac": sum(varied for varied, _ in sampled) / len(sampled),
+               **{key: totals[key] / responses for key in REWARD_FRACTIONS}, **timings}
     diversity = [fraction for _, fraction in sampled if fraction is not None]
     if diversity:  # rewards.distinct_correct_fraction over the step's groups
         metrics["rollout/distinct_correct_frac"] = sum(diversity) / len(diversity)
@@ -157,21 +154,20 @@ def generate_round(engine, tokenizer, task, cfg, global_indices):
     n, prompts = cfg.rollout.n, [task.prompt_at(g) for g in global_indices]
     prompt_ids = [task.prompt_ids[p] for p in prompts]
     seeds = [data.derive_seed(cfg.train.seed, "prompt", g) for g in global_indices]
-    start = time.time()
-    if cfg.rollout.tools:  # multi-turn: the code interpreter's output comes back as tool turns
-        out = tool_use.generate_with_tools(engine, tokenizer, prompt_ids, seeds, cfg.rollout,
-                                           cfg.sandbox)
-    else:
-        out = rollout.generate(
-            engine, prompt_ids, n=n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_tokens, seeds=seeds)
-    sums = {"time/rollout": time.time() - start}
-    start = time.time()
-    examples = [task.examples[prompts[i]] for i in out.prompt_index]
-    scores, accuracies, reward_metrics = rewards.compute_rewards(
-        out.texts, [e.ground_truth for e in examples], [e.data_source for e in examples],
-        out.lengths, cfg.reward)
-    sums["time/reward"] = time.time() - start
+    timer = runs.Timer()
+    with timer("time/rollout"):
+        if cfg.rollout.tools:  # multi-turn: the code interpreter's output comes back as tool turns
+            out = tool_use.generate_with_tools(engine, tokenizer, prompt_ids, seeds, cfg.rollout,
+                                               cfg.sandbox)
+        else:
+            out = rollout.generate(engine, prompt_ids, n=n, temperature=cfg.rollout.temperature,
+                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                   max_tokens=cfg.rollout.max_tokens, seeds=seeds)
+    with timer("time/reward"):
+        examples = [task.examples[prompts[i]] for i in out.prompt_index]
+        scores, accuracies, reward_metrics = rewards.compute_rewards(
+            out.texts, [e.ground_truth for e in examples], [e.data_source for e in examples],
+            out.lengths, cfg.reward)
     responses = [
         Response(
             prompt=prompt_ids[out.prompt_index[r]], tokens=out.token_ids[r],
@@ -180,9 +176,9 @@ def generate_round(engine, tokenizer, task, cfg, global_indices):
             reflection=rewards.reflection_counts(out.texts[r]),
             policy_mask=policy_token_mask(out, r))
         for r in range(len(out.texts))]
-    sums.update({"responses": len(responses), "sampled_correct": sum(accuracies),
-                 **{key: reward_metrics[key] * len(responses) for key in REWARD_FRACTIONS},
-                 **(tool_use.tool_sums(out) if cfg.rollout.tools else {})})
+    sums = {**timer.times, "responses": len(responses), "sampled_correct": sum(accuracies),
+            **{key: reward_metrics[key] * len(responses) for key in REWARD_FRACTIONS},
+            **(tool_use.tool_sums(out) if cfg.rollout.tools else {})}
     return [Group(responses[j * n].prompt, responses[j * n:(j + 1) * n])
             for j in range(len(prompts))], sums
 
@@ -213,17 +209,14 @@ def old_policy_pass(model, responses, cfg, device):
         logits, ids = modeling.response_logits(model, packed), packed.response_ids  # [N, V], [N]
         logprobs, entropy = stare.token_logprobs_and_entropy(logits, ids, temperature)  # [N]
         sensitivity = stare.entropy_sensitivity(logits, ids, temperature)  # [N]
-        lengths = [len(r.tokens) for r in rows]
-        per_row = zip(*(values.cpu().split(lengths) for values in (logprobs, entropy, sensitivity)))
-        for i, (row_logprobs, row_entropy, row_sensitivity) in zip(indices, per_row):
-            responses[i].old_logprobs, responses[i].entropy = row_logprobs, row_entropy
-            responses[i].sensitivity = row_sensitivity
-        # what the method needs beyond these (baselines.EXTRA_INPUTS)
+        # what the method needs beyond these (baselines.EXTRA_INPUTS) goes to Response.extra
         extra = baselines.old_policy_inputs(cfg.algorithm.method, logits, ids, temperature,
                                             cfg.loss)
-        for key, values in extra.items():
+        lengths = [len(r.tokens) for r in rows]
+        for key, values in {"old_logprobs": logprobs, "entropy": entropy,
+                            "sensitivity": sensitivity, **extra}.items():
             for i, row_values in zip(indices, values.cpu().split(lengths)):
-                responses[i].extra[key] = row_values
+                (responses[i].extra if key in extra else vars(responses[i]))[key] = row_values
 
 
 def update_states(states, responses, device):
@@ -271,16 +264,11 @@ def loss_batch(rows, lay_out, method, device):
     every rank): each response's [T] tensors laid out by `lay_out` (padded [B, T] rows for the
     step's selection, packed rows in a micro-batch), the sequence advantages [B], and what
     baselines.EXTRA_INPUTS says the method needs."""
-    batch = {
-        "old_logprobs": lay_out([r.old_logprobs for r in rows]),
-        "entropy": lay_out([r.entropy for r in rows]),
-        "mask": lay_out([r.policy_mask for r in rows]),
-        "advantages": torch.tensor([r.advantage for r in rows], device=device),
-        "rewards": torch.tensor([r.reward for r in rows], device=device),
-        "groups": torch.tensor([r.group for r in rows], device=device),
-    }
-    for key in baselines.EXTRA_INPUTS.get(method, ()):
-        batch[key] = lay_out([method_input(r, key) for r in rows])
+    per_token = {"old_logprobs": "old_logprobs", "entropy": "entropy", "mask": "policy_mask",
+                 **{key: key for key in baselines.EXTRA_INPUTS.get(method, ())}}
+    batch = {key: lay_out([method_input(r, name) for r in rows]) for key, name in per_token.items()}
+    for key, name in (("advantages", "advantage"), ("rewards", "reward"), ("groups", "group")):
+        batch[key] = torch.tensor([getattr(r, name) for r in rows], device=device)
     return batch
 
 
@@ -424,19 +412,16 @@ def batch_metrics(responses, num_tokens, device):
         modeling.pad_rows([r.policy_mask for r in responses]), num_tokens=num_tokens)
     count = sums["responses"]
     return {
-        "rollout/acc": sums["correct"] / count,
-        "rollout/reward_mean": sums["reward"] / count,
+        "rollout/acc": sums["correct"] / count, "rollout/reward_mean": sums["reward"] / count,
         "rollout/response_length_mean": sums["length"] / count,
         "rollout/response_length_max": maxima["length"],
         "rollout/truncated_frac": sums["truncated"] / count,
-        # all 1: no learning signal at all
-        "train/zero_advantage_frac": sums["zero_advantage"] / count,
+        "train/zero_advantage_frac": sums["zero_advantage"] / count,  # 1: no learning signal at all
         "rollout/logprob_mismatch_mean": sums["mismatch"] / max(num_tokens, 1),
         "rollout/logprob_mismatch_max": maxima["mismatch"],
         "rollout/reflection_per_1k_words": 1000 * sums["reflection_words"] / max(sums["words"], 1),
         "train/tokens": num_tokens,
-        **{f"stare/dynamics/{k}": v for k, v in runs.all_reduce(dynamics, device).items()},
-    }
+        **{f"stare/dynamics/{k}": v for k, v in runs.all_reduce(dynamics, device).items()}}
 
 
 def train_step(run, state, step, stage=lambda name: None, first=False):

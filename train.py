@@ -116,10 +116,10 @@ def sync_guard(metrics, cfg, step):
                       ("rollout/logprob_mismatch_mean", "max_logprob_mismatch")):
         bound = getattr(cfg.rollout, name)
         if key in metrics and not metrics[key] <= bound:
-            return (
-                f"error: step {step}: {key} = {metrics[key]:.3g} exceeds rollout.{name} = {bound:g}: the "
-                f"engine is not sampling from the trained weights (a failed weight sync); stopped before this "
-                f"step's checkpoint (metrics.jsonl has the step). Try rollout.sleep_level=1 on GPU")
+            return (f"error: step {step}: {key} = {metrics[key]:.3g} exceeds rollout.{name} = "
+                    f"{bound:g}: the engine is not sampling from the trained weights (a failed "
+                    f"weight sync); stopped before this step's checkpoint (metrics.jsonl has the "
+                    f"step). Try rollout.sleep_level=1 on GPU")
     return None
 
 
@@ -166,9 +166,8 @@ def train(run, state):
     cfg, first_step = run.cfg, state.step + 1
     log = runs.MetricsLog(run.out_dir, cfg, run.rank, first_step=first_step)
     stop = runs.StopSignals()
-    progress = tqdm(
-        range(first_step, cfg.train.total_steps + 1), desc="train", disable=run.rank != 0,
-        initial=state.step, total=cfg.train.total_steps)
+    progress = tqdm(range(first_step, cfg.train.total_steps + 1), desc="train",
+                    disable=run.rank != 0, initial=state.step, total=cfg.train.total_steps)
     if run.benchmarks and cfg.eval.before_train and state.step == 0:
         log.write(0, evaluation(run), progress)  # the starting point of every eval curve
     try:
@@ -249,8 +248,7 @@ class TrainerState:
     """What a step reads and writes besides the model and optimizer: saved in every checkpoint."""
 
     step: int = 0  # the last finished step
-    # prompts consumed so far (global): the index into the seeded prompt stream
-    data_position: int = 0
+    data_position: int = 0  # prompts consumed (all ranks): the index into the seeded prompt stream
     nonfinite_in_a_row: int = 0  # consecutive steps whose update was skipped
     zero_signal_in_a_row: int = 0  # consecutive steps without learning signal (zero_signal_guard)
     # [sandbox failures, tool calls] of the last sandbox.window_steps steps (sandbox_guard)
@@ -274,9 +272,8 @@ def start_run(cfg, rank, world, device, lock, export_only=False):
         # Dr.GRPO's constant: the response budget, not each micro-batch's padded width (Eq. 3)
         cfg.loss = dataclasses.replace(cfg.loss, loss_scale_factor=float(cfg.rollout.max_tokens))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    task, benchmarks, engine = None, {}, None
-    if not export_only:
-        task, benchmarks, engine = start_sampling(cfg, tokenizer, rank, lock)
+    task, benchmarks, engine = ((None, {}, None) if export_only
+                                else start_sampling(cfg, tokenizer, rank, lock))
     try:
         # after the engine, whose start reseeds every global RNG (rollout.py)
         torch.manual_seed(cfg.train.seed)
@@ -393,25 +390,25 @@ def load_task(cfg, tokenizer, rank):
                       if cfg.eval.files and cfg.eval.every else {})
     except ValueError as error:
         raise runs.RunError(f"data error: {error}") from None
-    total = stats["num_prompts"]
+    total, truncated, skipped = stats["num_prompts"], stats["num_truncated"], stats["num_skipped"]
     report = (
-        f"{total} training prompts; {stats['num_truncated']} ({stats['num_truncated'] / total:.1%}) cut to "
-        f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} from the left, {stats['num_skipped']} "
-        f"({stats['num_skipped'] / total:.1%}) skipped (data.overflow={cfg.data.overflow})")
+        f"{total} training prompts; {truncated} ({truncated / total:.1%}) cut to "
+        f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} from the left, {skipped} "
+        f"({skipped / total:.1%}) skipped (data.overflow={cfg.data.overflow})")
     if not prompt_ids:
         raise runs.RunError(f"data error: no training prompt is left: {report}")
     if rank == 0:
         print(f"data: {report}", file=sys.stderr)
-    metrics = {"data/prompts": total, "data/truncated_frac": stats["num_truncated"] / total,
-               "data/skipped_frac": stats["num_skipped"] / total}
+    metrics = {"data/prompts": total, "data/truncated_frac": truncated / total,
+               "data/skipped_frac": skipped / total}
     return data.Task(prompt_ids, examples, cfg.train.seed, cfg.data.shuffle, metrics), benchmarks
 
 
 def resume(run, checkpoint):
-    """Model, optimizer, scheduler, the method's states and trainer state from a checkpoint;
-    the engine gets the weights by the step's own sync, probed. With sleep mode the engine sleeps
-    while the checkpoint loads: DCP initialises AdamW's state on zero gradients first (plan.py,
-    "resume")."""
+    """Model, optimizer, scheduler, the method's states and trainer state from a checkpoint, then
+    the weights into the engine (which started from model.path) by a sync with the saved probe. With
+    sleep mode the engine sleeps while the checkpoint loads: DCP initialises AdamW's state on zero
+    gradients first (plan.py, "resume")."""
     cfg = run.cfg
     if cfg.rollout.enable_sleep_mode:
         rollout.release_memory(run.engine, cfg.rollout.sleep_level)
@@ -422,9 +419,8 @@ def resume(run, checkpoint):
     run.scheduler.base_lrs = [cfg.optim.lr] * len(run.optimizer.param_groups)
     factor = learning_rate_lambda(cfg)(run.scheduler.last_epoch)
     for group in run.optimizer.param_groups:
-        group.update(
-            initial_lr=cfg.optim.lr, lr=cfg.optim.lr * factor, betas=tuple(cfg.optim.betas),
-            weight_decay=cfg.optim.weight_decay)
+        group.update(initial_lr=cfg.optim.lr, lr=cfg.optim.lr * factor,
+                     betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
     # each method state takes what it carries from the checkpoint, the rest from this run's config;
     # one the checkpoint's run did not have starts afresh
     for name, method_state in run.states.items():
@@ -434,7 +430,6 @@ def resume(run, checkpoint):
         **{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved})
     if isinstance(state.scaler, dict):
         state.scaler = modeling.LossScaler(**state.scaler)
-    # the engine started from model.path: wake weights, sync, the saved probe, wake the KV cache
     state.probe, checks = rollout.sync_engine(run.engine, run.model, cfg.rollout, [], state.step,
                                               state.probe, first=True)
     error = checks.get("rollout/sync_probe_error")
@@ -454,11 +449,8 @@ def resume(run, checkpoint):
 
 
 def trainer_state(run, state):
-    return {
-        **dataclasses.asdict(state),
-        "scheduler": run.scheduler.state_dict(),
-        **{name: method_state.state_dict() for name, method_state in run.states.items()},
-    }
+    return {**dataclasses.asdict(state), "scheduler": run.scheduler.state_dict(),
+            **{name: method_state.state_dict() for name, method_state in run.states.items()}}
 
 
 def evaluation(run):
