@@ -72,9 +72,8 @@ def load_examples(path, default_data_source: str | None = None,
     extension = path.suffix.lower()
     if extension not in readers:
         raise ValueError(f"{path}: unknown extension {extension!r} (expected .jsonl or .parquet)")
-    fallback_source = default_data_source or path.stem
     examples = [
-        _example_from_row(row, origin, fallback_source, prompt_suffix)
+        _example_from_row(row, origin, default_data_source or path.stem, prompt_suffix)
         for origin, row in readers[extension](path)]
     if not examples:
         raise ValueError(f"{path}: no examples")
@@ -82,7 +81,6 @@ def load_examples(path, default_data_source: str | None = None,
 
 
 def _read_jsonl_rows(path):
-    """Yield (origin, parsed row) for each non-blank line; origin is "path:LINE" (1-based)."""
     data = path.read_bytes()
     try:
         text = data.decode("utf-8-sig")  # -sig: tolerate a byte-order mark some editors write
@@ -105,7 +103,6 @@ def _read_jsonl_rows(path):
 
 
 def _read_parquet_rows(path):
-    """Yield (origin, row dict) for each row; origin is "path row ROW" with 1-based ROW."""
     import pyarrow  # imported here so that JSONL-only users never pay for (or need) pyarrow
     import pyarrow.parquet
 
@@ -123,17 +120,25 @@ def _example_from_row(row, origin, fallback_source, prompt_suffix):
         raise ValueError(f"{origin}: row must be a JSON object, got {type(row).__name__}")
     if "prompt" in row:
         messages = _verl_messages(row["prompt"], origin)
+        reward_model = _required(row, "reward_model", origin)
+        if not isinstance(reward_model, Mapping):
+            raise ValueError(
+                f"{origin}: field 'reward_model' must be an object with a 'ground_truth'")
+        if reward_model.get("ground_truth") is None:
+            raise ValueError(f"{origin}: missing field 'reward_model.ground_truth'")
         ground_truth = _ground_truth(
-            _verl_ground_truth(row, origin), "reward_model.ground_truth", origin)
+            reward_model["ground_truth"], "reward_model.ground_truth", origin)
     elif "problem" in row:
-        problem = _non_empty_string(row["problem"], "problem", origin)
+        problem = _non_empty_string(_required(row, "problem", origin), "problem", origin)
         content = (problem + "\n" + prompt_suffix) if prompt_suffix else problem
         messages = [{"role": "user", "content": content}]
         ground_truth = _ground_truth(_required(row, "answer", origin), "answer", origin)
     else:
         raise ValueError(
             f"{origin}: row has neither 'prompt' (verl format) nor 'problem' (plain format)")
-    return Example(messages, ground_truth, _data_source(row, origin, fallback_source), origin)
+    source = row.get("data_source")  # None: absent, or a null in a Parquet column other rows fill
+    source = fallback_source if source is None else _non_empty_string(source, "data_source", origin)
+    return Example(messages, ground_truth, source, origin)
 
 
 def _verl_messages(prompt, origin):
@@ -144,7 +149,6 @@ def _verl_messages(prompt, origin):
             isinstance(m, Mapping) for m in prompt):
         raise ValueError(
             f"{origin}: field 'prompt' must be a non-empty list of {{role, content}} messages")
-    messages = []
     for index, message in enumerate(prompt, start=1):
         for key in ("role", "content"):
             value = message.get(key)
@@ -153,17 +157,7 @@ def _verl_messages(prompt, origin):
                                  f"'{key}', got {value!r}")
             if not value.strip():
                 raise ValueError(f"{origin}: field 'prompt' message {index} has empty '{key}'")
-        messages.append(dict(message))
-    return messages
-
-
-def _verl_ground_truth(row, origin):
-    reward_model = _required(row, "reward_model", origin)
-    if not isinstance(reward_model, Mapping):
-        raise ValueError(f"{origin}: field 'reward_model' must be an object with a 'ground_truth'")
-    if reward_model.get("ground_truth") is None:
-        raise ValueError(f"{origin}: missing field 'reward_model.ground_truth'")
-    return reward_model["ground_truth"]
+    return [dict(message) for message in prompt]
 
 
 def _ground_truth(value, field, origin):
@@ -187,13 +181,6 @@ def _ground_truth(value, field, origin):
         f"{origin}: field '{field}' must be a string or a number, got {type(value).__name__}")
 
 
-def _data_source(row, origin, fallback_source):
-    value = row.get("data_source")
-    if value is None:  # absent, or a null in a Parquet column that other rows fill
-        return fallback_source
-    return _non_empty_string(value, "data_source", origin)
-
-
 def _required(row, field, origin):
     # A null counts as missing: Parquet stores an absent value as null.
     if row.get(field) is None:
@@ -202,8 +189,6 @@ def _required(row, field, origin):
 
 
 def _non_empty_string(value, field, origin):
-    if value is None:
-        raise ValueError(f"{origin}: missing field '{field}'")
     if not isinstance(value, str):
         raise ValueError(f"{origin}: field '{field}' must be a string, got {type(value).__name__}")
     if not value.strip():
@@ -263,9 +248,8 @@ def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str 
     if (isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int)
             or max_prompt_tokens < 1):
         raise ValueError(f"max_prompt_tokens must be a positive int, got {max_prompt_tokens!r}")
-    prompt_ids, kept, num_prompts, num_truncated, num_skipped = [], [], 0, 0, 0
+    prompt_ids, kept, num_truncated, num_skipped = [], [], 0, 0
     for example in examples:
-        num_prompts += 1
         ids = chat_template_ids(tokenizer, example.messages, tools)
         if len(ids) > max_prompt_tokens:
             if overflow == "error":
@@ -279,8 +263,8 @@ def tokenize_prompts(examples, tokenizer, max_prompt_tokens: int, overflow: str 
         prompt_ids.append(ids)
         kept.append(example)
     lengths = [len(ids) for ids in prompt_ids]
-    stats = {"num_prompts": num_prompts, "num_truncated": num_truncated, "num_skipped": num_skipped,
-             "max_tokens": max(lengths, default=0),
+    stats = {"num_prompts": len(kept) + num_skipped, "num_truncated": num_truncated,
+             "num_skipped": num_skipped, "max_tokens": max(lengths, default=0),
              "mean_tokens": sum(lengths) / len(lengths) if lengths else 0.0}
     return prompt_ids, kept, stats
 

@@ -49,10 +49,7 @@ if triton is not None:
         row_ptr = logits_ptr + row * row_stride
         cols = tl.arange(0, BLOCK_V)
         m = -1e30  # finite, so that the first rescale is 0 * finite
-        s = 0.0
-        t = 0.0
-        u = 0.0
-        w = 0.0
+        s, t, u, w = 0.0, 0.0, 0.0, 0.0
         for start in range(0, vocab_size, BLOCK_V):
             x = tl.load(row_ptr + start + cols, mask=start + cols < vocab_size, other=float("-inf"))
             x = x.to(tl.float32) * inv_temp  # [BLOCK_V]
@@ -117,8 +114,7 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + row * row_stride
         cols = tl.arange(0, BLOCK_V)
-        top = -float("inf")
-        bottom = float("inf")
+        top, bottom = -float("inf"), float("inf")
         for start in range(0, vocab_size, BLOCK_V):
             in_range = start + cols < vocab_size
             x = tl.load(row_ptr + start + cols, mask=in_range, other=0.0).to(tl.float32) * inv_temp

@@ -71,8 +71,7 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if use_flash_varlen(query):
         if gqa and not VARLEN_GQA:  # an older varlen wrapper takes equal head counts only
             groups = query.shape[1] // key.shape[1]
-            key, value = (
-                key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1))
+            key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, H, D], [L, H_kv, D]
         out = varlen_attn(
             q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling,
@@ -144,7 +143,10 @@ def load_shards(model, path):
     lacks."""
     tensors = checkpoint_index(path)
     names = dict(model.named_parameters())  # tied aliases appear once, under their first name
-    names.update((name, b) for name, b in model.named_buffers() if _persistent(model, name))
+    for name, buffer in model.named_buffers():  # the persistent ones: the rest are not on disk
+        module_name, _, buffer_name = name.rpartition(".")
+        if buffer_name not in model.get_submodule(module_name)._non_persistent_buffers_set:
+            names[name] = buffer
     missing = [name for name in names if name not in tensors]
     if missing:
         raise ValueError(f"{path}: the checkpoint has no weights for {', '.join(missing[:5])}"
@@ -173,12 +175,6 @@ def shard_rows(tensor):
     chunk = -(-rows // mesh.size())
     start = min(rows, mesh.get_local_rank() * chunk)
     return start, min(rows, start + chunk)
-
-
-def _persistent(model, name):
-    module_name, _, buffer_name = name.rpartition(".")
-    module = model.get_submodule(module_name) if module_name else model
-    return buffer_name not in module._non_persistent_buffers_set
 
 
 SAFETENSORS_DTYPES = {

@@ -67,9 +67,7 @@ def extract_boxed(text: str) -> str | None:
     """The content of the last \\boxed{...} in text, braces balanced: '\\boxed{\\frac{1}{2}}' ->
     '\\frac{1}{2}'. '\\boxed {x}' also counts. Returns None if there is no \\boxed{, or if the last
     one is never closed."""
-    last_open = None
-    for last_open in _BOXED_OPEN.finditer(text):
-        pass
+    last_open = max(_BOXED_OPEN.finditer(text), key=lambda match: match.start(), default=None)
     if last_open is None:
         return None
     depth = 1
@@ -170,8 +168,7 @@ def _plain_number(text: str) -> Fraction | None:
     if match["decimal"] is not None:
         value = Fraction(match["decimal"])
     else:
-        p, q = ((match["frac_p"], match["frac_q"]) if match["frac_p"]
-                else (match["slash_p"], match["slash_q"]))
+        p, q = match["frac_p"] or match["slash_p"], match["frac_q"] or match["slash_q"]
         if int(q) == 0:
             return None
         value = Fraction(int(p), int(q))
@@ -369,8 +366,7 @@ def compute_rewards(
     and verify_seconds, the wall time of the call). An accuracy is 0.0 or 1.0, the reward Eq. 21;
     response_lengths (token counts) serve the overlong penalty only. Raises ValueError if the lists
     differ in length; never on response content."""
-    sizes = {len(responses), len(ground_truths), len(data_sources), len(response_lengths)}
-    if len(sizes) != 1:
+    if len({len(responses), len(ground_truths), len(data_sources), len(response_lengths)}) != 1:
         raise ValueError(
             f"responses, ground_truths, data_sources and response_lengths differ in length: "
             f"{len(responses)}, {len(ground_truths)}, {len(data_sources)}, {len(response_lengths)}")
@@ -386,10 +382,8 @@ def compute_rewards(
             correct, status = verify_countdown(response, ground_truth)
         else:
             correct, status = verify_math(response, ground_truth, cfg.answer_format, cfg.timeout_s)
-        penalty = 0.0
-        if cfg.overlong_buffer_len > 0:
-            penalty = overlong_penalty(length, cfg.max_response_len, cfg.overlong_buffer_len,
-                                       cfg.overlong_penalty_factor)
+        penalty = 0.0 if cfg.overlong_buffer_len <= 0 else overlong_penalty(
+            length, cfg.max_response_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
         well_formatted = format_ok(response)
         accuracies.append(float(correct))
         rewards.append(float(correct) + penalty + cfg.format_weight * well_formatted)

@@ -117,7 +117,13 @@ def generate_with_tools(engine, tokenizer, prompt_token_ids, seeds, cfg, sandbox
                  for c, completion in zip(active, _sample_turn(engine, active, seeds_now, cfg))]
         _tool_turns([call for call in calls if call is not None], tokenizer, wrapper, cfg,
                     sandbox_cfg)
-    return _tool_rollouts(conversations, tokenizer)
+    shared = ("prompt_index", "token_ids", "logprobs", "tool_mask", "num_turns", "num_calls",
+              "num_errors", "num_timeouts", "num_sandbox_failures", "num_invalid")
+    return ToolRollouts(
+        **{name: [getattr(c, name) for c in conversations] for name in shared},
+        finish_reasons=[c.finish_reason for c in conversations],
+        texts=[c.answer_text for c in conversations], full_texts=[
+            tokenizer.decode(c.token_ids, skip_special_tokens=False) for c in conversations])
 
 
 def _sample_turn(engine, active, seeds, cfg):
@@ -165,8 +171,12 @@ def _tool_turns(calls, tokenizer, wrapper, cfg, sandbox_cfg):
     codes = [code for _, code, _ in calls if code is not None]
     results = iter(sandbox.run_batch(codes, sandbox_cfg) if codes else [])
     for conversation, code, error in calls:
-        result = next(results) if code is not None else None
-        _count_call(conversation, result)
+        result = next(results) if code is not None else None  # None: rejected without running
+        conversation.num_calls += 1
+        conversation.num_invalid += result is None
+        conversation.num_errors += result is None or not result.ok
+        conversation.num_timeouts += result is not None and result.error == "timeout"
+        conversation.num_sandbox_failures += result is not None and result.error == "sandbox"
         content = error if result is None else sandbox.format_result(result)
         ids = tool_turn_ids(tokenizer, content, wrapper, cfg.max_tool_response_tokens)
         room = cfg.max_tokens - len(conversation.token_ids)
@@ -233,12 +243,10 @@ def tool_turn_ids(tokenizer, content, wrapper, max_content_tokens):
     ids = tokenizer.encode(
         content.rstrip("\n"), add_special_tokens=False, split_special_tokens=True)
     if len(ids) > max_content_tokens:
-        keep_tail = max_content_tokens // 2
-        keep_head = max_content_tokens - keep_tail
-        omitted = len(ids) - max_content_tokens
+        keep_tail, omitted = max_content_tokens // 2, len(ids) - max_content_tokens
         marker = tokenizer.encode(
             f"\n[... {omitted} tokens of output omitted ...]\n", add_special_tokens=False)
-        ids = ids[:keep_head] + marker + ids[len(ids) - keep_tail:]
+        ids = ids[:max_content_tokens - keep_tail] + marker + ids[len(ids) - keep_tail:]
     return wrapper[0] + ids + wrapper[1]
 
 
@@ -254,25 +262,6 @@ def _append(conversation, ids, logprobs, tool):
     conversation.token_ids += ids
     conversation.logprobs += logprobs
     conversation.tool_mask += [tool] * len(ids)
-
-
-def _count_call(conversation, result):
-    """Tool statistics of one call; result None: rejected without running."""
-    conversation.num_calls += 1
-    conversation.num_invalid += result is None
-    conversation.num_errors += result is None or not result.ok
-    conversation.num_timeouts += result is not None and result.error == "timeout"
-    conversation.num_sandbox_failures += result is not None and result.error == "sandbox"
-
-
-def _tool_rollouts(conversations, tokenizer):
-    shared_fields = ("prompt_index", "token_ids", "logprobs", "tool_mask", "num_turns", "num_calls",
-                     "num_errors", "num_timeouts", "num_sandbox_failures", "num_invalid")
-    cs = conversations
-    return ToolRollouts(
-        **{name: [getattr(c, name) for c in cs] for name in shared_fields},
-        finish_reasons=[c.finish_reason for c in cs], texts=[c.answer_text for c in cs],
-        full_texts=[tokenizer.decode(c.token_ids, skip_special_tokens=False) for c in cs])
 
 
 def tool_sums(out):
