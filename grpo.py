@@ -212,11 +212,12 @@ def old_policy_pass(model, responses, cfg, device):
         # what the method needs beyond these (baselines.EXTRA_INPUTS) goes to Response.extra
         extra = baselines.old_policy_inputs(cfg.algorithm.method, logits, ids, temperature,
                                             cfg.loss)
+        fields = {"old_logprobs": logprobs, "entropy": entropy, "sensitivity": sensitivity}
         lengths = [len(r.tokens) for r in rows]
-        for key, values in {"old_logprobs": logprobs, "entropy": entropy,
-                            "sensitivity": sensitivity, **extra}.items():
+        for key, values in {**fields, **extra}.items():
             for i, row_values in zip(indices, values.cpu().split(lengths)):
-                (responses[i].extra if key in extra else vars(responses[i]))[key] = row_values
+                target = vars(responses[i]) if key in fields else responses[i].extra
+                target[key] = row_values
 
 
 def update_states(states, responses, device):
