@@ -99,7 +99,9 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, cfg, rank, w
 
     _, failure = _on_every_rank(write, rank)
     if failure is None:
-        hashes, failure = _on_every_rank(lambda: hash_files(partial, rank, world), rank)
+        hashes, failure = _on_every_rank(lambda: {  # {relative path: sha256} of this rank's share
+            name: file_sha256(partial / name)
+            for name in files_of_rank(checkpoint_files(partial), rank, world)}, rank)
     if failure is None:
         every_hash = {name: digest for share in hashes for name, digest in share.items()}
         _, failure = _on_every_rank(
@@ -176,22 +178,12 @@ def checkpoint_files(checkpoint):
 def files_of_rank(names, rank, world):
     """The share of `names` that `rank` hashes: the files it wrote (its shards and RNG file; with
     another world size, those of rank number mod world), and on rank 0 every other file."""
-    def owner(name):
-        match = RANK_FILE.fullmatch(name)
-        return int(match[1]) % world if match else 0
-
-    return [name for name in names if owner(name) == rank]
-
-
-def hash_files(checkpoint, rank=0, world=1):
-    """{relative path: sha256} of this rank's share of a checkpoint's files."""
-    names = files_of_rank(checkpoint_files(checkpoint), rank, world)
-    return {name: file_sha256(Path(checkpoint) / name) for name in names}
+    matches = [(name, RANK_FILE.fullmatch(name)) for name in names]
+    return [name for name, match in matches if (int(match[1]) % world if match else 0) == rank]
 
 
 def write_checksums(checkpoint, hashes):
-    path = Path(checkpoint) / CHECKSUMS
-    with open(path, "w") as f:
+    with open(Path(checkpoint) / CHECKSUMS, "w") as f:
         f.writelines(f"{digest}  {name}\n" for name, digest in sorted(hashes.items()))
         f.flush()
         os.fsync(f.fileno())
@@ -366,15 +358,13 @@ def resume_checkpoint(cfg, check_later=True, rank=0):
     if resume == "auto":
         for candidate in reversed(list_checkpoints(out_dir)):
             try:
-                step = usable_step(candidate, rank)
+                start_step, checkpoint = usable_step(candidate, rank), candidate
+                break
             except RunError as error:
                 unreadable[candidate] = str(error).removeprefix("error: ")
                 if rank == 0:
                     print(f"warning: {unreadable[candidate]}; falling back to the checkpoint "
                           f"before it", file=sys.stderr)
-                continue
-            start_step, checkpoint = step, candidate
-            break
         # a false alarm in every checkpoint (a verifier's bug, a file system's hiccup) must not
         # discard a whole run: nothing has been written or deleted yet
         if unreadable and checkpoint is None and not cfg.train.start_over_if_unusable:
@@ -403,9 +393,8 @@ def agreed_checkpoint(cfg, check_later=True, rank=0):
     """resume_checkpoint's choice, the same on every rank (a collective): RunError in one line
     naming the ranks and what each saw when their views of out_dir/checkpoints differ (a node-local
     out_dir, a stale copy), before the choice's own collectives, or when their choices do."""
-    seen = [p.name for p in list_checkpoints(cfg.train.out_dir)]
     same_on_every_rank(f"different checkpoints in {Path(cfg.train.out_dir) / 'checkpoints'}",
-                       ", ".join(seen) or "none")
+                       ", ".join(p.name for p in list_checkpoints(cfg.train.out_dir)) or "none")
     checkpoint = resume_checkpoint(cfg, check_later, rank)
     chosen = "none (a fresh start)" if checkpoint is None else (
         f"{checkpoint} at step {read_trainer_state(checkpoint)['step']}")
@@ -453,15 +442,14 @@ def export_hf(model, cfg, tokenizer, path, rank):
     import rollout
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    state = {}
-    for name, tensor in rollout.full_parameters(model, getattr(torch, cfg.model.param_dtype)):
-        if rank == 0:
-            state[name] = tensor.cpu()
+    dtype = getattr(torch, cfg.model.param_dtype)
+    state = {name: tensor.cpu() for name, tensor in rollout.full_parameters(model, dtype)
+             if rank == 0}
     if rank == 0:
         with torch.device("meta"):
             fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
         fresh.load_state_dict(state, assign=True)
         fresh.tie_weights()  # assign=True replaced the tied parameters with separate tensors
-        fresh.to(getattr(torch, cfg.model.param_dtype)).save_pretrained(path)
+        fresh.to(dtype).save_pretrained(path)
         tokenizer.save_pretrained(path)
     dist.barrier()

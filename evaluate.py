@@ -92,9 +92,7 @@ def canonical_answer(text: str) -> str | None:
     s = "".join(s.split()).rstrip(".")
     # the verifier's own reader of plain numbers (exact: 0.5 == 1/2)
     value = rewards._plain_number(s)
-    if value is not None:
-        return str(value)
-    return s or None
+    return (s or None) if value is None else str(value)
 
 
 def answer_key(response: str, data_source: str) -> str | None:
@@ -133,9 +131,8 @@ def maj_at_k(keys, correct, k: int) -> float:
     if not 1 <= k <= len(keys):
         raise ValueError(f"need 1 <= k <= {len(keys)}, got k={k}")
     blocks = len(keys) // k
-    votes = (majority_vote(keys[b * k:(b + 1) * k], correct[b * k:(b + 1) * k])
-             for b in range(blocks))
-    return sum(votes) / blocks
+    return sum(majority_vote(keys[b * k:(b + 1) * k], correct[b * k:(b + 1) * k])
+               for b in range(blocks)) / blocks
 
 
 def bootstrap_se(values, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> float:

@@ -60,8 +60,10 @@ full-length sequence, and ctx must not exceed max_position_embeddings.
 """
 
 import dataclasses
+import importlib.metadata
 import json
 import math
+import os
 from pathlib import Path
 
 GIB = 2**30
@@ -125,10 +127,8 @@ class Architecture:
 
     @property
     def layer_parameters(self):  # attention (q, k, v, o), the gated MLP, two norms
-        return (
-            2 * self.hidden * (self.q_dim + self.kv_dim)
-            + 3 * self.hidden * self.intermediate
-            + 2 * self.hidden)
+        return (2 * self.hidden * (self.q_dim + self.kv_dim) + 3 * self.hidden * self.intermediate
+                + 2 * self.hidden)
 
     @property
     def root_parameters(self):
@@ -148,10 +148,9 @@ class Architecture:
         the two norms' outputs, q/k/v before and after rotary (k/v repeated for grouped-query
         attention), the attention output, the MLP's gate, up, activation and product, and the norms'
         float32 statistics."""
-        return (
-            compute_bytes
-            * (5 * self.hidden + 4 * self.q_dim + 3 * self.kv_dim + 4 * self.intermediate)
-            + 8 * self.hidden)
+        return (compute_bytes
+                * (5 * self.hidden + 4 * self.q_dim + 3 * self.kv_dim + 4 * self.intermediate)
+                + 8 * self.hidden)
 
 
 def engine_dtype(cfg, arch):
@@ -192,9 +191,8 @@ def engine_plan(cfg, arch, gpu_gib, world):
     return dict(
         dtype=e_dtype, bytes=engine_bytes, context=context, weights=weights,
         activations=activations, graphs=graphs, total=total, kv_cache=kv_cache,
-        asleep=graphs + 0.25 if cfg.rollout.enable_sleep_mode else total,
-        sequence_gib=sequence_gib, engines=engines,
-        sequences=max(0, math.floor(kv_cache / sequence_gib)) if kv_cache > 0 else 0,
+        asleep=graphs + 0.25 if cfg.rollout.enable_sleep_mode else total, sequence_gib=sequence_gib,
+        engines=engines, sequences=max(0, math.floor(kv_cache / sequence_gib)),
         requests=math.ceil(cfg.algorithm.gen_batch_size / engines) * cfg.rollout.n)
 
 
@@ -416,15 +414,11 @@ def device_problem(cfg, arch, world_size, total_gib, free_gib):
 # The GPU preflight: what this machine lacks for the run, before anything loads
 # --------------------------------------------------------------------------------------------------
 
-REQUIREMENTS = Path(__file__).resolve().parent / "requirements.txt"
 
-
-def pinned_versions(requirements=REQUIREMENTS):
+def pinned_versions():
     """{package: version} of requirements.txt's `name==version` lines, and torch as vLLM pins it."""
-    import importlib.metadata
-
     pins = {}
-    for line in Path(requirements).read_text().splitlines():
+    for line in (Path(__file__).resolve().parent / "requirements.txt").read_text().splitlines():
         name, sep, version = line.split("#")[0].strip().partition("==")
         if sep:
             pins[name.strip().lower()] = version.strip()
@@ -476,8 +470,6 @@ def no_cuda_problem(cfg, cfg_path):
     rollout.kv_cache_gib) or asking for sleep mode (CUDA only in vLLM) -> one line naming why CUDA
     may be missing (a driver too old for PyTorch's build among them: `preflight` never runs here)
     and the overrides that run it on CPU; else None."""
-    import os
-
     import torch
 
     overrides = {"rollout.kv_cache_gib=GIB": cfg.rollout.kv_cache_gib is None,
@@ -501,8 +493,6 @@ def no_cuda_problem(cfg, cfg_path):
 
 def installed_versions():
     """{package: version} of torch, torchaudio and every pinned package that is installed."""
-    import importlib.metadata
-
     installed = {}
     for name in ("torch", "torchaudio", *pinned_versions()):
         try:
