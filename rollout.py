@@ -368,8 +368,9 @@ def shutdown_engine(engine):
     the default process group, and its shutdown destroys it too: call this first, then destroy the
     group only if torch.distributed.is_initialized() still says so (destroying it first makes vLLM's
     shutdown fail)."""
+    # vLLM's shutdown thaws what build_engine froze and collects the garbage itself (twice, a
+    # pass of about a second each over every object of the imports): no third pass here
     engine.llm_engine.engine_core.shutdown()
-    gc.collect()  # vLLM's shutdown thawed what build_engine froze (vllm/v1/engine/core.py)
 
 
 def release_memory(engine, level=2):

@@ -44,7 +44,7 @@ SHARED_FIXTURES = {"every_method", "default_run", "one_rank_gen16", "one_process
                    "engine"}
 
 
-# The modules of the longest tests (runs of train.py, tools' runs, 20-step builds) go first, so
+# The modules of the longest tests (runs of train.py, tools' runs, reduced builds) go first, so
 # that short tests fill the end and the workers finish together (xdist hands out the ungrouped
 # tests in collection order).
 LONG_FIRST = ("test_train.py", "test_repro.py", "test_tiny.py")

@@ -134,6 +134,9 @@ def _serve():
     import runs
     import train  # noqa: F401  (torch, transformers and this repository's modules)
     import vllm.entrypoints.llm  # noqa: F401  (the engine's, imported by rollout.build_engine)
+    import torch.distributed.checkpoint  # noqa: F401  (checkpoints.py's, at the first save)
+    import vllm.model_executor.models.qwen2  # noqa: F401  (the tiny models' architecture)
+    import vllm.v1.worker.cpu_worker  # noqa: F401  (the engine's worker, imported by its start)
 
     set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
     for line in sys.stdin:

@@ -202,24 +202,24 @@ from tools import tiny
 seen = {"threads": torch.get_num_threads(), "kernels": torch.backends.cpu.get_cpu_capability()}
 builds = [tiny.build_tiny, tiny.build_tiny_countdown, tiny.build_tiny_tool][:int(sys.argv[3])]
 for build in builds:
-    summary = build(sys.argv[1], warmup_steps=20)
+    summary = build(sys.argv[1], warmup_steps=5)
     seen[Path(summary["model_dir"]).name] = summary["model_sha256"]
 print(json.dumps(seen))
 """
-# The bytes of 20-step builds under tiny.BUILD_ENV on tiny.REFERENCE_CPU (another CPU builds other
+# The bytes of 5-step builds under tiny.BUILD_ENV on tiny.REFERENCE_CPU (another CPU builds other
 # bytes). A change to the build code changes them: then the committed reference weights
 # (tiny.ASSETS) no longer follow from the code, and must be trained again (`python -m tools.tiny
 # --out runs/ref --tool --countdown --from-scratch --save-assets`, with the new hashes in
 # tiny.REFERENCE_SHA256) before these are updated.
 SHORT_BUILD_SHA256 = {
-    "model": "a9736071eee5672d2ac43a6cfdc230d4f5e07406adcbb7c235d8c0fd3a83e566",
-    "countdown_model": "d46196baf20bf290d6e26af637193dbbb6d25fe8af49ec4dbc16824f3372de03",
-    "tool_model": "4d6c586ea4d52dfcf1e5350eb05101e15f538a0d55b61b2d1259dd9e38ab730b",
+    "model": "a0dee37dd8da74e3314f299982c93db9082dcc251cf43f45f429ed7a2793c89b",
+    "countdown_model": "fd6edfe07f0b88864b60ce18a1aa89ee077a70a99e21ef4307b4c751495cfdf4",
+    "tool_model": "490b62d29965fb86d1fb90f7d22c74b0748063b529a40fa64b9e4641053b50ba",
 }
 
 
 def test_build_is_the_same_bytes_under_other_thread_counts_and_kernels(tmp_path, tiny_dir):
-    """Reduced builds (20 warm-up steps) in two processes: one thread under tiny.BUILD_ENV, all
+    """Reduced builds (5 warm-up steps) in two processes: one thread under tiny.BUILD_ENV, all
     three models; two threads with ATen's generic kernels, the default. The bytes must be the same
     in both, on any CPU; on tiny.REFERENCE_CPU they must also be the pinned ones
     (SHORT_BUILD_SHA256), which another CPU does not build (docs/results.md, "Which model a result
@@ -259,7 +259,7 @@ def test_build_is_the_same_bytes_under_other_thread_counts_and_kernels(tmp_path,
     if tiny.same_cpu(tiny.REFERENCE_CPU):
         assert built == SHORT_BUILD_SHA256
     else:  # a fact about this CPU, not a failure
-        print(f"\n{tiny.describe_cpu(tiny.cpu_identity())}: 20-step builds {built}; the pinned "
+        print(f"\n{tiny.describe_cpu(tiny.cpu_identity())}: 5-step builds {built}; the pinned "
               f"ones are {tiny.describe_cpu(tiny.REFERENCE_CPU)}'s")
     # the obtained default differs from a trained one in its weights only
     tiny.build_tiny_countdown(tiny_dir)

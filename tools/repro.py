@@ -551,7 +551,12 @@ def run_all(jobs, workers):
     todo = [job for job in jobs if not is_complete(*job)]
     if todo:
         progress = tqdm(total=len(todo), desc="runs", unit="run")
-        with multiprocessing.get_context("spawn").Pool(min(workers, len(todo))) as pool:
+        # each worker forked from one server per process that imported the run's modules once
+        # (about 15 s a fresh interpreter would spend on every call); `python -m tools.repro`
+        # runs main from the module by name, so what the jobs pickle resolves in the workers
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["tools.repro", "vllm.entrypoints.llm"])
+        with context.Pool(min(workers, len(todo))) as pool:
             for spec, seconds in pool.imap_unordered(_run_in_worker, todo):
                 progress.set_postfix_str(f"{spec.name} seed {spec.seed}: {seconds:.0f} s")
                 progress.update()
@@ -1026,4 +1031,6 @@ def print_summary(summary):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from tools import repro  # the module by name: forkserver's workers import it, not __main__
+
+    sys.exit(repro.main(sys.argv[1:]))
