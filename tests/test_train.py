@@ -524,7 +524,7 @@ def test_nonfinite_loss_skips_the_step_then_stops_the_run(tiny_dir, tmp_path):
     completed = forked.run(REPO / "tests" / "nan_train.py", ["2,4,5", *train_args(
         tiny_dir, out, "train.total_steps=6", "train.save_every=1", "train.keep_last=10",
         "optim.max_nonfinite_steps=1", "train.micro_token_budget=100000",
-        "rollout.sync_check_every=1")])
+        "rollout.sync_check_every=1", *SMALL_STEPS)])
     assert (out / "metrics.jsonl").exists(), completed.stderr[-4000:]
     # one bad step (2): skipped (no update), counted, and the run goes on
     metrics = read_metrics(out)
@@ -962,7 +962,7 @@ def test_a_resumed_run_continues_every_stateful_methods_state_exactly(method, ti
     # the state carried (EntroPIC: step 1's error in the integral) and every metric of step 2
     # bitwise
     settings = [f"algorithm.method={method}", "train.total_steps=2", "train.save_every=1",
-                "train.keep_last=2", *STATEFUL_SETTINGS[method]]
+                "train.keep_last=2", *STATEFUL_SETTINGS[method], *SMALL_STEPS]
     full = check_finished(run_train(tiny_dir, tmp_path / "full", *settings), tmp_path / "full", 2)
     out = copy_run(tmp_path / "full", tmp_path / "resumed", steps=1)
     resumed = check_finished(run_train(tiny_dir, out, *settings), out, 2)
