@@ -386,7 +386,7 @@ def test_killed_run_resumes_bit_exactly(tiny_dir, tmp_path, request):
         "train.total_steps=4", "train.save_every=2", "train.keep_last=1", "optim.warmup_steps=3",
         "optim.schedule=cosine", "gate.adaptive=true", "gate.alpha=0.1",
         "rollout.sync_check_every=2", f"eval.files=[{tiny_dir / 'data' / 'sum_test.jsonl'}]",
-        "eval.n=2", "eval.every=2"]
+        "eval.n=2", "eval.every=2", *SMALL_STEPS]
     full = check_finished(
         run_train(tiny_dir, tmp_path / "full", *steps, nproc=2), tmp_path / "full", 4)
 
