@@ -552,8 +552,9 @@ def run_all(jobs, workers):
     if todo:
         progress = tqdm(total=len(todo), desc="runs", unit="run")
         # each worker forked from one server per process that imported the run's modules once
-        # (about 15 s a fresh interpreter would spend on every call); `python -m tools.repro`
-        # runs main from the module by name, so what the jobs pickle resolves in the workers
+        # (about 15 s a fresh interpreter would spend on every call), with the environment of the
+        # server's start; `python -m tools.repro` runs main from the module by name, so what the
+        # jobs pickle resolves in the workers
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["tools.repro", "vllm.entrypoints.llm"])
         with context.Pool(min(workers, len(todo))) as pool:
