@@ -136,7 +136,8 @@ def _serve():
     import vllm.entrypoints.llm  # noqa: F401  (the engine's, imported by rollout.build_engine)
     import torch.distributed.checkpoint  # noqa: F401  (checkpoints.py's, at the first save)
     import vllm.model_executor.models.qwen2  # noqa: F401  (the tiny models' architecture)
-    import vllm.v1.worker.cpu_worker  # noqa: F401  (the engine's worker, imported by its start)
+    # not vLLM's CPU worker: importing it patches torch (CUDA events and streams, pin_memory),
+    # which a run must see only once its engine starts, as in a fresh interpreter
 
     set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
     for line in sys.stdin:

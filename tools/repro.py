@@ -556,7 +556,7 @@ def run_all(jobs, workers):
         # server's start; `python -m tools.repro` runs main from the module by name, so what the
         # jobs pickle resolves in the workers
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["tools.repro", "vllm.entrypoints.llm"])
+        context.set_forkserver_preload(["tools.repro"])  # a run samples in-process, no vLLM
         with context.Pool(min(workers, len(todo))) as pool:
             for spec, seconds in pool.imap_unordered(_run_in_worker, todo):
                 progress.set_postfix_str(f"{spec.name} seed {spec.seed}: {seconds:.0f} s")
